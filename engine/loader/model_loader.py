@@ -1,0 +1,33 @@
+"""From a path to a runnable model: read the checkpoint, then repack it for the device."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from tandem.engine.config import ModelConfig
+from tandem.engine.loader.checkpoint import load_checkpoint
+from tandem.engine.models import LlamaModel, build_model
+from tandem.engine.tokenizer import Tokenizer
+
+
+@dataclass
+class LoadedModel:
+    model: LlamaModel
+    tokenizer: Tokenizer
+    config: ModelConfig
+    source: Path
+    load_seconds: float
+
+
+def load_model(path: str | Path | None = None, *, dtype: torch.dtype = torch.float32,
+               device: torch.device | str = "cpu", progress: bool = True) -> LoadedModel:
+    """Loads weights and tokenizer from `path` (None: the embedded model). Raises ModelLoadError on bad input."""
+    start = time.perf_counter()
+    checkpoint = load_checkpoint(path, progress=progress)
+    model = build_model(checkpoint.config, checkpoint.weights, dtype=dtype, device=device)
+    return LoadedModel(model=model, tokenizer=checkpoint.tokenizer, config=checkpoint.config,
+                       source=checkpoint.source, load_seconds=time.perf_counter() - start)
