@@ -1,0 +1,92 @@
+"""The `tandem` command line. Each subcommand parses its flags once, then calls into the layer that owns it."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Sequence
+
+from tandem.engine.errors import TandemError
+
+
+def _add_generate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="run the model in this process on one prompt",
+                       description="Generate text in one process. Streams text, or prints one JSON object (--json).")
+    p.add_argument("--model", default=None,
+                   help="Hugging Face folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--prompt", help="raw prompt text, tokenized as is")
+    what.add_argument("--chat", help="a user message; the model's chat template is applied")
+    p.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most (default 128)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default 0)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0, help="0 disables top-k")
+    p.add_argument("--seed", type=int, default=None, help="seed for sampling (same seed, same output)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object: text, token_ids, prompt_token_ids, finish_reason, timings")
+    p.set_defaults(func=_generate)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    import torch
+
+    from tandem.engine.generator import Generator
+    from tandem.engine.loader import load_model
+    from tandem.engine.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    loaded = load_model(args.model, dtype=getattr(torch, args.dtype), progress=sys.stderr.isatty())
+    generator = Generator(loaded)
+    tokenizer = loaded.tokenizer
+    if args.chat is not None:
+        prompt_ids = tokenizer.encode_chat([{"role": "user", "content": args.chat}])
+    else:
+        prompt_ids = tokenizer.encode(args.prompt)
+    if args.json:
+        result = generator.generate(prompt_ids, params)
+        t = result.timings
+        print(json.dumps({
+            "text": result.text,
+            "token_ids": result.token_ids,
+            "prompt_token_ids": result.prompt_token_ids,
+            "finish_reason": result.finish_reason,
+            "timings": {"load_s": t.load, "ttft_s": t.ttft, "per_token_s": t.per_token,
+                        "decode_tokens_per_s": 1 / t.per_token if t.per_token else None},
+        }, ensure_ascii=False))
+        return 0
+    for step in generator.stream(prompt_ids, params):
+        sys.stdout.write(step.text)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    t = generator.last_timings
+    rate = f"{1 / t.per_token:.1f} tok/s" if t.per_token else "n/a"
+    print(f"[load {t.load:.2f}s, TTFT {t.ttft * 1000:.0f} ms, decode {rate}]", file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tandem", description="tandem: a disaggregated LLM serving cluster")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_generate(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (TandemError, ValueError) as e:
+        print(f"tandem: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,39 @@
+"""Shared fixtures: the embedded model (ours and the transformers reference), loaded once per session."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+# Two cores on CI: one process, two threads.
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+@pytest.fixture(scope="session")
+def embedded():
+    from tandem.engine.loader import load_model
+
+    return load_model(progress=False)
+
+
+@pytest.fixture(scope="session")
+def embedded_generator(embedded):
+    from tandem.engine.generator import Generator
+
+    return Generator(embedded, max_model_len=2048)
+
+
+@pytest.fixture(scope="session")
+def hf_embedded():
+    """transformers' own GGUF loader on the same file, dequantized to float32: the reference."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tandem.engine.loader import default_model_path
+
+    path = default_model_path()
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    model.eval()
+    return model, tokenizer

@@ -1,0 +1,45 @@
+"""Tiny random Hugging Face checkpoints written by the tests themselves (config.json + sharded safetensors)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+TINY = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5, initializer_range=0.2)
+
+CONFIGS = {
+    "llama3": ("LlamaConfig", "LlamaForCausalLM", dict(
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
+    "llama2_linear_rope_tied": ("LlamaConfig", "LlamaForCausalLM", dict(
+        tie_word_embeddings=True, num_key_value_heads=1,
+        rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0})),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(rope_parameters={"rope_type": "default",
+                                                                         "rope_theta": 1000000.0})),
+    "mistral_sliding_window": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=24, head_dim=32)),
+}
+
+
+def write_tiny_model(folder: Path, kind: str, tokenizer) -> Path:
+    """Saves a random model of `kind` (a key of CONFIGS) with the given tandem Tokenizer's vocabulary."""
+    import transformers
+
+    config_cls, model_cls, extra = CONFIGS[kind]
+    config = getattr(transformers, config_cls)(**(TINY | extra | {"vocab_size": tokenizer.vocab_size,
+                                                                   "bos_token_id": 1, "eos_token_id": 2}))
+    torch.manual_seed(0)
+    model = getattr(transformers, model_cls)(config).eval()
+    if kind == "qwen2":  # zero-initialised biases would let a missing bias go unnoticed
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.5)
+    model.save_pretrained(folder, max_shard_size="1MB", safe_serialization=True)
+    tokenizer.backend.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "chat_template": tokenizer.chat_template, "bos_token": tokenizer.bos_token, "eos_token": tokenizer.eos_token,
+    }))
+    return folder
