@@ -1,0 +1,77 @@
+"""`tandem generate`: the --json contract later tooling relies on, streaming, sampling flags and bad flags."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tandem.cluster.cli import main
+from tandem.engine.sampling_params import SamplingParams
+
+CONTRACT_KEYS = {"text", "token_ids", "prompt_token_ids", "finish_reason", "timings"}
+
+
+def _run_json(capsys, *args: str) -> dict:
+    assert main(["generate", "--json", *args]) == 0
+    out = capsys.readouterr().out
+    lines = out.strip().splitlines()
+    assert len(lines) == 1, "--json must print exactly one line on stdout"
+    return json.loads(lines[0])
+
+
+def test_json_contract_matches_the_engine(capsys, embedded, embedded_generator):
+    result = _run_json(capsys, "--chat", "Name three colors.", "--max-tokens", "12")
+    assert set(result) == CONTRACT_KEYS
+    assert set(result["timings"]) >= {"load_s", "ttft_s", "per_token_s"}
+    assert result["timings"]["load_s"] > 0 and result["timings"]["ttft_s"] > 0
+    ids = embedded.tokenizer.encode_chat([{"role": "user", "content": "Name three colors."}])
+    assert result["prompt_token_ids"] == ids
+    expected = embedded_generator.generate(ids, SamplingParams(max_tokens=12, temperature=0))
+    assert result["token_ids"] == expected.token_ids
+    assert result["text"] == expected.text == embedded.tokenizer.decode(expected.token_ids)
+    assert result["finish_reason"] in ("stop", "length")
+    if result["finish_reason"] == "length":
+        assert len(result["token_ids"]) == 12
+
+
+def test_seeded_sampling_is_reproducible_and_differs_from_greedy(capsys):
+    args = ("--prompt", "Once upon a time", "--max-tokens", "16", "--temperature", "1.2", "--top-p", "0.95",
+            "--top-k", "50")
+    a = _run_json(capsys, *args, "--seed", "7")
+    b = _run_json(capsys, *args, "--seed", "7")
+    c = _run_json(capsys, *args, "--seed", "8")
+    greedy = _run_json(capsys, "--prompt", "Once upon a time", "--max-tokens", "16")
+    assert a["token_ids"] == b["token_ids"]
+    assert a["token_ids"] != c["token_ids"] or a["token_ids"] != greedy["token_ids"]
+
+
+def test_streaming_prints_the_same_text(capsys, embedded, embedded_generator):
+    assert main(["generate", "--prompt", "The capital of Italy is", "--max-tokens", "8"]) == 0
+    out = capsys.readouterr().out
+    ids = embedded.tokenizer.encode("The capital of Italy is")
+    expected = embedded_generator.generate(ids, SamplingParams(max_tokens=8, temperature=0))
+    assert out == expected.text + "\n"
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--prompt", "x", "--top-p", "0"], "top_p must be in"),
+    (["--prompt", "x", "--max-tokens", "0"], "max_tokens must be at least 1"),
+    (["--prompt", "x", "--temperature", "-1"], "temperature must be >= 0"),
+    (["--prompt", "x", "--max-tokens", "9000"], "exceeds the context length 8192"),
+    (["--prompt", ""], "the prompt is empty"),
+])
+def test_bad_flags_exit_2_with_a_message(capsys, flags, message):
+    assert main(["generate", *flags]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_console_script_streams(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "tandem.cluster.cli", "generate", "--chat", "Say hello.",
+                           "--max-tokens", "6"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip()
+    assert "TTFT" in proc.stderr
