@@ -39,18 +39,6 @@ def read_bandwidth(threads: int, gib: float = 1.0, repeats: int = 5) -> float:
     return x.numel() * 4 / best
 
 
-def weight_bytes_per_token(model) -> int:
-    """Bytes one batch-1 decode step reads: every layer matrix and norm, the final norm and the LM head."""
-    total = 0
-    for layer in model.layers:
-        for t in (layer.input_norm, layer.post_norm, layer.qkv, layer.qkv_bias, layer.o, layer.o_bias,
-                  layer.gate_up, layer.gate_up_bias, layer.down, layer.down_bias):
-            if t is not None:
-                total += t.numel() * t.element_size()
-    head = model.embed if model.lm_head_t is None else model.lm_head_t
-    return total + head.numel() * head.element_size() + model.norm.numel() * model.norm.element_size()
-
-
 def decode_rate(run, prompts, tokens: int) -> float:
     """Decode tokens/s from two timed runs per prompt: (tokens - 1) / (time(tokens) - time(1)).
     Subtracting the 1-token run removes prefill and per-request set-up from both systems alike."""
@@ -126,7 +114,7 @@ def main() -> None:
         dtype = getattr(torch, name)
         loaded, generator, run = tandem_runner(dtype)
         prompts = [loaded.tokenizer.encode_chat(p) for p in PROMPTS]
-        per_token = weight_bytes_per_token(loaded.model)
+        per_token = loaded.model.weight_bytes_per_token()
         roofline = bandwidth / per_token
         tandem_tps = decode_rate(run, prompts, args.tokens)
         hf_tps = decode_rate(transformers_runner(dtype), prompts, args.tokens)

@@ -1,8 +1,8 @@
 """The Llama family (Llama 2/3, Mistral, Qwen2, SmolLM2): GQA/MQA, RMSNorm, SwiGLU, RoPE, optional biases.
 
 Weights arrive as a Hugging Face-named state dict (both loaders produce one) and are repacked for fast batch-1
-decode: Q/K/V fused into one matrix and gate/up into another, all stored transposed ([in, out]) so a decode step
-streams each matrix once in memory order.
+decode: Q/K/V fused into one projection and gate/up into another, each in the layout `Linear` picks for the
+device and dtype.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from tandem.engine.attention import AttentionMetadata, TorchAttentionBackend
 from tandem.engine.config import ModelConfig
 from tandem.engine.errors import ModelLoadError
 from tandem.engine.kv_cache import PagedKVCache
+from tandem.engine.models.linear import Linear
 from tandem.engine.models.rope import RotaryEmbedding
 
 
@@ -69,19 +70,11 @@ def check_weights(config: ModelConfig, weights: dict[str, torch.Tensor], source:
 class _Layer:
     input_norm: torch.Tensor
     post_norm: torch.Tensor
-    qkv: torch.Tensor  # [hidden, q + 2 kv]
-    qkv_bias: torch.Tensor | None
-    o: torch.Tensor  # [q, hidden]
-    o_bias: torch.Tensor | None
-    gate_up: torch.Tensor  # [hidden, 2 * intermediate]
-    gate_up_bias: torch.Tensor | None
-    down: torch.Tensor  # [intermediate, hidden]
-    down_bias: torch.Tensor | None
+    qkv: Linear  # [hidden] -> [q + 2 kv]
+    o: Linear
+    gate_up: Linear  # [hidden] -> [2 * intermediate]
+    down: Linear
     window: int | None
-
-
-def _linear(x: torch.Tensor, w_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return torch.addmm(bias, x, w_t) if bias is not None else x @ w_t
 
 
 class LlamaModel:
@@ -100,14 +93,11 @@ class LlamaModel:
         def take(name: str) -> torch.Tensor:
             return weights.pop(name).to(device=self.device, dtype=dtype)
 
-        def take_opt(name: str) -> torch.Tensor | None:
-            return take(name) if name in weights else None
-
-        def fuse_t(*names: str) -> torch.Tensor:
-            return torch.cat([weights.pop(n).to(dtype) for n in names], dim=0).t().contiguous().to(self.device)
-
-        def fuse_bias(*names: str) -> torch.Tensor | None:
-            return torch.cat([take(n) for n in names]) if names[0] in weights else None
+        def linear(*names: str) -> Linear:
+            """One projection from the concatenated [out, in] weights (and biases, if present) of `names`."""
+            weight = torch.cat([weights.pop(f"{n}.weight") for n in names])
+            biases = [weights.pop(f"{n}.bias") for n in names if f"{n}.bias" in weights]
+            return Linear(weight, torch.cat(biases) if biases else None, dtype=dtype, device=self.device)
 
         self.layers: list[_Layer] = []
         for n in range(config.num_layers):
@@ -116,26 +106,38 @@ class LlamaModel:
             self.layers.append(_Layer(
                 input_norm=take(p + "input_layernorm.weight"),
                 post_norm=take(p + "post_attention_layernorm.weight"),
-                qkv_bias=fuse_bias(a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"),
-                qkv=fuse_t(a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"),
-                o_bias=take_opt(a + "o_proj.bias"),
-                o=fuse_t(a + "o_proj.weight"),
-                gate_up_bias=fuse_bias(m + "gate_proj.bias", m + "up_proj.bias"),
-                gate_up=fuse_t(m + "gate_proj.weight", m + "up_proj.weight"),
-                down_bias=take_opt(m + "down_proj.bias"),
-                down=fuse_t(m + "down_proj.weight"),
+                qkv=linear(a + "q_proj", a + "k_proj", a + "v_proj"),
+                o=linear(a + "o_proj"),
+                gate_up=linear(m + "gate_proj", m + "up_proj"),
+                down=linear(m + "down_proj"),
                 window=config.sliding_windows[n],
             ))
-        self.embed = take("model.embed_tokens.weight")
         self.norm = take("model.norm.weight")
-        # Tied heads reuse the embedding ([vocab, hidden]); untied ones are stored transposed like every matrix.
-        self.lm_head_t = None if config.tie_word_embeddings else fuse_t("lm_head.weight")
+        if config.tie_word_embeddings:
+            # The head gets its own copy in the product layout; the embedding stays [vocab, hidden] for lookups.
+            self.embed = take("model.embed_tokens.weight")
+            self.lm_head = Linear(self.embed, None, dtype=dtype, device=self.device)
+        else:
+            self.embed = take("model.embed_tokens.weight")
+            self.lm_head = linear("lm_head")
         positions = max_positions or config.max_position_embeddings
         self.rope = RotaryEmbedding(config.rope, config.head_dim, positions, dtype, self.device)
 
+    def weight_bytes_per_token(self) -> int:
+        """Bytes a batch-1 decode step reads: every projection, every norm and the LM head (the embedding
+        lookup reads one row, which is negligible)."""
+        total = self.lm_head.nbytes + self.norm.numel() * self.norm.element_size()
+        for layer in self.layers:
+            total += sum(lin.nbytes for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))
+            total += (layer.input_norm.numel() + layer.post_norm.numel()) * layer.input_norm.element_size()
+        return total
+
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.config.rms_norm_eps)
-        return weight * normed.to(self.dtype)
+        eps = self.config.rms_norm_eps
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), weight, eps)
+        # Lower precision: normalize in float32, round, then scale (the reference's order of operations).
+        return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -148,29 +150,28 @@ class LlamaModel:
         if int(positions.max()) >= self.rope.max_positions:
             raise ValueError(f"position {int(positions.max())} is beyond the model's {self.rope.max_positions}")
         t = input_ids.shape[0]
+        heads = cfg.num_heads + cfg.num_kv_heads
+        cos, sin = self.rope.lookup(positions)
         h = self.embed[input_ids]
         for index, layer in enumerate(self.layers):
             x = self._norm(h, layer.input_norm)
-            qkv = _linear(x, layer.qkv, layer.qkv_bias)
-            q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-            q = q.view(t, cfg.num_heads, cfg.head_dim)
-            k = k.view(t, cfg.num_kv_heads, cfg.head_dim)
-            v = v.reshape(t, cfg.num_kv_heads, cfg.head_dim)
-            q, k = self.rope(positions, q, k)
+            qkv = layer.qkv(x)
+            # Q and K sit side by side in the fused output: rotate them in one pass.
+            qk = self.rope.rotate(qkv[:, : cfg.q_size + cfg.kv_size].view(t, heads, cfg.head_dim), cos, sin)
+            q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
+            v = qkv[:, cfg.q_size + cfg.kv_size :].reshape(t, cfg.num_kv_heads, cfg.head_dim)
             k_cache, v_cache = kv_cache.layer(index)
             attn = self.attention.forward(q, k, v, k_cache, v_cache, meta, self.scale, layer.window)
-            h = h + _linear(attn, layer.o, layer.o_bias)
+            h = h + layer.o(attn)
             x = self._norm(h, layer.post_norm)
-            gate, up = _linear(x, layer.gate_up, layer.gate_up_bias).chunk(2, dim=-1)
-            h = h + _linear(F.silu(gate) * up, layer.down, layer.down_bias)
+            gate, up = layer.gate_up(x).chunk(2, dim=-1)
+            h = h + layer.down(F.silu(gate) * up)
         return self._norm(h, self.norm)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] (already normed) -> float32 logits [N, vocab]."""
-        if self.lm_head_t is None:
-            return F.linear(hidden, self.embed).float()
-        return (hidden @ self.lm_head_t).float()
+        return self.lm_head(hidden).float()
 
 
 def build_model(config: ModelConfig, weights: dict[str, torch.Tensor], **kwargs) -> LlamaModel:
