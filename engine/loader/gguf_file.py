@@ -19,6 +19,7 @@ from tandem.engine.config import ModelConfig, RopeConfig
 from tandem.engine.errors import ModelLoadError, UnsupportedModelError
 from tandem.engine.loader.checkpoint import Checkpoint
 from tandem.engine.loader.progress import progress_bar
+from tandem.engine.models.int4 import Int4Weight
 from tandem.engine.tokenizer.gguf_vocab import tokenizer_from_gguf
 
 # GGUF general.architecture -> (HF architecture, Q/K rows permuted by llama.cpp's converter)
@@ -126,7 +127,31 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def load_gguf(path: Path, *, progress: bool = True) -> Checkpoint:
+# Block layouts of the 4-bit types that can stay packed: header bytes (fp16 d [, fp16 m]) then 16 code bytes.
+_Q4_HEADER = {GGMLQuantizationType.Q4_0: 2, GGMLQuantizationType.Q4_1: 4}
+
+
+def _unpack_q4(data: np.ndarray, qtype: GGMLQuantizationType, rows: int) -> Int4Weight:
+    """Raw Q4_0/Q4_1 bytes [rows, row_bytes] -> codes and per-block scale/offset (w = d * code + m)."""
+    header = _Q4_HEADER[qtype]
+    blocks = np.ascontiguousarray(data).reshape(rows, -1, header + 16)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) if header == 4 else -8.0 * d
+    qs = blocks[..., header:]
+    # Low nibbles are a block's first 16 weights, high nibbles its last 16.
+    codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(rows, -1)
+    return Int4Weight(torch.from_numpy(codes), torch.from_numpy(d), torch.from_numpy(m))
+
+
+def _permute_rows(weight: torch.Tensor | Int4Weight, n_head: int) -> torch.Tensor | Int4Weight:
+    if isinstance(weight, Int4Weight):
+        return Int4Weight(*(torch.from_numpy(_unpermute(t.numpy(), n_head)) for t in
+                            (weight.codes, weight.scale, weight.offset)))
+    return torch.from_numpy(_unpermute(weight.numpy(), n_head))
+
+
+def load_gguf(path: Path, *, progress: bool = True, packed: bool = False) -> Checkpoint:
+    """packed: keep Q4_0/Q4_1 projection weights as Int4Weight (4-bit codes) instead of dequantizing them."""
     reader = _open(path)
     meta = _metadata(reader, path)
     names = {t.name for t in reader.tensors}
@@ -138,18 +163,22 @@ def load_gguf(path: Path, *, progress: bool = True) -> Checkpoint:
         hf = _hf_name(t.name)
         if hf is None:
             continue
-        try:
-            qtype = GGMLQuantizationType(t.tensor_type)
-            array = dequantize(t.data, qtype).astype(np.float32, copy=False)
-        except (NotImplementedError, ValueError, KeyError) as e:
-            raise UnsupportedModelError(f"{path}: tensor {t.name!r} of type {t.tensor_type!r} cannot be "
-                                        f"dequantized by the gguf package ({e})") from None
-        array = array.reshape(tuple(int(d) for d in reversed(t.shape)))
+        qtype = GGMLQuantizationType(t.tensor_type)
+        shape = tuple(int(d) for d in reversed(t.shape))
+        if packed and qtype in _Q4_HEADER and hf.endswith("_proj.weight"):
+            weight: torch.Tensor | Int4Weight = _unpack_q4(t.data, qtype, shape[0])
+        else:
+            try:
+                array = dequantize(t.data, qtype).astype(np.float32, copy=False).reshape(shape)
+            except (NotImplementedError, ValueError, KeyError) as e:
+                raise UnsupportedModelError(f"{path}: tensor {t.name!r} of type {qtype.name} cannot be "
+                                            f"dequantized by the gguf package ({e})") from None
+            if not array.flags.writeable:  # F32 tensors come straight from the read-only memory map
+                array = array.copy()
+            weight = torch.from_numpy(np.ascontiguousarray(array))
         if permuted and hf.endswith(("q_proj.weight", "q_proj.bias")):
-            array = _unpermute(array, config.num_heads)
+            weight = _permute_rows(weight, config.num_heads)
         elif permuted and hf.endswith(("k_proj.weight", "k_proj.bias")):
-            array = _unpermute(array, config.num_kv_heads)
-        if not array.flags.writeable:  # F32 tensors come straight from the read-only memory map
-            array = array.copy()
-        weights[hf] = torch.from_numpy(np.ascontiguousarray(array))
+            weight = _permute_rows(weight, config.num_kv_heads)
+        weights[hf] = weight
     return Checkpoint(config=config, weights=weights, tokenizer=tokenizer, source=path)

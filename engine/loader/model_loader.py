@@ -24,10 +24,13 @@ class LoadedModel:
 
 
 def load_model(path: str | Path | None = None, *, dtype: torch.dtype = torch.float32,
-               device: torch.device | str = "cpu", progress: bool = True) -> LoadedModel:
-    """Loads weights and tokenizer from `path` (None: the embedded model). Raises ModelLoadError on bad input."""
+               device: torch.device | str = "cpu", progress: bool = True, packed: bool = False) -> LoadedModel:
+    """Loads weights and tokenizer from `path` (None: the embedded model). Raises ModelLoadError on bad input.
+
+    packed: run a GGUF file's Q4_0/Q4_1 projections on the packed 4-bit kernel (needs dtype=torch.bfloat16).
+    """
     start = time.perf_counter()
-    checkpoint = load_checkpoint(path, progress=progress)
+    checkpoint = load_checkpoint(path, progress=progress, packed=packed)
     model = build_model(checkpoint.config, checkpoint.weights, dtype=dtype, device=device)
     return LoadedModel(model=model, tokenizer=checkpoint.tokenizer, config=checkpoint.config,
                        source=checkpoint.source, load_seconds=time.perf_counter() - start)

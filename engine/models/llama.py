@@ -16,6 +16,7 @@ from tandem.engine.attention import AttentionMetadata, TorchAttentionBackend
 from tandem.engine.config import ModelConfig
 from tandem.engine.errors import ModelLoadError
 from tandem.engine.kv_cache import PagedKVCache
+from tandem.engine.models.int4 import Int4Linear, Int4Weight
 from tandem.engine.models.linear import Linear
 from tandem.engine.models.rope import RotaryEmbedding
 
@@ -52,7 +53,7 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def check_weights(config: ModelConfig, weights: dict[str, torch.Tensor], source: str) -> None:
+def check_weights(config: ModelConfig, weights: dict[str, torch.Tensor | Int4Weight], source: str) -> None:
     """Raises ModelLoadError naming the first missing tensor or the first whose shape disagrees with the config."""
     for name, shape in expected_shapes(config).items():
         if name not in weights:
@@ -70,19 +71,21 @@ def check_weights(config: ModelConfig, weights: dict[str, torch.Tensor], source:
 class _Layer:
     input_norm: torch.Tensor
     post_norm: torch.Tensor
-    qkv: Linear  # [hidden] -> [q + 2 kv]
-    o: Linear
-    gate_up: Linear  # [hidden] -> [2 * intermediate]
-    down: Linear
+    qkv: Linear | Int4Linear  # [hidden] -> [q + 2 kv]
+    o: Linear | Int4Linear
+    gate_up: Linear | Int4Linear  # [hidden] -> [2 * intermediate]
+    down: Linear | Int4Linear
     window: int | None
 
 
 class LlamaModel:
     """A decoder whose attention reads and writes K/V through block tables into a PagedKVCache."""
 
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], *, dtype: torch.dtype = torch.float32,
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor | Int4Weight], *, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu", max_positions: int | None = None):
-        """Consumes `weights` (entries are popped to keep peak memory low). Raises ModelLoadError on bad shapes."""
+        """Consumes `weights` (entries are popped to keep peak memory low). Int4Weight entries stay packed when
+        every part of a fused projection is packed. Raises ModelLoadError on bad shapes, ValueError if packed
+        weights are combined with a dtype other than bfloat16."""
         check_weights(config, weights, "weights")
         self.config = config
         self.dtype = dtype
@@ -93,11 +96,19 @@ class LlamaModel:
         def take(name: str) -> torch.Tensor:
             return weights.pop(name).to(device=self.device, dtype=dtype)
 
-        def linear(*names: str) -> Linear:
+        packed = [n for n, w in weights.items() if isinstance(w, Int4Weight)]
+        if packed and dtype != torch.bfloat16:
+            raise ValueError(f"packed 4-bit weights compute in bfloat16, but dtype {dtype} was asked for")
+
+        def linear(*names: str) -> Linear | Int4Linear:
             """One projection from the concatenated [out, in] weights (and biases, if present) of `names`."""
-            weight = torch.cat([weights.pop(f"{n}.weight") for n in names])
+            parts = [weights.pop(f"{n}.weight") for n in names]
             biases = [weights.pop(f"{n}.bias") for n in names if f"{n}.bias" in weights]
-            return Linear(weight, torch.cat(biases) if biases else None, dtype=dtype, device=self.device)
+            bias = torch.cat(biases) if biases else None
+            if all(isinstance(p, Int4Weight) for p in parts):
+                return Int4Linear(Int4Weight.cat(parts), bias, device=self.device)
+            dense = [p.dequantize() if isinstance(p, Int4Weight) else p for p in parts]
+            return Linear(torch.cat(dense), bias, dtype=dtype, device=self.device)
 
         self.layers: list[_Layer] = []
         for n in range(config.num_layers):

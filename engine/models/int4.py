@@ -1,0 +1,80 @@
+"""4-bit weights kept packed: GGUF Q4_0/Q4_1 blocks run on torch's int4 CPU kernel instead of being expanded.
+
+A Q4_0/Q4_1 block holds 32 weights of one row as 4-bit codes c with one scale d and one offset m (Q4_0:
+m = -8d), w = d * c + m. torch's kernel computes w = (c - 8) * scale + zero for groups of 32 along the input
+dimension, so the block maps exactly with scale = d and zero = m + 8d. The kernel computes in bfloat16 and
+reads about 0.6 bytes per weight instead of 2 (bfloat16) or 4 (float32).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+GROUP = 32  # weights per GGUF Q4 block, and the kernel's group size
+_ROW_MULTIPLE = 16  # the packing kernel needs the output dimension to be a multiple of 16
+
+
+@dataclass
+class Int4Weight:
+    """codes: uint8 [out, in] in 0..15; scale, offset: float32 [out, in / GROUP]; w = scale * code + offset."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    offset: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.codes.shape)
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 [out, in]."""
+        scale = self.scale.repeat_interleave(GROUP, dim=1)
+        offset = self.offset.repeat_interleave(GROUP, dim=1)
+        return self.codes.to(torch.float32) * scale + offset
+
+    @staticmethod
+    def cat(parts: list[Int4Weight]) -> Int4Weight:
+        """Stacks weights along the output dimension (fusing Q/K/V or gate/up)."""
+        return Int4Weight(torch.cat([p.codes for p in parts]), torch.cat([p.scale for p in parts]),
+                          torch.cat([p.offset for p in parts]))
+
+
+def int4_supported(device: torch.device) -> bool:
+    return device.type == "cpu" and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
+
+
+class Int4Linear:
+    """y = x @ w.T + bias for bfloat16 x [M, in], with w held packed (see the module docstring)."""
+
+    def __init__(self, weight: Int4Weight, bias: torch.Tensor | None, *, device: torch.device):
+        if not int4_supported(device):
+            raise ValueError("packed 4-bit weights run on the CPU only (torch's int4 CPU kernel)")
+        out_features, in_features = weight.shape
+        if in_features % GROUP:
+            raise ValueError(f"packed 4-bit weights need in_features divisible by {GROUP}, got {in_features}")
+        self.out_features, self.in_features = out_features, in_features
+        rows = -(-out_features // _ROW_MULTIPLE) * _ROW_MULTIPLE
+        codes, scale, zero = weight.codes.to(torch.int32), weight.scale, weight.offset + 8 * weight.scale
+        if rows != out_features:  # zero rows produce zero outputs, sliced off in __call__
+            pad = rows - out_features
+            codes = torch.cat([codes, codes.new_zeros(pad, in_features)])
+            scale = torch.cat([scale, scale.new_zeros(pad, scale.shape[1])])
+            zero = torch.cat([zero, zero.new_zeros(pad, zero.shape[1])])
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 1)
+        # [in / GROUP, out, 2]: (scale, zero) per group and output row.
+        self.scales_zeros = torch.stack([scale.t(), zero.t()], dim=-1).to(torch.bfloat16).contiguous()
+        self.bias = None if bias is None else bias.to(torch.bfloat16)
+
+    @property
+    def nbytes(self) -> int:
+        total = self.packed.numel() * self.packed.element_size()
+        total += self.scales_zeros.numel() * self.scales_zeros.element_size()
+        return total + (0 if self.bias is None else self.bias.numel() * self.bias.element_size())
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scales_zeros)
+        if out.shape[1] != self.out_features:
+            out = out[:, : self.out_features]
+        return out if self.bias is None else out + self.bias
