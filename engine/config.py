@@ -72,8 +72,11 @@ class ModelConfig:
             raise UnsupportedModelError(
                 f"rope scaling {self.rope.rope_type!r} is not supported; supported: {', '.join(ROPE_TYPES)}"
             )
-        if len(self.sliding_windows) != self.num_layers:
+        if not self.sliding_windows:
             object.__setattr__(self, "sliding_windows", (None,) * self.num_layers)
+        elif len(self.sliding_windows) != self.num_layers:
+            raise ModelLoadError(f"model config: {len(self.sliding_windows)} sliding-window entries (layer_types) "
+                                 f"for {self.num_layers} layers")
 
     @property
     def q_size(self) -> int:

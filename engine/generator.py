@@ -69,7 +69,7 @@ class Generator:
         if not prompt_ids:
             raise ValueError("the prompt is empty")
         vocab = self.loaded.config.vocab_size
-        if bad := next((t for t in prompt_ids if not 0 <= t < vocab), None):
+        if (bad := next((t for t in prompt_ids if not 0 <= t < vocab), None)) is not None:
             raise ValueError(f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
         if len(prompt_ids) + params.max_tokens > self.max_model_len:
             raise RequestTooLongError(
