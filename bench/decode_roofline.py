@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import sys
 import time
 
@@ -33,7 +34,7 @@ PROMPTS = [
 ]
 
 
-def read_bandwidth(threads: int, gib: float = 1.0, repeats: int = 5) -> float:
+def read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
     """Bytes/s of a streaming read (sum of a tensor far larger than the caches), best of `repeats`."""
     x = torch.ones(int(gib * (1 << 30)) // 4, dtype=torch.float32)
     best = float("inf")
@@ -47,7 +48,7 @@ def read_bandwidth(threads: int, gib: float = 1.0, repeats: int = 5) -> float:
 def decode_rate(run, prompts, tokens: int) -> float:
     """Decode tokens/s from two timed runs per prompt: (tokens - 1) / (time(tokens) - time(1)).
     Subtracting the 1-token run removes prefill and per-request set-up from both systems alike."""
-    run(prompts[0], 2)  # warm-up
+    run(max(prompts, key=len), tokens)  # warm-up: touches every KV page and weight page a timed run will
     full = one = 0.0
     for ids in prompts:
         start = time.perf_counter()
@@ -131,42 +132,48 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, from: {', '.join(MODES)}")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved measurement rounds (median is reported)")
     parser.add_argument("--profile", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    bandwidth = read_bandwidth(args.threads)
-    print(f"read bandwidth: {bandwidth / 1e9:.1f} GB/s", file=sys.stderr)
-    results = {"machine": _machine(), "threads": args.threads,
-               "tokens": args.tokens, "prompts": len(PROMPTS), "read_bandwidth_gbps": bandwidth / 1e9, "runs": {}}
+    results = {"machine": _machine(), "threads": args.threads, "tokens": args.tokens, "prompts": len(PROMPTS),
+               "rounds": args.rounds, "runs": {}}
     peers: dict[torch.dtype, tuple] = {}
     for name in args.modes.split(","):
         load_args, peer_dtype = MODES[name]
         loaded, generator, run = tandem_runner(load_args)
         prompts = [loaded.tokenizer.encode_chat(p) for p in PROMPTS]
         per_token = loaded.model.weight_bytes_per_token()
-        tandem_tps = decode_rate(run, prompts, args.tokens)
         if peer_dtype not in peers:
-            hf_run, hf_bytes = transformers_runner(peer_dtype)
-            peers[peer_dtype] = (decode_rate(hf_run, prompts, args.tokens), hf_bytes)
-            del hf_run
-        hf_tps, hf_bytes = peers[peer_dtype]
+            peers[peer_dtype] = transformers_runner(peer_dtype)
+        hf_run, hf_bytes = peers[peer_dtype]
+        # This machine's speed drifts (shared host): interleave the two systems and the bandwidth probe, and
+        # report medians over rounds, so a ratio compares measurements taken seconds apart.
+        rounds = [(read_bandwidth(gib=0.5, repeats=3), decode_rate(run, prompts, args.tokens),
+                   decode_rate(hf_run, prompts, args.tokens)) for _ in range(args.rounds)]
+        bw = statistics.median(r[0] for r in rounds)
+        tandem_tps = statistics.median(r[1] for r in rounds)
+        hf_tps = statistics.median(r[2] for r in rounds)
         run_result = {
+            "read_bandwidth_gbps": bw / 1e9,
             "tandem_weight_bytes_per_token": per_token,
-            "tandem_roofline_tokens_per_s": bandwidth / per_token,
+            "tandem_roofline_tokens_per_s": bw / per_token,
             "tandem_tokens_per_s": tandem_tps,
-            "tandem_roofline_fraction": tandem_tps * per_token / bandwidth,
+            "tandem_roofline_fraction": statistics.median(r[1] * per_token / r[0] for r in rounds),
             "transformers_dtype": str(peer_dtype).removeprefix("torch."),
             "transformers_weight_bytes_per_token": hf_bytes,
             "transformers_tokens_per_s": hf_tps,
-            "transformers_roofline_fraction": hf_tps * hf_bytes / bandwidth,
-            "speedup_vs_transformers": tandem_tps / hf_tps,
+            "transformers_roofline_fraction": statistics.median(r[2] * hf_bytes / r[0] for r in rounds),
+            "speedup_vs_transformers": statistics.median(r[1] / r[2] for r in rounds),
+            "speedup_per_round": [r[1] / r[2] for r in rounds],
         }
         results["runs"][name] = run_result
         print(f"{name}: tandem {tandem_tps:.1f} tok/s ({per_token / 1e6:.0f} MB/token, "
               f"{100 * run_result['tandem_roofline_fraction']:.0f}% of roofline); transformers {peer_dtype} "
               f"{hf_tps:.1f} tok/s ({hf_bytes / 1e6:.0f} MB/token); speed-up "
-              f"{run_result['speedup_vs_transformers']:.2f}x", file=sys.stderr)
+              f"{run_result['speedup_vs_transformers']:.2f}x (rounds: "
+              f"{', '.join(f'{x:.2f}' for x in run_result['speedup_per_round'])})", file=sys.stderr)
         if args.profile:
             print(profile_tandem(generator, prompts[0], 16), file=sys.stderr)
         del loaded, generator, run

@@ -58,19 +58,12 @@ def write_tiny_gguf(path: Path) -> Path:
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_rope_freq_base(10000.0)
     writer.add_vocab_size(config.vocab_size)
+    adders = {"tokenizer.ggml.tokens": writer.add_token_list, "tokenizer.ggml.token_type": writer.add_token_types,
+              "tokenizer.ggml.merges": writer.add_token_merges, "tokenizer.ggml.model": writer.add_tokenizer_model,
+              "tokenizer.ggml.pre": writer.add_tokenizer_pre, "tokenizer.chat_template": writer.add_chat_template}
     for key, value in fields.items():
-        if key == "tokenizer.ggml.tokens":
-            writer.add_token_list(value)
-        elif key == "tokenizer.ggml.token_type":
-            writer.add_token_types(value)
-        elif key == "tokenizer.ggml.merges":
-            writer.add_token_merges(value)
-        elif key == "tokenizer.ggml.model":
-            writer.add_tokenizer_model(value)
-        elif key == "tokenizer.ggml.pre":
-            writer.add_tokenizer_pre(value)
-        elif key == "tokenizer.chat_template":
-            writer.add_chat_template(value)
+        if key in adders:
+            adders[key](value)
         elif key.endswith("_token_id"):
             writer.add_uint32(key, int(value))
         elif isinstance(value, bool):
