@@ -6,7 +6,7 @@ from functools import lru_cache
 from typing import Any, Mapping
 
 import tokenizers
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 
 from tandem.engine.errors import UnsupportedModelError
 from tandem.engine.tokenizer.tokenizer import Tokenizer
@@ -42,19 +42,8 @@ def _byte_alphabet() -> dict[int, str]:
     return {b: chr(c) for b, c in zip(printable, chars)}
 
 
-def tokenizer_from_gguf(meta: Mapping[str, Any]) -> Tokenizer:
-    """meta: GGUF key -> value. Supports byte-level BPE vocabularies (`tokenizer.ggml.model == "gpt2"`).
-
-    Raises UnsupportedModelError for other tokenizer models (SentencePiece GGUFs: use the HF folder instead).
-    """
-    kind = meta.get("tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise UnsupportedModelError(
-            f"GGUF tokenizer model {kind!r} is not supported (only byte-level BPE, 'gpt2'); "
-            "load the model from its Hugging Face folder instead"
-        )
-    tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
-    types: list[int] = list(meta.get("tokenizer.ggml.token_type") or [1] * len(tokens))
+def _byte_level_backend(meta: Mapping[str, Any], tokens: list[str]) -> tuple[tokenizers.Tokenizer, dict[str, int]]:
+    """GPT-2 style byte-level BPE from the file's vocabulary and merges."""
     alphabet = set(_byte_alphabet().values())
     spell = _byte_alphabet()
     vocab = {
@@ -72,9 +61,64 @@ def tokenizer_from_gguf(meta: Mapping[str, Any]) -> Tokenizer:
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ])
     backend.decoder = decoders.ByteLevel()
-    # A control token spelled outside the byte alphabet is a llama.cpp mislabel; adding it would grow the vocab.
-    backend.add_special_tokens([AddedToken(t, normalized=False, special=True)
-                                for t, ty in zip(tokens, types) if ty == _CONTROL and set(t) <= alphabet])
+    return backend, vocab
+
+
+def _merges_from_scores(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
+    """SentencePiece files carry scores, not merges: every split of a token into two vocabulary pieces is a
+    merge, ranked by the merged token's score (best first), ties broken towards longer left pieces."""
+    vocab = {t: i for i, t in enumerate(tokens)}
+    merges = []
+    for token, score in zip(tokens, scores):
+        pairs = [(token[:i], token[i:]) for i in range(1, len(token)) if token[:i] in vocab and token[i:] in vocab]
+        pairs.sort(key=lambda p: (vocab[p[0]], vocab[p[1]]))
+        merges.extend((left, right, score) for left, right in pairs)
+    merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    return [(left, right) for left, right, _ in merges]
+
+
+def _sentencepiece_backend(meta: Mapping[str, Any], tokens: list[str]) -> tuple[tokenizers.Tokenizer, dict[str, int]]:
+    """SentencePiece BPE (Llama 2, Mistral): Metaspace, byte fallback, merges recovered from the scores."""
+    scores = list(meta.get("tokenizer.ggml.scores") or [])
+    if len(scores) != len(tokens):
+        raise UnsupportedModelError("GGUF SentencePiece vocabulary has no scores for its tokens")
+    vocab = {t: i for i, t in enumerate(tokens)}
+    unk_id = meta.get("tokenizer.ggml.unknown_token_id")
+    unk = tokens[unk_id] if unk_id is not None and 0 <= unk_id < len(tokens) else None
+    backend = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=_merges_from_scores(tokens, scores),
+                                              unk_token=unk, fuse_unk=True, byte_fallback=True))
+    prefix = meta.get("tokenizer.ggml.add_space_prefix", True)
+    # SentencePiece always adds its dummy prefix, even before a leading space ("  a" -> "\u2581\u2581\u2581a").
+    # A normalizer does the same; the Metaspace pre-tokenizer skips it when the text starts with a space.
+    replace = normalizers.Replace(" ", "\u2581")
+    backend.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), replace]) if prefix else replace
+    steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if prefix:
+        steps.append(decoders.Strip(content=" ", left=1, right=0))
+    backend.decoder = decoders.Sequence(steps)
+    return backend, vocab
+
+
+_BUILDERS = {"gpt2": _byte_level_backend, "llama": _sentencepiece_backend}
+
+
+def tokenizer_from_gguf(meta: Mapping[str, Any]) -> Tokenizer:
+    """meta: GGUF key -> value. Supports byte-level BPE (`tokenizer.ggml.model == "gpt2"`: Llama 3, Qwen2,
+    SmolLM2) and SentencePiece BPE (`"llama"`: Llama 2, Mistral). Raises UnsupportedModelError otherwise."""
+    kind = meta.get("tokenizer.ggml.model")
+    if kind not in _BUILDERS:
+        raise UnsupportedModelError(
+            f"GGUF tokenizer model {kind!r} is not supported (supported: {', '.join(_BUILDERS)}); "
+            "load the model from its Hugging Face folder instead"
+        )
+    tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
+    types: list[int] = list(meta.get("tokenizer.ggml.token_type") or [1] * len(tokens))
+    backend, vocab = _BUILDERS[kind](meta, tokens)
+    # In a byte-level vocabulary a control token spelled outside the byte alphabet is a llama.cpp mislabel;
+    # adding it would grow the vocabulary past the model's.
+    alphabet = set(_byte_alphabet().values()) if kind == "gpt2" else None
+    backend.add_special_tokens([AddedToken(t, normalized=False, special=True) for t, ty in zip(tokens, types)
+                                if ty == _CONTROL and (alphabet is None or set(t) <= alphabet)])
     backend.add_tokens([AddedToken(t, normalized=False, special=False)
                         for t, ty in zip(tokens, types) if ty == _USER_DEFINED])
 
@@ -83,7 +127,7 @@ def tokenizer_from_gguf(meta: Mapping[str, Any]) -> Tokenizer:
         return tokens[index] if index is not None and 0 <= index < len(tokens) else None
 
     bos, eos = token("tokenizer.ggml.bos_token_id"), token("tokenizer.ggml.eos_token_id")
-    if meta.get("tokenizer.ggml.add_bos_token") and bos is not None:
+    if meta.get("tokenizer.ggml.add_bos_token", kind == "llama") and bos is not None:
         backend.post_processor = processors.TemplateProcessing(
             single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, vocab[bos])])
     eos_ids = [meta["tokenizer.ggml.eos_token_id"]] if "tokenizer.ggml.eos_token_id" in meta else []
