@@ -37,6 +37,6 @@ class PagedKVCache:
             dtype=spec.dtype, device=device,
         )
 
-    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(k_cache, v_cache) views of one layer, each [num_blocks, block_size, num_kv_heads, head_dim]."""
-        return self.data[index, 0], self.data[index, 1]
+    def layer(self, index: int) -> torch.Tensor:
+        """One layer's cache, a view [2, num_blocks, block_size, num_kv_heads, head_dim]: K at 0, V at 1."""
+        return self.data[index]

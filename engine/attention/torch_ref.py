@@ -14,25 +14,23 @@ from tandem.engine.attention.metadata import AttentionMetadata
 class TorchAttentionBackend:
     """Stateless; one instance serves every layer."""
 
-    def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 meta: AttentionMetadata) -> None:
-        """Stores new K/V ([T, Hk, D]) into the caches ([num_blocks, block_size, Hk, D]) at meta.slot_mapping."""
-        hk, d = k.shape[1], k.shape[2]
-        k_cache.view(-1, hk, d).index_copy_(0, meta.slot_mapping, k)
-        v_cache.view(-1, hk, d).index_copy_(0, meta.slot_mapping, v)
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor, meta: AttentionMetadata) -> None:
+        """Stores new K/V ([T, Hk, D]) into one layer's cache kv ([2, num_blocks, block_size, Hk, D], K at 0 and
+        V at 1) at meta.slot_mapping, in one copy."""
+        kv.view(2, -1, k.shape[1], k.shape[2]).index_copy_(1, meta.slot_mapping, torch.stack((k, v)))
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                window: int | None = None) -> torch.Tensor:
-        """q: [T, Hq, D]; k, v: [T, Hk, D] for the new tokens. Writes k/v to the cache, returns [T, Hq * D]."""
-        self.write_kv(k, v, k_cache, v_cache, meta)
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor,
+                meta: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
+        """q: [T, Hq, D]; k, v: [T, Hk, D] for the new tokens; kv: the layer's cache (see write_kv).
+        Writes k/v to the cache and returns the attention output [T, Hq * D]."""
+        self.write_kv(k, v, kv, meta)
         if meta.is_decode_only:
-            out = self._decode(q, k_cache, v_cache, meta, scale, window)
+            out = self._decode(q, kv, meta, scale, window)
         else:
-            out = self._mixed(q, k, v, k_cache, v_cache, meta, scale, window)
+            out = self._mixed(q, k, v, kv, meta, scale, window)
         return out.reshape(q.shape[0], -1)
 
-    def _decode(self, q, k_cache, v_cache, meta, scale, window):
+    def _decode(self, q, kv, meta, scale, window):
         """One new token per sequence: gather each sequence's blocks into a padded batch.
 
         With one query per sequence, grouped-query attention is ordinary attention in which each KV head's
@@ -43,9 +41,9 @@ class TorchAttentionBackend:
         max_len = max(meta.seq_lens)
         nblocks = -(-max_len // bs)
         tables = meta.block_tables[:, :nblocks]
-        b, hk, d = meta.num_seqs, k_cache.shape[2], k_cache.shape[3]
-        keys = k_cache[tables].reshape(b, nblocks * bs, hk, d)[:, :max_len].transpose(1, 2)
-        values = v_cache[tables].reshape(b, nblocks * bs, hk, d)[:, :max_len].transpose(1, 2)
+        b, hk, d = meta.num_seqs, kv.shape[3], kv.shape[4]
+        context = kv[:, tables].reshape(2, b, nblocks * bs, hk, d)[:, :, :max_len].transpose(2, 3)
+        keys, values = context[0], context[1]
         mask = None
         if b > 1 or window is not None:
             kpos = torch.arange(max_len, device=q.device)
@@ -58,7 +56,7 @@ class TorchAttentionBackend:
         out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask, scale=scale)
         return out.reshape(b, q.shape[1], d)
 
-    def _mixed(self, q, k, v, k_cache, v_cache, meta, scale, window):
+    def _mixed(self, q, k, v, kv, meta, scale, window):
         """Prefill chunks (and decodes mixed with them): one attention call per sequence."""
         bs = meta.block_size
         hk, d = k.shape[1], k.shape[2]
@@ -70,8 +68,7 @@ class TorchAttentionBackend:
                 keys, values = k[start:end], v[start:end]
             else:
                 table = meta.block_tables[i, : -(-total // bs)]
-                keys = k_cache[table].reshape(-1, hk, d)[:total]
-                values = v_cache[table].reshape(-1, hk, d)[:total]
+                keys, values = kv[:, table].reshape(2, -1, hk, d)[:, :total]
             mask = None
             causal = qlen > 1
             if qlen != total or window is not None:

@@ -36,19 +36,18 @@ def test_mixed_batch_matches_dense(window):
     for n in lengths:
         tables.append(perm[start:start + -(-n // BS)])
         start += len(tables[-1])
-    k_cache = torch.zeros(NUM_BLOCKS, BS, HK, D)
-    v_cache = torch.zeros_like(k_cache)
+    kv = torch.zeros(2, NUM_BLOCKS, BS, HK, D)
     backend = TorchAttentionBackend()
     # Write the cached prefixes first, as earlier steps would have.
     pre = AttentionMetadata.build([c for c in cached if c], [0 for c in cached if c],
                                   [t for t, c in zip(tables, cached) if c], BS, torch.device("cpu"))
     backend.write_kv(torch.cat([f[1][:c] for f, c in zip(full, cached) if c]),
-                     torch.cat([f[2][:c] for f, c in zip(full, cached) if c]), k_cache, v_cache, pre)
+                     torch.cat([f[2][:c] for f, c in zip(full, cached) if c]), kv, pre)
     meta = AttentionMetadata.build([n - c for n, c in zip(lengths, cached)], cached, tables, BS, torch.device("cpu"))
     q = torch.cat([f[0][c:] for f, c in zip(full, cached)])
     k = torch.cat([f[1][c:] for f, c in zip(full, cached)])
     v = torch.cat([f[2][c:] for f, c in zip(full, cached)])
-    out = backend.forward(q, k, v, k_cache, v_cache, meta, scale=D**-0.5, window=window)
+    out = backend.forward(q, k, v, kv, meta, scale=D**-0.5, window=window)
     expected = torch.cat([_dense(*f, window=window)[c:] for f, c in zip(full, cached)])
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
@@ -60,19 +59,17 @@ def test_batched_decode_matches_dense(window):
     full = [(torch.randn(n, HQ, D, generator=g), torch.randn(n, HK, D, generator=g), torch.randn(n, HK, D, generator=g))
             for n in lengths]
     tables = [[8 * i + j for j in range(-(-n // BS))][::-1] for i, n in enumerate(lengths)]  # reversed order
-    k_cache = torch.zeros(NUM_BLOCKS, BS, HK, D)
-    v_cache = torch.zeros_like(k_cache)
+    kv = torch.zeros(2, NUM_BLOCKS, BS, HK, D)
     backend = TorchAttentionBackend()
     prior = [n - 1 for n in lengths]
     idx = [i for i, p in enumerate(prior) if p]
     pre = AttentionMetadata.build([prior[i] for i in idx], [0] * len(idx), [tables[i] for i in idx], BS,
                                   torch.device("cpu"))
-    backend.write_kv(torch.cat([full[i][1][:-1] for i in idx]), torch.cat([full[i][2][:-1] for i in idx]),
-                     k_cache, v_cache, pre)
+    backend.write_kv(torch.cat([full[i][1][:-1] for i in idx]), torch.cat([full[i][2][:-1] for i in idx]), kv, pre)
     meta = AttentionMetadata.build([1] * len(lengths), prior, tables, BS, torch.device("cpu"))
     assert meta.is_decode_only
     out = backend.forward(torch.cat([f[0][-1:] for f in full]), torch.cat([f[1][-1:] for f in full]),
-                          torch.cat([f[2][-1:] for f in full]), k_cache, v_cache, meta, D**-0.5, window)
+                          torch.cat([f[2][-1:] for f in full]), kv, meta, D**-0.5, window)
     expected = torch.cat([_dense(*f, window=window)[-1:] for f in full])
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
