@@ -50,12 +50,16 @@ def _generate(args: argparse.Namespace) -> int:
     if packed and dtype != "bfloat16":
         raise ValueError("--weights packed computes in bfloat16; drop --dtype or pass --dtype bfloat16")
     loaded = load_model(args.model, dtype=getattr(torch, dtype), progress=sys.stderr.isatty(), packed=packed)
-    generator = Generator(loaded)
     tokenizer = loaded.tokenizer
     if args.chat is not None:
         prompt_ids = tokenizer.encode_chat([{"role": "user", "content": args.chat}])
     else:
         prompt_ids = tokenizer.encode(args.prompt)
+    # KV for this one request only (a 128k-context model would otherwise reserve its whole context). A request
+    # longer than the model's context is still rejected by the generator with the model's limit in the message.
+    needed = len(prompt_ids) + params.max_tokens
+    context = loaded.config.max_position_embeddings
+    generator = Generator(loaded, max_model_len=needed if needed <= context else context)
     if args.json:
         result = generator.generate(prompt_ids, params)
         t = result.timings
