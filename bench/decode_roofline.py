@@ -2,15 +2,15 @@
 
 A batch-1 decode step must read every weight once, so tokens/s can never beat
     read bandwidth / weight bytes read per token.
-This script measures, in one run: the machine's read bandwidth (a large torch reduction), tandem's and
-transformers' decode tokens/s on the same prompts (greedy, fixed length), and reports each one's fraction of
-the roofline and tandem's speed-up over transformers. With --profile it also prints where tandem's time goes.
+This script measures, in interleaved rounds of one run: the machine's read bandwidth (a large torch reduction),
+tandem's and transformers' decode tokens/s on the same prompts (greedy, fixed length); it reports medians,
+each system's fraction of the roofline and tandem's speed-up over transformers. With --profile it also prints where tandem's time goes.
 
     .venv/bin/python bench/decode_roofline.py [--tokens 64] [--threads 2] [--modes float32,bfloat16,packed-int4]
 
 Modes: float32 and bfloat16 expand every weight (the peer is transformers in the same dtype); packed-int4
-keeps the GGUF's Q4_1 weights 4-bit (bfloat16 compute; the peer is transformers in bfloat16, which keeps a
-GGUF's quantized weights packed too).
+keeps the GGUF's Q4_1 weights 4-bit (bfloat16 compute; the peer is transformers in bfloat16, which expands
+them: its bytes per token are counted from its own tensors).
 
 The last line of output is one JSON object with every number.
 """

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Mapping
 
 from tandem.engine.errors import ModelLoadError, UnsupportedModelError
@@ -85,6 +87,16 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+
+def read_json_file(path: Path) -> dict[str, Any]:
+    """A model folder's JSON file ({} if absent). Raises ModelLoadError naming the file if it does not parse."""
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ModelLoadError(f"{path}: not valid JSON: {e}") from None
 
 
 def _rope_from_hf(cfg: Mapping[str, Any]) -> RopeConfig:

@@ -2,30 +2,22 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
 
-from tandem.engine.config import model_config_from_hf
+from tandem.engine.config import model_config_from_hf, read_json_file
 from tandem.engine.errors import ModelLoadError
 from tandem.engine.loader.checkpoint import Checkpoint
 from tandem.engine.loader.progress import progress_bar
 from tandem.engine.tokenizer import Tokenizer
 
 
-def _read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ModelLoadError(f"{path}: not valid JSON: {e}") from None
-
-
 def _shard_files(folder: Path) -> list[Path]:
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        names = sorted(set(_read_json(index).get("weight_map", {}).values()))
+        names = sorted(set(read_json_file(index).get("weight_map", {}).values()))
         missing = [n for n in names if not (folder / n).is_file()]
         if missing:
             raise ModelLoadError(f"{folder}: shard {missing[0]!r} listed in {index.name} is missing")
@@ -40,9 +32,9 @@ def load_hf_folder(folder: Path, *, progress: bool = True) -> Checkpoint:
     config_path = folder / "config.json"
     if not config_path.is_file():
         raise ModelLoadError(f"{folder}: config.json is missing; is this a Hugging Face model folder?")
-    raw = _read_json(config_path)
+    raw = read_json_file(config_path)
     generation = folder / "generation_config.json"
-    if generation.is_file() and "eos_token_id" in (gen := _read_json(generation)):
+    if generation.is_file() and "eos_token_id" in (gen := read_json_file(generation)):
         raw = raw | {"eos_token_id": gen["eos_token_id"]}
     config = model_config_from_hf(raw)
     tokenizer = Tokenizer.from_folder(folder, eos_token_ids=config.eos_token_ids)

@@ -11,7 +11,6 @@ import torch
 from tandem.engine.config import ModelConfig
 from tandem.engine.loader.checkpoint import load_checkpoint
 from tandem.engine.models import LlamaModel, build_model
-from tandem.engine.models.llama import check_weights
 from tandem.engine.tokenizer import Tokenizer
 
 
@@ -32,7 +31,7 @@ def load_model(path: str | Path | None = None, *, dtype: torch.dtype = torch.flo
     """
     start = time.perf_counter()
     checkpoint = load_checkpoint(path, progress=progress, packed=packed)
-    check_weights(checkpoint.config, checkpoint.weights, str(checkpoint.source))  # errors name the file
-    model = build_model(checkpoint.config, checkpoint.weights, dtype=dtype, device=device)
+    model = build_model(checkpoint.config, checkpoint.weights, dtype=dtype, device=device,
+                        source=str(checkpoint.source))
     return LoadedModel(model=model, tokenizer=checkpoint.tokenizer, config=checkpoint.config,
                        source=checkpoint.source, load_seconds=time.perf_counter() - start)

@@ -82,11 +82,11 @@ class LlamaModel:
     """A decoder whose attention reads and writes K/V through block tables into a PagedKVCache."""
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor | Int4Weight], *, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu", max_positions: int | None = None):
+                 device: torch.device | str = "cpu", max_positions: int | None = None, source: str = "weights"):
         """Consumes `weights` (entries are popped to keep peak memory low). Int4Weight entries stay packed when
         every part of a fused projection is packed. Raises ModelLoadError on bad shapes, ValueError if packed
         weights are combined with a dtype other than bfloat16."""
-        check_weights(config, weights, "weights")
+        check_weights(config, weights, source)  # source names the checkpoint in errors
         self.config = config
         self.dtype = dtype
         self.device = torch.device(device)

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import tokenizers
 from tokenizers.decoders import DecodeStream
 
+from tandem.engine.config import read_json_file
 from tandem.engine.errors import ModelLoadError
 from tandem.engine.tokenizer.chat_template import ChatTemplateError, render_chat
 
@@ -76,7 +76,7 @@ class Tokenizer:
             backend = tokenizers.Tokenizer.from_file(str(path))
         except Exception as e:  # the Rust side raises bare Exceptions with its parse message
             raise ModelLoadError(f"{path}: cannot be read as a tokenizer: {e}") from None
-        config = _read_json(folder / "tokenizer_config.json")
+        config = read_json_file(folder / "tokenizer_config.json")
         template = config.get("chat_template")
         if isinstance(template, list):  # named templates: use "default"
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
@@ -91,15 +91,6 @@ def _token_text(value: Any) -> str | None:
     if isinstance(value, Mapping):
         return value.get("content")
     return value
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        return {}
-    try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ModelLoadError(f"{path}: not valid JSON: {e}") from None
 
 
 __all__ = ["ChatTemplateError", "IncrementalDetokenizer", "Tokenizer"]
