@@ -1,11 +1,13 @@
-"""Single-process generation of one request at a time: the path behind `tandem generate`.
+"""One request at a time on the engine, as an iterator: the path behind `tandem generate`.
 
-Flow of one request: allocate KV blocks for prompt + max_tokens, prefill the prompt in one chunk, then decode
-one token per step, streaming text deltas; blocks are returned when the stream ends for any reason.
+The Generator owns an LLMEngine sized for one request (KV for max_model_len tokens, no prefix cache), adds the
+request, steps until it finishes and yields one GenerationStep per token, with timings. Leaving the iteration
+early aborts the request, so its blocks are back in the pool at once.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
@@ -13,22 +15,19 @@ from typing import Iterator, Sequence
 import torch
 
 from tandem.engine.block_pool import BlockPool
-from tandem.engine.errors import TandemError
-from tandem.engine.kv_cache import KVCacheSpec, PagedKVCache
+from tandem.engine.engine_config import EngineConfig
+from tandem.engine.llm_engine import LLMEngine, RequestRejectedError
 from tandem.engine.loader import LoadedModel
-from tandem.engine.model_runner import ModelRunner, SequenceChunk
-from tandem.engine.sampler import make_generator, sample
+from tandem.engine.model_runner import SequenceChunk
 from tandem.engine.sampling_params import SamplingParams
 
-
-class RequestTooLongError(TandemError, ValueError):
-    """prompt + max_tokens exceeds the context the generator was built for."""
+__all__ = ["GenerationResult", "GenerationStep", "Generator", "RequestRejectedError", "Timings"]
 
 
 @dataclass(frozen=True)
 class GenerationStep:
     token_id: int
-    text: str  # the text this token completes ('' while a multi-byte character is partial)
+    text: str  # the text this token completes ('' while a character or a possible stop string is incomplete)
     finish_reason: str | None  # "stop" | "length" on the last step, else None
 
 
@@ -55,58 +54,43 @@ class Generator:
     def __init__(self, loaded: LoadedModel, *, block_size: int = 16, max_model_len: int | None = None):
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
-        config = loaded.config
-        self.max_model_len = min(max_model_len or config.max_position_embeddings, config.max_position_embeddings)
-        num_blocks = -(-self.max_model_len // block_size)
-        spec = KVCacheSpec(config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim,
-                           loaded.model.dtype)
-        self.block_pool = BlockPool(num_blocks)
-        self.runner = ModelRunner(loaded.model, PagedKVCache(spec, loaded.model.device))
-        self.block_size = block_size
+        context = loaded.config.max_position_embeddings
+        self.max_model_len = min(max_model_len or context, context)
+        self.engine = LLMEngine(loaded, EngineConfig(
+            block_size=block_size, num_kv_blocks=-(-self.max_model_len // block_size),
+            max_model_len=self.max_model_len, max_num_batched_tokens=self.max_model_len, max_num_seqs=1,
+            enable_prefix_caching=False))
+        self.runner = self.engine.runner
         self.last_timings = Timings(load=loaded.load_seconds)
+        self._ids = itertools.count()
 
-    def _check_fits(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
-        if not prompt_ids:
-            raise ValueError("the prompt is empty")
-        vocab = self.loaded.config.vocab_size
-        if (bad := next((t for t in prompt_ids if not 0 <= t < vocab), None)) is not None:
-            raise ValueError(f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
-        if len(prompt_ids) + params.max_tokens > self.max_model_len:
-            raise RequestTooLongError(
-                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the context "
-                f"length {self.max_model_len}; shorten the prompt or lower max_tokens"
-            )
+    @property
+    def block_pool(self) -> BlockPool:
+        return self.engine.kv_manager.pool
 
     def stream(self, prompt_ids: Sequence[int], params: SamplingParams) -> Iterator[GenerationStep]:
-        """Yields one step per generated token. Raises ValueError/RequestTooLongError before any work."""
-        self._check_fits(prompt_ids, params)
-        total = len(prompt_ids) + params.max_tokens
-        blocks = tuple(self.block_pool.allocate(-(-total // self.block_size)))
-        timings = Timings(load=self.loaded.load_seconds)
-        self.last_timings = timings
-        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.tokenizer.eos_token_ids))
-        detok = self.tokenizer.detokenizer()
-        generator = make_generator(params, self.runner.device)
+        """Yields one step per generated token. Raises ValueError/RequestRejectedError before any work."""
+        if params.n != 1:
+            raise ValueError("the generator runs one sample (n=1); use the engine for n > 1")
+        request_id = f"gen-{next(self._ids)}"
+        self.engine.add_request(request_id, prompt_ids, params)
+        timings = self.last_timings = Timings(load=self.loaded.load_seconds)
+        start = time.perf_counter()
         try:
-            start = time.perf_counter()
-            logits = self.runner.execute([SequenceChunk(tuple(prompt_ids), 0, blocks)])
-            computed = len(prompt_ids)
-            for index in range(params.max_tokens):
-                token = sample(logits[0], params, generator)
-                now = time.perf_counter()
-                if index == 0:
-                    timings.ttft = now - start
-                finish = "stop" if token in stop_ids else "length" if index + 1 == params.max_tokens else None
-                yield GenerationStep(token, detok.step(token), finish)
-                if finish:
-                    break
+            while self.engine.has_unfinished_requests():
                 step_start = time.perf_counter()
-                logits = self.runner.execute([SequenceChunk((token,), computed, blocks)])
-                computed += 1
-                timings.decode_steps += 1
-                timings.per_token += (time.perf_counter() - step_start - timings.per_token) / timings.decode_steps
+                outputs = self.engine.step()
+                if not outputs:
+                    continue  # a prefill chunk that does not reach the prompt's end
+                if timings.ttft == 0.0:
+                    timings.ttft = time.perf_counter() - start
+                else:
+                    timings.decode_steps += 1
+                    timings.per_token += (time.perf_counter() - step_start - timings.per_token) / timings.decode_steps
+                (output,) = outputs
+                yield GenerationStep(output.token_ids[0], output.text, output.finish_reason)
         finally:
-            self.block_pool.free(list(blocks))
+            self.engine.abort_request(request_id)
 
     def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> GenerationResult:
         steps = list(self.stream(prompt_ids, params))
@@ -121,9 +105,10 @@ class Generator:
     @torch.inference_mode()
     def prompt_logits(self, prompt_ids: Sequence[int]) -> torch.Tensor:
         """float32 logits [vocab] at the prompt's last position (the distribution of the first new token)."""
-        self._check_fits(prompt_ids, SamplingParams(max_tokens=1))
-        blocks = tuple(self.block_pool.allocate(-(-len(prompt_ids) // self.block_size)))
+        self.engine.validate(prompt_ids, SamplingParams(max_tokens=1))
+        blocks = self.block_pool.allocate(self.engine.kv_manager.blocks_for(len(prompt_ids)))
         try:
-            return self.runner.execute([SequenceChunk(tuple(prompt_ids), 0, blocks)])[0]
+            return self.runner.execute([SequenceChunk(tuple(prompt_ids), 0, tuple(blocks))])[0]
         finally:
-            self.block_pool.free(list(blocks))
+            for block in blocks:
+                self.block_pool.decref(block, park=False)

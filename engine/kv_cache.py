@@ -40,3 +40,9 @@ class PagedKVCache:
     def layer(self, index: int) -> torch.Tensor:
         """One layer's cache, a view [2, num_blocks, block_size, num_kv_heads, head_dim]: K at 0, V at 1."""
         return self.data[index]
+
+    def copy_blocks(self, pairs) -> None:
+        """Copies every layer's K and V of block src into block dst, for each (src, dst) pair, in one op."""
+        src = torch.tensor([p[0] for p in pairs], dtype=torch.int64, device=self.data.device)
+        dst = torch.tensor([p[1] for p in pairs], dtype=torch.int64, device=self.data.device)
+        self.data[:, :, dst] = self.data[:, :, src]

@@ -37,3 +37,15 @@ def hf_embedded():
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
     model.eval()
     return model, tokenizer
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(embedded, tmp_path_factory):
+    """A tiny random Llama 3 (3 layers, hidden 64) with the embedded model's tokenizer: fast engine tests."""
+    from tandem.engine.loader import load_model
+
+    from tests.engine.tiny_models import write_tiny_model
+
+    folder = tmp_path_factory.mktemp("tiny-llama3")
+    write_tiny_model(folder, "llama3", embedded.tokenizer)
+    return load_model(folder, progress=False)

@@ -60,7 +60,7 @@ def test_streaming_prints_the_same_text(capsys, embedded, embedded_generator):
     (["--prompt", "x", "--top-p", "0"], "top_p must be in"),
     (["--prompt", "x", "--max-tokens", "0"], "max_tokens must be at least 1"),
     (["--prompt", "x", "--temperature", "-1"], "temperature must be >= 0"),
-    (["--prompt", "x", "--max-tokens", "9000"], "exceeds the context length 8192"),
+    (["--prompt", "x", "--max-tokens", "9000"], "exceeds the maximum context length 8192"),
     (["--prompt", ""], "the prompt is empty"),
 ])
 def test_bad_flags_exit_2_with_a_message(capsys, flags, message):

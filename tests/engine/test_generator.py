@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tandem.engine.generator import RequestTooLongError
+from tandem.engine.generator import RequestRejectedError
 from tandem.engine.sampling_params import SamplingParams
 
 
@@ -35,7 +35,7 @@ def test_stop_token_ends_the_stream(embedded, embedded_generator):
 @pytest.mark.parametrize("ids, error, message", [
     ([], ValueError, "the prompt is empty"),
     ([5, 49152], ValueError, "token id 49152 is outside the vocabulary"),
-    ([5] * 2040, RequestTooLongError, "exceeds the context length 2048"),
+    ([5] * 2040, RequestRejectedError, "exceeds the maximum context length 2048"),
 ])
 def test_bad_requests_are_rejected_before_any_work(embedded_generator, ids, error, message):
     with pytest.raises(error, match=message):

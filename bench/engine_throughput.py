@@ -1,0 +1,156 @@
+"""Engine throughput under concurrency vs transformers run sequentially, and the prefix cache's TTFT gain.
+
+Throughput: C requests (C = 1, 8, 32, 64 by default) enter the engine at once; each has its own prompt (a fixed
+question behind a distinct request number, so no prefix is shared and the cache cannot help) and generates
+--tokens tokens greedily with ignore_eos. Output tokens/s = all generated tokens / wall time from the first add
+to the last token. The peer is transformers `generate` on the same model, dtype and requests, one request at a
+time (the first --hf-requests of them), in the same run.
+
+Prefix cache: a 500-token system prompt shared by every request. TTFT (add -> first token) of a request whose
+system prompt is cached vs the same request on a cold cache, alternating, median over --ttft-rounds.
+
+    .venv/bin/python bench/engine_throughput.py [--concurrency 1,8,32,64] [--tokens 64] [--dtype float32]
+
+The last line of output is one JSON object with every number.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+QUESTIONS = [
+    "Write a short story about a lighthouse keeper.",
+    "Explain how a hash map works, with an example in Python.",
+    "What are the advantages of trains over planes?",
+    "Give me three tips for learning a new language.",
+]
+SYSTEM_SENTENCE = ("You are a meticulous assistant for a logistics company: answer in plain English, cite the "
+                   "relevant policy section, prefer metric units, and ask a clarifying question when needed. ")
+
+
+def prompts(tokenizer, count: int) -> list[list[int]]:
+    return [tokenizer.encode_chat([{"role": "user", "content": f"Request {i}. {QUESTIONS[i % len(QUESTIONS)]}"}])
+            for i in range(count)]
+
+
+def engine_tokens_per_s(engine, requests: list[list[int]], tokens: int) -> dict:
+    from tandem.engine.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
+    start = time.perf_counter()
+    for i, ids in enumerate(requests):
+        engine.add_request(f"r{i}-{start}", ids, params)
+    generated = 0
+    steps = 0
+    while engine.has_unfinished_requests():
+        generated += sum(len(o.token_ids) for o in engine.step())
+        steps += 1
+    elapsed = time.perf_counter() - start
+    if generated != tokens * len(requests):
+        raise RuntimeError(f"expected {tokens * len(requests)} tokens, got {generated}")
+    return {"tokens_per_s": generated / elapsed, "seconds": elapsed, "steps": steps}
+
+
+def transformers_tokens_per_s(dtype: torch.dtype, requests: list[list[int]], tokens: int) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    from tandem.engine.loader import default_model_path
+
+    path = default_model_path()
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype).eval()
+    with torch.inference_mode():
+        model.generate(torch.tensor([requests[0]]), max_new_tokens=4, do_sample=False, pad_token_id=0)  # warm-up
+        start = time.perf_counter()
+        for ids in requests:
+            out = model.generate(torch.tensor([ids]), max_new_tokens=tokens, min_new_tokens=tokens,
+                                 do_sample=False, pad_token_id=0)
+            assert out.shape[1] - len(ids) == tokens
+        elapsed = time.perf_counter() - start
+    return {"tokens_per_s": tokens * len(requests) / elapsed, "seconds": elapsed, "requests": len(requests)}
+
+
+def prefix_ttft(loaded, config_cls, engine_cls, rounds: int) -> dict:
+    """TTFT with the 500-token system prompt cached vs cold (the cache is reset before each cold run)."""
+    from tandem.engine.sampling_params import SamplingParams
+
+    tok = loaded.tokenizer
+    system = tok.encode(SYSTEM_SENTENCE * 20)[:500]
+    engine = engine_cls(loaded, config_cls(max_model_len=2048, max_num_batched_tokens=2048))
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+
+    def ttft(i: int) -> float:
+        ids = system + tok.encode(f" Question {i}: {QUESTIONS[i % len(QUESTIONS)]}")
+        start = time.perf_counter()
+        engine.add_request(f"ttft{i}", ids, params)
+        while not any(o.token_ids for o in engine.step()):
+            pass
+        elapsed = time.perf_counter() - start
+        while engine.has_unfinished_requests():
+            engine.step()
+        return elapsed
+
+    ttft(-1)  # warm-up, and caches the system prompt
+    cold, warm = [], []
+    for i in range(rounds):
+        engine.kv_manager.reset_prefix_cache()
+        cold.append(ttft(2 * i))
+        warm.append(ttft(2 * i + 1))  # the cold run just cached the system prompt
+    return {"system_prompt_tokens": len(system), "cold_ttft_s": statistics.median(cold),
+            "cached_ttft_s": statistics.median(warm),
+            "ttft_speedup": statistics.median(c / w for c, w in zip(cold, warm)),
+            "hit_rate": engine.stats().prefix_hit_rate}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--concurrency", default="1,8,32,64")
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--hf-requests", type=int, default=4, help="requests transformers runs one by one")
+    parser.add_argument("--ttft-rounds", type=int, default=5)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from bench.decode_roofline import _machine
+    from tandem.engine.engine_config import EngineConfig
+    from tandem.engine.llm_engine import LLMEngine
+    from tandem.engine.loader import load_model
+
+    loaded = load_model(progress=False, dtype=dtype)
+    levels = [int(c) for c in args.concurrency.split(",")]
+    requests = prompts(loaded.tokenizer, max(levels))
+    engine = LLMEngine(loaded, EngineConfig(max_model_len=2048, max_num_seqs=max(levels),
+                                            max_num_batched_tokens=2048, enable_prefix_caching=False))
+    engine_tokens_per_s(engine, requests[:2], 4)  # warm-up
+    results = {"machine": _machine(), "dtype": args.dtype, "threads": args.threads, "tokens": args.tokens,
+               "engine": {}}
+    for level in levels:
+        results["engine"][str(level)] = run = engine_tokens_per_s(engine, requests[:level], args.tokens)
+        print(f"tandem, {level} concurrent: {run['tokens_per_s']:.1f} tok/s ({run['steps']} steps)", file=sys.stderr)
+    del engine
+    hf = transformers_tokens_per_s(dtype, requests[:args.hf_requests], args.tokens)
+    results["transformers_sequential"] = hf
+    print(f"transformers sequential: {hf['tokens_per_s']:.1f} tok/s", file=sys.stderr)
+    results["speedup_vs_transformers"] = {k: v["tokens_per_s"] / hf["tokens_per_s"]
+                                          for k, v in results["engine"].items()}
+    print("speed-up vs transformers: " + ", ".join(f"{k}: {v:.1f}x"
+                                                   for k, v in results["speedup_vs_transformers"].items()),
+          file=sys.stderr)
+    results["prefix_cache"] = prefix = prefix_ttft(loaded, EngineConfig, LLMEngine, args.ttft_rounds)
+    print(f"500-token system prompt: TTFT cold {prefix['cold_ttft_s'] * 1e3:.0f} ms, cached "
+          f"{prefix['cached_ttft_s'] * 1e3:.0f} ms ({prefix['ttft_speedup']:.1f}x)", file=sys.stderr)
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()

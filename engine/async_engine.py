@@ -1,0 +1,175 @@
+"""The engine behind an asyncio API: one thread steps LLMEngine, coroutines add, stream, abort and read stats.
+
+Thread contract: only the engine thread touches LLMEngine after start(). Coroutines validate a request on their
+own thread (validation is pure), then hand commands to the engine thread, which applies them between steps;
+outputs travel back through each request's asyncio queue. abort() returns once the engine thread has freed
+the request's blocks; a consumer that stops iterating a stream (cancelled task, closed generator) aborts its
+request the same way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from dataclasses import dataclass
+from typing import AsyncIterator, Callable, Sequence as Seq
+
+from tandem.engine.llm_engine import EngineStats, LLMEngine
+from tandem.engine.output_processor import RequestOutput
+from tandem.engine.sampling_params import SamplingParams
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread stopped on an error; every open stream receives it and new requests are refused."""
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._streams: dict[str, _Stream] = {}
+        self._stats = engine.stats()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._error: BaseException | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="tandem-engine", daemon=True)
+            self._thread.start()
+
+    async def stop(self) -> None:
+        """Aborts every open request and joins the engine thread."""
+        self._stopping = True
+        self._wake.set()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join)
+            self._thread = None
+
+    async def __aenter__(self) -> AsyncEngine:
+        self.start()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.stop()
+
+    # -- the API ---------------------------------------------------------------------------------------
+
+    async def generate(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams, *,
+                       priority: int = 0, cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Adds a request and yields its outputs until every sample has finished. Raises ValueError /
+        RequestRejectedError before the first output for a request that cannot be served, EngineDeadError if
+        the engine thread has failed. Leaving the iteration early aborts the request."""
+        stream = self.add_request(request_id, prompt_token_ids, params, priority=priority, cache_salt=cache_salt)
+        finished = False
+        try:
+            while not finished:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:
+                await self.abort(request_id)
+
+    def add_request(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams, *,
+                    priority: int = 0, cache_salt: str | None = None) -> _Stream:
+        """Validates and queues a request; returns the stream its outputs arrive on (see generate())."""
+        self._check_alive()
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self.engine.validate(prompt_token_ids, params)
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        self._streams[request_id] = stream
+
+        def add() -> None:
+            try:
+                self.engine.add_request(request_id, prompt_token_ids, params, priority=priority,
+                                        cache_salt=cache_salt)
+            except Exception as e:  # validated already; a race (e.g. duplicate id) still reaches the caller
+                self._deliver(request_id, e, final=True)
+
+        self._submit(add)
+        return stream
+
+    async def abort(self, request_id: str) -> None:
+        """Ends a request and returns once its blocks are free. Unknown or finished ids are ignored."""
+        if self._thread is None or self._error is not None:
+            self._streams.pop(request_id, None)
+            return
+        done = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+
+        def abort() -> None:
+            for output in self.engine.abort_request(request_id):
+                self._deliver(request_id, output, final=output.finished)
+            self._streams.pop(request_id, None)
+            loop.call_soon_threadsafe(lambda: done.done() or done.set_result(None))
+
+        self._submit(abort)
+        await done
+
+    def stats(self) -> EngineStats:
+        """Counters as of the last completed step (never blocks on the engine thread)."""
+        return self._stats
+
+    # -- the engine thread ------------------------------------------------------------------------------
+
+    def _check_alive(self) -> None:
+        if self._error is not None:
+            raise EngineDeadError(f"the engine failed: {self._error!r}") from self._error
+        if self._thread is None or self._stopping:
+            raise EngineDeadError("the engine is not running (call start() or use `async with`)")
+
+    def _submit(self, command: Callable[[], None]) -> None:
+        self._commands.put(command)
+        self._wake.set()
+
+    def _deliver(self, request_id: str, item, *, final: bool) -> None:
+        stream = self._streams.get(request_id)
+        if stream is None:
+            return
+        if final:
+            self._streams.pop(request_id, None)
+        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping:
+                while not self._commands.empty():
+                    self._commands.get()()
+                if not self.engine.has_unfinished_requests():
+                    self._wake.wait(timeout=0.5)
+                    self._wake.clear()
+                    continue
+                outputs = self.engine.step()
+                self._stats = self.engine.stats()  # before delivery: a finished stream sees its blocks freed
+                for output in outputs:
+                    self._deliver(output.request_id, output, final=output.finished)
+        except BaseException as e:  # a bug or a device error: fail every stream loudly, never hang them
+            self._error = e
+            for request_id in list(self._streams):
+                self._deliver(request_id, EngineDeadError(f"the engine failed: {e!r}"), final=True)
+            raise
+        finally:
+            while not self._commands.empty():
+                self._commands.get()()
+            for request_id in list(self._streams):  # stop(): end open streams as aborted
+                outputs = self.engine.abort_request(request_id)
+                for output in outputs:
+                    self._deliver(request_id, output, final=output.finished)
+                if not outputs and self._error is None:
+                    self._deliver(request_id, EngineDeadError("the engine stopped"), final=True)
+                self._streams.pop(request_id, None)
+            self._stats = self.engine.stats()

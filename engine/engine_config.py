@@ -1,0 +1,71 @@
+"""Settings of one engine replica, parsed once where it is built. Sizes: tokens for lengths, bytes for memory."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+DEFAULT_CPU_KV_FRACTION = 0.25  # of available RAM: the CPU is shared with the tokenizer, the OS and peers
+DEFAULT_GPU_KV_FRACTION = 0.90  # of free device memory after the weights are loaded
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """KV budget: exactly one of num_kv_blocks, kv_cache_bytes, kv_cache_fraction may be set; with none, the
+    default fraction of the device's free memory applies. max_model_len None: the model's own context."""
+
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_bytes: int | None = None
+    kv_cache_fraction: float | None = None
+    max_model_len: int | None = None
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 128
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+    check_integrity: bool = False  # verify KV ownership after every step (debug; costs O(blocks) per step)
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        budgets = [n for n in ("num_kv_blocks", "kv_cache_bytes", "kv_cache_fraction") if getattr(self, n) is not None]
+        if len(budgets) > 1:
+            raise ValueError(f"give one KV budget, not {' and '.join(budgets)}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be at least 1, got {self.num_kv_blocks}")
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
+            raise ValueError(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}")
+        if self.kv_cache_fraction is not None and not 0 < self.kv_cache_fraction <= 1:
+            raise ValueError(f"kv_cache_fraction must be in (0, 1], got {self.kv_cache_fraction}")
+
+    def num_blocks(self, bytes_per_block: int, free_bytes: int, on_gpu: bool) -> int:
+        """Blocks the budget buys, given one block's bytes (all layers, K and V) and the free memory.
+        Raises ValueError if the budget does not buy a single block."""
+        if self.num_kv_blocks is not None:
+            return self.num_kv_blocks
+        if self.kv_cache_bytes is not None:
+            budget = self.kv_cache_bytes
+        else:
+            fraction = self.kv_cache_fraction or (DEFAULT_GPU_KV_FRACTION if on_gpu else DEFAULT_CPU_KV_FRACTION)
+            budget = int(free_bytes * fraction)
+        blocks = budget // bytes_per_block
+        if blocks < 1:
+            raise ValueError(f"a KV budget of {budget} bytes holds no block of {bytes_per_block} bytes; raise it")
+        return blocks
+
+
+def available_memory_bytes(device) -> int:
+    """Free memory the KV cache may take: free device memory on CUDA, MemAvailable of the host otherwise."""
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    meminfo = Path("/proc/meminfo")
+    if meminfo.is_file():
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    import os
+
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

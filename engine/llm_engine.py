@@ -1,0 +1,123 @@
+"""One engine replica in one process: the scheduler, the model runner and the output processor, stepped.
+
+A step: the scheduler picks the batch (scheduler.py), the runner computes and samples it, the scheduler applies
+the result (tokens, stop tokens, lengths, caching), the output processor turns tokens into text deltas and
+catches stop strings. add_request validates at once and raises before anything is queued; abort_request frees
+the request's blocks immediately. This class is synchronous; engine/async_engine.py runs it on a thread.
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass
+from typing import Sequence as Seq
+
+import torch
+
+from tandem.engine.engine_config import EngineConfig, available_memory_bytes
+from tandem.engine.kv_cache import KVCacheSpec, PagedKVCache
+from tandem.engine.kv_cache_manager import KVCacheManager
+from tandem.engine.kv_events import KVEventSink, discard_events
+from tandem.engine.loader import LoadedModel
+from tandem.engine.model_runner import ModelRunner
+from tandem.engine.output_processor import OutputProcessor, RequestOutput
+from tandem.engine.request import RequestStatus, Sequence
+from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.scheduler import RequestRejectedError, Scheduler, SchedulerConfig, SchedulerStats
+
+__all__ = ["EngineStats", "LLMEngine", "RequestRejectedError"]
+
+
+@dataclass(frozen=True)
+class EngineStats(SchedulerStats):
+    num_steps: int = 0
+
+
+class LLMEngine:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig = EngineConfig(), *,
+                 event_sink: KVEventSink = discard_events):
+        self.loaded = loaded
+        self.config = config
+        self.tokenizer = loaded.tokenizer
+        model_config = loaded.config
+        max_len = config.max_model_len or model_config.max_position_embeddings
+        if max_len > model_config.max_position_embeddings:
+            raise ValueError(f"max_model_len {max_len} exceeds the model's context "
+                             f"({model_config.max_position_embeddings})")
+        device = loaded.model.device
+        probe = KVCacheSpec(model_config.num_layers, 1, config.block_size, model_config.num_kv_heads,
+                            model_config.head_dim, loaded.model.dtype)
+        num_blocks = config.num_blocks(probe.bytes_per_block, available_memory_bytes(device),
+                                       torch.device(device).type == "cuda")
+        spec = KVCacheSpec(model_config.num_layers, num_blocks, config.block_size, model_config.num_kv_heads,
+                           model_config.head_dim, loaded.model.dtype)
+        self.kv_cache_spec = spec
+        self.runner = ModelRunner(loaded.model, PagedKVCache(spec, device))
+        self.kv_manager = KVCacheManager(num_blocks, config.block_size,
+                                         enable_prefix_caching=config.enable_prefix_caching, event_sink=event_sink)
+        self.scheduler = Scheduler(
+            SchedulerConfig(max_model_len=max_len, max_num_batched_tokens=config.max_num_batched_tokens,
+                            max_num_seqs=config.max_num_seqs, enable_chunked_prefill=config.enable_chunked_prefill),
+            self.kv_manager, frozenset(self.tokenizer.eos_token_ids))
+        self.outputs = OutputProcessor(self.tokenizer)
+        self.vocab_size = model_config.vocab_size
+        self.num_steps = 0
+        self._arrivals = 0
+
+    @property
+    def max_model_len(self) -> int:
+        return self.scheduler.config.max_model_len
+
+    def validate(self, prompt_token_ids: Seq[int], params: SamplingParams) -> None:
+        """Raises ValueError / RequestRejectedError with a message for a request that cannot be served.
+        Pure: usable from another thread before queueing the request."""
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty")
+        if (bad := next((t for t in prompt_token_ids if not 0 <= t < self.vocab_size), None)) is not None:
+            raise ValueError(f"prompt token id {bad} is outside the vocabulary (0..{self.vocab_size - 1})")
+        params.check_vocab(self.vocab_size)
+        self.scheduler.check_admissible(len(prompt_token_ids), params.max_tokens)
+
+    def add_request(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams, *,
+                    priority: int = 0, cache_salt: str | None = None) -> None:
+        """Queues a request. Raises ValueError (bad input, duplicate id) or RequestRejectedError (can never
+        fit); nothing is queued then. A request without a seed gets a random one, so its output still does
+        not depend on the batch it lands in or on preemption."""
+        self.validate(prompt_token_ids, params)
+        base = params.seed if params.seed is not None else secrets.randbits(63)
+        seeds = [base + i if params.seed is not None else secrets.randbits(63) for i in range(params.n)]
+        seq = Sequence(f"{request_id}#0", request_id, 0, tuple(int(t) for t in prompt_token_ids), params, seeds[0],
+                       priority, self._arrivals, cache_salt, self.config.block_size, fork_seeds=tuple(seeds[1:]))
+        self.scheduler.add(seq)
+        self._arrivals += 1
+        self.outputs.add_request(request_id, params.n)
+
+    def abort_request(self, request_id: str) -> list[RequestOutput]:
+        """Ends a request now, freeing its blocks; returns its final outputs (empty for an unknown or finished id)."""
+        return self.outputs.aborted(self.scheduler.abort_request(request_id))
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        """Runs one scheduler step and returns the outputs it produced (possibly none, e.g. mid-prefill)."""
+        schedule = self.scheduler.schedule()
+        result = self.runner.execute_step(schedule)
+        updates = self.scheduler.update(schedule, result)
+        outputs = []
+        for update in updates:
+            output, hit_stop_string = self.outputs.process(update)
+            if hit_stop_string and update.status is None:
+                self.scheduler.finish(update.seq, RequestStatus.FINISHED_STOPPED)
+            outputs.append(output)
+        if not schedule.is_empty:
+            self.num_steps += 1
+        if self.config.check_integrity:
+            self.scheduler.check_integrity()
+        return outputs
+
+    def stats(self) -> EngineStats:
+        return EngineStats(**vars(self.scheduler.stats()), num_steps=self.num_steps)
+
+    def check_integrity(self) -> None:
+        self.scheduler.check_integrity()

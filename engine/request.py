@@ -1,0 +1,120 @@
+"""Request state as the scheduler sees it: one Sequence per sample (a request with n samples has n).
+
+A sequence is WAITING until first scheduled, RUNNING while it holds KV blocks, PREEMPTED after giving its
+blocks back (it waits again and recomputes its tokens), and finished in one of the FINISHED_* states. The one
+rule for "finished": `status.finished` is True, the sequence holds no blocks and is in no queue. WAITING_FOR_KV
+is reserved for sequences whose KV arrives by transfer (kv_transfer, a later layer).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Sequence as Seq
+
+from tandem.engine.prefix_cache import BlockHasher, extend_block_hashes, hash_block_tokens
+from tandem.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    WAITING_FOR_KV = "waiting_for_kv"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+
+    @property
+    def finish_reason(self) -> str | None:
+        """The OpenAI-style reason ("stop", "length", "abort") of a finished status, else None."""
+        return self.value if self.finished else None
+
+
+@dataclass
+class Sequence:
+    """One sample of a request. Mutated only by the scheduler.
+
+    Token counts are in tokens. num_computed_tokens counts tokens whose KV is in this sequence's blocks;
+    num_cached_tokens is how many prompt tokens the prefix cache supplied when it was first scheduled.
+    fork_seeds is non-empty on sample 0 of an n > 1 request until its prompt is computed: samples 1.. are forked
+    from it then (sharing its blocks), one per seed.
+    """
+
+    seq_id: str
+    request_id: str
+    index: int
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams
+    seed: int
+    priority: int
+    arrival: int
+    cache_salt: str | None
+    block_size: int
+    hasher: BlockHasher = hash_block_tokens
+    fork_seeds: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        self.output_token_ids: list[int] = []
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0
+        self.num_preemptions = 0
+        self.block_hashes: list[int] = []
+        self._tokens: list[int] = list(self.prompt_token_ids)
+        extend_block_hashes(self.block_hashes, self._tokens, self.block_size, self.cache_salt, self.hasher)
+
+    @property
+    def token_ids(self) -> Seq[int]:
+        """Prompt followed by output tokens. Callers must not mutate it."""
+        return self._tokens
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._tokens)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def sort_key(self) -> tuple[int, int, int]:
+        """Scheduling order: lower priority value first, then earlier arrival, then sample index."""
+        return (self.priority, self.arrival, self.index)
+
+    @property
+    def is_prefilling(self) -> bool:
+        """True while more than the last sampled token remains to be computed."""
+        return self.num_tokens - self.num_computed_tokens > 1
+
+    def append_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self._tokens.append(token_id)
+        if len(self._tokens) % self.block_size == 0:
+            extend_block_hashes(self.block_hashes, self._tokens, self.block_size, self.cache_salt, self.hasher)
+
+    def fork(self, index: int, seq_id: str, seed: int) -> Sequence:
+        """A new sample of the same request at the same point (same tokens, same computed count)."""
+        child = Sequence(seq_id, self.request_id, index, self.prompt_token_ids, self.params, seed, self.priority,
+                         self.arrival, self.cache_salt, self.block_size, self.hasher)
+        for token in self.output_token_ids:
+            child.append_token(token)
+        child.status = self.status
+        child.num_computed_tokens = self.num_computed_tokens
+        child.num_cached_tokens = self.num_cached_tokens
+        return child
+
+
+def token_stop_status(seq: Sequence, eos_token_ids: frozenset[int], max_model_len: int) -> RequestStatus | None:
+    """The finished status the last appended token puts the sequence in, or None if it goes on.
+    Stop strings are checked on text, by the engine's output processor, not here."""
+    params, last = seq.params, seq.output_token_ids[-1]
+    if last in params.stop_token_ids or (not params.ignore_eos and last in eos_token_ids):
+        return RequestStatus.FINISHED_STOPPED
+    if len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= max_model_len:
+        return RequestStatus.FINISHED_LENGTH
+    return None

@@ -1,0 +1,77 @@
+"""What the scheduler tells the model runner each step, and what the runner answers. Frozen, torch-free.
+
+Sequences new to the runner (first scheduled, or resumed after preemption) arrive in full; sequences it
+already knows arrive as diffs. The runner applies, in order: drop finished_seq_ids, add new_seqs, update
+cached_seqs, perform block_copies, run the model, sample every sequence whose computed tokens reach its last
+token, and sample each fork's child from its parent's logits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Mapping
+
+from tandem.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from tandem.engine.sampler import SampledToken
+
+
+@dataclass(frozen=True)
+class NewSequenceData:
+    """token_ids: prompt then the outputs so far. num_computed_tokens: tokens whose KV is in block_ids before
+    this step (prefix-cache hits included)."""
+
+    seq_id: str
+    token_ids: tuple[int, ...]
+    num_prompt_tokens: int
+    block_ids: tuple[int, ...]
+    num_computed_tokens: int
+    params: SamplingParams
+    seed: int
+
+
+@dataclass(frozen=True)
+class CachedSequenceData:
+    """new_block_ids are appended to the runner's table; block_ids, when set, replaces the whole table first
+    (an entry changed in place: copy-on-write)."""
+
+    seq_id: str
+    num_computed_tokens: int
+    new_block_ids: tuple[int, ...]
+    block_ids: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True)
+class ForkData:
+    """child_id is a new sample of parent_id's request: it starts with the parent's tokens and block table (as
+    they are before this step's sampled token) and samples its first token from the parent's logits."""
+
+    parent_id: str
+    child_id: str
+    seed: int
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    new_seqs: tuple[NewSequenceData, ...] = ()
+    cached_seqs: tuple[CachedSequenceData, ...] = ()
+    num_scheduled_tokens: Mapping[str, int] = field(default_factory=dict)  # read-only by contract
+    forks: tuple[ForkData, ...] = ()
+    block_copies: tuple[tuple[int, int], ...] = ()  # (source, destination)
+    finished_seq_ids: frozenset[str] = frozenset()  # finished, aborted or preempted since the last step
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.num_scheduled_tokens
+
+
+@dataclass(frozen=True)
+class RunnerOutput:
+    """The token sampled for each sequence that reached its last token this step (fork children included)."""
+
+    sampled: Mapping[str, "SampledToken"] = field(default_factory=dict)
