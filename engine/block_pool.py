@@ -2,7 +2,8 @@
 cache tensor holds the bytes.
 
 Every block is in exactly one of three states:
-  free    no owner, content meaningless; handed out first by allocate().
+  free    no owner, content meaningless; handed out first by allocate(), most recently freed first (its
+          memory is likely still in the CPU caches and already paged in).
   parked  no owner, but its content is a cached prefix block that a later request may reuse (incref brings it
           back); parked blocks are kept in least-recently-released order and evicted oldest first.
   in use  ref_count >= 1 owners (several when a prefix or a forked prompt is shared).
@@ -11,7 +12,7 @@ free + parked + in use == num_blocks always; check_integrity() verifies it.
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from typing import Iterable
 
 
@@ -24,7 +25,7 @@ class BlockPool:
         if num_blocks < 1:
             raise ValueError(f"a block pool needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
-        self._free: deque[int] = deque(range(num_blocks))
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # a stack: block 0 is taken first
         self._parked: OrderedDict[int, None] = OrderedDict()  # oldest release first
         self._refs: dict[int, int] = {}  # blocks in use -> owner count
 
@@ -57,7 +58,7 @@ class BlockPool:
         Raises OutOfBlocksError (allocating none) if fewer than `count` are free."""
         if count > len(self._free):
             raise OutOfBlocksError(f"asked for {count} KV blocks, {len(self._free)} free of {self.num_blocks}")
-        blocks = [self._free.popleft() for _ in range(count)]
+        blocks = [self._free.pop() for _ in range(count)]
         for block in blocks:
             self._refs[block] = 1
         return blocks

@@ -16,8 +16,10 @@ class TorchAttentionBackend:
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor, meta: AttentionMetadata) -> None:
         """Stores new K/V ([T, Hk, D]) into one layer's cache kv ([2, num_blocks, block_size, Hk, D], K at 0 and
-        V at 1) at meta.slot_mapping, in one copy."""
-        kv.view(2, -1, k.shape[1], k.shape[2]).index_copy_(1, meta.slot_mapping, torch.stack((k, v)))
+        V at 1) at meta.slot_mapping."""
+        flat = kv.view(2, -1, k.shape[1] * k.shape[2])
+        flat[0].index_copy_(0, meta.slot_mapping, k.reshape(k.shape[0], -1))
+        flat[1].index_copy_(0, meta.slot_mapping, v.reshape(v.shape[0], -1))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor,
                 meta: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
@@ -40,10 +42,9 @@ class TorchAttentionBackend:
         bs = meta.block_size
         max_len = max(meta.seq_lens)
         nblocks = -(-max_len // bs)
-        tables = meta.block_tables[:, :nblocks]
         b, hk, d = meta.num_seqs, kv.shape[3], kv.shape[4]
-        context = kv[:, tables].reshape(2, b, nblocks * bs, hk, d)[:, :, :max_len].transpose(2, 3)
-        keys, values = context[0], context[1]
+        keys, values = (_gather_blocks(kv[i], meta.block_tables[:, :nblocks])
+                        .view(b, nblocks * bs, hk, d)[:, :max_len].transpose(1, 2) for i in (0, 1))
         mask = None
         if b > 1 or window is not None:
             kpos = torch.arange(max_len, device=q.device)
@@ -68,7 +69,7 @@ class TorchAttentionBackend:
                 keys, values = k[start:end], v[start:end]
             else:
                 table = meta.block_tables[i, : -(-total // bs)]
-                keys, values = kv[:, table].reshape(2, -1, hk, d)[:, :total]
+                keys, values = (_gather_blocks(kv[j], table).view(-1, hk, d)[:total] for j in (0, 1))
             mask = None
             causal = qlen > 1
             if qlen != total or window is not None:
@@ -83,3 +84,10 @@ class TorchAttentionBackend:
                 attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True,
             ).transpose(0, 1)
         return out
+
+
+def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """cache: one layer's K or V [num_blocks, block_size, Hk, D]; returns the blocks named by block_ids (any
+    shape) as rows [*block_ids.shape, block_size * Hk * D]. F.embedding is a row gather that runs several times
+    faster on the CPU than advanced indexing or index_select over the same rows."""
+    return F.embedding(block_ids, cache.view(cache.shape[0], -1))
