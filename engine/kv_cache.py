@@ -28,17 +28,18 @@ class KVCacheSpec:
 
 
 class PagedKVCache:
-    """data[layer, 0 | 1, block, slot, kv_head, dim]: K at 0, V at 1. One tensor, so it registers once for transfer."""
+    """data[layer, 0 | 1, block, kv_head, slot, dim]: K at 0, V at 1; head-major inside a block (see
+    attention/torch_ref.py). One tensor, so it registers once for transfer."""
 
     def __init__(self, spec: KVCacheSpec, device: torch.device | str = "cpu"):
         self.spec = spec
         self.data = torch.empty(
-            (spec.num_layers, 2, spec.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim),
+            (spec.num_layers, 2, spec.num_blocks, spec.num_kv_heads, spec.block_size, spec.head_dim),
             dtype=spec.dtype, device=device,
         )
 
     def layer(self, index: int) -> torch.Tensor:
-        """One layer's cache, a view [2, num_blocks, block_size, num_kv_heads, head_dim]: K at 0, V at 1."""
+        """One layer's cache, a view [2, num_blocks, num_kv_heads, block_size, head_dim]: K at 0, V at 1."""
         return self.data[index]
 
     def copy_blocks(self, pairs) -> None:

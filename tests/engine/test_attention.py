@@ -36,7 +36,7 @@ def test_mixed_batch_matches_dense(window):
     for n in lengths:
         tables.append(perm[start:start + -(-n // BS)])
         start += len(tables[-1])
-    kv = torch.zeros(2, NUM_BLOCKS, BS, HK, D)
+    kv = torch.zeros(2, NUM_BLOCKS, HK, BS, D)
     backend = TorchAttentionBackend()
     # Write the cached prefixes first, as earlier steps would have.
     pre = AttentionMetadata.build([c for c in cached if c], [0 for c in cached if c],
@@ -59,7 +59,7 @@ def test_batched_decode_matches_dense(window):
     full = [(torch.randn(n, HQ, D, generator=g), torch.randn(n, HK, D, generator=g), torch.randn(n, HK, D, generator=g))
             for n in lengths]
     tables = [[8 * i + j for j in range(-(-n // BS))][::-1] for i, n in enumerate(lengths)]  # reversed order
-    kv = torch.zeros(2, NUM_BLOCKS, BS, HK, D)
+    kv = torch.zeros(2, NUM_BLOCKS, HK, BS, D)
     backend = TorchAttentionBackend()
     prior = [n - 1 for n in lengths]
     idx = [i for i, p in enumerate(prior) if p]
