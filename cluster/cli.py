@@ -22,6 +22,13 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default 0)")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0, help="0 disables top-k")
+    p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p x the top probability")
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--presence-penalty", type=float, default=0.0)
+    p.add_argument("--frequency-penalty", type=float, default=0.0)
+    p.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="stop before this text (repeatable); the stop text is not printed")
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
     p.add_argument("--seed", type=int, default=None, help="seed for sampling (same seed, same output)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                    help="compute precision (default: float32; bfloat16 with --weights packed)")
@@ -42,7 +49,9 @@ def _generate(args: argparse.Namespace) -> int:
     from tandem.engine.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, seed=args.seed)
+                            top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                            presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                            stop=args.stop, ignore_eos=args.ignore_eos, seed=args.seed)
     if args.threads:
         torch.set_num_threads(args.threads)
     packed = args.weights == "packed"

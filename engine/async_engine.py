@@ -10,6 +10,7 @@ request the same way.
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
 from dataclasses import dataclass
@@ -18,6 +19,8 @@ from typing import AsyncIterator, Callable, Sequence as Seq
 from tandem.engine.llm_engine import EngineStats, LLMEngine
 from tandem.engine.output_processor import RequestOutput
 from tandem.engine.sampling_params import SamplingParams
+
+_log = logging.getLogger(__name__)
 
 
 class EngineDeadError(RuntimeError):
@@ -150,6 +153,8 @@ class AsyncEngine:
                 while not self._commands.empty():
                     self._commands.get()()
                 if not self.engine.has_unfinished_requests():
+                    if self.engine.config.check_integrity:  # debug mode: verify KV ownership while idle
+                        self.engine.check_integrity()
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
                     continue
@@ -159,9 +164,9 @@ class AsyncEngine:
                     self._deliver(output.request_id, output, final=output.finished)
         except BaseException as e:  # a bug or a device error: fail every stream loudly, never hang them
             self._error = e
+            _log.exception("the engine thread failed; every open request is ended with EngineDeadError")
             for request_id in list(self._streams):
                 self._deliver(request_id, EngineDeadError(f"the engine failed: {e!r}"), final=True)
-            raise
         finally:
             while not self._commands.empty():
                 self._commands.get()()

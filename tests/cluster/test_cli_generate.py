@@ -37,6 +37,15 @@ def test_json_contract_matches_the_engine(capsys, embedded, embedded_generator):
         assert len(result["token_ids"]) == 12
 
 
+def test_stop_text_ends_the_output_before_it(capsys, embedded_generator, embedded):
+    full = _run_json(capsys, "--prompt", "The capital of France is", "--max-tokens", "16", "--ignore-eos")
+    stop = full["text"][6:10]
+    cut = full["text"].index(stop)
+    result = _run_json(capsys, "--prompt", "The capital of France is", "--max-tokens", "16", "--ignore-eos",
+                       "--stop", stop)
+    assert result["text"] == full["text"][:cut] and result["finish_reason"] == "stop"
+
+
 def test_seeded_sampling_is_reproducible_and_differs_from_greedy(capsys):
     args = ("--prompt", "Once upon a time", "--max-tokens", "16", "--temperature", "1.2", "--top-p", "0.95",
             "--top-k", "50")
@@ -62,6 +71,8 @@ def test_streaming_prints_the_same_text(capsys, embedded, embedded_generator):
     (["--prompt", "x", "--temperature", "-1"], "temperature must be >= 0"),
     (["--prompt", "x", "--max-tokens", "9000"], "exceeds the maximum context length 8192"),
     (["--prompt", ""], "the prompt is empty"),
+    (["--prompt", "x", "--min-p", "2"], "min_p must be in"),
+    (["--prompt", "x", "--stop", ""], "stop"),
 ])
 def test_bad_flags_exit_2_with_a_message(capsys, flags, message):
     assert main(["generate", *flags]) == 2

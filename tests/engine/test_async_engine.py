@@ -136,3 +136,41 @@ def test_thousand_request_soak_with_random_aborts_ends_with_no_blocks_in_use(tin
     engine.check_integrity()
     assert engine.stats().num_blocks_in_use == 0 and not engine.has_unfinished_requests()
     assert stats.num_preemptions > 0  # the small pool forced some
+
+
+def test_stop_ends_open_streams_as_aborted_and_frees_their_blocks(tiny_llama):
+    engine = make(tiny_llama)
+
+    async def main():
+        server = AsyncEngine(engine)
+        server.start()
+        stream = server.generate("long", [5, 6, 7], SamplingParams(max_tokens=200, ignore_eos=True))
+        first = await stream.__anext__()
+        await server.stop()
+        rest = [o async for o in stream]
+        return first, rest
+
+    first, rest = asyncio.run(main())
+    assert first.token_ids and rest[-1].finish_reason == "abort" and rest[-1].finished
+    assert engine.stats().num_blocks_in_use == 0
+
+
+def test_an_engine_failure_reaches_every_stream_and_refuses_new_requests(tiny_llama):
+    from tandem.engine.async_engine import EngineDeadError
+
+    engine = make(tiny_llama)
+
+    def broken(_schedule):
+        raise RuntimeError("device lost")
+
+    engine.runner.execute_step = broken
+
+    async def main():
+        async with AsyncEngine(engine) as server:
+            with pytest.raises(EngineDeadError, match="device lost"):
+                async for _ in server.generate("a", [5, 6], SamplingParams(max_tokens=4)):
+                    pass
+            with pytest.raises(EngineDeadError, match="device lost"):
+                server.add_request("b", [5, 6], SamplingParams(max_tokens=4))
+
+    asyncio.run(main())
