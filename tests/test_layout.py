@@ -28,3 +28,16 @@ def test_every_package_is_listed_in_pyproject():
 
 def test_ci_runs_make_test():
     assert "make test" in (ROOT / ".ci" / "run").read_text()
+
+
+def test_engine_policy_code_never_imports_torch():
+    """STYLE.md: block pool, prefix cache, scheduler and request state are plain Python."""
+    import subprocess
+    import sys
+
+    policy = ["block_pool", "prefix_cache", "kv_cache_manager", "kv_events", "request", "scheduler",
+              "scheduler_output", "sampling_params", "stop_strings", "engine_config"]
+    code = ("import sys\n" + "".join(f"import tandem.engine.{m}\n" for m in policy)
+            + "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
