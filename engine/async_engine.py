@@ -111,8 +111,8 @@ class AsyncEngine:
         if self._thread is None or self._error is not None:
             self._streams.pop(request_id, None)
             return
-        done = asyncio.get_running_loop().create_future()
         loop = asyncio.get_running_loop()
+        done = loop.create_future()
 
         def abort() -> None:
             for output in self.engine.abort_request(request_id):

@@ -56,7 +56,7 @@ class EngineConfig:
 
 def available_memory_bytes(device) -> int:
     """Free memory the KV cache may take: free device memory on CUDA, MemAvailable of the host otherwise."""
-    import torch
+    import torch  # here, not at the top: the rest of this module is policy and stays torch-free
 
     device = torch.device(device)
     if device.type == "cuda":

@@ -84,8 +84,10 @@ class LLMEngine:
         fit); nothing is queued then. A request without a seed gets a random one, so its output still does
         not depend on the batch it lands in or on preemption."""
         self.validate(prompt_token_ids, params)
-        base = params.seed if params.seed is not None else secrets.randbits(63)
-        seeds = [base + i if params.seed is not None else secrets.randbits(63) for i in range(params.n)]
+        if params.seed is not None:
+            seeds = [params.seed + i for i in range(params.n)]
+        else:
+            seeds = [secrets.randbits(63) for _ in range(params.n)]
         seq = Sequence(f"{request_id}#0", request_id, 0, tuple(int(t) for t in prompt_token_ids), params, seeds[0],
                        priority, self._arrivals, cache_salt, self.config.block_size, fork_seeds=tuple(seeds[1:]))
         self.scheduler.add(seq)

@@ -40,8 +40,11 @@ class _SeqState:
     seed: int
 
     def sample_request(self) -> SampleRequest:
-        outputs = self.token_ids[self.num_prompt_tokens:]
-        return SampleRequest(self.params, self.seed, len(outputs), self.token_ids[:self.num_prompt_tokens], outputs)
+        step = len(self.token_ids) - self.num_prompt_tokens
+        if not self.params.has_penalties:  # only penalties read the history: skip copying it every step
+            return SampleRequest(self.params, self.seed, step, (), ())
+        return SampleRequest(self.params, self.seed, step, self.token_ids[:self.num_prompt_tokens],
+                             self.token_ids[self.num_prompt_tokens:])
 
 
 class ModelRunner:

@@ -82,8 +82,8 @@ class OutputProcessor:
         """The last outputs of an aborted request's unfinished samples; the last one says the request finished
         (samples not forked yet never produce output)."""
         outputs = [self._output(seq, (), "", None, RequestStatus.FINISHED_ABORTED) for seq in seqs]
-        self._samples_left.pop(seqs[0].request_id, None) if seqs else None
-        if outputs and not outputs[-1].finished:
+        if outputs:
+            self._samples_left.pop(seqs[0].request_id, None)
             outputs[-1] = replace(outputs[-1], finished=True)
         return outputs
 

@@ -8,6 +8,7 @@ is reserved for sequences whose KV arrives by transfer (kv_transfer, a later lay
 
 from __future__ import annotations
 
+import copy
 import enum
 from dataclasses import dataclass
 from typing import Sequence as Seq
@@ -98,14 +99,14 @@ class Sequence:
             extend_block_hashes(self.block_hashes, self._tokens, self.block_size, self.cache_salt, self.hasher)
 
     def fork(self, index: int, seq_id: str, seed: int) -> Sequence:
-        """A new sample of the same request at the same point (same tokens, same computed count)."""
-        child = Sequence(seq_id, self.request_id, index, self.prompt_token_ids, self.params, seed, self.priority,
-                         self.arrival, self.cache_salt, self.block_size, self.hasher)
-        for token in self.output_token_ids:
-            child.append_token(token)
-        child.status = self.status
-        child.num_computed_tokens = self.num_computed_tokens
-        child.num_cached_tokens = self.num_cached_tokens
+        """A new sample of the same request at the same point: same tokens, hashes and computed count (copied,
+        not recomputed), its own seed and no forks of its own."""
+        child = copy.copy(self)
+        child.seq_id, child.index, child.seed, child.fork_seeds = seq_id, index, seed, ()
+        child.output_token_ids = list(self.output_token_ids)
+        child.block_hashes = list(self.block_hashes)
+        child._tokens = list(self._tokens)
+        child.num_preemptions = 0
         return child
 
 

@@ -32,7 +32,8 @@ class SampleRequest:
 
     seed is always set (the engine draws a random one for requests without params.seed). step is the index of
     the token being sampled in this sequence's output (0 = first generated token). output_token_ids are the
-    tokens generated so far (normally step of them).
+    tokens generated so far (normally step of them). Only penalties read the two histories: callers may pass
+    empty ones for rows without penalties.
     """
 
     params: SamplingParams

@@ -227,13 +227,10 @@ class Scheduler:
                 table = tuple(self.kv.block_table(seq_id)) if allocation.replaced else None
                 cached.append(CachedSequenceData(seq_id, seq.num_computed_tokens, allocation.new_blocks, table))
             if seq.fork_seeds and seq.num_computed_tokens + count == seq.num_tokens:
-                forks.extend(ForkData(seq_id, self._child_id(seq, i + 1), s) for i, s in enumerate(seq.fork_seeds))
+                forks.extend(ForkData(seq_id, f"{seq.request_id}#{i}", i, s)
+                             for i, s in enumerate(seq.fork_seeds, start=1))
         dropped, self._dropped = frozenset(self._dropped), set()
         return SchedulerOutput(tuple(new), tuple(cached), scheduled, tuple(forks), tuple(copies), dropped)
-
-    @staticmethod
-    def _child_id(seq: Sequence, index: int) -> str:
-        return f"{seq.request_id}#{index}"
 
     def update(self, output: SchedulerOutput, result: RunnerOutput) -> list[SeqUpdate]:
         """Applies a finished step: advances computed counts, caches newly full blocks, forks samples,
@@ -249,7 +246,7 @@ class Scheduler:
             parent = self.seqs.get(fork.parent_id)
             if parent is None:
                 continue
-            child = parent.fork(int(fork.child_id.rsplit("#", 1)[1]), fork.child_id, fork.seed)
+            child = parent.fork(fork.index, fork.child_id, fork.seed)
             self.kv.fork(parent, child)
             self.seqs[child.seq_id] = child
             self._by_request[child.request_id].append(child.seq_id)

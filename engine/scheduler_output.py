@@ -49,6 +49,7 @@ class ForkData:
 
     parent_id: str
     child_id: str
+    index: int  # the child's sample index within its request
     seed: int
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
@@ -24,6 +24,8 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] int64
     seq_lens_tensor: torch.Tensor  # [num_seqs] int64
     block_size: int
+    # Index tensors every layer of a step shares, computed by the first layer that asks (see the methods below).
+    _per_step: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def num_seqs(self) -> int:
@@ -32,6 +34,30 @@ class AttentionMetadata:
     @property
     def is_decode_only(self) -> bool:
         return self.query_start_loc[-1] == self.num_seqs
+
+    def kv_rows(self, num_kv_heads: int) -> torch.Tensor:
+        """[num_tokens * num_kv_heads] rows of one layer's head-major K (or V) cache, viewed as
+        [num_blocks * num_kv_heads * block_size, head_dim], that the new tokens' heads are written to, in
+        (token, head) order."""
+        key = ("kv_rows", num_kv_heads)
+        if key not in self._per_step:
+            bs, slots = self.block_size, self.slot_mapping
+            heads = torch.arange(num_kv_heads, device=slots.device) * bs
+            self._per_step[key] = ((slots // bs) * (num_kv_heads * bs) + slots % bs)[:, None].add(heads).view(-1)
+        return self._per_step[key]
+
+    def decode_hidden(self, window: int | None) -> torch.Tensor:
+        """For a decode-only batch: bool [num_seqs, max(seq_lens)], True where a key position is not visible to
+        the sequence's query (padding past its length, or outside a sliding window)."""
+        key = ("decode_hidden", window)
+        if key not in self._per_step:
+            kpos = torch.arange(max(self.seq_lens), device=self.seq_lens_tensor.device)[None, :]
+            qpos = self.seq_lens_tensor[:, None] - 1
+            hidden = kpos > qpos
+            if window is not None:
+                hidden |= qpos - kpos >= window
+            self._per_step[key] = hidden
+        return self._per_step[key]
 
     @classmethod
     def build(

@@ -18,13 +18,11 @@ class TorchAttentionBackend:
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor, meta: AttentionMetadata) -> None:
         """Stores new K/V ([T, Hk, D]) into one layer's cache kv at meta.slot_mapping."""
-        hk, bs, d = kv.shape[2], kv.shape[3], kv.shape[4]
-        slots = meta.slot_mapping
-        # Row of (token t, head h) in the cache viewed as [num_blocks * Hk * block_size, D].
-        rows = ((slots // bs) * (hk * bs) + slots % bs)[:, None] + torch.arange(hk, device=slots.device) * bs
+        d = kv.shape[4]
+        rows = meta.kv_rows(kv.shape[2])
         flat = kv.view(2, -1, d)
-        flat[0].index_copy_(0, rows.view(-1), k.reshape(-1, d))
-        flat[1].index_copy_(0, rows.view(-1), v.reshape(-1, d))
+        flat[0].index_copy_(0, rows, k.reshape(-1, d))
+        flat[1].index_copy_(0, rows, v.reshape(-1, d))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor,
                 meta: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
@@ -53,12 +51,7 @@ class TorchAttentionBackend:
                         .view(b, hk, nblocks * bs, d)[:, :, :max_len] for i in (0, 1))
         grouped = q.view(b, hk, q.shape[1] // hk, d)  # query heads of one KV head are adjacent
         scores = torch.matmul(grouped, keys.transpose(-1, -2)).mul_(scale)  # [B, Hk, group, S]
-        kpos = torch.arange(max_len, device=q.device)
-        qpos = meta.seq_lens_tensor[:, None] - 1
-        hidden = kpos[None, :] > qpos
-        if window is not None:
-            hidden |= qpos - kpos[None, :] >= window
-        scores.masked_fill_(hidden[:, None, None, :], float("-inf"))
+        scores.masked_fill_(meta.decode_hidden(window)[:, None, None, :], float("-inf"))
         out = torch.matmul(torch.softmax(scores, dim=-1), values)
         return out.reshape(b, q.shape[1], d)
 

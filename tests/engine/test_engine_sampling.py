@@ -66,17 +66,12 @@ def test_stop_strings_end_the_output_before_them_across_token_boundaries(embedde
     assert stopped.token_ids == full.token_ids[:len(stopped.token_ids)] and len(stopped.token_ids) < 24
 
 
-def test_logprobs_match_the_model_distribution(embedded):
+def test_logprobs_match_the_model_distribution(embedded, embedded_generator):
     prompt = embedded.tokenizer.encode("One, two, three,")
     out = run_one(embedded, prompt, SamplingParams(max_tokens=3, temperature=0, logprobs=5, ignore_eos=True))[0]
     assert len(out.logprobs) == 3
     first = out.logprobs[0]
-    engine = make(embedded)
-    from tandem.engine.model_runner import SequenceChunk
-
-    blocks = tuple(range(engine.kv_manager.blocks_for(len(prompt))))
-    logits = engine.runner.execute([SequenceChunk(tuple(prompt), 0, blocks)])[0]
-    reference = torch.log_softmax(logits, -1)
+    reference = torch.log_softmax(embedded_generator.prompt_logits(prompt), -1)
     top = torch.topk(reference, 5)
     assert [t for t, _ in first.top_logprobs] == top.indices.tolist()
     assert first.token_id == top.indices[0].item()  # greedy picks the most likely

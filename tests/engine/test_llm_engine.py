@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import defaultdict
+
 import pytest
 
 from tandem.engine.engine_config import EngineConfig
@@ -9,7 +11,7 @@ from tandem.engine.kv_events import BlockStored, KVEventRecorder
 from tandem.engine.llm_engine import LLMEngine, RequestRejectedError
 from tandem.engine.sampling_params import SamplingParams
 
-from tests.engine.engine_helpers import collect, run_all
+from tests.engine.engine_helpers import Completion, collect, run_all
 
 TEXTS = [
     "Once upon a time", "The capital of France is", "def fibonacci(n):", "Water boils at",
@@ -48,11 +50,6 @@ def requests(embedded):
 def test_sixteen_requests_batched_equal_each_run_alone(embedded, requests):
     engine = engine_for(embedded, max_num_batched_tokens=48, check_integrity=True)
     arrivals = {rid: i // 4 * 3 for i, (rid, _, _) in enumerate(requests)}  # four join every third step
-    done: dict = {}
-    from collections import defaultdict
-
-    from tests.engine.engine_helpers import Completion
-
     done = defaultdict(Completion)
     step = 0
     while step <= max(arrivals.values()) or engine.has_unfinished_requests():
