@@ -7,12 +7,13 @@ import json
 import sys
 from typing import Sequence
 
-from tandem.engine.errors import TandemError
+from tandem.engine.errors import ReplicaFailedError, TandemError
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("generate", help="run the model in this process on one prompt",
-                       description="Generate text in one process. Streams text, or prints one JSON object (--json).")
+    p = sub.add_parser("generate", help="run the model on one prompt, in this process or across --tp/--pp/--ep",
+                       description="Generate text with one replica: in this process, or split over tp x pp x ep "
+                                   "processes on this machine. Streams text, or prints one JSON object (--json).")
     p.add_argument("--model", default=None,
                    help="Hugging Face folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
     what = p.add_mutually_exclusive_group(required=True)
@@ -35,7 +36,12 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--weights", choices=["dense", "packed"], default="dense",
                    help="dense: expand every weight to --dtype; packed: keep a GGUF file's Q4_0/Q4_1 weights "
                         "4-bit on the CPU (bfloat16 compute, ~4x less weight memory)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice; split "
+                   "over the ranks when the replica spans processes)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (attention by KV heads, MLP by columns)")
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages (layers split evenly)")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (MoE models)")
+    p.add_argument("--verbose", action="store_true", help="print the replica layout (which rank holds what)")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object: text, token_ids, prompt_token_ids, finish_reason, timings")
     p.set_defaults(func=_generate)
@@ -46,6 +52,7 @@ def _generate(args: argparse.Namespace) -> int:
 
     from tandem.engine.generator import Generator
     from tandem.engine.loader import load_model
+    from tandem.engine.parallel import ParallelConfig
     from tandem.engine.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
@@ -58,7 +65,12 @@ def _generate(args: argparse.Namespace) -> int:
     dtype = args.dtype or ("bfloat16" if packed else "float32")
     if packed and dtype != "bfloat16":
         raise ValueError("--weights packed computes in bfloat16; drop --dtype or pass --dtype bfloat16")
-    loaded = load_model(args.model, dtype=getattr(torch, dtype), progress=sys.stderr.isatty(), packed=packed)
+    parallel = ParallelConfig(tp=args.tp, pp=args.pp, ep=args.ep)
+    if packed and parallel.world_size > 1:
+        raise ValueError("--weights packed runs in one process; drop it to split the model with --tp/--pp/--ep")
+    # A replica over several processes: the ranks load their own shards, this process only the tokenizer.
+    loaded = load_model(args.model, dtype=getattr(torch, dtype), progress=sys.stderr.isatty(), packed=packed,
+                        weights=parallel.world_size == 1)
     tokenizer = loaded.tokenizer
     if args.chat is not None:
         prompt_ids = tokenizer.encode_chat([{"role": "user", "content": args.chat}])
@@ -68,8 +80,14 @@ def _generate(args: argparse.Namespace) -> int:
     # longer than the model's context is still rejected by the generator with the model's limit in the message.
     needed = len(prompt_ids) + params.max_tokens
     context = loaded.config.max_position_embeddings
-    generator = Generator(loaded, max_model_len=needed if needed <= context else context)
-    if args.json:
+    with Generator(loaded, max_model_len=needed if needed <= context else context, parallel=parallel) as generator:
+        if args.verbose:
+            print("\n".join(generator.engine.layout.describe()), file=sys.stderr)
+        return _run(generator, prompt_ids, params, args.json)
+
+
+def _run(generator, prompt_ids: list[int], params, as_json: bool) -> int:
+    if as_json:
         result = generator.generate(prompt_ids, params)
         t = result.timings
         print(json.dumps({
@@ -102,6 +120,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
+    except ReplicaFailedError as e:
+        print(f"tandem: error: {e}", file=sys.stderr)
+        return 1
     except (TandemError, ValueError) as e:
         print(f"tandem: error: {e}", file=sys.stderr)
         return 2

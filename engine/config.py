@@ -9,11 +9,14 @@ from typing import Any, Mapping
 
 from tandem.engine.errors import ModelLoadError, UnsupportedModelError
 
-# Hugging Face architecture name -> model_type. All of them run on `engine/models/llama.py`.
+# Hugging Face architecture name -> model_type. All of them run on `engine/models/llama.py` (the MoE ones with
+# `engine/models/moe.py` in place of the MLP).
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
 }
 ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -28,6 +31,22 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Mixture-of-experts MLPs. sparse_layers[i] is True where layer i routes to experts (else a dense MLP of
+    ModelConfig.intermediate_size). Routing: softmax over num_experts, top_k, then renormalized to sum 1 when
+    renormalize (Mixtral always; Qwen-MoE when norm_topk_prob). A shared expert (Qwen-MoE) of
+    shared_intermediate_size columns runs on every token, scaled by sigmoid(shared gate)."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    renormalize: bool
+    sparse_layers: tuple[bool, ...]
+    shared_intermediate_size: int = 0
+    weights_in_float: bool = False  # Mixtral keeps routing weights in float32; Qwen-MoE casts them to the model's
 
 
 @dataclass(frozen=True)
@@ -53,6 +72,7 @@ class ModelConfig:
     sliding_windows: tuple[int | None, ...] = ()
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    moe: MoEConfig | None = None
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -74,6 +94,14 @@ class ModelConfig:
             raise UnsupportedModelError(
                 f"rope scaling {self.rope.rope_type!r} is not supported; supported: {', '.join(ROPE_TYPES)}"
             )
+        if self.moe is not None:
+            m = self.moe
+            if not 0 < m.top_k <= m.num_experts or m.intermediate_size <= 0:
+                raise ModelLoadError(f"model config: {m.num_experts} experts with top_k={m.top_k} and expert "
+                                     f"intermediate size {m.intermediate_size} is not a valid MoE")
+            if len(m.sparse_layers) != self.num_layers:
+                raise ModelLoadError(f"model config: {len(m.sparse_layers)} MoE layer flags for {self.num_layers} "
+                                     "layers")
         if not self.sliding_windows:
             object.__setattr__(self, "sliding_windows", (None,) * self.num_layers)
         elif len(self.sliding_windows) != self.num_layers:
@@ -87,6 +115,10 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    @property
+    def num_experts(self) -> int:
+        return self.moe.num_experts if self.moe else 0
 
 
 def read_json_file(path: Path) -> dict[str, Any]:
@@ -120,7 +152,7 @@ def _rope_from_hf(cfg: Mapping[str, Any]) -> RopeConfig:
 
 def _sliding_windows(cfg: Mapping[str, Any], model_type: str, num_layers: int) -> tuple[int | None, ...]:
     window = cfg.get("sliding_window")
-    if model_type == "qwen2" and not cfg.get("use_sliding_window", False):
+    if model_type in ("qwen2", "qwen2_moe") and not cfg.get("use_sliding_window", False):
         window = None
     if not window:
         return (None,) * num_layers
@@ -139,6 +171,23 @@ def _as_ids(value: Any) -> tuple[int, ...]:
     if isinstance(value, int):
         return (value,)
     return tuple(int(v) for v in value)
+
+
+def _moe_from_hf(cfg: Mapping[str, Any], model_type: str, num_layers: int) -> MoEConfig | None:
+    if model_type == "mixtral":
+        return MoEConfig(num_experts=int(cfg["num_local_experts"]), top_k=int(cfg["num_experts_per_tok"]),
+                         intermediate_size=int(cfg["intermediate_size"]), renormalize=True,
+                         sparse_layers=(True,) * num_layers, weights_in_float=True)
+    if model_type == "qwen2_moe":
+        experts = int(cfg["num_experts"])
+        step = int(cfg.get("decoder_sparse_step", 1)) or 1
+        dense = set(cfg.get("mlp_only_layers") or ())
+        sparse = tuple(i not in dense and experts > 0 and (i + 1) % step == 0 for i in range(num_layers))
+        return MoEConfig(num_experts=experts, top_k=int(cfg["num_experts_per_tok"]),
+                         intermediate_size=int(cfg["moe_intermediate_size"]),
+                         renormalize=bool(cfg.get("norm_topk_prob", False)), sparse_layers=sparse,
+                         shared_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0))
+    return None
 
 
 def model_config_from_hf(cfg: Mapping[str, Any]) -> ModelConfig:
@@ -177,12 +226,14 @@ def model_config_from_hf(cfg: Mapping[str, Any]) -> ModelConfig:
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             rope=_rope_from_hf(cfg),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
-            o_bias=model_type != "qwen2" and bool(cfg.get("attention_bias", False)),
+            qkv_bias=(model_type == "qwen2" or (model_type == "qwen2_moe" and cfg.get("qkv_bias", True))
+                      or bool(cfg.get("attention_bias", False))),
+            o_bias=model_type not in ("qwen2", "qwen2_moe") and bool(cfg.get("attention_bias", False)),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             sliding_windows=_sliding_windows(cfg, model_type, num_layers),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=_as_ids(cfg.get("eos_token_id")),
+            moe=_moe_from_hf(cfg, model_type, num_layers),
         )
     except KeyError as e:
         raise ModelLoadError(f"config.json is missing the required key {e.args[0]!r}") from None

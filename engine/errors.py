@@ -11,3 +11,7 @@ class ModelLoadError(TandemError, ValueError):
 
 class UnsupportedModelError(ModelLoadError):
     """The model is well formed but uses an architecture or feature tandem does not implement."""
+
+
+class ReplicaFailedError(TandemError, RuntimeError):
+    """A rank of a replica that spans processes died or raised; the replica has been shut down."""

@@ -19,6 +19,7 @@ from tandem.engine.engine_config import EngineConfig
 from tandem.engine.llm_engine import LLMEngine, RequestRejectedError
 from tandem.engine.loader import LoadedModel
 from tandem.engine.model_runner import SequenceChunk
+from tandem.engine.parallel import ParallelConfig
 from tandem.engine.sampling_params import SamplingParams
 
 __all__ = ["GenerationResult", "GenerationStep", "Generator", "RequestRejectedError", "Timings"]
@@ -51,18 +52,32 @@ class GenerationResult:
 
 
 class Generator:
-    def __init__(self, loaded: LoadedModel, *, block_size: int = 16, max_model_len: int | None = None):
+    def __init__(self, loaded: LoadedModel, *, block_size: int = 16, max_model_len: int | None = None,
+                 parallel: ParallelConfig = ParallelConfig()):
+        """parallel: split the model over processes (loaded may then hold no weights); close() stops them."""
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
         context = loaded.config.max_position_embeddings
         self.max_model_len = min(max_model_len or context, context)
+        start = time.perf_counter()
         self.engine = LLMEngine(loaded, EngineConfig(
             block_size=block_size, num_kv_blocks=-(-self.max_model_len // block_size),
             max_model_len=self.max_model_len, max_num_batched_tokens=self.max_model_len, max_num_seqs=1,
-            enable_prefix_caching=False))
+            enable_prefix_caching=False), parallel=parallel)
         self.runner = self.engine.runner
-        self.last_timings = Timings(load=loaded.load_seconds)
+        # Load time includes starting the ranks (and their loading their shards) for a multi-process replica.
+        self.load_seconds = loaded.load_seconds + time.perf_counter() - start
+        self.last_timings = Timings(load=self.load_seconds)
         self._ids = itertools.count()
+
+    def close(self) -> None:
+        self.engine.shutdown()
+
+    def __enter__(self) -> Generator:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     @property
     def block_pool(self) -> BlockPool:
@@ -74,7 +89,7 @@ class Generator:
             raise ValueError("the generator runs one sample (n=1); use the engine for n > 1")
         request_id = f"gen-{next(self._ids)}"
         self.engine.add_request(request_id, prompt_ids, params)
-        timings = self.last_timings = Timings(load=self.loaded.load_seconds)
+        timings = self.last_timings = Timings(load=self.load_seconds)
         start = time.perf_counter()
         try:
             while self.engine.has_unfinished_requests():

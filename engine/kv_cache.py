@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -32,11 +33,16 @@ class PagedKVCache:
     attention/torch_ref.py). One tensor, so it registers once for transfer."""
 
     def __init__(self, spec: KVCacheSpec, device: torch.device | str = "cpu"):
+        """The store starts zeroed. Attention reads slots no token has written yet (the tail of a sequence's
+        last block, padding) and masks them with zero weights, and 0 * NaN is NaN: left-over heap memory can
+        hold NaN. On the CPU the zeros come from calloc, so the pages stay untouched until first written."""
         self.spec = spec
-        self.data = torch.empty(
-            (spec.num_layers, 2, spec.num_blocks, spec.num_kv_heads, spec.block_size, spec.head_dim),
-            dtype=spec.dtype, device=device,
-        )
+        shape = (spec.num_layers, 2, spec.num_blocks, spec.num_kv_heads, spec.block_size, spec.head_dim)
+        if torch.device(device).type == "cpu":
+            nbytes = spec.bytes_per_block * spec.num_blocks
+            self.data = torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(spec.dtype).view(shape)
+        else:
+            self.data = torch.zeros(shape, dtype=spec.dtype, device=device)
 
     def layer(self, index: int) -> torch.Tensor:
         """One layer's cache, a view [2, num_blocks, num_kv_heads, block_size, head_dim]: K at 0, V at 1."""

@@ -4,6 +4,11 @@ A step: the scheduler picks the batch (scheduler.py), the runner computes and sa
 the result (tokens, stop tokens, lengths, caching), the output processor turns tokens into text deltas and
 catches stop strings. add_request validates at once and raises before anything is queued; abort_request frees
 the request's blocks immediately. This class is synchronous; engine/async_engine.py runs it on a thread.
+
+With a ParallelConfig of more than one rank the model runs in separate processes (engine/parallel/): the
+scheduler stays here and a MultiprocExecutor takes the runner's place. Every rank's KV cache has the same
+number of blocks (block ids are global), each holding only that rank's layers and KV heads. Call shutdown()
+(or use the engine as a context manager) to stop the ranks.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from tandem.engine.kv_cache_manager import KVCacheManager
 from tandem.engine.kv_events import KVEventSink, discard_events
 from tandem.engine.loader import LoadedModel
 from tandem.engine.model_runner import ModelRunner
+from tandem.engine.parallel.layout import ParallelConfig, ReplicaLayout
 from tandem.engine.output_processor import OutputProcessor, RequestOutput
 from tandem.engine.request import RequestStatus, Sequence
 from tandem.engine.sampling_params import SamplingParams
@@ -35,7 +41,9 @@ class EngineStats(SchedulerStats):
 
 class LLMEngine:
     def __init__(self, loaded: LoadedModel, config: EngineConfig = EngineConfig(), *,
-                 event_sink: KVEventSink = discard_events):
+                 event_sink: KVEventSink = discard_events, parallel: ParallelConfig = ParallelConfig()):
+        """loaded.model may be None (weights=False) when parallel spans more than one rank. Raises ValueError
+        for a split the model cannot take, ReplicaFailedError if a rank fails to start."""
         self.loaded = loaded
         self.config = config
         self.tokenizer = loaded.tokenizer
@@ -44,15 +52,35 @@ class LLMEngine:
         if max_len > model_config.max_position_embeddings:
             raise ValueError(f"max_model_len {max_len} exceeds the model's context "
                              f"({model_config.max_position_embeddings})")
-        device = loaded.model.device
-        probe = KVCacheSpec(model_config.num_layers, 1, config.block_size, model_config.num_kv_heads,
-                            model_config.head_dim, loaded.model.dtype)
-        num_blocks = config.num_blocks(probe.bytes_per_block, available_memory_bytes(device),
-                                       torch.device(device).type == "cuda")
-        spec = KVCacheSpec(model_config.num_layers, num_blocks, config.block_size, model_config.num_kv_heads,
-                           model_config.head_dim, loaded.model.dtype)
-        self.kv_cache_spec = spec
-        self.runner = ModelRunner(loaded.model, PagedKVCache(spec, device))
+        device = loaded.device
+        self.layout = ReplicaLayout.build(parallel, num_layers=model_config.num_layers,
+                                          num_heads=model_config.num_heads, num_kv_heads=model_config.num_kv_heads,
+                                          num_experts=model_config.num_experts)
+        # The largest rank share of one block (its layers x its KV heads) sets how many blocks the budget buys.
+        shares = [self.layout.shard(r) for r in range(self.layout.world_size)]
+        largest = max(shares, key=lambda s: len(s.layers) * len(s.kv_heads))
+        probe = KVCacheSpec(len(largest.layers), 1, config.block_size, len(largest.kv_heads), model_config.head_dim,
+                            loaded.dtype)
+        ranks_here = self.layout.world_size  # every rank of a spawned replica shares this host's memory
+        num_blocks = config.num_blocks(probe.bytes_per_block, available_memory_bytes(device) // ranks_here,
+                                       device.type == "cuda")
+        self.kv_cache_spec = KVCacheSpec(model_config.num_layers, num_blocks, config.block_size,
+                                         model_config.num_kv_heads, model_config.head_dim, loaded.dtype)
+        if self.layout.world_size == 1:
+            if loaded.model is None:
+                raise ValueError("a single-process engine needs the model's weights (load_model(weights=True))")
+            self.runner = ModelRunner(loaded.model, PagedKVCache(self.kv_cache_spec, device))
+        else:
+            from tandem.engine.parallel.executor import MultiprocExecutor, free_port
+            from tandem.engine.parallel.worker import WorkerSpec
+
+            threads = max(1, torch.get_num_threads() // self.layout.world_size)
+            self.runner = MultiprocExecutor(WorkerSpec(
+                model_path=str(loaded.source), dtype=str(loaded.dtype).removeprefix("torch."), device=str(device),
+                layout=self.layout, num_kv_blocks=num_blocks, block_size=config.block_size,
+                max_positions=model_config.max_position_embeddings,
+                init_method=f"tcp://127.0.0.1:{free_port()}", timeout_s=parallel.collective_timeout_s,
+                threads=threads, micro_batches=parallel.num_micro_batches))
         self.kv_manager = KVCacheManager(num_blocks, config.block_size,
                                          enable_prefix_caching=config.enable_prefix_caching, event_sink=event_sink)
         self.scheduler = Scheduler(
@@ -123,3 +151,14 @@ class LLMEngine:
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
+
+    def shutdown(self) -> None:
+        """Stops the ranks of a multi-process replica (nothing to do in one process). Idempotent."""
+        if hasattr(self.runner, "shutdown"):
+            self.runner.shutdown()
+
+    def __enter__(self) -> LLMEngine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()

@@ -3,13 +3,19 @@
 The runner owns no policy. Which tokens to compute and which KV blocks hold them arrive either as SequenceChunk
 objects (execute: single-request generation, tests) or as a SchedulerOutput (execute_step: the engine). For the
 engine it keeps a mirror of each scheduled sequence (tokens, block table, sampling settings) that the scheduler
-updates with diffs, the split the scheduler/worker boundary will keep when ranks live in other processes.
+updates with diffs, the split the scheduler/worker boundary keeps when ranks live in other processes.
+
+In a replica of several ranks (engine/parallel/) every rank runs a ModelRunner on the same SchedulerOutput. Only
+the sampler rank (the last stage's first) computes logits and samples; the others learn the sampled tokens with
+the next step (execute_step's `prev_tokens`). With pipeline stages a step's sequences are cut into micro-batches:
+a stage sends micro-batch i on and starts i + 1 while the next stage works on i.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Mapping, Sequence
 
 import torch
 
@@ -19,6 +25,9 @@ from tandem.engine.models import LlamaModel
 from tandem.engine.sampler import SampleRequest, sample_batch
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.scheduler_output import RunnerOutput, SchedulerOutput
+
+if TYPE_CHECKING:
+    from tandem.engine.parallel.comm import ParallelComm
 
 
 @dataclass(frozen=True)
@@ -47,16 +56,81 @@ class _SeqState:
                              self.token_ids[self.num_prompt_tokens:])
 
 
+@dataclass
+class RunnerTimes:
+    """Seconds since start: whole steps, and the model's forward passes inside them (a pipeline stage's idle
+    time is steps - forward - communication)."""
+
+    steps: float = 0.0
+    forward: float = 0.0
+    num_steps: int = 0
+
+
+def split_micro_batches(token_counts: Sequence[int], parts: int) -> list[range]:
+    """Cuts a batch of sequences (their token counts) into at most `parts` contiguous runs of about equal
+    tokens, none empty."""
+    parts = max(1, min(parts, len(token_counts)))
+    total, runs, start, acc = sum(token_counts), [], 0, 0
+    for i, count in enumerate(token_counts):
+        acc += count
+        left_seqs, left_runs = len(token_counts) - i - 1, parts - len(runs) - 1
+        if left_runs and (acc * parts >= total * (len(runs) + 1) or left_seqs == left_runs):
+            runs.append(range(start, i + 1))
+            start = i + 1
+    runs.append(range(start, len(token_counts)))
+    return runs
+
+
 class ModelRunner:
-    def __init__(self, model: LlamaModel, kv_cache: PagedKVCache):
+    """comm: the rank's communicators when the replica spans processes; samples: whether this rank computes
+    logits and samples (the sampler rank, or a single process)."""
+
+    def __init__(self, model: LlamaModel, kv_cache: PagedKVCache, *, comm: ParallelComm | None = None,
+                 samples: bool = True, micro_batches: int = 1):
         self.model = model
         self.kv_cache = kv_cache
         self.device = model.device
+        self.comm = comm
+        self.samples = samples
+        self.micro_batches = micro_batches if comm is not None and comm.layout.pp > 1 else 1
+        self.times = RunnerTimes()
         self._seqs: dict[str, _SeqState] = {}
 
     def execute(self, chunks: Sequence[SequenceChunk]) -> torch.Tensor:
         """Computes every chunk, writing its K/V to the cache. Returns float32 logits [len(chunks), vocab] of
-        each chunk's last token. Raises ValueError if a block table is too short."""
+        each chunk's last token. Raises ValueError if a block table is too short. Single process only."""
+        return self.model.compute_logits(self._forward(chunks))
+
+    def _forward(self, chunks: Sequence[SequenceChunk]) -> torch.Tensor | None:
+        """Runs this rank's layers over the chunks, micro-batch by micro-batch. Returns the last stage's final
+        hidden state of each chunk's last token [len(chunks), hidden]; None on the other stages."""
+        shard = self.model.shard
+        runs = split_micro_batches([len(c.token_ids) for c in chunks], self.micro_batches)
+        inputs = [self._inputs([chunks[i] for i in run]) for run in runs]
+        receives = []
+        if not shard.is_first_stage:  # post every receive now: micro-batch i + 1 arrives while i computes
+            for ids, _, _ in inputs:
+                buffer = torch.empty(ids.shape[0], self.model.config.hidden_size, dtype=self.model.dtype,
+                                     device=self.device)
+                receives.append((buffer, self.comm.recv_prev(buffer)))
+        outputs, sends = [], []
+        for i, (ids, positions, meta) in enumerate(inputs):
+            hidden = None
+            if receives:
+                hidden, work = receives[i]
+                self.comm.wait(work)
+            start = time.perf_counter()
+            out = self.model.forward(ids, positions, meta, self.kv_cache, hidden)
+            self.times.forward += time.perf_counter() - start
+            if shard.is_last_stage:
+                outputs.append(out[torch.tensor(meta.query_start_loc[1:], device=self.device) - 1])
+            else:
+                sends.append((out, self.comm.send_next(out)))
+        for _, work in sends:
+            self.comm.wait(work)
+        return torch.cat(outputs) if outputs else None
+
+    def _inputs(self, chunks: Sequence[SequenceChunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         ids = [t for c in chunks for t in c.token_ids]
         positions = [p for c in chunks for p in range(c.num_computed_tokens, c.num_computed_tokens + len(c.token_ids))]
         meta = AttentionMetadata.build(
@@ -66,19 +140,25 @@ class ModelRunner:
             block_size=self.kv_cache.spec.block_size,
             device=self.device,
         )
-        hidden = self.model.forward(
-            torch.tensor(ids, dtype=torch.int64, device=self.device),
-            torch.tensor(positions, dtype=torch.int64, device=self.device),
-            meta,
-            self.kv_cache,
-        )
-        last = torch.tensor(meta.query_start_loc[1:], device=self.device) - 1
-        return self.model.compute_logits(hidden[last])
+        return (torch.tensor(ids, dtype=torch.int64, device=self.device),
+                torch.tensor(positions, dtype=torch.int64, device=self.device), meta)
 
     @torch.inference_mode()
-    def execute_step(self, output: SchedulerOutput) -> RunnerOutput:
+    def execute_step(self, output: SchedulerOutput, prev_tokens: Mapping[str, int] | None = None) -> RunnerOutput:
         """Applies the scheduler's decisions (see scheduler_output.py for the order), runs one forward pass and
-        samples. Raises KeyError if a cached sequence was never sent in full."""
+        samples. prev_tokens: on a rank that does not sample, the tokens the sampler rank drew last step.
+        Returns an empty RunnerOutput on such ranks. Raises KeyError if a cached sequence was never sent in full."""
+        start = time.perf_counter()
+        try:
+            return self._execute_step(output, prev_tokens or {})
+        finally:
+            self.times.steps += time.perf_counter() - start
+            self.times.num_steps += 1
+
+    def _execute_step(self, output: SchedulerOutput, prev_tokens: Mapping[str, int]) -> RunnerOutput:
+        for seq_id, token_id in prev_tokens.items() if not self.samples else ():
+            if seq_id in self._seqs:
+                self._seqs[seq_id].token_ids.append(token_id)
         for seq_id in output.finished_seq_ids:
             self._seqs.pop(seq_id, None)
         for new in output.new_seqs:
@@ -102,7 +182,7 @@ class ModelRunner:
             chunks.append(SequenceChunk(tuple(state.token_ids[start:start + count]), start, tuple(state.block_ids)))
             if start + count == len(state.token_ids):
                 to_sample.append(seq_id)
-        logits = self.execute(chunks)
+        hidden = self._forward(chunks)
         row_of = {seq_id: i for i, seq_id in enumerate(output.num_scheduled_tokens)}
         rows, names = [], []
         for seq_id in to_sample:
@@ -114,10 +194,11 @@ class ModelRunner:
                                                   list(parent.block_ids), parent.params, fork.seed)
             rows.append(row_of[fork.parent_id])
             names.append(fork.child_id)
-        if not rows:
+        if not rows or not self.samples:
             return RunnerOutput()
         requests = [self._seqs[name].sample_request() for name in names]
-        sampled = sample_batch(logits[torch.tensor(rows, device=logits.device)], requests)
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        sampled = sample_batch(logits, requests)
         for name, token in zip(names, sampled):
             self._seqs[name].token_ids.append(token.token_id)
         return RunnerOutput(dict(zip(names, sampled)))

@@ -41,10 +41,12 @@ def default_model_path() -> Path:
     return path
 
 
-def load_checkpoint(path: str | Path | None = None, *, progress: bool = True, packed: bool = False) -> Checkpoint:
+def load_checkpoint(path: str | Path | None = None, *, progress: bool = True, packed: bool = False,
+                    weights: bool = True) -> Checkpoint:
     """Reads config, weights and tokenizer from `path` (a HF folder or a .gguf file; None: the embedded model).
 
     packed: keep a GGUF file's Q4_0/Q4_1 projection weights as 4-bit Int4Weight values.
+    weights: False reads only the config and tokenizer (a driver whose ranks load their own shards).
     Raises ModelLoadError with a message naming the path and the problem.
     """
     from tandem.engine.loader.gguf_file import load_gguf
@@ -57,5 +59,5 @@ def load_checkpoint(path: str | Path | None = None, *, progress: bool = True, pa
         if packed:
             raise ModelLoadError(f"{source}: packed 4-bit weights come from GGUF Q4_0/Q4_1 files; "
                                  "a Hugging Face folder has none (drop --weights packed)")
-        return load_hf_folder(source, progress=progress)
-    return load_gguf(source, progress=progress, packed=packed)
+        return load_hf_folder(source, progress=progress, weights=weights)
+    return load_gguf(source, progress=progress, packed=packed, weights=weights)

@@ -150,16 +150,18 @@ def _permute_rows(weight: torch.Tensor | Int4Weight, n_head: int) -> torch.Tenso
     return torch.from_numpy(_unpermute(weight.numpy(), n_head))
 
 
-def load_gguf(path: Path, *, progress: bool = True, packed: bool = False) -> Checkpoint:
-    """packed: keep Q4_0/Q4_1 projection weights as Int4Weight (4-bit codes) instead of dequantizing them."""
+def load_gguf(path: Path, *, progress: bool = True, packed: bool = False, weights: bool = True) -> Checkpoint:
+    """packed: keep Q4_0/Q4_1 projection weights as Int4Weight (4-bit codes) instead of dequantizing them.
+    weights: False reads only the metadata (config and tokenizer)."""
     reader = _open(path)
     meta = _metadata(reader, path)
     names = {t.name for t in reader.tensors}
     config = _config(meta, names, path)
     tokenizer = tokenizer_from_gguf(meta)
     permuted = _ARCHITECTURES[meta["general.architecture"]][1]
-    weights: dict[str, torch.Tensor] = {}
-    for t in progress_bar(reader.tensors, len(reader.tensors), f"loading {path.name}", progress):
+    tensors: dict[str, torch.Tensor] = {}
+    for t in progress_bar(reader.tensors if weights else [], len(reader.tensors), f"loading {path.name}",
+                          progress and weights):
         hf = _hf_name(t.name)
         if hf is None:
             continue
@@ -180,5 +182,5 @@ def load_gguf(path: Path, *, progress: bool = True, packed: bool = False) -> Che
             weight = _permute_rows(weight, config.num_heads)
         elif permuted and hf.endswith(("k_proj.weight", "k_proj.bias")):
             weight = _permute_rows(weight, config.num_kv_heads)
-        weights[hf] = weight
-    return Checkpoint(config=config, weights=weights, tokenizer=tokenizer, source=path)
+        tensors[hf] = weight
+    return Checkpoint(config=config, weights=tensors, tokenizer=tokenizer, source=path)

@@ -28,7 +28,7 @@ def _shard_files(folder: Path) -> list[Path]:
     return files
 
 
-def load_hf_folder(folder: Path, *, progress: bool = True) -> Checkpoint:
+def load_hf_folder(folder: Path, *, progress: bool = True, weights: bool = True) -> Checkpoint:
     config_path = folder / "config.json"
     if not config_path.is_file():
         raise ModelLoadError(f"{folder}: config.json is missing; is this a Hugging Face model folder?")
@@ -39,8 +39,10 @@ def load_hf_folder(folder: Path, *, progress: bool = True) -> Checkpoint:
     config = model_config_from_hf(raw)
     tokenizer = Tokenizer.from_folder(folder, eos_token_ids=config.eos_token_ids)
 
-    weights: dict[str, torch.Tensor] = {}
+    tensors: dict[str, torch.Tensor] = {}
     shards = _shard_files(folder)
+    if not weights:
+        return Checkpoint(config=config, weights=tensors, tokenizer=tokenizer, source=folder)
     handles = []
     for shard in shards:
         try:
@@ -50,7 +52,7 @@ def load_hf_folder(folder: Path, *, progress: bool = True) -> Checkpoint:
     keys = [(h, k, s) for h, s in zip(handles, shards) for k in h.keys()]
     for handle, key, shard in progress_bar(keys, len(keys), f"loading {folder.name}", progress):
         try:
-            weights[key] = handle.get_tensor(key).to(torch.float32)
+            tensors[key] = handle.get_tensor(key).to(torch.float32)
         except (SafetensorError, OSError, RuntimeError) as e:
             raise ModelLoadError(f"{shard}: tensor {key!r} cannot be read: {e}") from None
-    return Checkpoint(config=config, weights=weights, tokenizer=tokenizer, source=folder)
+    return Checkpoint(config=config, weights=tensors, tokenizer=tokenizer, source=folder)

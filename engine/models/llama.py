@@ -8,6 +8,7 @@ device and dtype.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -18,7 +19,39 @@ from tandem.engine.errors import ModelLoadError
 from tandem.engine.kv_cache import PagedKVCache
 from tandem.engine.models.int4 import Int4Linear, Int4Weight
 from tandem.engine.models.linear import Linear
+from tandem.engine.models.mlp import GatedMLP
+from tandem.engine.models.moe import MoEBlock
 from tandem.engine.models.rope import RotaryEmbedding
+from tandem.engine.parallel.layout import ParallelConfig, RankShard, ReplicaLayout, split_evenly
+
+if TYPE_CHECKING:
+    from tandem.engine.parallel.comm import ParallelComm
+
+
+def expert_names(config: ModelConfig, layer: int, expert: int | None) -> tuple[str, str, str]:
+    """Hugging Face names (gate, up, down, without ".weight") of one MLP: a layer's dense MLP (expert None),
+    one of its experts, or (expert -1) its shared expert."""
+    p = f"model.layers.{layer}."
+    if expert is None:
+        return p + "mlp.gate_proj", p + "mlp.up_proj", p + "mlp.down_proj"
+    if config.architecture == "MixtralForCausalLM":
+        e = p + f"block_sparse_moe.experts.{expert}."
+        return e + "w1", e + "w3", e + "w2"
+    e = p + ("mlp.shared_expert." if expert == -1 else f"mlp.experts.{expert}.")
+    return e + "gate_proj", e + "up_proj", e + "down_proj"
+
+
+def router_name(config: ModelConfig, layer: int) -> str:
+    block = "block_sparse_moe" if config.architecture == "MixtralForCausalLM" else "mlp"
+    return f"model.layers.{layer}.{block}.gate.weight"
+
+
+def _mlp_shapes(names: tuple[str, str, str], hidden: int, columns: int, bias: bool) -> dict[str, tuple[int, ...]]:
+    gate, up, down = names
+    shapes = {gate + ".weight": (columns, hidden), up + ".weight": (columns, hidden), down + ".weight": (hidden, columns)}
+    if bias:
+        shapes |= {gate + ".bias": (columns,), up + ".bias": (columns,), down + ".bias": (hidden,)}
+    return shapes
 
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -39,17 +72,22 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             p + "self_attn.k_proj.weight": (config.kv_size, h),
             p + "self_attn.v_proj.weight": (config.kv_size, h),
             p + "self_attn.o_proj.weight": (h, config.q_size),
-            p + "mlp.gate_proj.weight": (i, h),
-            p + "mlp.up_proj.weight": (i, h),
-            p + "mlp.down_proj.weight": (h, i),
         }
+        moe = config.moe
+        if moe is not None and moe.sparse_layers[n]:
+            shapes[router_name(config, n)] = (moe.num_experts, h)
+            for e in range(moe.num_experts):
+                shapes |= _mlp_shapes(expert_names(config, n, e), h, moe.intermediate_size, False)
+            if moe.shared_intermediate_size:
+                shapes |= _mlp_shapes(expert_names(config, n, -1), h, moe.shared_intermediate_size, False)
+                shapes[p + "mlp.shared_expert_gate.weight"] = (1, h)
+        else:
+            shapes |= _mlp_shapes(expert_names(config, n, None), h, i, config.mlp_bias)
         if config.qkv_bias:
             shapes |= {p + "self_attn.q_proj.bias": (config.q_size,), p + "self_attn.k_proj.bias": (config.kv_size,),
                        p + "self_attn.v_proj.bias": (config.kv_size,)}
         if config.o_bias:
             shapes[p + "self_attn.o_proj.bias"] = (h,)
-        if config.mlp_bias:
-            shapes |= {p + "mlp.gate_proj.bias": (i,), p + "mlp.up_proj.bias": (i,), p + "mlp.down_proj.bias": (h,)}
     return shapes
 
 
@@ -71,27 +109,43 @@ def check_weights(config: ModelConfig, weights: dict[str, torch.Tensor | Int4Wei
 class _Layer:
     input_norm: torch.Tensor
     post_norm: torch.Tensor
-    qkv: Linear | Int4Linear  # [hidden] -> [q + 2 kv]
+    qkv: Linear | Int4Linear  # [hidden] -> [q + 2 kv] (this rank's heads)
     o: Linear | Int4Linear
-    gate_up: Linear | Int4Linear  # [hidden] -> [2 * intermediate]
-    down: Linear | Int4Linear
+    mlp: GatedMLP | MoEBlock
     window: int | None
 
 
+def _rows(w, r: range | None):
+    return w if r is None else w[r.start:r.stop]
+
+
 class LlamaModel:
-    """A decoder whose attention reads and writes K/V through block tables into a PagedKVCache."""
+    """A decoder whose attention reads and writes K/V through block tables into a PagedKVCache.
+
+    With a RankShard it holds one rank's part of a replica (engine/parallel/layout.py): its stage's layers, its
+    query and KV heads, its share of MLP columns and its experts; `comm` all-reduces partial sums over the TP
+    group and dispatches tokens over the EP group. Without one it is the whole model.
+    """
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor | Int4Weight], *, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu", max_positions: int | None = None, source: str = "weights"):
+                 device: torch.device | str = "cpu", max_positions: int | None = None, source: str = "weights",
+                 shard: RankShard | None = None, comm: ParallelComm | None = None):
         """Consumes `weights` (entries are popped to keep peak memory low). Int4Weight entries stay packed when
-        every part of a fused projection is packed. Raises ModelLoadError on bad shapes, ValueError if packed
-        weights are combined with a dtype other than bfloat16."""
+        every part of a fused projection is packed and the rank holds the whole projection. Raises
+        ModelLoadError on bad shapes, ValueError if packed weights are combined with a dtype other than bfloat16."""
         check_weights(config, weights, source)  # source names the checkpoint in errors
         self.config = config
         self.dtype = dtype
         self.device = torch.device(device)
         self.scale = config.head_dim**-0.5
         self.attention = TorchAttentionBackend()
+        self.comm = comm
+        if shard is None:
+            shard = ReplicaLayout.build(ParallelConfig(), num_layers=config.num_layers, num_heads=config.num_heads,
+                                        num_kv_heads=config.num_kv_heads, num_experts=config.num_experts).shard(0)
+        self.shard = shard
+        self.num_heads, self.num_kv_heads = len(shard.q_heads), len(shard.kv_heads)
+        tp = 1 if comm is None else comm.tp_size
 
         def take(name: str) -> torch.Tensor:
             return weights.pop(name).to(device=self.device, dtype=dtype)
@@ -100,48 +154,93 @@ class LlamaModel:
         if packed and dtype != torch.bfloat16:
             raise ValueError(f"packed 4-bit weights compute in bfloat16, but dtype {dtype} was asked for")
 
-        def linear(*names: str) -> Linear | Int4Linear:
-            """One projection from the concatenated [out, in] weights (and biases, if present) of `names`."""
+        def linear(names: list[str], rows: list[range | None] | None = None, columns: range | None = None
+                   ) -> Linear | Int4Linear:
+            """One projection from the concatenated [out, in] weights of `names`: of each, the output rows in
+            `rows` (column parallel) or the input columns in `columns` (row parallel: the bias, a term of the
+            sum, stays on TP rank 0 only)."""
+            rows = rows or [None] * len(names)
             parts = [weights.pop(f"{n}.weight") for n in names]
-            biases = [weights.pop(f"{n}.bias") for n in names if f"{n}.bias" in weights]
-            bias = torch.cat(biases) if biases else None
-            if all(isinstance(p, Int4Weight) for p in parts):
+            biases = [_rows(weights.pop(f"{n}.bias"), r) for n, r in zip(names, rows) if f"{n}.bias" in weights]
+            bias = torch.cat(biases) if biases and (columns is None or shard.tp_index == 0) else None
+            whole = all(r is None for r in rows) and columns is None
+            if whole and all(isinstance(p, Int4Weight) for p in parts):
                 return Int4Linear(Int4Weight.cat(parts), bias, device=self.device)
-            dense = [p.dequantize() if isinstance(p, Int4Weight) else p for p in parts]
-            return Linear(torch.cat(dense), bias, dtype=dtype, device=self.device)
+            dense = [_rows(p.dequantize() if isinstance(p, Int4Weight) else p, r) for p, r in zip(parts, rows)]
+            weight = torch.cat(dense)
+            if columns is not None:
+                weight = weight[:, columns.start:columns.stop]
+            return Linear(weight, bias, dtype=dtype, device=self.device)
 
+        def mlp(names: tuple[str, str, str], size: int) -> GatedMLP:
+            cols = range(0, size) if tp == 1 else split_evenly(size, tp)[shard.tp_index]
+            split = None if tp == 1 else cols
+            return GatedMLP(linear(list(names[:2]), [split, split]), linear([names[2]], columns=split))
+
+        expert_ranks = (0,) * config.num_experts if comm is None else comm.layout.expert_ranks
+        d = config.head_dim
+        q_rows = range(shard.q_heads.start * d, shard.q_heads.stop * d)
+        kv_rows = range(shard.kv_heads.start * d, shard.kv_heads.stop * d)
         self.layers: list[_Layer] = []
-        for n in range(config.num_layers):
+        for n in shard.layers:
             p = f"model.layers.{n}."
-            a, m = p + "self_attn.", p + "mlp."
+            a = p + "self_attn."
+            moe = config.moe
+            if moe is not None and moe.sparse_layers[n]:
+                shared = None
+                if moe.shared_intermediate_size:
+                    shared = mlp(expert_names(config, n, -1), moe.shared_intermediate_size)
+                ffn: GatedMLP | MoEBlock = MoEBlock(
+                    moe, take(router_name(config, n)),
+                    {e: mlp(expert_names(config, n, e), moe.intermediate_size) for e in shard.experts},
+                    expert_ranks, shared=shared,
+                    shared_gate=take(p + "mlp.shared_expert_gate.weight") if shared else None, comm=comm,
+                    ep_index=shard.ep_index, ep_size=1 if comm is None else comm.ep_size)
+            else:
+                ffn = mlp(expert_names(config, n, None), config.intermediate_size)
             self.layers.append(_Layer(
                 input_norm=take(p + "input_layernorm.weight"),
                 post_norm=take(p + "post_attention_layernorm.weight"),
-                qkv=linear(a + "q_proj", a + "k_proj", a + "v_proj"),
-                o=linear(a + "o_proj"),
-                gate_up=linear(m + "gate_proj", m + "up_proj"),
-                down=linear(m + "down_proj"),
+                qkv=linear([a + "q_proj", a + "k_proj", a + "v_proj"], None if tp == 1 else [q_rows, kv_rows, kv_rows]),
+                o=linear([a + "o_proj"], columns=None if tp == 1 else q_rows),
+                mlp=ffn,
                 window=config.sliding_windows[n],
             ))
-        self.norm = take("model.norm.weight")
-        if config.tie_word_embeddings:
-            # The head gets its own copy in the product layout; the embedding stays [vocab, hidden] for lookups.
+        self.embed = self.norm = self.lm_head = None
+        if shard.is_first_stage or (shard.is_last_stage and config.tie_word_embeddings):
             self.embed = take("model.embed_tokens.weight")
-            self.lm_head = Linear(self.embed, None, dtype=dtype, device=self.device)
-        else:
-            self.embed = take("model.embed_tokens.weight")
-            self.lm_head = linear("lm_head")
+        if shard.is_last_stage:
+            self.norm = take("model.norm.weight")
+            # A tied head gets its own copy in the product layout; the embedding stays [vocab, hidden] for lookups.
+            self.lm_head = Linear(self.embed, None, dtype=dtype, device=self.device) if config.tie_word_embeddings \
+                else linear(["lm_head"])
+            if not shard.is_first_stage:
+                self.embed = None
         positions = max_positions or config.max_position_embeddings
         self.rope = RotaryEmbedding(config.rope, config.head_dim, positions, dtype, self.device)
 
     def weight_bytes_per_token(self) -> int:
         """Bytes a batch-1 decode step reads: every projection, every norm and the LM head (the embedding
-        lookup reads one row, which is negligible)."""
-        total = self.lm_head.nbytes + self.norm.numel() * self.norm.element_size()
+        lookup reads one row, which is negligible). For an MoE model, every expert (an upper bound)."""
+        total = 0 if self.lm_head is None else self.lm_head.nbytes + self.norm.numel() * self.norm.element_size()
         for layer in self.layers:
-            total += sum(lin.nbytes for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))
+            total += layer.qkv.nbytes + layer.o.nbytes + layer.mlp.nbytes
             total += (layer.input_norm.numel() + layer.post_norm.numel()) * layer.input_norm.element_size()
         return total
+
+    def weight_bytes(self) -> int:
+        """Bytes of weights this model (or rank) holds: what it reads per token plus the embedding table."""
+        embed = 0 if self.embed is None else self.embed.numel() * self.embed.element_size()
+        return self.weight_bytes_per_token() + embed
+
+    def expert_load(self) -> dict[int, int]:
+        """(token, k) pairs each of this rank's experts computed since start, summed over its layers."""
+        load: dict[int, int] = {}
+        for layer in self.layers:
+            if isinstance(layer.mlp, MoEBlock):
+                for expert, count in layer.mlp.load.items():
+                    load[expert] = load.get(expert, 0) + count
+        return load
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         eps = self.config.rms_norm_eps
@@ -152,38 +251,42 @@ class LlamaModel:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_cache: PagedKVCache) -> torch.Tensor:
-        """input_ids, positions: [T] int64 (the batch's new tokens, flattened). Returns hidden states [T, hidden].
+                kv_cache: PagedKVCache, hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids, positions: [T] int64 (the batch's new tokens, flattened). A later pipeline stage passes
+        the previous stage's output as `hidden` [T, hidden_size] instead of embedding input_ids. Returns the
+        hidden states [T, hidden_size]: normed on the last stage, the residual stream on the others.
 
-        Mutates kv_cache: each new token's K/V is written at meta.slot_mapping in every layer.
+        Mutates kv_cache: each new token's K/V is written at meta.slot_mapping in every layer this rank holds.
         """
         cfg = self.config
         if int(positions.max()) >= self.rope.max_positions:
             raise ValueError(f"position {int(positions.max())} is beyond the model's {self.rope.max_positions}")
-        t = input_ids.shape[0]
-        heads = cfg.num_heads + cfg.num_kv_heads
+        t = positions.shape[0]
+        hq, hk = self.num_heads, self.num_kv_heads
+        q_size, kv_size = hq * cfg.head_dim, hk * cfg.head_dim
         cos, sin = self.rope.lookup(positions)
-        h = self.embed[input_ids]
+        h = self.embed[input_ids] if hidden is None else hidden
         for index, layer in enumerate(self.layers):
             x = self._norm(h, layer.input_norm)
             qkv = layer.qkv(x)
             # Q and K sit side by side in the fused output: rotate them in one pass.
-            qk = self.rope.rotate(qkv[:, : cfg.q_size + cfg.kv_size].view(t, heads, cfg.head_dim), cos, sin)
-            q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
-            v = qkv[:, cfg.q_size + cfg.kv_size :].reshape(t, cfg.num_kv_heads, cfg.head_dim)
-            attn = self.attention.forward(q, k, v, kv_cache.layer(index), meta, self.scale, layer.window)
-            h = h + layer.o(attn)
+            qk = self.rope.rotate(qkv[:, : q_size + kv_size].view(t, hq + hk, cfg.head_dim), cos, sin)
+            q, k = qk.split([hq, hk], dim=1)
+            v = qkv[:, q_size + kv_size :].reshape(t, hk, cfg.head_dim)
+            attn = layer.o(self.attention.forward(q, k, v, kv_cache.layer(index), meta, self.scale, layer.window))
+            h = h + (attn if self.comm is None else self.comm.all_reduce_tp(attn))
             x = self._norm(h, layer.post_norm)
-            gate, up = layer.gate_up(x).chunk(2, dim=-1)
-            h = h + layer.down(F.silu(gate) * up)
-        return self._norm(h, self.norm)
+            out = layer.mlp(x)
+            h = h + (out if self.comm is None or isinstance(layer.mlp, MoEBlock) else self.comm.all_reduce_tp(out))
+        return h if self.norm is None else self._norm(h, self.norm)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [N, hidden] (already normed) -> float32 logits [N, vocab]."""
+        """hidden: [N, hidden] (already normed) -> float32 logits [N, vocab]. Last pipeline stage only."""
         return self.lm_head(hidden).float()
 
 
 def build_model(config: ModelConfig, weights: dict[str, torch.Tensor], **kwargs) -> LlamaModel:
-    """Instantiates the model class for config.architecture (every supported one is Llama-shaped today)."""
+    """Instantiates the model class for config.architecture (every supported one is Llama-shaped, the MoE ones
+    with MoEBlock MLPs)."""
     return LlamaModel(config, weights, **kwargs)

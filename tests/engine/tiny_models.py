@@ -20,6 +20,14 @@ CONFIGS = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(rope_parameters={"rope_type": "default",
                                                                          "rope_theta": 1000000.0})),
     "mistral_sliding_window": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=24, head_dim=32)),
+    # 8 experts, top 2, renormalized (Mixtral always renormalizes).
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=8, num_experts_per_tok=2,
+                                                            intermediate_size=96)),
+    # Qwen-MoE: 8 experts of 48 columns, top 2 without renormalization, a gated shared expert, and layer 1
+    # a dense MLP (mlp_only_layers), so every MLP kind the family has is exercised.
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48, shared_expert_intermediate_size=96,
+        norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[1])),
 }
 
 
@@ -32,7 +40,7 @@ def write_tiny_model(folder: Path, kind: str, tokenizer) -> Path:
                                                                    "bos_token_id": 1, "eos_token_id": 2}))
     torch.manual_seed(0)
     model = getattr(transformers, model_cls)(config).eval()
-    if kind == "qwen2":  # zero-initialised biases would let a missing bias go unnoticed
+    if kind in ("qwen2", "qwen2_moe"):  # zero-initialised biases would let a missing bias go unnoticed
         with torch.no_grad():
             for layer in model.model.layers:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):

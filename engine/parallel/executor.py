@@ -1,0 +1,149 @@
+"""The driver side of a replica that spans processes: starts the ranks, sends them each step, collects the
+sampled tokens, and turns any rank's failure into ReplicaFailedError instead of a hang.
+
+It has the runner's interface (`execute_step(SchedulerOutput) -> RunnerOutput`), so LLMEngine steps a
+multi-process replica exactly as it steps a single-process one. Ranks are spawned processes here; a later issue
+starts `run_worker` inside Ray actors with the same messages.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import time
+from multiprocessing.connection import Connection, wait
+
+from tandem.engine.errors import ReplicaFailedError
+from tandem.engine.parallel.layout import ReplicaLayout
+from tandem.engine.parallel.worker import RankStats, WorkerSpec, run_worker
+from tandem.engine.scheduler_output import RunnerOutput, SchedulerOutput
+
+__all__ = ["MultiprocExecutor", "ReplicaFailedError", "free_port"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class MultiprocExecutor:
+    def __init__(self, spec: WorkerSpec, *, startup_timeout_s: float = 600.0):
+        """Spawns spec.layout.world_size ranks and waits until every one has loaded its shard. Raises
+        ReplicaFailedError (and stops the others) if any rank fails to start."""
+        import torch.multiprocessing as mp
+
+        self.layout: ReplicaLayout = spec.layout
+        self.spec = spec
+        self.step_timeout_s = 2 * spec.timeout_s
+        ctx = mp.get_context("spawn")
+        self._conns: list[Connection] = []
+        self._procs = []
+        self._prev_tokens: dict[str, int] = {}
+        self._dead = False
+        for rank in range(self.layout.world_size):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=run_worker, args=(rank, spec, child), name=f"tandem-rank-{rank}", daemon=True)
+            proc.start()
+            child.close()
+            self._conns.append(parent)
+            self._procs.append(proc)
+        self._collect(list(range(self.layout.world_size)), "ready", time.monotonic() + startup_timeout_s)
+
+    def _describe(self, rank: int) -> str:
+        stage, ep, tp = self.layout.coords(rank)
+        return f"rank {rank} (stage {stage}, ep {ep}, tp {tp})"
+
+    def _fail(self, message: str) -> None:
+        self.shutdown(graceful=False)
+        raise ReplicaFailedError(message)
+
+    def _collect(self, ranks: list[int], kind: str, deadline: float) -> dict:
+        """Waits until each of `ranks` has sent a `kind` message; returns their payloads by rank. An error from
+        any rank, a message nobody waits for, a rank's death or the deadline fails the replica."""
+        waiting, got = set(ranks), {}
+        while waiting:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self._fail(f"{self._describe(min(waiting))} did not answer within the timeout (waiting for {kind!r})")
+            ready = wait(self._conns + [p.sentinel for p in self._procs], timeout=left)
+            for item in ready:
+                if item in self._conns:
+                    rank = self._conns.index(item)
+                    try:
+                        message = item.recv()
+                    except (EOFError, OSError):  # it died: say which, with its exit code when known
+                        self._procs[rank].join(timeout=1)
+                        message = ("error", f"{self._describe(rank)} is gone (exit code "
+                                            f"{self._procs[rank].exitcode}, pid {self._procs[rank].pid})")
+                    if message[0] == "error":
+                        self._fail(message[1])
+                    if message[0] != kind or rank not in waiting:
+                        self._fail(f"{self._describe(rank)} sent an unexpected {message[0]!r}")
+                    got[rank] = message[1]
+                    waiting.discard(rank)
+            for item in ready:
+                if item not in self._conns:
+                    rank = next(r for r, p in enumerate(self._procs) if p.sentinel == item)
+                    if self._conns[rank].poll():  # it said why before it exited: read that first
+                        continue
+                    self._fail(f"{self._describe(rank)} exited with code {self._procs[rank].exitcode} "
+                               f"(killed or crashed; pid {self._procs[rank].pid})")
+        return got
+
+    def _broadcast(self, message: tuple) -> None:
+        if self._dead:
+            raise ReplicaFailedError("the replica has been shut down")
+        payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        for rank, conn in enumerate(self._conns):
+            try:
+                conn.send_bytes(payload)
+            except (BrokenPipeError, ConnectionResetError, EOFError):
+                self._fail(f"{self._describe(rank)} is gone (its pipe is closed)")
+
+    def execute_step(self, output: SchedulerOutput) -> RunnerOutput:
+        """Runs one step on every rank; returns the sampler rank's RunnerOutput."""
+        self._broadcast(("step", self._prev_tokens, output))
+        sampler = self.layout.sampler_rank
+        result: RunnerOutput = self._collect([sampler], "output", time.monotonic() + self.step_timeout_s)[sampler]
+        self._prev_tokens = {seq_id: token.token_id for seq_id, token in result.sampled.items()}
+        return result
+
+    def rank_stats(self) -> list[RankStats]:
+        """Each rank's memory, time split and expert load, in rank order."""
+        self._broadcast(("stats",))
+        stats = self._collect(list(range(self.layout.world_size)), "stats", time.monotonic() + self.step_timeout_s)
+        return [stats[rank] for rank in range(self.layout.world_size)]
+
+    def shutdown(self, graceful: bool = True) -> None:
+        """Stops every rank (idempotent). Graceful: ask, wait a little, then kill."""
+        if self._dead:
+            return
+        self._dead = True
+        if graceful:
+            payload = pickle.dumps(("stop",))
+            for conn in self._conns:
+                try:
+                    conn.send_bytes(payload)
+                except OSError:
+                    pass
+            deadline = time.monotonic() + 10
+            for proc in self._procs:
+                proc.join(timeout=max(0.0, deadline - time.monotonic()))
+        for proc in self._procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)
+        for conn in self._conns:
+            conn.close()
+
+    def kill_rank(self, rank: int) -> None:
+        """Kills one rank's process (SIGKILL): for failure tests and chaos drills."""
+        os.kill(self._procs[rank].pid, 9)
+
+    def __del__(self):
+        try:
+            self.shutdown(graceful=False)
+        except Exception:
+            pass

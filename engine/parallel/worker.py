@@ -1,0 +1,104 @@
+"""One rank of a replica, in its own process: loads its shard, holds its share of the KV cache, runs steps.
+
+The driver (engine/parallel/executor.py) sends each message to every rank over a pipe: ("step", prev_tokens,
+SchedulerOutput) pickled once, ("stats",) or ("stop",). The sampler rank answers each step with its
+RunnerOutput; every rank answers "stats". A rank that fails sends ("error", text) and exits, which the driver
+sees at once. Later issues start the same `run_worker` inside Ray actors.
+"""
+
+from __future__ import annotations
+
+import pickle
+import traceback
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+
+from tandem.engine.parallel.layout import ReplicaLayout
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Everything a rank needs to build itself. model_path None: the embedded model."""
+
+    model_path: str | None
+    dtype: str  # "float32" | "bfloat16"
+    device: str
+    layout: ReplicaLayout
+    num_kv_blocks: int
+    block_size: int
+    max_positions: int
+    init_method: str  # torch.distributed rendezvous, e.g. tcp://127.0.0.1:PORT
+    timeout_s: float
+    threads: int
+    micro_batches: int
+
+
+@dataclass(frozen=True)
+class RankStats:
+    """What one rank holds and where its time went (seconds since start)."""
+
+    rank: int
+    weight_bytes: int
+    kv_cache_bytes: int
+    kv_cache_shape: tuple[int, ...]
+    step_s: float
+    forward_s: float
+    num_steps: int
+    comm_s: dict[str, float]
+    expert_load: dict[int, int]
+
+
+def run_worker(rank: int, spec: WorkerSpec, conn: Connection) -> None:
+    """The rank's whole life. Returns on ("stop",) or after reporting an error."""
+    comm = None
+    try:
+        import torch
+
+        from tandem.engine.kv_cache import KVCacheSpec, PagedKVCache
+        from tandem.engine.loader.checkpoint import load_checkpoint
+        from tandem.engine.model_runner import ModelRunner
+        from tandem.engine.models import build_model
+        from tandem.engine.parallel.comm import ParallelComm
+
+        torch.set_num_threads(spec.threads)
+        layout = spec.layout
+        comm = ParallelComm(layout, rank, init_method=spec.init_method, timeout_s=spec.timeout_s, device=spec.device)
+        shard = layout.shard(rank)
+        checkpoint = load_checkpoint(spec.model_path, progress=False)
+        dtype = getattr(torch, spec.dtype)
+        model = build_model(checkpoint.config, checkpoint.weights, dtype=dtype, device=spec.device,
+                            max_positions=spec.max_positions, source=str(checkpoint.source), shard=shard, comm=comm)
+        del checkpoint
+        config = model.config
+        kv_spec = KVCacheSpec(len(shard.layers), spec.num_kv_blocks, spec.block_size, len(shard.kv_heads),
+                              config.head_dim, dtype)
+        runner = ModelRunner(model, PagedKVCache(kv_spec, spec.device), comm=comm,
+                             samples=rank == layout.sampler_rank, micro_batches=spec.micro_batches)
+        conn.send(("ready", rank))
+        while True:
+            message = pickle.loads(conn.recv_bytes())
+            kind = message[0]
+            if kind == "step":
+                _, prev_tokens, schedule = message
+                output = runner.execute_step(schedule, prev_tokens)
+                if runner.samples:
+                    conn.send(("output", output))
+            elif kind == "stats":
+                data = runner.kv_cache.data
+                conn.send(("stats", RankStats(
+                    rank, model.weight_bytes(), data.numel() * data.element_size(), tuple(data.shape),
+                    runner.times.steps, runner.times.forward, runner.times.num_steps, dict(comm.seconds),
+                    model.expert_load())))
+            elif kind == "stop":
+                comm.close()
+                return
+            else:
+                raise ValueError(f"unknown message {kind!r}")
+    except (EOFError, KeyboardInterrupt):
+        return  # the driver went away: nothing to report to
+    except BaseException as e:
+        try:
+            where = f"rank {rank}"
+            conn.send(("error", f"{where}: {type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        except (OSError, EOFError):
+            pass

@@ -1,0 +1,138 @@
+"""One replica across processes (gloo on loopback): tp, pp, ep and their products give the same greedy tokens
+as one process through continuous batching, each rank holds only its share of the KV cache, and a rank that
+dies fails the replica fast instead of hanging it."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from tandem.engine.engine_config import EngineConfig
+from tandem.engine.errors import ReplicaFailedError
+from tandem.engine.llm_engine import LLMEngine
+from tandem.engine.loader import load_model
+from tandem.engine.parallel import ParallelConfig
+from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.scheduler_output import CachedSequenceData, SchedulerOutput
+from tests.engine.tiny_models import write_tiny_model
+from tests.reference import hf_greedy
+
+TEXTS = ["The capital of France is", "def fibonacci(n):\n", "Once upon a time, there was a little robot who",
+         "1, 2, 3, 4,", "Water boils at"]
+MAX_TOKENS = 10
+CONFIG = EngineConfig(num_kv_blocks=48, max_num_batched_tokens=24)  # prompts arrive mid-run and prefill in chunks
+
+
+def run_staggered(engine: LLMEngine, prompts: list[list[int]]) -> dict[str, list[int]]:
+    """Adds prompt i at step 2 * i, so decodes, prefill chunks and arrivals share steps; greedy."""
+    outputs: dict[str, list[int]] = {}
+    step = 0
+    while step < 2 * len(prompts) or engine.has_unfinished_requests():
+        if step % 2 == 0 and step // 2 < len(prompts):
+            engine.add_request(str(step // 2), prompts[step // 2],
+                               SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True))
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).extend(out.token_ids)
+        step += 1
+    assert engine.stats().num_blocks_in_use == 0
+    return outputs
+
+
+def check_kv_shares(engine: LLMEngine) -> None:
+    """Every rank's KV store holds exactly its layers x its KV heads, for the replica's block count."""
+    spec, layout = engine.kv_cache_spec, engine.layout
+    per_layer_head = spec.bytes_per_block // (spec.num_layers * spec.num_kv_heads) * spec.num_blocks
+    whole = per_layer_head * spec.num_layers * spec.num_kv_heads
+    stats = engine.runner.rank_stats()
+    for rank_stats in stats:
+        shard = layout.shard(rank_stats.rank)
+        assert rank_stats.kv_cache_bytes == per_layer_head * len(shard.layers) * len(shard.kv_heads)
+        assert rank_stats.kv_cache_bytes < whole or layout.tp == layout.pp == 1
+    if layout.ep == 1 and layout.tp <= spec.num_kv_heads:  # no KV head stored twice: the shares add up
+        assert sum(s.kv_cache_bytes for s in stats) == whole
+    return stats
+
+
+@pytest.fixture(scope="module")
+def embedded_prompts(embedded):
+    return [embedded.tokenizer.encode(t) for t in TEXTS]
+
+
+@pytest.fixture(scope="module")
+def embedded_reference(embedded, embedded_prompts):
+    return run_staggered(LLMEngine(embedded, CONFIG), embedded_prompts)
+
+
+@pytest.mark.parametrize("tp,pp", [(2, 1), (3, 1), (1, 2), (1, 3), (2, 2)])
+def test_embedded_model_split_gives_one_process_tokens(tp, pp, embedded_prompts, embedded_reference):
+    meta = load_model(weights=False, progress=False)
+    with LLMEngine(meta, CONFIG, parallel=ParallelConfig(tp=tp, pp=pp)) as engine:
+        assert run_staggered(engine, embedded_prompts) == embedded_reference
+        stats = check_kv_shares(engine)
+        if pp > 1:  # later stages wait for earlier ones: the pipeline is measured, not assumed
+            assert all(s.comm_s.get("pp_wait", 0) > 0 for s in stats if s.rank >= tp)
+
+
+@pytest.fixture(scope="module")
+def moe_models(embedded, tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    models = {}
+    for kind in ("mixtral", "qwen2_moe"):
+        folder = write_tiny_model(tmp_path_factory.mktemp(kind), kind, embedded.tokenizer)
+        hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        prompts = [embedded.tokenizer.encode(t) for t in TEXTS]
+        reference = run_staggered(LLMEngine(load_model(folder, progress=False), CONFIG), prompts)
+        expected = {str(i): hf_greedy(hf, p, MAX_TOKENS)[0] for i, p in enumerate(prompts)}
+        assert reference == expected, f"{kind}: one process must already match transformers"
+        models[kind] = (folder, prompts, reference)
+    return models
+
+
+@pytest.mark.parametrize("kind,tp,pp,ep", [("mixtral", 1, 1, 2), ("mixtral", 1, 1, 4), ("mixtral", 1, 2, 2),
+                                           ("mixtral", 2, 1, 2), ("qwen2_moe", 1, 1, 2), ("qwen2_moe", 2, 1, 2)])
+def test_moe_split_gives_one_process_and_transformers_tokens(kind, tp, pp, ep, moe_models):
+    folder, prompts, reference = moe_models[kind]
+    meta = load_model(folder, weights=False, progress=False)
+    with LLMEngine(meta, CONFIG, parallel=ParallelConfig(tp=tp, pp=pp, ep=ep)) as engine:
+        assert run_staggered(engine, prompts) == reference
+        stats = check_kv_shares(engine)
+        layout, moe = engine.layout, meta.config.moe
+        computed = engine.stats().num_tokens_computed
+        for stage, layers in enumerate(layout.stage_layers):
+            sparse = sum(moe.sparse_layers[n] for n in layers)
+            ranks = layout.ep_group(stage, 0)
+            for rank in ranks:  # each rank computed only its own experts...
+                assert set(stats[rank].expert_load) <= set(layout.shard(rank).experts)
+            # ...and together they computed every (token, k) pair of the stage's MoE layers exactly once.
+            assert sum(sum(stats[r].expert_load.values()) for r in ranks) == computed * moe.top_k * sparse
+
+
+def test_a_killed_rank_fails_the_replica_fast_with_its_name(embedded_prompts):
+    meta = load_model(weights=False, progress=False)
+    engine = LLMEngine(meta, CONFIG, parallel=ParallelConfig(tp=2, collective_timeout_s=30))
+    try:
+        engine.add_request("a", embedded_prompts[0], SamplingParams(max_tokens=50, temperature=0))
+        engine.step()
+        engine.runner.kill_rank(1)
+        start = time.monotonic()
+        with pytest.raises(ReplicaFailedError, match=r"rank 1 \(stage 0, ep 0, tp 1\)"):
+            for _ in range(50):
+                engine.step()
+        assert time.monotonic() - start < 10, "a dead rank must not wait out the collective timeout"
+        assert not any(p.is_alive() for p in engine.runner._procs), "the surviving ranks must be stopped"
+        with pytest.raises(ReplicaFailedError, match="shut down"):
+            engine.step()
+    finally:
+        engine.shutdown()
+
+
+def test_an_error_on_a_rank_reaches_the_driver_with_its_traceback(embedded_prompts):
+    meta = load_model(weights=False, progress=False)
+    with LLMEngine(meta, CONFIG, parallel=ParallelConfig(pp=2)) as engine:
+        bogus = SchedulerOutput(cached_seqs=(CachedSequenceData("never-sent", 0, (), None),),
+                                num_scheduled_tokens={"never-sent": 1})
+        with pytest.raises(ReplicaFailedError, match="KeyError: 'never-sent'"):
+            engine.runner.execute_step(bogus)
