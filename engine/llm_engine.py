@@ -61,7 +61,8 @@ class LLMEngine:
         largest = max(shares, key=lambda s: len(s.layers) * len(s.kv_heads))
         probe = KVCacheSpec(len(largest.layers), 1, config.block_size, len(largest.kv_heads), model_config.head_dim,
                             loaded.dtype)
-        ranks_here = self.layout.world_size  # every rank of a spawned replica shares this host's memory
+        # CPU ranks of a spawned replica share this host's memory; GPU ranks each have their own device.
+        ranks_here = self.layout.world_size if device.type == "cpu" else 1
         num_blocks = config.num_blocks(probe.bytes_per_block, available_memory_bytes(device) // ranks_here,
                                        device.type == "cuda")
         self.kv_cache_spec = KVCacheSpec(model_config.num_layers, num_blocks, config.block_size,

@@ -116,6 +116,18 @@ class MultiprocExecutor:
         stats = self._collect(list(range(self.layout.world_size)), "stats", time.monotonic() + self.step_timeout_s)
         return [stats[rank] for rank in range(self.layout.world_size)]
 
+    def rank_rss_bytes(self) -> list[int | None]:
+        """Resident memory of each rank's process (None where the OS does not say), read from /proc."""
+        sizes: list[int | None] = []
+        for proc in self._procs:
+            try:
+                status = open(f"/proc/{proc.pid}/status").read()
+                sizes.append(next(int(line.split()[1]) * 1024 for line in status.splitlines()
+                                  if line.startswith("VmRSS:")))
+            except (OSError, StopIteration, ValueError):
+                sizes.append(None)
+        return sizes
+
     def shutdown(self, graceful: bool = True) -> None:
         """Stops every rank (idempotent). Graceful: ask, wait a little, then kill."""
         if self._dead:

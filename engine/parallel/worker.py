@@ -62,17 +62,21 @@ def run_worker(rank: int, spec: WorkerSpec, conn: Connection) -> None:
 
         torch.set_num_threads(spec.threads)
         layout = spec.layout
-        comm = ParallelComm(layout, rank, init_method=spec.init_method, timeout_s=spec.timeout_s, device=spec.device)
+        device = spec.device
+        if torch.device(device).type == "cuda" and torch.device(device).index is None:  # one GPU per rank
+            device = f"cuda:{rank % torch.cuda.device_count()}"
+            torch.cuda.set_device(device)
+        comm = ParallelComm(layout, rank, init_method=spec.init_method, timeout_s=spec.timeout_s, device=device)
         shard = layout.shard(rank)
         checkpoint = load_checkpoint(spec.model_path, progress=False)
         dtype = getattr(torch, spec.dtype)
-        model = build_model(checkpoint.config, checkpoint.weights, dtype=dtype, device=spec.device,
+        model = build_model(checkpoint.config, checkpoint.weights, dtype=dtype, device=device,
                             max_positions=spec.max_positions, source=str(checkpoint.source), shard=shard, comm=comm)
         del checkpoint
         config = model.config
         kv_spec = KVCacheSpec(len(shard.layers), spec.num_kv_blocks, spec.block_size, len(shard.kv_heads),
                               config.head_dim, dtype)
-        runner = ModelRunner(model, PagedKVCache(kv_spec, spec.device), comm=comm,
+        runner = ModelRunner(model, PagedKVCache(kv_spec, device), comm=comm,
                              samples=rank == layout.sampler_rank, micro_batches=spec.micro_batches)
         conn.send(("ready", rank))
         while True:

@@ -73,11 +73,28 @@ def test_streaming_prints_the_same_text(capsys, embedded, embedded_generator):
     (["--prompt", ""], "the prompt is empty"),
     (["--prompt", "x", "--min-p", "2"], "min_p must be in"),
     (["--prompt", "x", "--stop", ""], "stop"),
+    (["--prompt", "x", "--ep", "2"], "needs a mixture-of-experts model"),
+    (["--prompt", "x", "--tp", "10"], "more than the model's 9 attention heads"),
+    (["--prompt", "x", "--pp", "0"], "pp must be a positive integer"),
+    (["--prompt", "x", "--tp", "2", "--weights", "packed"], "runs in one process"),
 ])
 def test_bad_flags_exit_2_with_a_message(capsys, flags, message):
     assert main(["generate", *flags]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_split_replica_keeps_the_json_contract_and_the_tokens(capsys, embedded, embedded_generator):
+    """--tp 2 --pp 2: four processes on this machine; same contract and the same greedy tokens as one."""
+    args = ("--prompt", "The capital of France is", "--max-tokens", "10", "--ignore-eos")
+    assert main(["generate", "--json", *args, "--tp", "2", "--pp", "2", "--verbose"]) == 0
+    captured = capsys.readouterr()
+    assert "rank 3: stage 1 layers 15-29, tp 1 KV heads 2-2" in captured.err
+    split = json.loads(captured.out)
+    assert set(split) == CONTRACT_KEYS
+    ids = embedded.tokenizer.encode("The capital of France is")
+    expected = embedded_generator.generate(ids, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
+    assert split["token_ids"] == expected.token_ids and split["text"] == expected.text
 
 
 def test_console_script_streams(tmp_path):

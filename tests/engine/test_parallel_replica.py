@@ -25,6 +25,13 @@ MAX_TOKENS = 10
 CONFIG = EngineConfig(num_kv_blocks=48, max_num_batched_tokens=24)  # prompts arrive mid-run and prefill in chunks
 
 
+def label(value) -> str:
+    if not isinstance(value, ParallelConfig):
+        return str(value)
+    extra = "-staged" if value.stage_layers else "-mapped" if value.expert_ranks else ""
+    return f"tp{value.tp}-pp{value.pp}-ep{value.ep}{extra}"
+
+
 def run_staggered(engine: LLMEngine, prompts: list[list[int]]) -> dict[str, list[int]]:
     """Adds prompt i at step 2 * i, so decodes, prefill chunks and arrivals share steps; greedy."""
     outputs: dict[str, list[int]] = {}
@@ -65,14 +72,16 @@ def embedded_reference(embedded, embedded_prompts):
     return run_staggered(LLMEngine(embedded, CONFIG), embedded_prompts)
 
 
-@pytest.mark.parametrize("tp,pp", [(2, 1), (3, 1), (1, 2), (1, 3), (2, 2)])
-def test_embedded_model_split_gives_one_process_tokens(tp, pp, embedded_prompts, embedded_reference):
+@pytest.mark.parametrize("parallel", [ParallelConfig(tp=2), ParallelConfig(tp=3), ParallelConfig(pp=2),
+                                      ParallelConfig(pp=3), ParallelConfig(tp=2, pp=2),
+                                      ParallelConfig(pp=2, stage_layers=(21, 9), micro_batches=3)], ids=label)
+def test_embedded_model_split_gives_one_process_tokens(parallel, embedded_prompts, embedded_reference):
     meta = load_model(weights=False, progress=False)
-    with LLMEngine(meta, CONFIG, parallel=ParallelConfig(tp=tp, pp=pp)) as engine:
+    with LLMEngine(meta, CONFIG, parallel=parallel) as engine:
         assert run_staggered(engine, embedded_prompts) == embedded_reference
         stats = check_kv_shares(engine)
-        if pp > 1:  # later stages wait for earlier ones: the pipeline is measured, not assumed
-            assert all(s.comm_s.get("pp_wait", 0) > 0 for s in stats if s.rank >= tp)
+        if parallel.pp > 1:  # later stages wait for earlier ones: the pipeline is measured, not assumed
+            assert all(s.comm_s.get("pp_wait", 0) > 0 for s in stats if s.rank >= parallel.tp)
 
 
 @pytest.fixture(scope="module")
@@ -91,12 +100,16 @@ def moe_models(embedded, tmp_path_factory):
     return models
 
 
-@pytest.mark.parametrize("kind,tp,pp,ep", [("mixtral", 1, 1, 2), ("mixtral", 1, 1, 4), ("mixtral", 1, 2, 2),
-                                           ("mixtral", 2, 1, 2), ("qwen2_moe", 1, 1, 2), ("qwen2_moe", 2, 1, 2)])
-def test_moe_split_gives_one_process_and_transformers_tokens(kind, tp, pp, ep, moe_models):
+@pytest.mark.parametrize("kind,parallel", [
+    ("mixtral", ParallelConfig(ep=2)), ("mixtral", ParallelConfig(ep=4)), ("mixtral", ParallelConfig(ep=2, pp=2)),
+    ("mixtral", ParallelConfig(ep=2, tp=2)), ("qwen2_moe", ParallelConfig(ep=2)),
+    ("qwen2_moe", ParallelConfig(ep=2, tp=2)),
+    ("qwen2_moe", ParallelConfig(ep=2, expert_ranks=(1, 0, 0, 1, 1, 0, 0, 1))),  # an explicit placement
+], ids=label)
+def test_moe_split_gives_one_process_and_transformers_tokens(kind, parallel, moe_models):
     folder, prompts, reference = moe_models[kind]
     meta = load_model(folder, weights=False, progress=False)
-    with LLMEngine(meta, CONFIG, parallel=ParallelConfig(tp=tp, pp=pp, ep=ep)) as engine:
+    with LLMEngine(meta, CONFIG, parallel=parallel) as engine:
         assert run_staggered(engine, prompts) == reference
         stats = check_kv_shares(engine)
         layout, moe = engine.layout, meta.config.moe
