@@ -15,9 +15,12 @@ SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
     "MixtralForCausalLM": "mixtral",
     "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
+_QWEN = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
 ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -68,6 +71,7 @@ class ModelConfig:
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on each query and key head, before RoPE
     # Per layer: None for full attention, else the window in tokens (a key is visible when q_pos - k_pos < window).
     sliding_windows: tuple[int | None, ...] = ()
     bos_token_id: int | None = None
@@ -152,7 +156,7 @@ def _rope_from_hf(cfg: Mapping[str, Any]) -> RopeConfig:
 
 def _sliding_windows(cfg: Mapping[str, Any], model_type: str, num_layers: int) -> tuple[int | None, ...]:
     window = cfg.get("sliding_window")
-    if model_type in ("qwen2", "qwen2_moe") and not cfg.get("use_sliding_window", False):
+    if model_type in _QWEN and not cfg.get("use_sliding_window", False):
         window = None
     if not window:
         return (None,) * num_layers
@@ -178,8 +182,9 @@ def _moe_from_hf(cfg: Mapping[str, Any], model_type: str, num_layers: int) -> Mo
         return MoEConfig(num_experts=int(cfg["num_local_experts"]), top_k=int(cfg["num_experts_per_tok"]),
                          intermediate_size=int(cfg["intermediate_size"]), renormalize=True,
                          sparse_layers=(True,) * num_layers, weights_in_float=True)
-    if model_type == "qwen2_moe":
-        experts = int(cfg["num_experts"])
+    if model_type in ("qwen2_moe", "qwen3_moe"):
+        # Hub checkpoints say num_experts; configs saved by transformers >= 5 may say num_local_experts.
+        experts = int(cfg["num_experts"] if "num_experts" in cfg else cfg["num_local_experts"])
         step = int(cfg.get("decoder_sparse_step", 1)) or 1
         dense = set(cfg.get("mlp_only_layers") or ())
         sparse = tuple(i not in dense and experts > 0 and (i + 1) % step == 0 for i in range(num_layers))
@@ -229,6 +234,7 @@ def model_config_from_hf(cfg: Mapping[str, Any]) -> ModelConfig:
             qkv_bias=(model_type == "qwen2" or (model_type == "qwen2_moe" and cfg.get("qkv_bias", True))
                       or bool(cfg.get("attention_bias", False))),
             o_bias=model_type not in ("qwen2", "qwen2_moe") and bool(cfg.get("attention_bias", False)),
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             sliding_windows=_sliding_windows(cfg, model_type, num_layers),
             bos_token_id=cfg.get("bos_token_id"),

@@ -1,4 +1,5 @@
-"""The Llama family (Llama 2/3, Mistral, Qwen2, SmolLM2): GQA/MQA, RMSNorm, SwiGLU, RoPE, optional biases.
+"""The Llama family (Llama 2/3, Mistral, Qwen2/3, SmolLM2) and its MoE variants (Mixtral, Qwen2/3-MoE): GQA/MQA,
+RMSNorm, SwiGLU or routed experts, RoPE, optional biases and per-head query/key norms.
 
 Weights arrive as a Hugging Face-named state dict (both loaders produce one) and are repacked for fast batch-1
 decode: Q/K/V fused into one projection and gate/up into another, each in the layout `Linear` picks for the
@@ -83,6 +84,8 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
                 shapes[p + "mlp.shared_expert_gate.weight"] = (1, h)
         else:
             shapes |= _mlp_shapes(expert_names(config, n, None), h, i, config.mlp_bias)
+        if config.qk_norm:
+            shapes |= {p + "self_attn.q_norm.weight": (config.head_dim,), p + "self_attn.k_norm.weight": (config.head_dim,)}
         if config.qkv_bias:
             shapes |= {p + "self_attn.q_proj.bias": (config.q_size,), p + "self_attn.k_proj.bias": (config.kv_size,),
                        p + "self_attn.v_proj.bias": (config.kv_size,)}
@@ -113,6 +116,8 @@ class _Layer:
     o: Linear | Int4Linear
     mlp: GatedMLP | MoEBlock
     window: int | None
+    q_norm: torch.Tensor | None = None  # [head_dim], Qwen3's per-head query/key norms
+    k_norm: torch.Tensor | None = None
 
 
 def _rows(w, r: range | None):
@@ -205,6 +210,8 @@ class LlamaModel:
                 o=linear([a + "o_proj"], columns=None if tp == 1 else q_rows),
                 mlp=ffn,
                 window=config.sliding_windows[n],
+                q_norm=take(a + "q_norm.weight") if config.qk_norm else None,
+                k_norm=take(a + "k_norm.weight") if config.qk_norm else None,
             ))
         self.embed = self.norm = self.lm_head = None
         if shard.is_first_stage or (shard.is_last_stage and config.tie_word_embeddings):
@@ -226,6 +233,8 @@ class LlamaModel:
         for layer in self.layers:
             total += layer.qkv.nbytes + layer.o.nbytes + layer.mlp.nbytes
             total += (layer.input_norm.numel() + layer.post_norm.numel()) * layer.input_norm.element_size()
+            if layer.q_norm is not None:
+                total += (layer.q_norm.numel() + layer.k_norm.numel()) * layer.q_norm.element_size()
         return total
 
     def weight_bytes(self) -> int:
@@ -269,8 +278,12 @@ class LlamaModel:
         for index, layer in enumerate(self.layers):
             x = self._norm(h, layer.input_norm)
             qkv = layer.qkv(x)
+            qk = qkv[:, : q_size + kv_size].view(t, hq + hk, cfg.head_dim)
+            if layer.q_norm is not None:
+                q, k = qk.split([hq, hk], dim=1)
+                qk = torch.cat([self._norm(q, layer.q_norm), self._norm(k, layer.k_norm)], dim=1)
             # Q and K sit side by side in the fused output: rotate them in one pass.
-            qk = self.rope.rotate(qkv[:, : q_size + kv_size].view(t, hq + hk, cfg.head_dim), cos, sin)
+            qk = self.rope.rotate(qk, cos, sin)
             q, k = qk.split([hq, hk], dim=1)
             v = qkv[:, q_size + kv_size :].reshape(t, hk, cfg.head_dim)
             attn = layer.o(self.attention.forward(q, k, v, kv_cache.layer(index), meta, self.scale, layer.window))

@@ -34,7 +34,14 @@ def test_mixtral_config_always_renormalizes_and_has_no_shared_expert():
     assert cfg.moe.intermediate_size == 64 and not cfg.qkv_bias
 
 
-@pytest.fixture(scope="module", params=["mixtral", "qwen2_moe"])
+def test_qwen3_moe_config_reads_either_expert_count_key_and_has_query_key_norms():
+    for key in ("num_experts", "num_local_experts"):
+        cfg = model_config_from_hf(BASE | {"architectures": ["Qwen3MoeForCausalLM"], key: 8, "num_experts_per_tok": 2,
+                                           "moe_intermediate_size": 16, "norm_topk_prob": True})
+        assert cfg.moe.num_experts == 8 and cfg.moe.renormalize and cfg.qk_norm and not cfg.qkv_bias
+
+
+@pytest.fixture(scope="module", params=["mixtral", "qwen2_moe", "qwen3_moe"])
 def moe_checkpoint(request, embedded, tmp_path_factory):
     return write_tiny_model(tmp_path_factory.mktemp(request.param), request.param, embedded.tokenizer)
 

@@ -89,7 +89,7 @@ def moe_models(embedded, tmp_path_factory):
     from transformers import AutoModelForCausalLM
 
     models = {}
-    for kind in ("mixtral", "qwen2_moe"):
+    for kind in ("mixtral", "qwen2_moe", "qwen3_moe"):
         folder = write_tiny_model(tmp_path_factory.mktemp(kind), kind, embedded.tokenizer)
         hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
         prompts = [embedded.tokenizer.encode(t) for t in TEXTS]
@@ -105,6 +105,7 @@ def moe_models(embedded, tmp_path_factory):
     ("mixtral", ParallelConfig(ep=2, tp=2)), ("qwen2_moe", ParallelConfig(ep=2)),
     ("qwen2_moe", ParallelConfig(ep=2, tp=2)),
     ("qwen2_moe", ParallelConfig(ep=2, expert_ranks=(1, 0, 0, 1, 1, 0, 0, 1))),  # an explicit placement
+    ("qwen3_moe", ParallelConfig(ep=2, tp=2)),  # per-head query/key norms on split heads
 ], ids=label)
 def test_moe_split_gives_one_process_and_transformers_tokens(kind, parallel, moe_models):
     folder, prompts, reference = moe_models[kind]

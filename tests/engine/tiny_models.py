@@ -28,6 +28,10 @@ CONFIGS = {
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(
         num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48, shared_expert_intermediate_size=96,
         norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[1])),
+    # Qwen3: per-head query/key RMSNorm; the MoE renormalizes its top 2 and has no shared expert.
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32)),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True)),
 }
 
 
@@ -40,11 +44,15 @@ def write_tiny_model(folder: Path, kind: str, tokenizer) -> Path:
                                                                    "bos_token_id": 1, "eos_token_id": 2}))
     torch.manual_seed(0)
     model = getattr(transformers, model_cls)(config).eval()
-    if kind in ("qwen2", "qwen2_moe"):  # zero-initialised biases would let a missing bias go unnoticed
-        with torch.no_grad():
-            for layer in model.model.layers:
-                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+    with torch.no_grad():  # parameters initialised to 0 or 1 would let a missing bias or norm go unnoticed
+        for layer in model.model.layers:
+            attn = layer.self_attn
+            if kind in ("qwen2", "qwen2_moe"):
+                for proj in (attn.q_proj, attn.k_proj, attn.v_proj):
                     proj.bias.normal_(0, 0.5)
+            if kind in ("qwen3", "qwen3_moe"):
+                attn.q_norm.weight.normal_(1, 0.3)
+                attn.k_norm.weight.normal_(1, 0.3)
     model.save_pretrained(folder, max_shard_size="1MB", safe_serialization=True)
     tokenizer.backend.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps({
