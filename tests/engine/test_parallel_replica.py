@@ -150,3 +150,27 @@ def test_an_error_on_a_rank_reaches_the_driver_with_its_traceback(embedded_promp
                                 num_scheduled_tokens={"never-sent": 1})
         with pytest.raises(ReplicaFailedError, match="KeyError: 'never-sent'"):
             engine.runner.execute_step(bogus)
+
+
+def test_async_engine_streams_from_a_split_replica_and_ends_streams_when_a_rank_dies(embedded_prompts,
+                                                                                      embedded_reference):
+    import asyncio
+
+    from tandem.engine.async_engine import AsyncEngine, EngineDeadError
+
+    meta = load_model(weights=False, progress=False)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    with LLMEngine(meta, CONFIG, parallel=ParallelConfig(pp=2)) as engine:
+
+        async def main():
+            async with AsyncEngine(engine) as server:
+                streamed = [t async for o in server.generate("a", embedded_prompts[0], params) for t in o.token_ids]
+                long = server.generate("b", embedded_prompts[1], SamplingParams(max_tokens=500, ignore_eos=True))
+                await anext(long)
+                engine.runner.kill_rank(0)
+                with pytest.raises(EngineDeadError, match="rank 0"):
+                    async for _ in long:
+                        pass
+                return streamed
+
+        assert asyncio.run(main()) == embedded_reference["0"]
