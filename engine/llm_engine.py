@@ -9,13 +9,20 @@ With a ParallelConfig of more than one rank the model runs in separate processes
 scheduler stays here and a MultiprocExecutor takes the runner's place. Every rank's KV cache has the same
 number of blocks (block ids are global), each holding only that rank's layers and KV heads. Call shutdown()
 (or use the engine as a context manager) to stop the ranks.
+
+KV transfer (kv_transfer/, a layer above) plugs in through `kv_agent`: a picklable factory
+`(rank, layout, kv_cache) -> agent` called beside every rank's KV store (in the rank's process). The runner calls
+the agent's on_layers_done(layer, tables) after each layer of a step that completes prompts, and
+call_kv_agents() reaches the agents' methods from here. reserve_for_transfer() and admit_transferred() are the
+decode side's way in: blocks held for a prompt whose KV another replica computes, then the request continued
+from its first token.
 """
 
 from __future__ import annotations
 
 import secrets
 from dataclasses import dataclass
-from typing import Sequence as Seq
+from typing import Any, Callable, Mapping, Sequence as Seq
 
 import torch
 
@@ -31,7 +38,9 @@ from tandem.engine.request import RequestStatus, Sequence
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.scheduler import RequestRejectedError, Scheduler, SchedulerConfig, SchedulerStats
 
-__all__ = ["EngineStats", "LLMEngine", "RequestRejectedError"]
+__all__ = ["EngineStats", "KVAgentFactory", "LLMEngine", "RequestRejectedError"]
+
+KVAgentFactory = Callable[[int, ReplicaLayout, PagedKVCache], Any]
 
 
 @dataclass(frozen=True)
@@ -41,7 +50,8 @@ class EngineStats(SchedulerStats):
 
 class LLMEngine:
     def __init__(self, loaded: LoadedModel, config: EngineConfig = EngineConfig(), *,
-                 event_sink: KVEventSink = discard_events, parallel: ParallelConfig = ParallelConfig()):
+                 event_sink: KVEventSink = discard_events, parallel: ParallelConfig = ParallelConfig(),
+                 kv_agent: KVAgentFactory | None = None):
         """loaded.model may be None (weights=False) when parallel spans more than one rank. Raises ValueError
         for a split the model cannot take, ReplicaFailedError if a rank fails to start."""
         self.loaded = loaded
@@ -71,6 +81,8 @@ class LLMEngine:
             if loaded.model is None:
                 raise ValueError("a single-process engine needs the model's weights (load_model(weights=True))")
             self.runner = ModelRunner(loaded.model, PagedKVCache(self.kv_cache_spec, device))
+            self._local_agent = kv_agent(0, self.layout, self.runner.kv_cache) if kv_agent else None
+            self.runner.layer_observer = self._local_agent
         else:
             from tandem.engine.parallel.executor import MultiprocExecutor, free_port
             from tandem.engine.parallel.worker import WorkerSpec
@@ -81,7 +93,8 @@ class LLMEngine:
                 layout=self.layout, num_kv_blocks=num_blocks, block_size=config.block_size,
                 max_positions=model_config.max_position_embeddings,
                 init_method=f"tcp://127.0.0.1:{free_port()}", timeout_s=parallel.collective_timeout_s,
-                threads=threads, micro_batches=parallel.num_micro_batches))
+                threads=threads, micro_batches=parallel.num_micro_batches, kv_agent=kv_agent))
+            self._local_agent = None
         self.kv_manager = KVCacheManager(num_blocks, config.block_size,
                                          enable_prefix_caching=config.enable_prefix_caching, event_sink=event_sink)
         self.scheduler = Scheduler(
@@ -112,16 +125,54 @@ class LLMEngine:
         """Queues a request. Raises ValueError (bad input, duplicate id) or RequestRejectedError (can never
         fit); nothing is queued then. A request without a seed gets a random one, so its output still does
         not depend on the batch it lands in or on preemption."""
+        self.scheduler.add(self._sequence(request_id, prompt_token_ids, params, priority, cache_salt))
+        self._arrivals += 1
+        self.outputs.add_request(request_id, params.n)
+
+    def _sequence(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams, priority: int,
+                  cache_salt: str | None) -> Sequence:
         self.validate(prompt_token_ids, params)
         if params.seed is not None:
             seeds = [params.seed + i for i in range(params.n)]
         else:
             seeds = [secrets.randbits(63) for _ in range(params.n)]
-        seq = Sequence(f"{request_id}#0", request_id, 0, tuple(int(t) for t in prompt_token_ids), params, seeds[0],
-                       priority, self._arrivals, cache_salt, self.config.block_size, fork_seeds=tuple(seeds[1:]))
-        self.scheduler.add(seq)
-        self._arrivals += 1
-        self.outputs.add_request(request_id, params.n)
+        return Sequence(f"{request_id}#0", request_id, 0, tuple(int(t) for t in prompt_token_ids), params,
+                        seeds[0], priority, self._arrivals, cache_salt, self.config.block_size,
+                        fork_seeds=tuple(seeds[1:]))
+
+    def reserve_for_transfer(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams, *,
+                             priority: int = 0, cache_salt: str | None = None) -> tuple[int, ...] | None:
+        """Holds KV blocks for the prompt of a request whose prompt KV another replica computes (decode side of
+        disaggregation). Returns the block ids (the same on every rank, in token order), or None when there is
+        no room now (nothing is held; retry later or on another replica). The request then waits, never
+        scheduled, until admit_transferred() or abort_request(). Raises like add_request, and ValueError for
+        n > 1. params.seed must be the one the prefill replica sampled the first token with for the output to
+        match a colocated run."""
+        blocks = self.scheduler.reserve(self._sequence(request_id, prompt_token_ids, params, priority, cache_salt))
+        if blocks is not None:
+            self._arrivals += 1
+            self.outputs.add_request(request_id, params.n)
+        return blocks
+
+    def admit_transferred(self, request_id: str, first) -> list[RequestOutput]:
+        """Continues a reserved request whose prompt KV has fully arrived, with `first` (the SampledToken the
+        prefill replica drew) as its first output token. Returns that token's output (the request may finish on
+        it). Raises KeyError if the request holds no reservation."""
+        update = self.scheduler.admit_transferred(request_id, first)
+        output, hit_stop_string = self.outputs.process(update)
+        if hit_stop_string and update.status is None:
+            self.scheduler.finish(update.seq, RequestStatus.FINISHED_STOPPED)
+        return [output]
+
+    def call_kv_agents(self, method: str, args_by_rank: Mapping[int, tuple]) -> dict[int, Any]:
+        """Calls method(*args) on the KV transfer agent of each rank in args_by_rank, in that rank's process;
+        returns the results by rank. Raises ValueError if the engine was built without kv_agent, and
+        ReplicaFailedError if a rank fails."""
+        if self._local_agent is None and self.layout.world_size == 1:
+            raise ValueError("this engine was built without a KV transfer agent (LLMEngine(kv_agent=...))")
+        if self._local_agent is not None:
+            return {rank: getattr(self._local_agent, method)(*args) for rank, args in args_by_rank.items()}
+        return self.runner.call_agents(method, args_by_rank)
 
     def abort_request(self, request_id: str) -> list[RequestOutput]:
         """Ends a request now, freeing its blocks; returns its final outputs (empty for an unknown or finished id)."""
@@ -154,7 +205,10 @@ class LLMEngine:
         self.scheduler.check_integrity()
 
     def shutdown(self) -> None:
-        """Stops the ranks of a multi-process replica (nothing to do in one process). Idempotent."""
+        """Stops the ranks of a multi-process replica, or this process's KV transfer agent. Idempotent."""
+        if self._local_agent is not None:
+            self._local_agent.close()
+            self._local_agent = None
         if hasattr(self.runner, "shutdown"):
             self.runner.shutdown()
 

@@ -95,17 +95,24 @@ class ModelRunner:
         self.micro_batches = micro_batches if comm is not None and comm.layout.pp > 1 else 1
         self.times = RunnerTimes()
         self._seqs: dict[str, _SeqState] = {}
+        # Told after each layer which sequences' prompts this step completes (seq id -> block table): the KV
+        # transfer agent sends their layer's KV from there (engine/llm_engine.py, kv_transfer/agent.py).
+        self.layer_observer = None
 
     def execute(self, chunks: Sequence[SequenceChunk]) -> torch.Tensor:
         """Computes every chunk, writing its K/V to the cache. Returns float32 logits [len(chunks), vocab] of
         each chunk's last token. Raises ValueError if a block table is too short. Single process only."""
         return self.model.compute_logits(self._forward(chunks))
 
-    def _forward(self, chunks: Sequence[SequenceChunk]) -> torch.Tensor | None:
+    def _forward(self, chunks: Sequence[SequenceChunk],
+                 completing: Sequence[str | None] = ()) -> torch.Tensor | None:
         """Runs this rank's layers over the chunks, micro-batch by micro-batch. Returns the last stage's final
-        hidden state of each chunk's last token [len(chunks), hidden]; None on the other stages."""
+        hidden state of each chunk's last token [len(chunks), hidden]; None on the other stages.
+        completing[i]: the seq id of chunk i if it completes that sequence's prompt (for layer_observer)."""
         shard = self.model.shard
         runs = split_micro_batches([len(c.token_ids) for c in chunks], self.micro_batches)
+        observers = [self._layer_callback({completing[i]: chunks[i].block_ids for i in run
+                                           if i < len(completing) and completing[i]}) for run in runs]
         inputs = [self._inputs([chunks[i] for i in run]) for run in runs]
         receives = []
         if not shard.is_first_stage:  # post every receive now: micro-batch i + 1 arrives while i computes
@@ -120,7 +127,7 @@ class ModelRunner:
                 hidden, work = receives[i]
                 self.comm.wait(work)
             start = time.perf_counter()
-            out = self.model.forward(ids, positions, meta, self.kv_cache, hidden)
+            out = self.model.forward(ids, positions, meta, self.kv_cache, hidden, observers[i])
             self.times.forward += time.perf_counter() - start
             if shard.is_last_stage:
                 outputs.append(out[torch.tensor(meta.query_start_loc[1:], device=self.device) - 1])
@@ -129,6 +136,11 @@ class ModelRunner:
         for _, work in sends:
             self.comm.wait(work)
         return torch.cat(outputs) if outputs else None
+
+    def _layer_callback(self, tables: dict[str, tuple[int, ...]]):
+        if self.layer_observer is None or not tables:
+            return None
+        return lambda layer: self.layer_observer.on_layers_done(layer, tables)
 
     def _inputs(self, chunks: Sequence[SequenceChunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         ids = [t for c in chunks for t in c.token_ids]
@@ -175,14 +187,15 @@ class ModelRunner:
         if output.is_empty:
             return RunnerOutput()
         computed = {d.seq_id: d.num_computed_tokens for d in (*output.new_seqs, *output.cached_seqs)}
-        chunks, to_sample = [], []
+        chunks, to_sample, completing = [], [], []
         for seq_id, count in output.num_scheduled_tokens.items():
             state = self._seqs[seq_id]
             start = computed[seq_id]
             chunks.append(SequenceChunk(tuple(state.token_ids[start:start + count]), start, tuple(state.block_ids)))
             if start + count == len(state.token_ids):
                 to_sample.append(seq_id)
-        hidden = self._forward(chunks)
+            completing.append(seq_id if start + count == len(state.token_ids) == state.num_prompt_tokens else None)
+        hidden = self._forward(chunks, completing)
         row_of = {seq_id: i for i, seq_id in enumerate(output.num_scheduled_tokens)}
         rows, names = [], []
         for seq_id in to_sample:

@@ -8,6 +8,11 @@ Order within a step:
      so a large high-priority prompt is not starved by small later ones.
 When a running sequence cannot get a block, the running sequence with the worst (priority, arrival) gives all
 its blocks back (preemption by recompute) and waits again; it may be the one asking.
+
+A sequence whose prompt KV arrives by transfer (disaggregated decode) skips the queue: reserve() gives it
+blocks for the whole prompt at once and parks it in WAITING_FOR_KV, where it is never scheduled nor preempted;
+admit_transferred() then makes it RUNNING with its prompt computed and its first token (sampled by the prefill
+replica) appended, so its next step is an ordinary decode.
 """
 
 from __future__ import annotations
@@ -66,6 +71,7 @@ class SchedulerStats:
     num_prompt_tokens_queried: int
     num_prompt_tokens_cached: int
     num_tokens_computed: int  # tokens the model computed (prefill chunks + decodes)
+    num_waiting_for_kv: int = 0  # sequences holding reserved blocks until their KV arrives
 
 
 class Scheduler:
@@ -75,6 +81,7 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: list[Sequence] = []  # sorted by sort_key
         self.running: list[Sequence] = []
+        self.reserved: dict[str, Sequence] = {}  # WAITING_FOR_KV, by seq id
         self.seqs: dict[str, Sequence] = {}
         self._by_request: dict[str, list[str]] = {}
         self._dropped: set[str] = set()  # runner state to forget at the next step
@@ -101,16 +108,56 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         """Queues sample 0 of a request (its other samples are forked from it). Raises RequestRejectedError
         when it can never fit, ValueError for a request id in use; nothing is queued then."""
+        self._check_new(seq)
+        self._track(seq)
+        bisect.insort(self.waiting, seq, key=lambda s: s.sort_key)
+
+    def _check_new(self, seq: Sequence) -> None:
         if seq.request_id in self._by_request:
             raise ValueError(f"request id {seq.request_id!r} is already in use")
         self.check_admissible(seq.num_prompt_tokens, seq.params.max_tokens)
         if 1 + len(seq.fork_seeds) > self.config.max_num_seqs:
             raise RequestRejectedError(f"n={1 + len(seq.fork_seeds)} samples exceed max_num_seqs "
                                        f"({self.config.max_num_seqs})")
+
+    def _track(self, seq: Sequence) -> None:
         self.seqs[seq.seq_id] = seq
         self._by_request[seq.request_id] = [seq.seq_id]
         self._resend.add(seq.seq_id)
-        bisect.insort(self.waiting, seq, key=lambda s: s.sort_key)
+
+    def reserve(self, seq: Sequence) -> tuple[int, ...] | None:
+        """Takes blocks for seq's whole prompt and parks it in WAITING_FOR_KV (its KV will be written by a
+        transfer). Returns its block table, or None when there is no room now (nothing changes; try later or
+        elsewhere). Raises like add(), and ValueError for n > 1 (samples fork on the prefill side's logits)."""
+        self._check_new(seq)
+        if seq.fork_seeds:
+            raise ValueError("a request whose KV arrives by transfer must have n=1")
+        if self.kv.allocate(seq, seq.num_prompt_tokens) is None:
+            return None
+        seq.status = RequestStatus.WAITING_FOR_KV
+        self._track(seq)
+        self.reserved[seq.seq_id] = seq
+        return tuple(self.kv.block_table(seq.seq_id))
+
+    def admit_transferred(self, request_id: str, sampled) -> SeqUpdate:
+        """Starts a reserved sequence whose prompt KV has arrived: all prompt tokens count as computed (its full
+        blocks enter the prefix cache) and `sampled` (a SampledToken from the prefill replica) is its first
+        output token. Returns that token's update; the sequence may finish on it (stop token, max_tokens=1).
+        Raises KeyError if the request holds no reservation."""
+        ids = self._by_request.get(request_id, ())
+        seq = self.reserved.pop(ids[0]) if ids and ids[0] in self.reserved else None
+        if seq is None:
+            raise KeyError(f"request {request_id!r} holds no KV reservation")
+        seq.status = RequestStatus.RUNNING
+        seq.num_computed_tokens = seq.num_prompt_tokens
+        self.num_prompt_tokens_queried += seq.num_prompt_tokens
+        self.kv.cache_full_blocks(seq)
+        self.running.append(seq)
+        seq.append_token(sampled.token_id)
+        status = token_stop_status(seq, self.eos_token_ids, self.config.max_model_len)
+        if status is not None:
+            self.finish(seq, status)
+        return SeqUpdate(seq, sampled, status)
 
     def abort_request(self, request_id: str) -> list[Sequence]:
         """Finishes every unfinished sample of the request as aborted, freeing its blocks now. Returns them."""
@@ -129,6 +176,8 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
             self.waiting.remove(seq)
+        elif seq.status is RequestStatus.WAITING_FOR_KV:
+            del self.reserved[seq.seq_id]
         self.kv.free(seq)
         seq.status = status
         self.seqs.pop(seq.seq_id, None)
@@ -273,6 +322,7 @@ class Scheduler:
             prefix_hit_rate=self.num_prompt_tokens_cached / queried if queried else 0.0,
             num_preemptions=self.num_preemptions, num_prompt_tokens_queried=queried,
             num_prompt_tokens_cached=self.num_prompt_tokens_cached, num_tokens_computed=self.num_tokens_computed,
+            num_waiting_for_kv=len(self.reserved),
         )
 
     def check_integrity(self) -> None:
@@ -284,5 +334,9 @@ class Scheduler:
         for seq in self.waiting:
             if self.kv.block_table(seq.seq_id):
                 raise ValueError(f"waiting sequence {seq.seq_id} holds blocks")
-        if len(self.running) + len(self.waiting) != len(self.seqs):
-            raise ValueError("a sequence is both running and waiting, or in neither")
+        for seq in self.reserved.values():
+            if seq.status is not RequestStatus.WAITING_FOR_KV or len(self.kv.block_table(seq.seq_id)) < \
+                    self.kv.blocks_for(seq.num_prompt_tokens):
+                raise ValueError(f"reserved sequence {seq.seq_id} has status {seq.status} or too few blocks")
+        if len(self.running) + len(self.waiting) + len(self.reserved) != len(self.seqs):
+            raise ValueError("a sequence is in more than one of running, waiting and reserved, or in none")

@@ -9,7 +9,7 @@ device and dtype.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.nn.functional as F
@@ -260,12 +260,15 @@ class LlamaModel:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_cache: PagedKVCache, hidden: torch.Tensor | None = None) -> torch.Tensor:
+                kv_cache: PagedKVCache, hidden: torch.Tensor | None = None,
+                on_layer: Callable[[int], None] | None = None) -> torch.Tensor:
         """input_ids, positions: [T] int64 (the batch's new tokens, flattened). A later pipeline stage passes
         the previous stage's output as `hidden` [T, hidden_size] instead of embedding input_ids. Returns the
         hidden states [T, hidden_size]: normed on the last stage, the residual stream on the others.
 
         Mutates kv_cache: each new token's K/V is written at meta.slot_mapping in every layer this rank holds.
+        on_layer(global layer index) is called as soon as a layer's K/V is written (KV transfer sends it while
+        the next layers compute).
         """
         cfg = self.config
         if int(positions.max()) >= self.rope.max_positions:
@@ -287,6 +290,8 @@ class LlamaModel:
             q, k = qk.split([hq, hk], dim=1)
             v = qkv[:, q_size + kv_size :].reshape(t, hk, cfg.head_dim)
             attn = layer.o(self.attention.forward(q, k, v, kv_cache.layer(index), meta, self.scale, layer.window))
+            if on_layer is not None:
+                on_layer(self.shard.layers[index])
             h = h + (attn if self.comm is None else self.comm.all_reduce_tp(attn))
             x = self._norm(h, layer.post_norm)
             out = layer.mlp(x)

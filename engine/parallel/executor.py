@@ -110,6 +110,22 @@ class MultiprocExecutor:
         self._prev_tokens = {seq_id: token.token_id for seq_id, token in result.sampled.items()}
         return result
 
+    def call_agents(self, method: str, args_by_rank: dict[int, tuple]) -> dict[int, object]:
+        """Calls method(*args) on the KV transfer agent of each named rank, in its process; results by rank.
+        A rank's exception fails the replica (ReplicaFailedError), as in a step."""
+        if self._dead:
+            raise ReplicaFailedError("the replica has been shut down")
+        for rank, args in args_by_rank.items():
+            try:
+                self._conns[rank].send_bytes(pickle.dumps(("agent", method, args), protocol=pickle.HIGHEST_PROTOCOL))
+            except (BrokenPipeError, ConnectionResetError, EOFError):
+                self._fail(f"{self._describe(rank)} is gone (its pipe is closed)")
+        answers = self._collect(list(args_by_rank), "agent", time.monotonic() + self.step_timeout_s)
+        for rank, (how, value) in sorted(answers.items()):
+            if how == "raised":
+                raise value
+        return {rank: value for rank, (_, value) in answers.items()}
+
     def rank_stats(self) -> list[RankStats]:
         """Each rank's memory, time split and expert load, in rank order."""
         self._broadcast(("stats",))

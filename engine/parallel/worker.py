@@ -1,7 +1,8 @@
 """One rank of a replica, in its own process: loads its shard, holds its share of the KV cache, runs steps.
 
 The driver (engine/parallel/executor.py) sends each message to every rank over a pipe: ("step", prev_tokens,
-SchedulerOutput) pickled once, ("stats",) or ("stop",). The sampler rank answers each step with its
+SchedulerOutput) pickled once, ("stats",) or ("stop",); and ("agent", method, args) to the ranks it names, which
+call their KV transfer agent and answer with the result. The sampler rank answers each step with its
 RunnerOutput; every rank answers "stats". A rank that fails sends ("error", text) and exits, which the driver
 sees at once. Later issues start the same `run_worker` inside Ray actors.
 """
@@ -31,6 +32,7 @@ class WorkerSpec:
     timeout_s: float
     threads: int
     micro_batches: int
+    kv_agent: object = None  # a picklable factory (rank, layout, kv_cache) -> KV transfer agent (kv_transfer/)
 
 
 @dataclass(frozen=True)
@@ -50,7 +52,7 @@ class RankStats:
 
 def run_worker(rank: int, spec: WorkerSpec, conn: Connection) -> None:
     """The rank's whole life. Returns on ("stop",) or after reporting an error."""
-    comm = None
+    comm = agent = None
     try:
         import torch
 
@@ -78,6 +80,8 @@ def run_worker(rank: int, spec: WorkerSpec, conn: Connection) -> None:
                               config.head_dim, dtype)
         runner = ModelRunner(model, PagedKVCache(kv_spec, device), comm=comm,
                              samples=rank == layout.sampler_rank, micro_batches=spec.micro_batches)
+        if spec.kv_agent is not None:
+            agent = runner.layer_observer = spec.kv_agent(rank, layout, runner.kv_cache)
         conn.send(("ready", rank))
         while True:
             message = pickle.loads(conn.recv_bytes())
@@ -93,7 +97,15 @@ def run_worker(rank: int, spec: WorkerSpec, conn: Connection) -> None:
                     rank, model.weight_bytes(), data.numel() * data.element_size(), tuple(data.shape),
                     runner.times.steps, runner.times.forward, runner.times.num_steps, dict(comm.seconds),
                     model.expert_load())))
+            elif kind == "agent":
+                _, method, args = message
+                try:  # the agent's own errors (bad descriptor, ...) go back to the caller; the rank lives on
+                    conn.send(("agent", ("ok", getattr(agent, method)(*args))))
+                except Exception as e:
+                    conn.send(("agent", ("raised", e)))
             elif kind == "stop":
+                if agent is not None:
+                    agent.close()
                 comm.close()
                 return
             else:

@@ -1,0 +1,469 @@
+"""The transfer agent of one rank: it lives beside that rank's KV store (in the rank's process) and moves its
+share of each request's KV.
+
+Receiving (decode rank): expect() registers the request's destination blocks and lease. A pump thread probes
+for DATA messages of any transfer, receives each into a staging slot, checks its header and checksum, copies
+the payload into the KV blocks and, once the header's message count has arrived, acknowledges every sender
+(ACK OK). A bad checksum, a broken connection, the lease passing, or an ABORT from the sender end the transfer
+in FAILED / EXPIRED / ABORTED, and each sender seen is told. Messages of a transfer the agent does not hold
+(never reserved, ended, forgotten) are drained and answered with that transfer's outcome, so no sender waits
+on them.
+
+Sending (prefill rank): arm() computes the plan's messages for this rank. The model runner calls
+on_layers_done() after each layer; every message whose last layer that is leaves at once (gathered from the
+KV store into a staging slot, checksummed, sent without blocking), so sending overlaps the next layers'
+compute. send_all() sends everything at once (KV already computed). The transfer is DONE when every
+destination rank it feeds has acknowledged; a failed send, a negative acknowledgement or the lease passing
+end it otherwise, and its destination ranks are told (ABORT).
+
+Threads: the driver's calls (expect, arm, abort, poll, release) and the runner's hook take the agent's lock
+for bookkeeping only; copies and checksums run outside it, except the copy into KV blocks, which holds the lock
+so that abort() returning means no more writes into those blocks.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Sequence
+
+import numpy as np
+import torch
+
+from tandem.engine.kv_cache import PagedKVCache
+from tandem.engine.parallel.layout import ReplicaLayout
+from tandem.kv_transfer.config import TransferConfig
+from tandem.kv_transfer.descriptor import KVFormat, RankStatus, TransferDescriptor, TransferState
+from tandem.kv_transfer.plan import Message, plan_messages, plan_pieces
+from tandem.kv_transfer.staging import Slot, StagingPool
+from tandem.kv_transfer.transport import Transport
+from tandem.kv_transfer.wire import (HEADER_BYTES, KIND_MASK, STATUS_BYTES, DataHeader, Kind, Status, checksum,
+                                     make_tag, pack_status, split_tag, transfer_key, unpack_status)
+
+_ENDING = {Status.CHECKSUM: TransferState.FAILED, Status.ABORTED: TransferState.ABORTED,
+           Status.EXPIRED: TransferState.EXPIRED, Status.UNKNOWN: TransferState.FAILED,
+           Status.BAD_MESSAGE: TransferState.FAILED}
+_STATUS_OF = {TransferState.FAILED: Status.BAD_MESSAGE, TransferState.ABORTED: Status.ABORTED,
+              TransferState.EXPIRED: Status.EXPIRED, TransferState.DONE: Status.OK}
+
+
+@dataclass
+class _Transfer:
+    transfer_id: str
+    deadline: float
+    state: TransferState = TransferState.RESERVED
+    nbytes: int = 0
+    error: str | None = None
+
+    def end(self, state: TransferState, error: str | None) -> bool:
+        """Moves to a terminal state; False (and no change) if already there."""
+        if self.state.terminal:
+            return False
+        self.state, self.error = state, error
+        return True
+
+
+@dataclass
+class _Inbound(_Transfer):
+    block_ids: tuple[int, ...] = ()
+    expected: int | None = None  # DATA messages this rank receives, learnt from the first header
+    arrived: set[int] = field(default_factory=set)
+    senders: set[str] = field(default_factory=set)
+
+
+@dataclass
+class _Outbound(_Transfer):
+    descriptor: TransferDescriptor | None = None
+    seq_id: str | None = None
+    messages: tuple[Message, ...] = ()
+    counts: dict[int, int] = field(default_factory=dict)  # destination rank -> its messages from every source
+    sent: set[int] = field(default_factory=set)
+    pending: list[tuple[object, Slot]] = field(default_factory=list)
+    acked: set[int] = field(default_factory=set)
+
+
+@dataclass(frozen=True)
+class AgentStats:
+    num_inbound: int
+    num_outbound: int
+    staging_in_use: int
+    staging_free_bytes: int
+    one_off_buffers: int  # sends that found the staging buffer full
+
+
+class KVTransferAgent:
+    def __init__(self, kv_cache: PagedKVCache, layout: ReplicaLayout, rank: int, transport: Transport,
+                 config: TransferConfig = TransferConfig(), *, clock: Callable[[], float] = time.time):
+        self.kv = kv_cache
+        self.layout = layout
+        self.rank = rank
+        self.transport = transport
+        self.config = config
+        self.clock = clock
+        shard = layout.shard(rank)
+        self.layers, self.kv_heads = shard.layers, shard.kv_heads
+        spec = kv_cache.spec
+        if (spec.num_layers, spec.num_kv_heads) != (len(self.layers), len(self.kv_heads)):
+            raise ValueError(f"rank {rank}'s KV store holds {spec.num_layers} layers x {spec.num_kv_heads} KV heads, "
+                             f"its layout share is {len(self.layers)} x {len(self.kv_heads)}")
+        self.format = KVFormat(layout.num_layers, layout.num_kv_heads, spec.head_dim, spec.block_size,
+                               str(spec.dtype).removeprefix("torch."))
+        self.staging = StagingPool(config.staging_bytes)
+        self.one_off_buffers = 0
+        self._lock = threading.RLock()
+        self._in: dict[int, _Inbound] = {}
+        self._out: dict[int, _Outbound] = {}
+        self._tombstones: dict[int, tuple[Status, float]] = {}
+        self._receiving: list[tuple[object, Slot, int]] = []  # (handle, slot, tag)
+        self._control: list[tuple[object, np.ndarray]] = []  # small sends kept alive until done
+        self._stop = threading.Event()
+        self._pump = threading.Thread(target=self._run, name=f"kv-agent-{rank}", daemon=True)
+        self._pump.start()
+
+    @property
+    def address(self) -> str:
+        return self.transport.address
+
+    # -- receiving side ------------------------------------------------------------------------------------
+
+    def expect(self, transfer_id: str, block_ids: Sequence[int], deadline: float) -> None:
+        """Registers destination blocks (block ids of this rank's store, in token order) for a transfer.
+        Raises ValueError for a transfer id already held."""
+        key = transfer_key(transfer_id)
+        with self._lock:
+            if key in self._in or key in self._out:
+                raise ValueError(f"transfer {transfer_id!r} is already registered on rank {self.rank}")
+            self._tombstones.pop(key, None)
+            self._in[key] = _Inbound(transfer_id, deadline, block_ids=tuple(block_ids))
+
+    # -- sending side --------------------------------------------------------------------------------------
+
+    def arm(self, descriptor: TransferDescriptor, seq_id: str | None = None) -> None:
+        """Prepares this rank's messages for descriptor. With seq_id, on_layers_done sends them as the
+        sequence's layers are computed; else call send_all. Raises ValueError if the KV formats differ or the
+        transfer id is in use here."""
+        self.format.check_matches(descriptor.kv)
+        pieces = plan_pieces(self.layout, descriptor.layout)
+        messages = plan_messages(pieces, len(descriptor.block_ids), layer_group=self.config.layer_group,
+                                 max_message_bytes=self.config.max_message_bytes,
+                                 bytes_per_block_layer_head=self.format.bytes_per_block_layer_head)
+        counts: dict[int, int] = {}
+        for m in messages:
+            counts[m.dst_rank] = counts.get(m.dst_rank, 0) + 1
+        mine = tuple(m for m in messages if m.src_rank == self.rank)
+        key = transfer_key(descriptor.transfer_id)
+        with self._lock:
+            if key in self._in or key in self._out:
+                raise ValueError(f"transfer {descriptor.transfer_id!r} is already registered on rank {self.rank}")
+            out = _Outbound(descriptor.transfer_id, descriptor.deadline, descriptor=descriptor, seq_id=seq_id,
+                            messages=mine, counts=counts)
+            if not mine:
+                out.state = TransferState.DONE  # another replica of this rank's KV heads feeds every destination
+            self._out[key] = out
+
+    def on_layers_done(self, layer: int, tables: Mapping[str, Sequence[int]]) -> None:
+        """The runner's hook: `layer` (global index) is computed for the sequences in tables (seq id -> block
+        table) whose prompt this step completes. Sends every armed message ending at that layer."""
+        with self._lock:
+            armed = [o for o in self._out.values() if o.seq_id in tables and not o.state.terminal]
+        for out in armed:
+            ready = [m for m in out.messages if m.layers.stop - 1 == layer and m.index not in out.sent]
+            self._send_messages(out, ready, tables[out.seq_id])
+
+    def send_all(self, transfer_id: str, block_ids: Sequence[int]) -> None:
+        """Sends every message of an armed transfer now, from source blocks block_ids (in token order)."""
+        with self._lock:
+            out = self._out.get(transfer_key(transfer_id))
+        if out is None:
+            raise ValueError(f"transfer {transfer_id!r} is not armed on rank {self.rank}")
+        self._send_messages(out, [m for m in out.messages if m.index not in out.sent], block_ids)
+
+    def _send_messages(self, out: _Outbound, messages: list[Message], block_ids: Sequence[int]) -> None:
+        desc = out.descriptor
+        key = transfer_key(desc.transfer_id)
+        per = self.format.bytes_per_block_layer_head
+        for m in messages:
+            if out.state.terminal:
+                return
+            nbytes = m.nbytes(per)
+            slot = self._slot(HEADER_BYTES + nbytes)
+            payload = slot.view[HEADER_BYTES:]
+            shape = (len(m.layers), 2, len(m.blocks), len(m.kv_heads), self.format.block_size, self.format.head_dim)
+            target = torch.from_numpy(payload).view(self.kv.data.dtype).view(shape)
+            rows = torch.tensor([block_ids[b] for b in m.blocks], dtype=torch.int64)
+            l0, h0 = m.layers.start - self.layers.start, m.kv_heads.start - self.kv_heads.start
+            source = self.kv.data[l0:l0 + len(m.layers), :, :, h0:h0 + len(m.kv_heads)]
+            torch.index_select(source, 2, rows, out=target)
+            tag = make_tag(key, Kind.DATA, m.index)
+            header = DataHeader(m.index, out.counts[m.dst_rank], self.rank, m.layers, m.kv_heads, m.blocks, nbytes,
+                                checksum(payload, tag), self.address)
+            slot.view[:HEADER_BYTES] = np.frombuffer(header.pack(), dtype=np.uint8)
+            handle = self.transport.send(desc.addresses[m.dst_rank], tag, slot.view)
+            with self._lock:
+                out.sent.add(m.index)
+                out.pending.append((handle, slot))
+                out.nbytes += nbytes
+                if out.state is TransferState.RESERVED:
+                    out.state = TransferState.TRANSFERRING
+
+    def _slot(self, nbytes: int) -> Slot:
+        with self._lock:
+            slot = self.staging.acquire(nbytes)
+            if slot is None:
+                self.one_off_buffers += 1
+                slot = Slot(-1, nbytes, np.empty(nbytes, dtype=np.uint8))
+            return slot
+
+    # -- both sides ----------------------------------------------------------------------------------------
+
+    def listen_address(self) -> str:
+        return self.transport.address
+
+    def abort(self, transfer_id: str, reason: str = "aborted", expired: bool = False) -> None:
+        """Ends the transfer on this rank as ABORTED (or EXPIRED) unless it already ended, and tells the peers.
+        Once this returns, nothing more is written into the transfer's destination blocks here."""
+        key = transfer_key(transfer_id)
+        state = TransferState.EXPIRED if expired else TransferState.ABORTED
+        with self._lock:
+            if (inbound := self._in.get(key)) is not None and inbound.end(state, reason):
+                self._notify_senders(key, inbound)
+            if (out := self._out.get(key)) is not None and out.end(state, reason):
+                self._notify_receivers(key, out)
+
+    def poll(self, transfer_ids: Sequence[str] | None = None) -> dict[str, RankStatus]:
+        """Each transfer's state on this rank (all of them when transfer_ids is None; unknown ids are left
+        out). Never blocks on the network."""
+        with self._lock:
+            transfers = [*self._in.values(), *self._out.values()]
+            wanted = None if transfer_ids is None else set(transfer_ids)
+            return {t.transfer_id: RankStatus(t.state, t.nbytes, t.error) for t in transfers
+                    if wanted is None or t.transfer_id in wanted}
+
+    def release(self, transfer_id: str) -> None:
+        """Forgets an ended transfer (aborting it first if it is still running); late messages for it are then
+        answered with its outcome for tombstone_s."""
+        key = transfer_key(transfer_id)
+        self.abort(transfer_id, "released")
+        with self._lock:
+            for table in (self._in, self._out):
+                if (t := table.pop(key, None)) is not None:
+                    self._tombstones[key] = (_STATUS_OF[t.state], self.clock())
+
+    def read_kv(self, block_ids: Sequence[int]) -> np.ndarray:
+        """A copy of this rank's K/V of block_ids: [layers, 2, blocks, KV heads, block_size, head_dim] (tests)."""
+        rows = torch.tensor(list(block_ids), dtype=torch.int64)
+        return self.kv.data.index_select(2, rows).float().numpy()
+
+    def stats(self) -> AgentStats:
+        with self._lock:
+            return AgentStats(len(self._in), len(self._out), self.staging.num_in_use, self.staging.free_bytes,
+                              self.one_off_buffers)
+
+    def check_integrity(self) -> None:
+        """Raises ValueError if a staging slot is held with nothing in flight."""
+        with self._lock:
+            in_flight = len(self._receiving) + sum(
+                1 for o in self._out.values() for _, s in o.pending if s.offset >= 0)
+            if in_flight != self.staging.num_in_use:
+                raise ValueError(f"{self.staging.num_in_use} staging slots held, {in_flight} messages in flight")
+            self.staging.check_integrity()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._pump.join(timeout=5)
+        self.transport.close()
+
+    # -- the pump ------------------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            busy = False
+            try:
+                with self._lock:
+                    busy |= self._take_data()
+                    busy |= self._take_control()
+                    busy |= self._finish_receives()
+                    busy |= self._finish_sends()
+                    self._check_deadlines()
+                    active = bool(self._receiving or self._control or
+                                  any(not t.state.terminal for t in (*self._in.values(), *self._out.values())))
+            except Exception as e:  # never let the pump die silently: fail what is running and go on
+                self._fail_everything(f"transfer agent error: {type(e).__name__}: {e}")
+                active = False
+            if not busy:
+                time.sleep(0.0002 if active else self.config.idle_poll_s)
+
+    def _fail_everything(self, reason: str) -> None:
+        with self._lock:
+            for key, t in [*self._in.items(), *self._out.items()]:
+                t.end(TransferState.FAILED, reason)
+
+    def _take_data(self) -> bool:
+        probe = self.transport.probe(make_tag(0, Kind.DATA, 0), KIND_MASK)
+        if probe is None:
+            return False
+        key = probe.tag >> 16
+        inbound = self._in.get(key)
+        if inbound is not None and not inbound.state.terminal:
+            slot = self.staging.acquire(probe.length)
+            if slot is None:
+                return False  # staging full: it waits until a slot frees up
+            if inbound.state is TransferState.RESERVED:
+                inbound.state = TransferState.TRANSFERRING
+        else:
+            slot = Slot(-1, probe.length, np.empty(probe.length, dtype=np.uint8))  # drained, then answered
+        self._receiving.append((self.transport.receive(probe, slot.view), slot, probe.tag))
+        return True
+
+    def _finish_receives(self) -> bool:
+        done = [r for r in self._receiving if r[0].done()]
+        for item in done:
+            self._receiving.remove(item)
+            handle, slot, tag = item
+            try:
+                self._on_data(handle, slot, tag)
+            finally:
+                self.staging.release(slot)
+        return bool(done)
+
+    def _on_data(self, handle, slot: Slot, tag: int) -> None:
+        key, _, index = split_tag(tag)
+        inbound = self._in.get(key)
+        if (error := handle.error()) is not None:
+            if inbound is not None and inbound.end(TransferState.FAILED, f"receive failed: {error}"):
+                self._notify_senders(key, inbound)
+            return
+        try:
+            header = DataHeader.unpack(slot.view)
+        except ValueError as e:
+            if inbound is not None and inbound.end(TransferState.FAILED, f"bad message: {e}"):
+                self._notify_senders(key, inbound)
+            return
+        if inbound is None or inbound.state.terminal:
+            ended = self._tombstones.get(key, (Status.UNKNOWN, 0.0))[0] if inbound is None else \
+                _STATUS_OF[inbound.state]
+            self._send_status(header.sender, key, Kind.ACK, ended if ended is not Status.OK else Status.UNKNOWN)
+            return
+        inbound.senders.add(header.sender)
+        payload = slot.view[HEADER_BYTES:HEADER_BYTES + header.payload_bytes]
+        problem = self._check_header(header, index, len(slot.view) - HEADER_BYTES, inbound)
+        if problem is None and checksum(payload, tag) != header.checksum:
+            problem = (Status.CHECKSUM, f"checksum mismatch in message {index} from rank {header.src_rank} "
+                                        f"(layers {header.layers.start}-{header.layers.stop - 1})")
+        if problem is not None:
+            inbound.end(TransferState.FAILED, problem[1])
+            self._notify_senders(key, inbound, problem[0])
+            return
+        shape = (len(header.layers), 2, len(header.blocks), len(header.kv_heads), self.format.block_size,
+                 self.format.head_dim)
+        data = torch.from_numpy(payload).view(self.kv.data.dtype).view(shape)
+        rows = torch.tensor([inbound.block_ids[b] for b in header.blocks], dtype=torch.int64)
+        l0, h0 = header.layers.start - self.layers.start, header.kv_heads.start - self.kv_heads.start
+        self.kv.data[l0:l0 + len(header.layers), :, :, h0:h0 + len(header.kv_heads)].index_copy_(2, rows, data)
+        inbound.arrived.add(index)
+        inbound.nbytes += header.payload_bytes
+        inbound.expected = header.msgs_for_dst
+        if len(inbound.arrived) == inbound.expected:
+            inbound.state = TransferState.DONE
+            self._notify_senders(key, inbound, Status.OK)
+
+    def _check_header(self, header: DataHeader, index: int, room: int, inbound: _Inbound):
+        """(status, reason) for a header that does not fit this rank and reservation, else None."""
+        expected = len(header.layers) * len(header.kv_heads) * len(header.blocks) * \
+            self.format.bytes_per_block_layer_head
+        reason = None
+        if header.index != index:
+            reason = f"header index {header.index} under tag index {index}"
+        elif header.payload_bytes != expected or header.payload_bytes > room:
+            reason = f"message {index} carries {header.payload_bytes} bytes for a slice of {expected}"
+        elif not (header.layers.start in self.layers and header.layers.stop - 1 in self.layers and
+                  header.kv_heads.start in self.kv_heads and header.kv_heads.stop - 1 in self.kv_heads):
+            reason = (f"message {index} is for layers {header.layers.start}-{header.layers.stop - 1}, KV heads "
+                      f"{header.kv_heads.start}-{header.kv_heads.stop - 1}; rank {self.rank} holds layers "
+                      f"{self.layers.start}-{self.layers.stop - 1}, KV heads {self.kv_heads.start}-"
+                      f"{self.kv_heads.stop - 1}")
+        elif header.blocks.stop > len(inbound.block_ids):
+            reason = f"message {index} names blocks up to {header.blocks.stop}, {len(inbound.block_ids)} reserved"
+        elif index in inbound.arrived or (inbound.expected not in (None, header.msgs_for_dst)):
+            reason = f"message {index} arrived twice or disagrees on the message count"
+        return None if reason is None else (Status.BAD_MESSAGE, reason)
+
+    def _take_control(self) -> bool:
+        busy = False
+        for kind in (Kind.ACK, Kind.ABORT):
+            while (probe := self.transport.probe(make_tag(0, kind, 0), KIND_MASK)) is not None:
+                buffer = np.empty(max(probe.length, STATUS_BYTES), dtype=np.uint8)
+                handle = self.transport.receive(probe, buffer)
+                deadline = time.monotonic() + 5
+                while not handle.done() and time.monotonic() < deadline:
+                    time.sleep(0.0001)  # a few bytes: eager, done at once
+                if handle.done() and handle.error() is None:
+                    self._on_control(probe.tag, *unpack_status(buffer))
+                busy = True
+        return busy
+
+    def _on_control(self, tag: int, status: Status, rank: int, _: int) -> None:
+        key, kind, _ = split_tag(tag)
+        if kind is Kind.ACK and (out := self._out.get(key)) is not None and not out.state.terminal:
+            if status is Status.OK:
+                out.acked.add(rank)
+            elif out.end(_ENDING[status], f"destination rank {rank} ended the transfer: {status.name.lower()}"):
+                self._notify_receivers(key, out)
+        elif kind is Kind.ABORT and (inbound := self._in.get(key)) is not None:
+            if inbound.end(_ENDING.get(status, TransferState.FAILED),
+                           f"source rank {rank} ended the transfer: {status.name.lower()}"):
+                self._notify_senders(key, inbound)
+
+    def _finish_sends(self) -> bool:
+        busy = False
+        self._control = [(h, b) for h, b in self._control if not h.done()]
+        for key, out in self._out.items():
+            still = []
+            for handle, slot in out.pending:
+                if not handle.done():
+                    still.append((handle, slot))
+                    continue
+                busy = True
+                self.staging.release(slot)
+                if (error := handle.error()) is not None:
+                    if out.end(TransferState.FAILED, f"send failed: {error}"):
+                        self._notify_receivers(key, out)
+                    for peer in set(out.descriptor.addresses):
+                        self.transport.forget_peer(peer)  # reconnect on the next send
+            out.pending = still
+            if (not out.state.terminal and not out.pending and len(out.sent) == len(out.messages)
+                    and out.acked >= {m.dst_rank for m in out.messages}):
+                out.state = TransferState.DONE
+        return busy
+
+    def _check_deadlines(self) -> None:
+        now = self.clock()
+        for key, t in [*self._in.items(), *self._out.items()]:
+            if not t.state.terminal and now > t.deadline:
+                t.end(TransferState.EXPIRED, f"the lease ran out with the transfer {t.state.value}")
+                if isinstance(t, _Inbound):
+                    self._notify_senders(key, t)
+                else:
+                    self._notify_receivers(key, t)
+                    for peer in {t.descriptor.addresses[m.dst_rank] for m in t.messages}:
+                        if t.pending:
+                            self.transport.forget_peer(peer)  # fails sends stuck on a silent peer
+        cutoff = now - self.config.tombstone_s
+        self._tombstones = {k: v for k, v in self._tombstones.items() if v[1] >= cutoff}
+
+    def _notify_senders(self, key: int, inbound: _Inbound, status: Status | None = None) -> None:
+        status = _STATUS_OF[inbound.state] if status is None else status
+        for sender in inbound.senders:
+            self._send_status(sender, key, Kind.ACK, status)
+
+    def _notify_receivers(self, key: int, out: _Outbound) -> None:
+        for dst in sorted({m.dst_rank for m in out.messages}):
+            self._send_status(out.descriptor.addresses[dst], key, Kind.ABORT, _STATUS_OF[out.state])
+
+    def _send_status(self, peer: str, key: int, kind: Kind, status: Status) -> None:
+        buffer = np.frombuffer(pack_status(status, self.rank), dtype=np.uint8).copy()
+        try:
+            self._control.append((self.transport.send(peer, make_tag(key, kind, self.rank), buffer), buffer))
+        except Exception:
+            pass  # the peer learns the outcome from its own lease instead

@@ -1,0 +1,48 @@
+"""Transfer settings, parsed once at the entry point (the manifest's `transport` section in later issues)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# Measured on the 2-core CI machine (docs/BENCHMARKS.md): 1 MiB TCP segments move about 4x more over loopback
+# than UCX's 8 KB default.
+DEFAULT_UCX_ENV = {
+    "UCX_TCP_TX_SEG_SIZE": "1M",
+    "UCX_TCP_RX_SEG_SIZE": "1M",
+    "UCX_WARN_UNUSED_ENV_VARS": "n",
+}
+
+
+@dataclass(frozen=True)
+class TransferConfig:
+    """host: the address peers reach this host's agents at; port 0 picks free ports. layer_group: layers per
+    message (1: each layer leaves as soon as it is computed; num_layers: one message per rank pair).
+    max_message_bytes caps a message (larger pieces go as runs of blocks). staging_bytes: each agent's
+    reusable buffer for messages in flight (registered once); a message that finds it full waits (receiving)
+    or takes a one-off buffer (sending, counted in stats). lease_s: how long a reservation waits for its data.
+    tombstone_s: how long a finished transfer is remembered, to answer late messages with its outcome."""
+
+    transport: str = "ucx"  # "ucx" | "fake" (in-process, tests)
+    host: str = "127.0.0.1"
+    port: int = 0
+    layer_group: int = 1
+    max_message_bytes: int = 16 << 20
+    staging_bytes: int = 128 << 20
+    lease_s: float = 30.0
+    tombstone_s: float = 120.0
+    idle_poll_s: float = 0.002
+    ucx_env: dict[str, str] = field(default_factory=lambda: dict(DEFAULT_UCX_ENV))
+
+    def __post_init__(self) -> None:
+        if self.transport not in ("ucx", "fake"):
+            raise ValueError(f"transport must be 'ucx' or 'fake', got {self.transport!r}")
+        if self.layer_group < 1:
+            raise ValueError(f"layer_group must be at least 1, got {self.layer_group}")
+        if self.max_message_bytes < 4096:
+            raise ValueError(f"max_message_bytes must be at least 4096, got {self.max_message_bytes}")
+        if self.staging_bytes < 2 * self.max_message_bytes:
+            raise ValueError(f"staging_bytes ({self.staging_bytes}) must hold at least two messages of "
+                             f"max_message_bytes ({self.max_message_bytes})")
+        for name in ("lease_s", "tombstone_s", "idle_poll_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")

@@ -1,0 +1,207 @@
+"""The per-request transfer state machines of a replica, on the decode and on the prefill side.
+
+They live where the replica's scheduler lives (the engine's driver) and reach the replica's ranks' agents
+through LLMEngine.call_kv_agents; nothing here blocks on the network, and poll() is meant to be called between
+engine steps. One request, disaggregated:
+
+  1. decode:  DecodeConnector.reserve() holds blocks for the prompt (engine.reserve_for_transfer), registers
+              them with every decode rank's agent, and returns a TransferDescriptor (agent addresses, block
+              ids, KV format, lease deadline). State RESERVED. No room: None, nothing held.
+  2. prefill: PrefillConnector.submit(descriptor) arms every prefill rank's agent and queues the prompt with
+              max_tokens=1. As each layer of the prompt's last chunk is computed, the ranks push it to the
+              decode ranks the plan names (kv_transfer/plan.py), re-sharding between the two layouts.
+  3. both:    poll() folds the ranks' states into one per request: RESERVED -> TRANSFERRING -> DONE, or FAILED /
+              EXPIRED / ABORTED as soon as any rank ends so. A request that ends badly is cleaned up inside
+              poll(): every rank stops (no more writes), the decode side's blocks are freed (the request is
+              aborted in its engine) and the agents forget the transfer. The event is reported once.
+  4. prefill: the engine's step output carries the first token (a SampledToken).
+  5. decode:  once DONE, admit(request_id, first_token) starts the request in the decode engine; it decodes
+              from there exactly as a colocated run would.
+  Either side may abort() at any time; the other side learns it from its agents (ABORTED). A lease that runs
+  out (RESERVED, TRANSFERRING, or DONE and never admitted) ends in EXPIRED and frees the blocks by itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from tandem.engine.llm_engine import LLMEngine
+from tandem.engine.output_processor import RequestOutput
+from tandem.engine.sampler import SampledToken
+from tandem.engine.sampling_params import SamplingParams
+from tandem.kv_transfer.config import TransferConfig
+from tandem.kv_transfer.descriptor import KVFormat, RankStatus, TransferDescriptor, TransferState
+
+
+@dataclass(frozen=True)
+class TransferEvent:
+    """A request's transfer changed state (error says why for FAILED / EXPIRED / ABORTED)."""
+
+    request_id: str
+    state: TransferState
+    error: str | None = None
+
+
+def combine(statuses: Sequence[RankStatus | None]) -> tuple[TransferState, str | None]:
+    """One state from the ranks' states (None: the rank does not know the transfer, i.e. it ended and was
+    forgotten): the first rank that ended badly decides; DONE needs every rank; any movement is TRANSFERRING."""
+    for rank, status in enumerate(statuses):
+        if status is None:
+            return TransferState.FAILED, f"rank {rank} no longer holds the transfer"
+        if status.state.terminal and status.state is not TransferState.DONE:
+            return status.state, f"rank {rank}: {status.error}"
+    states = {s.state for s in statuses}
+    if states == {TransferState.DONE}:
+        return TransferState.DONE, None
+    if states & {TransferState.TRANSFERRING, TransferState.DONE}:
+        return TransferState.TRANSFERRING, None
+    return TransferState.RESERVED, None
+
+
+@dataclass
+class _Entry:
+    transfer_id: str
+    deadline: float
+    state: TransferState = TransferState.RESERVED
+
+
+class _Connector:
+    def __init__(self, engine: LLMEngine, clock: Callable[[], float]):
+        self.engine = engine
+        self.clock = clock
+        self.ranks = range(engine.layout.world_size)
+        self._entries: dict[str, _Entry] = {}
+        self._attempts = itertools.count()
+
+    def state(self, request_id: str) -> TransferState | None:
+        """The request's transfer state, None once it ended badly (reported by poll) or was admitted."""
+        entry = self._entries.get(request_id)
+        return entry.state if entry else None
+
+    def _call(self, method: str, *args) -> dict:
+        return self.engine.call_kv_agents(method, {rank: args for rank in self.ranks})
+
+    def poll(self) -> list[TransferEvent]:
+        """State changes since the last poll. Cleans up transfers that ended badly (see the module docstring)."""
+        if not self._entries:
+            return []
+        ids = [e.transfer_id for e in self._entries.values()]
+        by_rank = self._call("poll", ids)
+        events, now = [], self.clock()
+        for request_id, entry in list(self._entries.items()):
+            state, error = combine([by_rank[r].get(entry.transfer_id) for r in self.ranks])
+            if not state.terminal or state is TransferState.DONE:
+                if now > entry.deadline and self._lease_covers(state):
+                    state, error = TransferState.EXPIRED, f"the lease ran out with the transfer {state.value}"
+                    self._call("abort", entry.transfer_id, error, True)
+            if state is not entry.state:
+                entry.state = state
+                events.append(TransferEvent(request_id, state, error))
+            if state.terminal and state is not TransferState.DONE:
+                self._end(request_id, error or state.value)
+            elif state is TransferState.DONE and self._release_when_done:
+                self._call("release", self._entries.pop(request_id).transfer_id)
+        return events
+
+    _release_when_done = False
+
+    def _lease_covers(self, state: TransferState) -> bool:
+        return True
+
+    def abort(self, request_id: str, reason: str = "aborted") -> None:
+        """Ends the request's transfer on every rank (ABORTED; the peer side learns it) and drops the request
+        from this engine, freeing its blocks. No-op for an unknown request."""
+        if request_id in self._entries:
+            self._call("abort", self._entries[request_id].transfer_id, reason)
+            self._end(request_id, reason)
+
+    def _end(self, request_id: str, reason: str) -> None:
+        entry = self._entries.pop(request_id)
+        self._call("release", entry.transfer_id)  # aborts first where it still runs: no more writes after this
+        self.engine.abort_request(request_id)
+
+    def _new_transfer_id(self, request_id: str) -> str:
+        return f"{request_id}/{next(self._attempts)}"
+
+
+class DecodeConnector(_Connector):
+    def __init__(self, engine: LLMEngine, config: TransferConfig = TransferConfig(), *,
+                 clock: Callable[[], float] = time.time):
+        """engine must have been built with kv_agent=AgentFactory(...)."""
+        super().__init__(engine, clock)
+        self.config = config
+        found = self._call("listen_address")
+        self.addresses = tuple(found[rank] for rank in self.ranks)
+        spec = engine.kv_cache_spec
+        self.kv_format = KVFormat(spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.block_size,
+                                  str(spec.dtype).removeprefix("torch."))
+
+    def reserve(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *,
+                priority: int = 0, cache_salt: str | None = None,
+                lease_s: float | None = None) -> TransferDescriptor | None:
+        """Holds blocks for the prompt and returns the descriptor the prefill side pushes into; None when the
+        engine has no room now (nothing held). Raises ValueError / RequestRejectedError for a request the engine
+        cannot serve."""
+        blocks = self.engine.reserve_for_transfer(request_id, prompt_token_ids, params, priority=priority,
+                                                  cache_salt=cache_salt)
+        if blocks is None:
+            return None
+        transfer_id = self._new_transfer_id(request_id)
+        deadline = self.clock() + (lease_s if lease_s is not None else self.config.lease_s)
+        try:
+            self._call("expect", transfer_id, blocks, deadline)
+        except BaseException:
+            self._call("release", transfer_id)
+            self.engine.abort_request(request_id)
+            raise
+        self._entries[request_id] = _Entry(transfer_id, deadline)
+        return TransferDescriptor(transfer_id, self.engine.layout, self.addresses, blocks, len(prompt_token_ids),
+                                  self.kv_format, deadline)
+
+    def admit(self, request_id: str, first_token) -> list[RequestOutput]:
+        """Starts a request whose KV has arrived (state DONE, as poll reported) with first_token, the prefill
+        side's SampledToken. Returns that token's output. Raises ValueError in any other state."""
+        entry = self._entries.get(request_id)
+        if entry is None or entry.state is not TransferState.DONE:
+            state = entry.state.value if entry else "unknown"
+            raise ValueError(f"request {request_id!r} cannot be admitted: its KV transfer is {state}, not done")
+        del self._entries[request_id]
+        self._call("release", entry.transfer_id)
+        return self.engine.admit_transferred(request_id, first_token)
+
+
+class PrefillConnector(_Connector):
+    def __init__(self, engine: LLMEngine, *, clock: Callable[[], float] = time.time):
+        """engine must have been built with kv_agent=AgentFactory(...)."""
+        super().__init__(engine, clock)
+
+    def submit(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
+               descriptor: TransferDescriptor, *, priority: int = 0, cache_salt: str | None = None) -> None:
+        """Queues the prompt (one output token: the first) and arms the ranks to push its KV into descriptor
+        as it is computed. Raises ValueError (bad request, KV formats differ, layouts of different models)."""
+        if len(prompt_token_ids) != descriptor.num_tokens:
+            raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens, the descriptor {descriptor.num_tokens}")
+        self._call("arm", descriptor, f"{request_id}#0")
+        try:
+            self.engine.add_request(request_id, prompt_token_ids, dataclasses.replace(params, max_tokens=1),
+                                    priority=priority, cache_salt=cache_salt)
+        except BaseException:
+            self._call("release", descriptor.transfer_id)
+            raise
+        self._entries[request_id] = _Entry(descriptor.transfer_id, descriptor.deadline)
+
+    _release_when_done = True  # a push acknowledged by every destination rank needs nothing more from here
+
+
+def first_token_of(output: RequestOutput) -> SampledToken:
+    """The SampledToken the prefill replica's first (and only) output carries, for DecodeConnector.admit."""
+    if len(output.token_ids) != 1:
+        raise ValueError(f"expected the prefill output's one token, got {len(output.token_ids)}")
+    if output.logprobs:
+        lp = output.logprobs[0]
+        return SampledToken(lp.token_id, lp.logprob, lp.top_logprobs)
+    return SampledToken(output.token_ids[0], None, ())

@@ -1,0 +1,79 @@
+"""The types both sides of a transfer share: its states, the KV format, and the descriptor the decode side
+hands out when it reserves blocks (the prefill side pushes into it)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from tandem.engine.parallel.layout import ReplicaLayout
+
+_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+class TransferState(enum.Enum):
+    """RESERVED -> TRANSFERRING -> DONE | FAILED | EXPIRED | ABORTED, on each side and for each rank.
+
+    RESERVED: decode side: blocks held, nothing arrived; prefill side: armed, nothing sent. TRANSFERRING: bytes
+    moving. DONE: every message arrived and verified (decode) / was acknowledged as such (prefill). FAILED: a
+    connection error, a dead peer or a checksum mismatch. EXPIRED: the lease deadline passed first. ABORTED:
+    either side gave up (cancelled request). The last four are terminal: on the decode side the reserved
+    blocks are free again by then, and nothing writes into them any more."""
+
+    RESERVED = "reserved"
+    TRANSFERRING = "transferring"
+    DONE = "done"
+    FAILED = "failed"
+    EXPIRED = "expired"
+    ABORTED = "aborted"
+
+    @property
+    def terminal(self) -> bool:
+        return self not in (TransferState.RESERVED, TransferState.TRANSFERRING)
+
+
+@dataclass(frozen=True)
+class KVFormat:
+    """What both replicas' KV stores must agree on for bytes to be copied as they are."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: str  # "float32" | "float16" | "bfloat16"
+
+    @property
+    def bytes_per_block_layer_head(self) -> int:
+        """K and V of one block of one layer and one KV head."""
+        return 2 * self.block_size * self.head_dim * _DTYPE_BYTES[self.dtype]
+
+    def check_matches(self, other: KVFormat) -> None:
+        """Raises ValueError naming the first field that differs."""
+        for name in ("num_layers", "num_kv_heads", "head_dim", "block_size", "dtype"):
+            if getattr(self, name) != getattr(other, name):
+                raise ValueError(f"KV formats differ in {name}: {getattr(self, name)} here, "
+                                 f"{getattr(other, name)} at the peer")
+
+
+@dataclass(frozen=True)
+class TransferDescriptor:
+    """Issued by the decode side for one request: where to push (one agent address per destination rank),
+    into which blocks (the same ids on every destination rank, in token order), and until when (a wall-clock
+    deadline, time.time() seconds: the lease; after it the blocks are freed and late data is refused)."""
+
+    transfer_id: str
+    layout: ReplicaLayout
+    addresses: tuple[str, ...]
+    block_ids: tuple[int, ...]
+    num_tokens: int
+    kv: KVFormat
+    deadline: float
+
+
+@dataclass(frozen=True)
+class RankStatus:
+    """One rank's view of one transfer: its state, payload bytes moved so far, and why it ended badly."""
+
+    state: TransferState
+    nbytes: int = 0
+    error: str | None = None

@@ -1,0 +1,63 @@
+"""The transport contract a transfer agent needs: tagged, non-blocking sends and probe-then-receive.
+
+Two implementations keep the same signatures and pass the same contract tests (tests/kv_transfer/
+test_transport.py): UCXTransport (kv_transfer/ucx_transport.py, ucxx: TCP or shared memory on CPU hosts, RDMA
+and CUDA memory where UCX finds them) and FakeTransport (kv_transfer/fake_transport.py, in-process, with fault
+injection).
+
+Rules every transport keeps:
+  - send() never blocks on the peer; the Handle says when the buffer may be reused (done) and whether it
+    failed (error). A peer that refuses, drops or dies fails the handles of its sends, never hangs them.
+  - a failed connection is forgotten: the next send to that peer connects anew.
+  - probe() looks at the oldest arrived message whose tag matches (tag & mask) without taking it; receive()
+    takes exactly that message into a buffer of at least its length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+
+class TransportError(RuntimeError):
+    """A transport could not start (bad address, port in use) or was used after close()."""
+
+
+@dataclass(frozen=True)
+class Probe:
+    """An arrived message: its full tag and its length in bytes. `token` is the transport's own handle."""
+
+    tag: int
+    length: int
+    token: object = None
+
+
+class Handle(Protocol):
+    def done(self) -> bool:
+        """True once the operation finished, successfully or not."""
+
+    def error(self) -> str | None:
+        """None while running or after success; the reason after a failure."""
+
+
+class Transport(Protocol):
+    @property
+    def address(self) -> str:
+        """Where peers reach this transport: "host:port"."""
+
+    def send(self, peer: str, tag: int, buffer: np.ndarray) -> Handle:
+        """Sends buffer (uint8, contiguous; untouched until the handle is done) to the transport at peer."""
+
+    def probe(self, tag: int, mask: int) -> Probe | None:
+        """The oldest arrived message with (message tag & mask) == (tag & mask), or None."""
+
+    def receive(self, probe: Probe, buffer: np.ndarray) -> Handle:
+        """Receives the probed message into buffer[:probe.length]."""
+
+    def forget_peer(self, peer: str) -> None:
+        """Closes the connection to peer (failing its sends still running); the next send reconnects."""
+
+    def close(self) -> None:
+        """Stops the transport; idempotent."""

@@ -1,0 +1,152 @@
+"""The UCX transport, on ucxx's core API: one UCX worker with its own progress thread, one listener, one
+endpoint per peer (created on first send, forgotten on error so the next send reconnects).
+
+UCX picks the wire itself: TCP (or shared memory) between CPU hosts, RDMA and CUDA IPC on GPU clusters. On
+TCP its default 8 KB segments cap loopback at about 0.6 GB/s; TransferConfig sets 1 MiB segments (measured:
+about 2.8 GB/s cross-process on the 2-core CI machine, docs/BENCHMARKS.md). UCX reads its settings from the
+environment when the context is created, so they are set here, from the config, just before that.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+
+from tandem.kv_transfer.transport import Probe, TransportError
+
+
+@dataclass
+class _Handle:
+    request: object
+
+    def done(self) -> bool:
+        return bool(self.request.completed)
+
+    def error(self) -> str | None:
+        if not self.request.completed:
+            return None
+        try:
+            self.request.check_error()
+        except Exception as e:  # ucxx raises one UCXError subclass per UCS status
+            return f"{type(e).__name__}: {e}"
+        return None
+
+
+@dataclass
+class _Failed:
+    reason: str
+
+    def done(self) -> bool:
+        return True
+
+    def error(self) -> str | None:
+        return self.reason
+
+
+def split_address(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"bad transfer address {address!r}; expected host:port")
+    return host.strip("[]"), int(port)
+
+
+class UCXTransport:
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, ucx_env: dict[str, str] | None = None):
+        """Listens on port (0: any free one) and advertises host:port. ucx_env: UCX_* settings applied before
+        the UCX context is created (setdefault: what the operator exported wins). Raises TransportError."""
+        for name, value in (ucx_env or {}).items():
+            os.environ.setdefault(name, value)
+        import ucxx._lib.libucxx as ucx
+
+        self._ucx = ucx
+        self._lock = threading.Lock()
+        self._endpoints: dict[str, object] = {}
+        self._inbound: list[object] = []  # endpoints peers opened to us; held so they stay alive
+        self._closed = False
+        try:
+            self._context = ucx.UCXContext(feature_flags=(ucx.Feature.TAG, ucx.Feature.WAKEUP))
+            self._worker = ucx.UCXWorker(self._context)
+            self._worker.start_progress_thread(polling_mode=False)
+            self._listener = ucx.UCXListener.create(worker=self._worker, port=port, cb_func=self._accept)
+        except Exception as e:
+            raise TransportError(f"cannot start a UCX listener on port {port}: {e}") from e
+        self._address = f"{host}:{self._listener.port}"
+
+    def _accept(self, conn_request) -> None:
+        ep = self._listener.create_endpoint_from_conn_request(conn_request, True)
+        with self._lock:
+            self._inbound.append(ep)
+            self._inbound = [e for e in self._inbound if e.alive]
+
+    @property
+    def address(self) -> str:
+        return self._address
+
+    def _endpoint(self, peer: str):
+        with self._lock:
+            if self._closed:
+                raise TransportError("the transport is closed")
+            ep = self._endpoints.get(peer)
+            if ep is not None and not ep.alive:
+                self._endpoints.pop(peer)
+                ep = None
+            if ep is None:
+                host, port = split_address(peer)
+                ep = self._ucx.UCXEndpoint.create(self._worker, host, port, True)
+                self._endpoints[peer] = ep
+            return ep
+
+    def send(self, peer: str, tag: int, buffer: np.ndarray):
+        from ucxx._lib.arr import Array
+
+        try:
+            ep = self._endpoint(peer)
+            return _Handle(ep.tag_send(Array(buffer), self._ucx.UCXXTag(tag)))
+        except TransportError:
+            raise
+        except Exception as e:  # refused at once, unreachable host, ...
+            self.forget_peer(peer)
+            return _Failed(f"cannot send to {peer}: {type(e).__name__}: {e}")
+
+    def probe(self, tag: int, mask: int) -> Probe | None:
+        result = self._worker.tag_probe(self._ucx.UCXXTag(tag), self._ucx.UCXXTagMask(mask), remove=False)
+        if not result.matched:
+            return None
+        tag = result.sender_tag
+        return Probe(int(getattr(tag, "value", tag)), result.length)
+
+    def receive(self, probe: Probe, buffer: np.ndarray):
+        from ucxx._lib.arr import Array
+
+        taken = self._worker.tag_probe(self._ucx.UCXXTag(probe.tag), self._ucx.UCXXTagMaskFull, remove=True)
+        if not taken.matched:
+            return _Failed(f"message with tag {probe.tag:#x} vanished between probe and receive")
+        return _Handle(self._worker.tag_recv_with_handle(Array(buffer[:taken.length]), taken))
+
+    def forget_peer(self, peer: str) -> None:
+        with self._lock:
+            ep = self._endpoints.pop(peer, None)
+        if ep is not None:
+            try:
+                ep.close()
+            except Exception:
+                pass
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            endpoints = list(self._endpoints.values()) + self._inbound
+            self._endpoints.clear()
+            self._inbound = []
+        for ep in endpoints:
+            try:
+                ep.close()
+            except Exception:
+                pass
+        self._worker.stop_progress_thread()
+        self._listener = None
