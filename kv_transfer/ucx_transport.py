@@ -21,6 +21,7 @@ from tandem.kv_transfer.transport import Probe, TransportError
 @dataclass
 class _Handle:
     request: object
+    buffer: object  # referenced until the handle goes: UCX reads or writes it until the request completes
 
     def done(self) -> bool:
         return bool(self.request.completed)
@@ -46,6 +47,16 @@ class _Failed:
         return self.reason
 
 
+def _close(ep) -> None:
+    """Closes an endpoint that is still up. One whose peer already went away was torn down by UCX's error
+    handling, and closing it again crashes the process."""
+    try:
+        if ep.alive:
+            ep.close()
+    except Exception:
+        pass
+
+
 def split_address(address: str) -> tuple[str, int]:
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit():
@@ -65,6 +76,7 @@ class UCXTransport:
         self._lock = threading.Lock()
         self._endpoints: dict[str, object] = {}
         self._inbound: list[object] = []  # endpoints peers opened to us; held so they stay alive
+        self._in_flight: list[_Handle] = []  # sends held (and their buffers) until done, even if the caller drops them
         self._closed = False
         try:
             self._context = ucx.UCXContext(feature_flags=(ucx.Feature.TAG, ucx.Feature.WAKEUP))
@@ -104,7 +116,10 @@ class UCXTransport:
 
         try:
             ep = self._endpoint(peer)
-            return _Handle(ep.tag_send(Array(buffer), self._ucx.UCXXTag(tag)))
+            handle = _Handle(ep.tag_send(Array(buffer), self._ucx.UCXXTag(tag)), buffer)
+            with self._lock:
+                self._in_flight = [h for h in self._in_flight if not h.done()] + [handle]
+            return handle
         except TransportError:
             raise
         except Exception as e:  # refused at once, unreachable host, ...
@@ -124,16 +139,13 @@ class UCXTransport:
         taken = self._worker.tag_probe(self._ucx.UCXXTag(probe.tag), self._ucx.UCXXTagMaskFull, remove=True)
         if not taken.matched:
             return _Failed(f"message with tag {probe.tag:#x} vanished between probe and receive")
-        return _Handle(self._worker.tag_recv_with_handle(Array(buffer[:taken.length]), taken))
+        return _Handle(self._worker.tag_recv_with_handle(Array(buffer[:taken.length]), taken), buffer)
 
     def forget_peer(self, peer: str) -> None:
         with self._lock:
             ep = self._endpoints.pop(peer, None)
         if ep is not None:
-            try:
-                ep.close()
-            except Exception:
-                pass
+            _close(ep)
 
     def close(self) -> None:
         with self._lock:
@@ -144,9 +156,6 @@ class UCXTransport:
             self._endpoints.clear()
             self._inbound = []
         for ep in endpoints:
-            try:
-                ep.close()
-            except Exception:
-                pass
+            _close(ep)
         self._worker.stop_progress_thread()
         self._listener = None

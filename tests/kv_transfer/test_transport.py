@@ -1,0 +1,91 @@
+"""The transport contract, run against the real UCX transport (loopback) and the in-process fake alike."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tandem.kv_transfer.fake_transport import Fabric
+from tandem.kv_transfer.wire import KIND_MASK, Kind, make_tag
+from tests.kv_transfer.kv_helpers import TRANSPORTS, make_transport, wait_until
+
+
+@pytest.fixture(params=TRANSPORTS)
+def pair(request):
+    fabric = Fabric()
+    a, b = make_transport(request.param, fabric), make_transport(request.param, fabric)
+    yield request.param, fabric, a, b
+    a.close()
+    b.close()
+
+
+def receive(transport, tag: int, mask: int, size_hint: int = 0) -> tuple[int, bytes]:
+    probe = None
+
+    def arrived():
+        nonlocal probe
+        probe = transport.probe(tag, mask)
+        return probe is not None
+
+    wait_until(arrived, what="a message")
+    buffer = np.zeros(max(probe.length, size_hint), dtype=np.uint8)
+    handle = transport.receive(probe, buffer)
+    wait_until(handle.done, what="the receive")
+    assert handle.error() is None
+    return probe.tag, bytes(buffer[:probe.length])
+
+
+def test_tagged_messages_arrive_whole_and_are_selected_by_kind(pair):
+    _, _, a, b = pair
+    big = np.random.default_rng(0).integers(0, 255, 3 << 20, dtype=np.uint8)  # rendezvous-sized
+    small = np.frombuffer(b"status!!", dtype=np.uint8).copy()
+    sends = [a.send(b.address, make_tag(7, Kind.DATA, 3), big), a.send(b.address, make_tag(7, Kind.ACK, 1), small)]
+    tag, data = receive(b, make_tag(0, Kind.ACK, 0), KIND_MASK)
+    assert tag == make_tag(7, Kind.ACK, 1) and data == b"status!!"
+    tag, data = receive(b, make_tag(0, Kind.DATA, 0), KIND_MASK)
+    assert tag == make_tag(7, Kind.DATA, 3) and data == big.tobytes()
+    wait_until(lambda: all(s.done() for s in sends), what="the sends")
+    assert [s.error() for s in sends] == [None, None]
+    assert b.probe(0, 0) is None  # nothing else arrived
+
+
+def test_messages_of_one_kind_come_oldest_first(pair):
+    _, _, a, b = pair
+    for i in range(5):
+        a.send(b.address, make_tag(i + 1, Kind.ACK, 0), np.full(16, i, dtype=np.uint8))
+    got = [receive(b, make_tag(0, Kind.ACK, 0), KIND_MASK)[1][0] for _ in range(5)]
+    assert got == [0, 1, 2, 3, 4]
+
+
+def test_a_send_to_nobody_fails_instead_of_hanging(pair):
+    kind, fabric, a, b = pair
+    dead = make_transport(kind, fabric)
+    address = dead.address
+    dead.close()
+    handle = a.send(address, make_tag(1, Kind.DATA, 0), np.zeros(1 << 20, dtype=np.uint8))
+    wait_until(handle.done, timeout_s=30, what="the failed send to finish")
+    assert handle.error() is not None
+
+
+def test_after_a_dead_peer_the_next_peer_is_reached(pair):
+    kind, fabric, a, b = pair
+    dead = make_transport(kind, fabric)
+    address = dead.address
+    dead.close()
+    failed = a.send(address, make_tag(1, Kind.DATA, 0), np.zeros(1 << 20, dtype=np.uint8))
+    wait_until(failed.done, timeout_s=30, what="the failed send")
+    a.forget_peer(address)
+    ok = a.send(b.address, make_tag(2, Kind.DATA, 0), np.ones(1 << 20, dtype=np.uint8))
+    tag, data = receive(b, make_tag(0, Kind.DATA, 0), KIND_MASK)
+    wait_until(ok.done, what="the send")
+    assert ok.error() is None and tag == make_tag(2, Kind.DATA, 0) and data == b"\x01" * (1 << 20)
+
+
+def test_a_forgotten_connection_reconnects_on_the_next_send(pair):
+    _, _, a, b = pair
+    for i in range(3):
+        handle = a.send(b.address, make_tag(i + 1, Kind.ACK, 0), np.full(8, i, dtype=np.uint8))
+        assert receive(b, make_tag(0, Kind.ACK, 0), KIND_MASK)[1] == bytes([i]) * 8
+        wait_until(handle.done, what="the send")
+        assert handle.error() is None
+        a.forget_peer(b.address)
