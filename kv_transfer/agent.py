@@ -117,6 +117,7 @@ class KVTransferAgent:
         self._tombstones: dict[int, tuple[Status, float]] = {}
         self._receiving: list[tuple[object, Slot, int]] = []  # (handle, slot, tag)
         self._control: list[tuple[object, np.ndarray]] = []  # small sends kept alive until done
+        self._orphans: list[tuple[object, Slot]] = []  # sends of released transfers, still on the wire
         self._stop = threading.Event()
         self._pump = threading.Thread(target=self._run, name=f"kv-agent-{rank}", daemon=True)
         self._pump.start()
@@ -249,6 +250,8 @@ class KVTransferAgent:
             for table in (self._in, self._out):
                 if (t := table.pop(key, None)) is not None:
                     self._tombstones[key] = (_STATUS_OF[t.state], self.clock())
+                    if isinstance(t, _Outbound):
+                        self._orphans.extend(t.pending)  # their slots come back when UCX is done with them
 
     def read_kv(self, block_ids: Sequence[int]) -> np.ndarray:
         """A copy of this rank's K/V of block_ids: [layers, 2, blocks, KV heads, block_size, head_dim] (tests)."""
@@ -263,7 +266,7 @@ class KVTransferAgent:
     def check_integrity(self) -> None:
         """Raises ValueError if a staging slot is held with nothing in flight."""
         with self._lock:
-            in_flight = len(self._receiving) + sum(
+            in_flight = len(self._receiving) + sum(1 for _, s in self._orphans if s.offset >= 0) + sum(
                 1 for o in self._out.values() for _, s in o.pending if s.offset >= 0)
             if in_flight != self.staging.num_in_use:
                 raise ValueError(f"{self.staging.num_in_use} staging slots held, {in_flight} messages in flight")
@@ -418,6 +421,9 @@ class KVTransferAgent:
     def _finish_sends(self) -> bool:
         busy = False
         self._control = [(h, b) for h, b in self._control if not h.done()]
+        for handle, slot in [o for o in self._orphans if o[0].done()]:
+            self._orphans.remove((handle, slot))
+            self.staging.release(slot)
         for key, out in self._out.items():
             still = []
             for handle, slot in out.pending:

@@ -10,6 +10,7 @@ environment when the context is created, so they are set here, from the config, 
 from __future__ import annotations
 
 import os
+import socket
 import threading
 from dataclasses import dataclass
 
@@ -22,11 +23,14 @@ from tandem.kv_transfer.transport import Probe, TransportError
 class _Handle:
     request: object
     buffer: object  # referenced until the handle goes: UCX reads or writes it until the request completes
+    abandoned: str | None = None  # set when its endpoint was closed: ucxx may never complete such a request
 
     def done(self) -> bool:
-        return bool(self.request.completed)
+        return self.abandoned is not None or bool(self.request.completed)
 
     def error(self) -> str | None:
+        if self.abandoned is not None:
+            return self.abandoned
         if not self.request.completed:
             return None
         try:
@@ -57,6 +61,14 @@ def _close(ep) -> None:
         pass
 
 
+def _check_listening(host: str, port: int, timeout_s: float = 2.0) -> None:
+    """Raises ConnectionError unless something accepts TCP connections at host:port. UCX reports a refused
+    sockaddr connection only through the endpoint's error handler, and a send posted on that endpoint after the
+    failure spins forever inside UCX (ucxx 0.52 / UCX 1.21): ask the port first."""
+    with socket.create_connection((host, port), timeout=timeout_s):
+        pass
+
+
 def split_address(address: str) -> tuple[str, int]:
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit():
@@ -73,10 +85,13 @@ class UCXTransport:
         import ucxx._lib.libucxx as ucx
 
         self._ucx = ucx
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # our dicts and lists
+        # ucxx calls from our threads, one at a time: a worker-level probe and an endpoint send racing each other
+        # from two threads can deadlock inside ucxx (seen with an endpoint to a dead peer).
+        self._ucx_lock = threading.RLock()
         self._endpoints: dict[str, object] = {}
         self._inbound: list[object] = []  # endpoints peers opened to us; held so they stay alive
-        self._in_flight: list[_Handle] = []  # sends held (and their buffers) until done, even if the caller drops them
+        self._in_flight: dict[str, list[_Handle]] = {}  # peer -> sends held (with their buffers) until done
         self._closed = False
         try:
             self._context = ucx.UCXContext(feature_flags=(ucx.Feature.TAG, ucx.Feature.WAKEUP))
@@ -88,17 +103,16 @@ class UCXTransport:
         self._address = f"{host}:{self._listener.port}"
 
     def _accept(self, conn_request) -> None:
+        """Runs on UCX's progress thread: takes no lock a caller could hold while waiting on that thread."""
         ep = self._listener.create_endpoint_from_conn_request(conn_request, True)
-        with self._lock:
-            self._inbound.append(ep)
-            self._inbound = [e for e in self._inbound if e.alive]
+        self._inbound = [e for e in self._inbound if e.alive] + [ep]
 
     @property
     def address(self) -> str:
         return self._address
 
     def _endpoint(self, peer: str):
-        with self._lock:
+        with self._ucx_lock:
             if self._closed:
                 raise TransportError("the transport is closed")
             ep = self._endpoints.get(peer)
@@ -107,6 +121,7 @@ class UCXTransport:
                 ep = None
             if ep is None:
                 host, port = split_address(peer)
+                _check_listening(host, port)
                 ep = self._ucx.UCXEndpoint.create(self._worker, host, port, True)
                 self._endpoints[peer] = ep
             return ep
@@ -115,10 +130,12 @@ class UCXTransport:
         from ucxx._lib.arr import Array
 
         try:
-            ep = self._endpoint(peer)
-            handle = _Handle(ep.tag_send(Array(buffer), self._ucx.UCXXTag(tag)), buffer)
-            with self._lock:
-                self._in_flight = [h for h in self._in_flight if not h.done()] + [handle]
+            with self._ucx_lock:
+                ep = self._endpoint(peer)
+                if not ep.alive:  # UCX spins forever in a send on an endpoint that has already failed
+                    raise ConnectionError("the connection failed")
+                handle = _Handle(ep.tag_send(Array(buffer), self._ucx.UCXXTag(tag)), buffer)
+                self._in_flight[peer] = [h for h in self._in_flight.get(peer, ()) if not h.done()] + [handle]
             return handle
         except TransportError:
             raise
@@ -127,7 +144,8 @@ class UCXTransport:
             return _Failed(f"cannot send to {peer}: {type(e).__name__}: {e}")
 
     def probe(self, tag: int, mask: int) -> Probe | None:
-        result = self._worker.tag_probe(self._ucx.UCXXTag(tag), self._ucx.UCXXTagMask(mask), remove=False)
+        with self._ucx_lock:
+            result = self._worker.tag_probe(self._ucx.UCXXTag(tag), self._ucx.UCXXTagMask(mask), remove=False)
         if not result.matched:
             return None
         tag = result.sender_tag
@@ -136,26 +154,30 @@ class UCXTransport:
     def receive(self, probe: Probe, buffer: np.ndarray):
         from ucxx._lib.arr import Array
 
-        taken = self._worker.tag_probe(self._ucx.UCXXTag(probe.tag), self._ucx.UCXXTagMaskFull, remove=True)
-        if not taken.matched:
-            return _Failed(f"message with tag {probe.tag:#x} vanished between probe and receive")
-        return _Handle(self._worker.tag_recv_with_handle(Array(buffer[:taken.length]), taken), buffer)
+        with self._ucx_lock:
+            taken = self._worker.tag_probe(self._ucx.UCXXTag(probe.tag), self._ucx.UCXXTagMaskFull, remove=True)
+            if not taken.matched:
+                return _Failed(f"message with tag {probe.tag:#x} vanished between probe and receive")
+            return _Handle(self._worker.tag_recv_with_handle(Array(buffer[:taken.length]), taken), buffer)
 
     def forget_peer(self, peer: str) -> None:
-        with self._lock:
+        with self._ucx_lock:
             ep = self._endpoints.pop(peer, None)
-        if ep is not None:
-            _close(ep)
+            if ep is not None:
+                _close(ep)
+            for handle in self._in_flight.pop(peer, ()):
+                if not handle.done():
+                    handle.abandoned = f"the connection to {peer} was closed"
 
     def close(self) -> None:
-        with self._lock:
+        with self._ucx_lock:
             if self._closed:
                 return
             self._closed = True
             endpoints = list(self._endpoints.values()) + self._inbound
             self._endpoints.clear()
             self._inbound = []
-        for ep in endpoints:
-            _close(ep)
-        self._worker.stop_progress_thread()
+            for ep in endpoints:
+                _close(ep)
+            self._worker.stop_progress_thread()
         self._listener = None

@@ -1,0 +1,183 @@
+"""Fault injection for transfer tests: a transport wrapper that corrupts, drops or swallows messages, and an
+engine pair (prefill + decode, one process each side's agent) driven step by step."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from tandem.engine.engine_config import EngineConfig
+from tandem.engine.llm_engine import LLMEngine
+from tandem.engine.sampling_params import SamplingParams
+from tandem.kv_transfer.agent import KVTransferAgent
+from tandem.kv_transfer.config import TransferConfig
+from tandem.kv_transfer.connector import DecodeConnector, PrefillConnector, first_token_of
+from tandem.kv_transfer.descriptor import TransferState
+from tandem.kv_transfer.fake_transport import Fabric
+from tandem.kv_transfer.wire import Kind, split_tag
+from tests.kv_transfer.kv_helpers import make_transport, wait_until
+
+
+@dataclass
+class _Done:
+    reason: str | None = None
+
+    def done(self) -> bool:
+        return True
+
+    def error(self) -> str | None:
+        return self.reason
+
+
+class FaultyTransport:
+    """Passes everything to `inner` except: the next `corrupt` DATA messages get one payload byte flipped; the
+    DATA message number `drop_at` (0-based, counted from now) closes the connection right after it is posted
+    and reports the send failed; with swallow_acks, ACKs are never sent."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.corrupt = 0
+        self.drop_at: int | None = None
+        self.swallow_acks = False
+        self.data_sent = 0
+
+    @property
+    def address(self) -> str:
+        return self.inner.address
+
+    def send(self, peer, tag, buffer):
+        kind = split_tag(tag)[1]
+        if kind is Kind.ACK and self.swallow_acks:
+            return _Done()  # "sent", never delivered
+        if kind is Kind.DATA:
+            index, self.data_sent = self.data_sent, self.data_sent + 1
+            if self.corrupt:
+                self.corrupt -= 1
+                buffer = buffer.copy()
+                buffer[-1] ^= 0x40
+            if self.drop_at == index:
+                self.drop_at = None
+                handle = self.inner.send(peer, tag, buffer)
+                self.inner.forget_peer(peer)
+                return handle if handle.done() and handle.error() else _Done("connection dropped")
+        return self.inner.send(peer, tag, buffer)
+
+    def probe(self, tag, mask):
+        return self.inner.probe(tag, mask)
+
+    def receive(self, probe, buffer):
+        return self.inner.receive(probe, buffer)
+
+    def forget_peer(self, peer):
+        self.inner.forget_peer(peer)
+
+    def close(self):
+        self.inner.close()
+
+
+class LayerTap:
+    """Stands between a runner and its agent: calls `on_layer(layer)` before passing each layer on, and stops
+    passing layers on once `cut` is set (a sender that died mid-prefill)."""
+
+    def __init__(self, agent, on_layer):
+        self.agent, self.on_layer, self.cut = agent, on_layer, False
+
+    def on_layers_done(self, layer, tables):
+        self.on_layer(layer)
+        if not self.cut:
+            self.agent.on_layers_done(layer, tables)
+
+
+@dataclass
+class Side:
+    engine: LLMEngine
+    agent: KVTransferAgent
+    transport: FaultyTransport
+    events: dict = field(default_factory=dict)  # request id -> last TransferEvent
+
+
+class EnginePair:
+    """A prefill and a decode engine on one model, each with one agent over `kind`, plus their connectors."""
+
+    def __init__(self, loaded, kind: str, *, lease_s: float = 20.0, fabric: Fabric | None = None):
+        self.loaded, self.kind, self.fabric = loaded, kind, fabric or Fabric()
+        self.config = TransferConfig(transport=kind, lease_s=lease_s, max_message_bytes=1 << 20,
+                                     staging_bytes=4 << 20)
+        self.prefill = self.new_side()
+        self.decode = self.new_side()
+        self.pc = PrefillConnector(self.prefill.engine)
+        self.dc = DecodeConnector(self.decode.engine, self.config)
+        self.first: dict[str, object] = {}
+
+    def new_side(self) -> Side:
+        made = {}
+
+        def factory(rank, layout, cache):
+            made["transport"] = FaultyTransport(make_transport(self.kind, self.fabric))
+            made["agent"] = KVTransferAgent(cache, layout, rank, made["transport"], self.config)
+            return made["agent"]
+
+        engine = LLMEngine(self.loaded, EngineConfig(num_kv_blocks=24, check_integrity=True), kv_agent=factory)
+        return Side(engine, made["agent"], made["transport"])
+
+    def replace_prefill(self) -> None:
+        self.prefill.engine.shutdown()
+        self.prefill = self.new_side()
+        self.pc = PrefillConnector(self.prefill.engine)
+
+    def replace_decode(self) -> None:
+        self.decode.engine.shutdown()
+        self.decode = self.new_side()
+        self.dc = DecodeConnector(self.decode.engine, self.config)
+
+    def run_prefill(self) -> None:
+        while self.prefill.engine.has_unfinished_requests():
+            for out in self.prefill.engine.step():
+                if out.token_ids:
+                    self.first[out.request_id] = first_token_of(out)
+
+    def poll(self) -> None:
+        for side, connector in ((self.prefill, self.pc), (self.decode, self.dc)):
+            for event in connector.poll():
+                side.events[event.request_id] = event
+
+    def settle(self, request_id: str, timeout_s: float = 30.0) -> tuple[TransferState | None, TransferState | None]:
+        """Polls until neither side's transfer is running; returns (prefill, decode) last reported states."""
+        def ended():
+            self.poll()
+            running = [c.state(request_id) for c in (self.pc, self.dc)]
+            return all(s is None or s.terminal for s in running)
+
+        wait_until(ended, timeout_s, what=f"both sides of {request_id} to end")
+        return tuple(side.events[request_id].state if request_id in side.events else None
+                     for side in (self.prefill, self.decode))
+
+    def decode_rest(self, request_id: str) -> list[int]:
+        tokens = list(self.dc.admit(request_id, self.first[request_id])[0].token_ids)
+        while self.decode.engine.has_unfinished_requests():
+            for out in self.decode.engine.step():
+                tokens.extend(out.token_ids)
+        return tokens
+
+    def transfer(self, request_id: str, prompt, params: SamplingParams) -> list[int]:
+        """A whole disaggregated request that must succeed; returns its output tokens."""
+        desc = self.dc.reserve(request_id, prompt, params)
+        self.pc.submit(request_id, prompt, params, desc)
+        self.run_prefill()
+        assert self.settle(request_id) == (TransferState.DONE, TransferState.DONE)
+        return self.decode_rest(request_id)
+
+    def assert_clean(self) -> None:
+        """No KV block held on either side once everything ended; pools and agents consistent."""
+        for name, side in (("prefill", self.prefill), ("decode", self.decode)):
+            wait_until(lambda: side.engine.stats().num_blocks_in_use == 0, what=f"{name} blocks to be freed")
+            side.engine.check_integrity()
+            wait_until(lambda: side.agent.stats().staging_in_use == 0,
+                       what=f"{name} staging slots back ({side.agent.stats()})")
+            side.agent.check_integrity()
+
+    def close(self) -> None:
+        self.prefill.engine.shutdown()
+        self.decode.engine.shutdown()

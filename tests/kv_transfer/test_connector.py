@@ -1,0 +1,226 @@
+"""Prefill and decode engines joined by connectors: a request prefilled on one engine decodes on the other with
+the tokens of a colocated run; every failure (refused or dropped connection, a dead peer, a lease that runs out,
+a checksum mismatch, an abort from either side at any moment) ends both sides in a defined state, frees every
+block, and the next transfer succeeds. Each case runs over real UCX on loopback and over the fake transport."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import pytest
+
+from tandem.engine.engine_config import EngineConfig
+from tandem.engine.llm_engine import LLMEngine
+from tandem.engine.sampling_params import SamplingParams
+from tandem.kv_transfer.descriptor import TransferState
+from tests.kv_transfer.faults import EnginePair, LayerTap
+from tests.kv_transfer.kv_helpers import TRANSPORTS, make_transport
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+SAMPLED = SamplingParams(max_tokens=8, temperature=0.9, top_p=0.95, seed=11, ignore_eos=True)
+D = TransferState.DONE
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny_llama):
+    encode = tiny_llama.tokenizer.encode
+    return [encode("The quick brown fox jumps over the lazy dog, and then " * 2), encode("Hello there, general")]
+
+
+@pytest.fixture(scope="module")
+def colocated(tiny_llama, prompts):
+    """Output tokens of each (prompt, params) run in one engine, the reference."""
+    engine = LLMEngine(tiny_llama, EngineConfig(num_kv_blocks=24))
+    runs = {}
+    for i, prompt in enumerate(prompts):
+        for name, params in (("greedy", GREEDY), ("sampled", SAMPLED)):
+            engine.add_request(f"{i}-{name}", prompt, params)
+            tokens = []
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    tokens.extend(out.token_ids)
+            runs[(i, name)] = tokens
+    return runs
+
+
+@pytest.fixture(params=TRANSPORTS)
+def pair(request, tiny_llama):
+    pair = EnginePair(tiny_llama, request.param)
+    yield pair
+    pair.close()
+
+
+def next_transfer_succeeds(pair: EnginePair, prompts, colocated, request_id: str = "next") -> None:
+    assert pair.transfer(request_id, prompts[0], GREEDY) == colocated[(0, "greedy")]
+    pair.assert_clean()
+
+
+def test_decoding_after_transfer_equals_a_colocated_run(pair, prompts, colocated):
+    for i, prompt in enumerate(prompts):
+        for name, params in (("greedy", GREEDY), ("sampled", SAMPLED)):
+            assert pair.transfer(f"{i}-{name}", prompt, params) == colocated[(i, name)], (i, name)
+    pair.assert_clean()
+    stats = pair.decode.engine.stats()
+    assert stats.num_prompt_tokens_queried == sum(2 * len(p) for p in prompts)
+    assert stats.num_tokens_computed == 4 * (GREEDY.max_tokens - 1)  # decode computed no prompt token
+
+
+def test_one_token_requests_finish_at_admission(pair, prompts):
+    params = SamplingParams(max_tokens=1, temperature=0)
+    desc = pair.dc.reserve("one", prompts[1], params)
+    pair.pc.submit("one", prompts[1], params, desc)
+    pair.run_prefill()
+    assert pair.settle("one") == (D, D)
+    outputs = pair.dc.admit("one", pair.first["one"])
+    assert outputs[0].finished and outputs[0].finish_reason == "length"
+    pair.assert_clean()
+
+
+def test_a_reservation_that_does_not_fit_holds_nothing(pair, prompts):
+    hog = SamplingParams(max_tokens=200, temperature=0)
+    long_prompt = (prompts[0] * 4)[:96]  # six blocks each: four reservations fill the 24-block pool
+    descs = [pair.dc.reserve(f"hog-{i}", long_prompt, hog) for i in range(5)]
+    assert descs[-1] is None and all(d is not None for d in descs[:-1])
+    assert pair.decode.engine.stats().num_waiting_for_kv == 4
+    for i in range(4):
+        pair.dc.abort(f"hog-{i}")
+    pair.assert_clean()
+
+
+def test_refused_connection(pair, prompts, colocated):
+    desc = pair.dc.reserve("r", prompts[0], GREEDY, lease_s=1.5)
+    dead = make_transport(pair.kind, pair.fabric)
+    nowhere = dead.address
+    dead.close()
+    pair.pc.submit("r", prompts[0], GREEDY, dataclasses.replace(desc, addresses=(nowhere,)))
+    pair.run_prefill()
+    assert pair.settle("r") == (TransferState.FAILED, TransferState.EXPIRED)
+    assert "send" in pair.prefill.events["r"].error and "lease" in pair.decode.events["r"].error
+    pair.assert_clean()
+    next_transfer_succeeds(pair, prompts, colocated)
+
+
+def test_dropped_connection(pair, prompts, colocated):
+    pair.prefill.transport.drop_at = 1  # the second message's connection goes down under it
+    desc = pair.dc.reserve("r", prompts[0], GREEDY)
+    pair.pc.submit("r", prompts[0], GREEDY, desc)
+    pair.run_prefill()
+    assert pair.settle("r") == (TransferState.FAILED, TransferState.FAILED)
+    # Either the receiver saw the connection go under a message, or the sender told it over a new connection.
+    assert any(why in pair.decode.events["r"].error for why in ("receive failed", "source rank 0"))
+    pair.assert_clean()
+    next_transfer_succeeds(pair, prompts, colocated)
+
+
+def test_checksum_mismatch(pair, prompts, colocated):
+    pair.prefill.transport.corrupt = 1
+    desc = pair.dc.reserve("r", prompts[0], GREEDY)
+    pair.pc.submit("r", prompts[0], GREEDY, desc)
+    pair.run_prefill()
+    assert pair.settle("r") == (TransferState.FAILED, TransferState.FAILED)
+    assert "checksum mismatch" in pair.decode.events["r"].error
+    assert "checksum" in pair.prefill.events["r"].error
+    pair.assert_clean()
+    next_transfer_succeeds(pair, prompts, colocated)
+
+
+def test_decode_peer_dies_mid_transfer(pair, prompts, colocated):
+    desc = pair.dc.reserve("r", prompts[0], GREEDY, lease_s=2.0)
+
+    def kill_decode(layer):
+        if layer == 1:
+            pair.decode.agent.close()  # its process is gone: nothing listens, nothing answers
+    pair.prefill.engine.runner.layer_observer = LayerTap(pair.prefill.agent, kill_decode)
+    pair.pc.submit("r", prompts[0], GREEDY, desc)
+    pair.run_prefill()
+    # A send into a dead peer fails, or (if UCX has not noticed the death yet) the lease ends it.
+    assert pair.settle("r")[0] in (TransferState.FAILED, TransferState.EXPIRED)
+    pair.prefill.engine.runner.layer_observer = pair.prefill.agent
+    # The decode side's driver outlives its agent here: its lease frees the blocks.
+    assert pair.settle("r")[1] is TransferState.EXPIRED
+    wait_blocks_free = pair.decode.engine.stats().num_blocks_in_use
+    assert wait_blocks_free == 0
+    pair.replace_decode()  # a new decode replica; the prefill side reconnects by itself
+    pair.assert_clean()
+    next_transfer_succeeds(pair, prompts, colocated)
+
+
+def test_prefill_peer_dies_mid_transfer(pair, prompts, colocated):
+    desc = pair.dc.reserve("r", prompts[0], GREEDY, lease_s=2.0)
+
+    def kill_prefill(layer):
+        if layer == 1:
+            tap.cut = True
+            pair.prefill.agent.close()
+    tap = LayerTap(pair.prefill.agent, kill_prefill)
+    pair.prefill.engine.runner.layer_observer = tap
+    pair.pc.submit("r", prompts[0], GREEDY, desc)
+    pair.run_prefill()
+    start = time.monotonic()
+    assert pair.settle("r")[1] is TransferState.EXPIRED  # layer 0 arrived, the rest never will
+    assert time.monotonic() - start < 10
+    pair.replace_prefill()
+    pair.assert_clean()
+    next_transfer_succeeds(pair, prompts, colocated)
+
+
+def test_lease_runs_out_with_no_sender(pair, prompts, colocated):
+    pair.dc.reserve("r", prompts[0], GREEDY, lease_s=0.3)
+    assert pair.decode.engine.stats().num_blocks_in_use > 0
+    assert pair.settle("r") == (None, TransferState.EXPIRED)
+    pair.assert_clean()
+    next_transfer_succeeds(pair, prompts, colocated)
+
+
+def test_sender_lease_runs_out_when_acknowledgements_never_come(pair, prompts, colocated):
+    pair.decode.transport.swallow_acks = True
+    desc = pair.dc.reserve("r", prompts[0], GREEDY, lease_s=1.0)
+    pair.pc.submit("r", prompts[0], GREEDY, desc)
+    pair.run_prefill()
+    assert pair.settle("r", timeout_s=0.5 + 10)[0] is TransferState.EXPIRED
+    assert pair.decode.events["r"].state is TransferState.EXPIRED  # done, never admitted: the lease frees it
+    pair.decode.transport.swallow_acks = False
+    pair.assert_clean()
+    next_transfer_succeeds(pair, prompts, colocated)
+
+
+ABORTS = ["decode-after-reserve", "decode-mid-transfer", "decode-after-done", "prefill-after-submit",
+          "prefill-mid-transfer"]
+
+
+@pytest.mark.parametrize("moment", ABORTS)
+def test_abort_at_any_moment_from_either_side(pair, prompts, colocated, moment):
+    desc = pair.dc.reserve("r", prompts[0], GREEDY)
+    if moment == "decode-after-reserve":
+        pair.dc.abort("r")
+    tap = LayerTap(pair.prefill.agent, lambda layer: None)
+    if moment == "decode-mid-transfer":
+        tap.on_layer = lambda layer: pair.dc.abort("r") if layer == 1 else None
+    if moment == "prefill-mid-transfer":
+        def stop_at_layer_1(layer):
+            tap.cut = tap.cut or layer == 1
+        tap.on_layer = stop_at_layer_1
+    pair.prefill.engine.runner.layer_observer = tap
+    pair.pc.submit("r", prompts[0], GREEDY, desc)
+    if moment == "prefill-after-submit":
+        pair.pc.abort("r")
+    pair.run_prefill()
+    if moment == "prefill-mid-transfer":
+        pair.pc.abort("r")  # the client went away while layer 0 was on the wire and the rest never left
+    if moment == "decode-after-done":
+        assert pair.settle("r") == (D, D)
+        pair.dc.abort("r")
+    prefill_state, decode_state = pair.settle("r")
+    expected = {
+        "decode-after-reserve": (TransferState.ABORTED, None),  # the sender learns it from the refusal
+        "decode-mid-transfer": (TransferState.ABORTED, None),
+        "decode-after-done": (D, D),
+        "prefill-after-submit": (None, TransferState.ABORTED),
+        "prefill-mid-transfer": (None, TransferState.ABORTED),
+    }[moment]
+    assert (prefill_state, decode_state) == expected
+    assert pair.pc.state("r") is None and pair.dc.state("r") is None
+    pair.prefill.engine.runner.layer_observer = pair.prefill.agent
+    pair.assert_clean()
+    next_transfer_succeeds(pair, prompts, colocated)
