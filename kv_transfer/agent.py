@@ -41,6 +41,7 @@ from tandem.kv_transfer.transport import Transport
 from tandem.kv_transfer.wire import (HEADER_BYTES, KIND_MASK, STATUS_BYTES, DataHeader, Kind, Status, checksum,
                                      make_tag, pack_status, split_tag, transfer_key, unpack_status)
 
+ORPHAN_GRACE_S = 5.0
 _ENDING = {Status.CHECKSUM: TransferState.FAILED, Status.ABORTED: TransferState.ABORTED,
            Status.EXPIRED: TransferState.EXPIRED, Status.UNKNOWN: TransferState.FAILED,
            Status.BAD_MESSAGE: TransferState.FAILED}
@@ -79,7 +80,8 @@ class _Outbound(_Transfer):
     messages: tuple[Message, ...] = ()
     counts: dict[int, int] = field(default_factory=dict)  # destination rank -> its messages from every source
     sent: set[int] = field(default_factory=set)
-    pending: list[tuple[object, Slot]] = field(default_factory=list)
+    source_blocks: tuple[int, ...] = ()  # the blocks sent from, once sending started
+    pending: list[tuple[object, Slot, str]] = field(default_factory=list)  # (handle, slot, peer)
     acked: set[int] = field(default_factory=set)
 
 
@@ -117,7 +119,9 @@ class KVTransferAgent:
         self._tombstones: dict[int, tuple[Status, float]] = {}
         self._receiving: list[tuple[object, Slot, int]] = []  # (handle, slot, tag)
         self._control: list[tuple[object, np.ndarray]] = []  # small sends kept alive until done
-        self._orphans: list[tuple[object, Slot]] = []  # sends of released transfers, still on the wire
+        # Sends of released transfers still on the wire: (handle, slot, peer, released at). One not done within
+        # ORPHAN_GRACE_S has a silent or dead peer: its connection is closed, which ends it.
+        self._orphans: list[tuple[object, Slot, str, float]] = []
         self._stop = threading.Event()
         self._pump = threading.Thread(target=self._run, name=f"kv-agent-{rank}", daemon=True)
         self._pump.start()
@@ -184,6 +188,7 @@ class KVTransferAgent:
         desc = out.descriptor
         key = transfer_key(desc.transfer_id)
         per = self.format.bytes_per_block_layer_head
+        out.source_blocks = tuple(block_ids)
         for m in messages:
             if out.state.terminal:
                 return
@@ -203,7 +208,7 @@ class KVTransferAgent:
             handle = self.transport.send(desc.addresses[m.dst_rank], tag, slot.view)
             with self._lock:
                 out.sent.add(m.index)
-                out.pending.append((handle, slot))
+                out.pending.append((handle, slot, desc.addresses[m.dst_rank]))
                 out.nbytes += nbytes
                 if out.state is TransferState.RESERVED:
                     out.state = TransferState.TRANSFERRING
@@ -251,7 +256,14 @@ class KVTransferAgent:
                 if (t := table.pop(key, None)) is not None:
                     self._tombstones[key] = (_STATUS_OF[t.state], self.clock())
                     if isinstance(t, _Outbound):
-                        self._orphans.extend(t.pending)  # their slots come back when UCX is done with them
+                        now = time.monotonic()  # their slots come back when UCX is done with them
+                        self._orphans.extend((h, slot, peer, now) for h, slot, peer in t.pending)
+
+    def source_blocks(self, transfer_id: str) -> tuple[int, ...]:
+        """The source blocks an armed transfer sends from (empty before its first send; tests, debugging)."""
+        with self._lock:
+            out = self._out.get(transfer_key(transfer_id))
+            return out.source_blocks if out else ()
 
     def read_kv(self, block_ids: Sequence[int]) -> np.ndarray:
         """A copy of this rank's K/V of block_ids: [layers, 2, blocks, KV heads, block_size, head_dim] (tests)."""
@@ -266,8 +278,9 @@ class KVTransferAgent:
     def check_integrity(self) -> None:
         """Raises ValueError if a staging slot is held with nothing in flight."""
         with self._lock:
-            in_flight = len(self._receiving) + sum(1 for _, s in self._orphans if s.offset >= 0) + sum(
-                1 for o in self._out.values() for _, s in o.pending if s.offset >= 0)
+            in_flight = sum(1 for _, s, _ in self._receiving if s.offset >= 0) + sum(
+                1 for _, s, _, _ in self._orphans if s.offset >= 0) + sum(
+                1 for o in self._out.values() for _, s, _ in o.pending if s.offset >= 0)
             if in_flight != self.staging.num_in_use:
                 raise ValueError(f"{self.staging.num_in_use} staging slots held, {in_flight} messages in flight")
             self.staging.check_integrity()
@@ -421,22 +434,26 @@ class KVTransferAgent:
     def _finish_sends(self) -> bool:
         busy = False
         self._control = [(h, b) for h, b in self._control if not h.done()]
-        for handle, slot in [o for o in self._orphans if o[0].done()]:
-            self._orphans.remove((handle, slot))
-            self.staging.release(slot)
+        now = time.monotonic()
+        for orphan in list(self._orphans):
+            handle, slot, peer, since = orphan
+            if handle.done():
+                self._orphans.remove(orphan)
+                self.staging.release(slot)
+            elif now - since > ORPHAN_GRACE_S:
+                self.transport.forget_peer(peer)
         for key, out in self._out.items():
             still = []
-            for handle, slot in out.pending:
+            for handle, slot, peer in out.pending:
                 if not handle.done():
-                    still.append((handle, slot))
+                    still.append((handle, slot, peer))
                     continue
                 busy = True
                 self.staging.release(slot)
                 if (error := handle.error()) is not None:
                     if out.end(TransferState.FAILED, f"send failed: {error}"):
                         self._notify_receivers(key, out)
-                    for peer in set(out.descriptor.addresses):
-                        self.transport.forget_peer(peer)  # reconnect on the next send
+                    self.transport.forget_peer(peer)  # the connection is broken: the next send reconnects
             out.pending = still
             if (not out.state.terminal and not out.pending and len(out.sent) == len(out.messages)
                     and out.acked >= {m.dst_rank for m in out.messages}):
@@ -452,9 +469,8 @@ class KVTransferAgent:
                     self._notify_senders(key, t)
                 else:
                     self._notify_receivers(key, t)
-                    for peer in {t.descriptor.addresses[m.dst_rank] for m in t.messages}:
-                        if t.pending:
-                            self.transport.forget_peer(peer)  # fails sends stuck on a silent peer
+                    for peer in {peer for _, _, peer in t.pending}:
+                        self.transport.forget_peer(peer)  # ends sends stuck on a silent peer
         cutoff = now - self.config.tombstone_s
         self._tombstones = {k: v for k, v in self._tombstones.items() if v[1] >= cutoff}
 

@@ -158,7 +158,8 @@ def test_prefill_peer_dies_mid_transfer(pair, prompts, colocated):
     pair.pc.submit("r", prompts[0], GREEDY, desc)
     pair.run_prefill()
     start = time.monotonic()
-    assert pair.settle("r")[1] is TransferState.EXPIRED  # layer 0 arrived, the rest never will
+    # Layer 0 arrived and the rest never will: the lease ends it, or the receive the death cut short fails.
+    assert pair.settle("r")[1] in (TransferState.EXPIRED, TransferState.FAILED)
     assert time.monotonic() - start < 10
     pair.replace_prefill()
     pair.assert_clean()

@@ -1,0 +1,251 @@
+"""KV transfer throughput and layer-wise pipelining, over UCX between two processes on this host.
+
+Batched transfers: a sender and a receiver process, each one rank with the embedded model's KV shape
+(SmolLM2-135M: 30 layers x 3 KV heads x 64, 16-token blocks, float32 as the engine keeps it). The receiver
+reserves blocks for --requests requests of --tokens tokens each (for 1, 16 and 256 requests by default), the
+sender pushes them all (gather from the KV store, xxh3 checksum, UCX send; receive, verify, scatter on the
+other side), and a request counts as done when the receiver has acknowledged it. Reported: payload GB/s, the
+per-request latency (issue to acknowledgement; p50 and max), and a plain memory copy of the same bytes in the
+same run (np.copyto, request-sized chunks into a buffer far larger than the caches) as the peer: the ratio is
+transfer rate / memcpy rate.
+
+Layer-wise pipelining: the sender runs the embedded model's prefill of a --prefill-tokens prompt in one step
+with the agent sending each layer as soon as it is computed; exposed = time from the end of that step to the
+receiver's acknowledgement. The same bytes are then sent again with no compute (standalone transfer time).
+Hidden share = 1 - exposed / standalone.
+
+    .venv/bin/python bench/kv_transfer.py [--requests 1 16 256] [--tokens 512] [--prefill-tokens 2048] [--rounds 3]
+
+The last line of output is one JSON object with every number.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from multiprocessing import get_context
+
+LAYERS, KV_HEADS, HEAD_DIM, BLOCK = 30, 3, 64, 16
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def make_store(num_blocks: int, fill: bool):
+    import torch
+
+    from tandem.engine.kv_cache import KVCacheSpec, PagedKVCache
+
+    cache = PagedKVCache(KVCacheSpec(LAYERS, num_blocks, BLOCK, KV_HEADS, HEAD_DIM, torch.float32))
+    if fill:
+        cache.data.normal_()
+    else:
+        cache.data.zero_()  # touch every page now, not inside the measurement
+    return cache
+
+
+def make_agent(cache, config):
+    from tandem.engine.parallel.layout import ParallelConfig, ReplicaLayout
+    from tandem.kv_transfer.agent import KVTransferAgent
+    from tandem.kv_transfer.ucx_transport import UCXTransport
+
+    layout = ReplicaLayout.build(ParallelConfig(), num_layers=LAYERS, num_heads=9, num_kv_heads=KV_HEADS)
+    return KVTransferAgent(cache, layout, 0, UCXTransport(config.host, 0, config.ucx_env), config), layout
+
+
+def receiver(conn, max_blocks: int) -> None:
+    """Reserves what the sender asks for, answers with descriptors; ends on ("stop",)."""
+    import torch
+
+    from tandem.kv_transfer.config import TransferConfig
+    from tandem.kv_transfer.descriptor import KVFormat, TransferDescriptor
+
+    torch.set_num_threads(1)
+    config = TransferConfig(staging_bytes=256 << 20)
+    cache = make_store(max_blocks, fill=False)
+    agent, layout = make_agent(cache, config)
+    kv = KVFormat(LAYERS, KV_HEADS, HEAD_DIM, BLOCK, "float32")
+    conn.send(("ready", agent.address))
+    while True:
+        message = conn.recv()
+        if message[0] == "stop":
+            agent.close()
+            return
+        if message[0] == "reserve":  # (ids, blocks per request, tokens per request)
+            _, ids, per, tokens = message
+            descs = []
+            for i, transfer_id in enumerate(ids):
+                blocks = list(range(i * per, (i + 1) * per))
+                deadline = time.time() + 600
+                agent.expect(transfer_id, blocks, deadline)
+                descs.append(TransferDescriptor(transfer_id, layout, (agent.address,), tuple(blocks), tokens, kv,
+                                                deadline))
+            conn.send(("descs", descs))
+        elif message[0] == "release":
+            for transfer_id in message[1]:
+                agent.release(transfer_id)
+            conn.send(("released", agent.stats().staging_in_use))
+
+
+def wait_done(agent, ids: list[str], issued: dict[str, float], timeout_s: float = 600) -> dict[str, float]:
+    """Polls until every transfer is DONE; returns each one's latency in seconds (issue to acknowledgement)."""
+    from tandem.kv_transfer.descriptor import TransferState
+
+    done: dict[str, float] = {}
+    deadline = time.monotonic() + timeout_s
+    while len(done) < len(ids):
+        now = time.perf_counter()
+        for transfer_id, status in agent.poll(ids).items():
+            if transfer_id not in done and status.state.terminal:
+                if status.state is not TransferState.DONE:
+                    raise RuntimeError(f"transfer {transfer_id} ended {status.state.value}: {status.error}")
+                done[transfer_id] = now - issued[transfer_id]
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"only {len(done)} of {len(ids)} transfers finished in {timeout_s} s")
+        time.sleep(0.0002)
+    return done
+
+
+def memcpy_rate(nbytes: int, chunk: int, rounds: int) -> float:
+    """GB/s of np.copyto moving nbytes in chunk-sized copies into a buffer of at least 1 GiB (past the caches)."""
+    import numpy as np
+
+    src = np.random.default_rng(0).integers(0, 255, chunk, dtype=np.uint8)
+    ring = np.ones(max(1 << 30, chunk) // chunk * chunk, dtype=np.uint8)
+    slots = len(ring) // chunk
+    best = 0.0
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for i in range(nbytes // chunk):
+            j = i % slots
+            np.copyto(ring[j * chunk:(j + 1) * chunk], src)
+        best = max(best, nbytes / (time.perf_counter() - start) / 1e9)
+    return best
+
+
+def batched(agent, conn, requests: int, tokens: int, rounds: int, src_blocks: list[int]) -> dict:
+    per = -(-tokens // BLOCK)
+    payload = LAYERS * KV_HEADS * per * 2 * BLOCK * HEAD_DIM * 4
+    rates, latencies = [], []
+    for r in range(rounds):
+        ids = [f"b{requests}-{r}-{i}" for i in range(requests)]
+        conn.send(("reserve", ids, per, tokens))
+        descs = conn.recv()[1]
+        issued = {}
+        start = time.perf_counter()
+        for desc in descs:
+            issued[desc.transfer_id] = time.perf_counter()
+            agent.arm(desc)
+            agent.send_all(desc.transfer_id, src_blocks)
+        done = wait_done(agent, ids, issued)
+        elapsed = time.perf_counter() - start
+        rates.append(requests * payload / elapsed / 1e9)
+        latencies.extend(done.values())
+        for transfer_id in ids:
+            agent.release(transfer_id)
+        conn.send(("release", ids))
+        conn.recv()
+    copy = memcpy_rate(requests * payload, payload, rounds)
+    rate = statistics.median(rates)
+    result = {"requests": requests, "tokens": tokens, "bytes_per_request": payload,
+              "transfer_GBps": round(rate, 3), "memcpy_GBps": round(copy, 3), "ratio": round(rate / copy, 3),
+              "latency_ms_p50": round(1e3 * statistics.median(latencies), 2),
+              "latency_ms_max": round(1e3 * max(latencies), 2), "rates_GBps": [round(x, 3) for x in rates]}
+    log(f"{requests:4d} x {tokens} tokens: {rate:.2f} GB/s vs memcpy {copy:.2f} GB/s (ratio {rate / copy:.2f}), "
+        f"latency p50 {result['latency_ms_p50']} ms, max {result['latency_ms_max']} ms")
+    return result
+
+
+def pipelining(conn, prefill_tokens: int, rounds: int) -> dict:
+    """The embedded model's prefill with layer-wise sends vs the same transfer alone (see the docstring)."""
+    import torch
+
+    from tandem.engine.engine_config import EngineConfig
+    from tandem.engine.llm_engine import LLMEngine
+    from tandem.engine.loader import load_model
+    from tandem.engine.sampling_params import SamplingParams
+    from tandem.kv_transfer.agent_factory import AgentFactory
+    from tandem.kv_transfer.config import TransferConfig
+
+    torch.set_num_threads(1)  # the receiver process and the UCX threads get the other core
+    config = TransferConfig(layer_group=1, staging_bytes=256 << 20)
+    engine = LLMEngine(load_model(progress=False), EngineConfig(num_kv_blocks=4 * (prefill_tokens // BLOCK + 2),
+                                                                max_num_batched_tokens=prefill_tokens),
+                       kv_agent=AgentFactory(config))
+    agent = engine._local_agent
+    per = -(-prefill_tokens // BLOCK)
+    rows = []
+    for r in range(rounds):
+        prompt = [(7 * i + r) % 40000 + 100 for i in range(prefill_tokens)]
+        ids = [f"p-{r}", f"alone-{r}"]
+        conn.send(("reserve", ids, per, prefill_tokens))
+        piped, alone = conn.recv()[1]
+        agent.arm(piped, seq_id=f"prompt-{r}#0")
+        engine.add_request(f"prompt-{r}", prompt, SamplingParams(max_tokens=1, temperature=0))
+        start = time.perf_counter()
+        engine.step()
+        computed = time.perf_counter()
+        wait_done(agent, [piped.transfer_id], {piped.transfer_id: start})
+        exposed = time.perf_counter() - computed
+        agent.arm(alone)
+        issued = time.perf_counter()
+        agent.send_all(alone.transfer_id, agent.source_blocks(piped.transfer_id))
+        standalone = wait_done(agent, [alone.transfer_id], {alone.transfer_id: issued})[alone.transfer_id]
+        for transfer_id in (piped.transfer_id, alone.transfer_id):
+            agent.release(transfer_id)
+        conn.send(("release", [piped.transfer_id, alone.transfer_id]))
+        conn.recv()
+        rows.append({"compute_s": computed - start, "exposed_s": exposed, "standalone_s": standalone,
+                     "hidden": 1 - exposed / standalone})
+        log(f"prefill {prefill_tokens} tokens: compute {computed - start:.3f} s, transfer alone {standalone:.3f} s, "
+            f"exposed after compute {exposed * 1e3:.1f} ms -> {100 * (1 - exposed / standalone):.1f}% hidden")
+    engine.shutdown()
+    med = {k: statistics.median(row[k] for row in rows) for k in rows[0]}
+    return {"prefill_tokens": prefill_tokens, "compute_s": round(med["compute_s"], 3),
+            "transfer_alone_s": round(med["standalone_s"], 4), "exposed_s": round(med["exposed_s"], 4),
+            "hidden_share": round(med["hidden"], 3), "hidden_per_round": [round(r["hidden"], 3) for r in rows]}
+
+
+def sender(conn, address: str, args) -> None:
+    import torch
+
+    from tandem.kv_transfer.config import TransferConfig
+
+    torch.set_num_threads(1)
+    per = -(-args.tokens // BLOCK)
+    cache = make_store(per, fill=True)
+    agent, _ = make_agent(cache, TransferConfig(staging_bytes=256 << 20))
+    results = {"batched": [batched(agent, conn, n, args.tokens, args.rounds, list(range(per)))
+                           for n in args.requests]}
+    agent.close()
+    if args.prefill_tokens:
+        results["pipelining"] = pipelining(conn, args.prefill_tokens, args.rounds)
+    conn.send(("stop",))
+    print(json.dumps({"peer_address": address, **results}), flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--requests", type=int, nargs="+", default=[1, 16, 256])
+    parser.add_argument("--tokens", type=int, default=512)
+    parser.add_argument("--prefill-tokens", type=int, default=2048, help="0 skips the pipelining measurement")
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    ctx = get_context("spawn")
+    to_receiver, receiver_end = ctx.Pipe()
+    max_blocks = max(max(args.requests) * -(-args.tokens // BLOCK), 2 * -(-args.prefill_tokens // BLOCK))
+    log(f"receiver store: {max_blocks} blocks ({max_blocks * LAYERS * 2 * BLOCK * KV_HEADS * HEAD_DIM * 4 / 2**30:.1f} "
+        f"GiB); sender in this process")
+    proc = ctx.Process(target=receiver, args=(receiver_end, max_blocks), daemon=True)
+    proc.start()
+    _, address = to_receiver.recv()
+    sender(to_receiver, address, args)
+    proc.join(timeout=30)
+
+
+if __name__ == "__main__":
+    main()
