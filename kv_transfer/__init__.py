@@ -1,1 +1,11 @@
-"""KV transfer: connector state machine, UCX transport, layout re-sharding and integrity checks (filled by a later issue)."""
+"""KV transfer: moving a request's paged KV from a prefill replica to a decode replica of any layout.
+
+- plan.py: which source rank sends which layers x KV heads to which destination rank, cut into messages.
+- wire.py: tags, the data header, acknowledgements, xxh3 checksums.
+- transport.py: the contract; ucx_transport.py (ucxx) and fake_transport.py (in-process) implement it.
+- staging.py: the reusable buffer messages in flight live in.
+- agent.py: one per rank, beside its KV store: sends as layers are computed, receives, verifies, writes.
+- agent_factory.py: builds a rank's agent inside the rank's process (LLMEngine(kv_agent=...)).
+- connector.py: the per-request state machines of a replica (decode: reserve/admit; prefill: submit) and
+  the disaggregated lifecycle, step by step.
+"""

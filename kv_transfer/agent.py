@@ -146,11 +146,13 @@ class KVTransferAgent:
 
     def arm(self, descriptor: TransferDescriptor, seq_id: str | None = None) -> None:
         """Prepares this rank's messages for descriptor. With seq_id, on_layers_done sends them as the
-        sequence's layers are computed; else call send_all. Raises ValueError if the KV formats differ or the
-        transfer id is in use here."""
+        sequence's layers are computed, config.layer_group layers a message; without, call send_all, which
+        sends all layers of a piece together (the fewest, largest messages). Raises ValueError if the KV formats
+        differ or the transfer id is in use here."""
         self.format.check_matches(descriptor.kv)
         pieces = plan_pieces(self.layout, descriptor.layout)
-        messages = plan_messages(pieces, len(descriptor.block_ids), layer_group=self.config.layer_group,
+        group = self.config.layer_group if seq_id is not None else self.layout.num_layers
+        messages = plan_messages(pieces, len(descriptor.block_ids), layer_group=group,
                                  max_message_bytes=self.config.max_message_bytes,
                                  bytes_per_block_layer_head=self.format.bytes_per_block_layer_head)
         counts: dict[int, int] = {}

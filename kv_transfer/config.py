@@ -16,7 +16,8 @@ DEFAULT_UCX_ENV = {
 @dataclass(frozen=True)
 class TransferConfig:
     """host: the address peers reach this host's agents at; port 0 picks free ports. layer_group: layers per
-    message (1: each layer leaves as soon as it is computed; num_layers: one message per rank pair).
+    message when sending as layers are computed (1: each layer leaves as soon as it is written); KV sent after
+    the fact goes with all of a piece's layers per message.
     max_message_bytes caps a message (larger pieces go as runs of blocks). staging_bytes: each agent's
     reusable buffer for messages in flight (registered once); a message that finds it full waits (receiving)
     or takes a one-off buffer (sending, counted in stats). lease_s: how long a reservation waits for its data.

@@ -51,6 +51,9 @@ class _Failed:
         return self.reason
 
 
+_KEPT: list = []
+
+
 def _close(ep) -> None:
     """Closes an endpoint that is still up. One whose peer already went away was torn down by UCX's error
     handling, and closing it again crashes the process."""
@@ -180,4 +183,8 @@ class UCXTransport:
             for ep in endpoints:
                 _close(ep)
             self._worker.stop_progress_thread()
+            # Kept until the process exits: destroying a UCX listener while a peer's connection request to it
+            # is in flight crashes UCX's async thread (UCX 1.21, seen in tests that start and stop transports
+            # in one process). A rank closes its transport only when its process ends anyway.
+            _KEPT.append((self._listener, self._worker, self._context, endpoints))
         self._listener = None

@@ -57,11 +57,10 @@ class FaultyTransport:
                 self.corrupt -= 1
                 buffer = buffer.copy()
                 buffer[-1] ^= 0x40
-            if self.drop_at == index:
+            if self.drop_at == index:  # the connection goes down: this message is lost, the ones before it cut
                 self.drop_at = None
-                handle = self.inner.send(peer, tag, buffer)
                 self.inner.forget_peer(peer)
-                return handle if handle.done() and handle.error() else _Done("connection dropped")
+                return _Done("connection dropped")
         return self.inner.send(peer, tag, buffer)
 
     def probe(self, tag, mask):
@@ -181,3 +180,54 @@ class EnginePair:
     def close(self) -> None:
         self.prefill.engine.shutdown()
         self.decode.engine.shutdown()
+
+
+# -- a side in its own process, killed with SIGKILL (a real death: the kernel resets its connections) --------
+
+def _child_side(conn, role: str, model_path: str) -> None:
+    """Runs one side with a UCX agent. decode: reserves for the prompt it is sent, answers with the descriptor
+    and waits to be killed. prefill: pushes into the descriptor it is sent and kills itself when layer 1 of the
+    prompt is computed (layer 0 is on the wire)."""
+    import os
+    import signal
+
+    import torch
+
+    from tandem.engine.loader import load_model
+    from tandem.kv_transfer.agent_factory import AgentFactory
+
+    torch.set_num_threads(1)
+    config = TransferConfig(max_message_bytes=1 << 20, staging_bytes=4 << 20)
+    engine = LLMEngine(load_model(model_path, progress=False), EngineConfig(num_kv_blocks=24),
+                       kv_agent=AgentFactory(config))
+    if role == "decode":
+        dc = DecodeConnector(engine, config)
+        prompt, params, lease_s = conn.recv()
+        conn.send(dc.reserve("r", prompt, params, lease_s=lease_s))
+        conn.recv()  # never comes: the parent kills this process
+        return
+    agent = engine._local_agent
+
+    class DieAtLayer1:
+        def on_layers_done(self, layer, tables):
+            if layer == 1:
+                time.sleep(0.2)  # layer 0 reaches the peer first
+                os.kill(os.getpid(), signal.SIGKILL)
+            agent.on_layers_done(layer, tables)
+    engine.runner.layer_observer = DieAtLayer1()
+    prompt, params, desc = conn.recv()
+    PrefillConnector(engine).submit("r", prompt, params, desc)
+    conn.send("submitted")
+    engine.step()
+
+
+def start_child_side(role: str, model_path: str):
+    """(process, connection) of a side started by _child_side."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_child_side, args=(child, role, model_path), daemon=True)
+    proc.start()
+    child.close()
+    return proc, parent

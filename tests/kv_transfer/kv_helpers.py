@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import time
 from typing import Callable
 
@@ -23,6 +24,15 @@ def make_transport(kind: str, fabric: Fabric):
     from tandem.kv_transfer.ucx_transport import UCXTransport
 
     return UCXTransport("127.0.0.1", 0, TransferConfig().ucx_env)
+
+
+def nowhere(kind: str) -> str:
+    """An address nothing listens at (connections to it are refused)."""
+    if kind == "fake":
+        return "fake:0"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
 
 
 def wait_until(condition: Callable[[], bool], timeout_s: float = 20.0, what: str = "condition") -> None:
