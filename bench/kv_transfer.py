@@ -7,7 +7,8 @@ sender pushes them all (gather from the KV store, xxh3 checksum, UCX send; recei
 other side), and a request counts as done when the receiver has acknowledged it. Reported: payload GB/s, the
 per-request latency (issue to acknowledgement; p50 and max), and a plain memory copy of the same bytes in the
 same run (np.copyto, request-sized chunks into a buffer far larger than the caches) as the peer: the ratio is
-transfer rate / memcpy rate.
+transfer rate / memcpy rate. A second peer, the bare transport (16 MiB tagged messages between two processes,
+nothing gathered, checked or scattered), shows what the agents' own work costs.
 
 Layer-wise pipelining: the sender runs the embedded model's prefill of a --prefill-tokens prompt in one step
 with the agent sending each layer as soon as it is computed; exposed = time from the end of that step to the
@@ -127,6 +128,52 @@ def memcpy_rate(nbytes: int, chunk: int, rounds: int) -> float:
     return best
 
 
+def _raw_receiver(conn, chunk: int, count: int) -> None:
+    import numpy as np
+
+    from tandem.kv_transfer.config import TransferConfig
+    from tandem.kv_transfer.ucx_transport import UCXTransport
+
+    transport = UCXTransport("127.0.0.1", 0, TransferConfig().ucx_env)
+    conn.send(transport.address)
+    buffer = np.empty(chunk, dtype=np.uint8)
+    for _ in range(count):
+        while (probe := transport.probe(0, 0)) is None:
+            time.sleep(0.0001)
+        handle = transport.receive(probe, buffer)
+        while not handle.done():
+            time.sleep(0.0001)
+    conn.send("received")
+    conn.recv()
+
+
+def raw_ucx_rate(nbytes: int, chunk: int) -> float:
+    """GB/s of the bare transport between two processes: chunk-sized tagged messages, received into one
+    reused buffer; no gather, checksum or scatter (the ceiling the agents work under)."""
+    import numpy as np
+
+    from tandem.kv_transfer.config import TransferConfig
+    from tandem.kv_transfer.ucx_transport import UCXTransport
+
+    count = max(1, nbytes // chunk)
+    ctx = get_context("spawn")
+    here, there = ctx.Pipe()
+    proc = ctx.Process(target=_raw_receiver, args=(there, chunk, count), daemon=True)
+    proc.start()
+    peer = here.recv()
+    transport = UCXTransport("127.0.0.1", 0, TransferConfig().ucx_env)
+    data = np.random.default_rng(0).integers(0, 255, chunk, dtype=np.uint8)
+    start = time.perf_counter()
+    handles = [transport.send(peer, i + 1, data) for i in range(count)]
+    assert here.recv() == "received"
+    elapsed = time.perf_counter() - start
+    assert all(h.done() and h.error() is None for h in handles)
+    here.send("stop")
+    proc.join(timeout=30)
+    transport.close()
+    return nbytes / elapsed / 1e9
+
+
 def batched(agent, conn, requests: int, tokens: int, rounds: int, src_blocks: list[int]) -> dict:
     per = -(-tokens // BLOCK)
     payload = LAYERS * KV_HEADS * per * 2 * BLOCK * HEAD_DIM * 4
@@ -150,12 +197,15 @@ def batched(agent, conn, requests: int, tokens: int, rounds: int, src_blocks: li
         conn.send(("release", ids))
         conn.recv()
     copy = memcpy_rate(requests * payload, payload, rounds)
+    raw = raw_ucx_rate(min(requests, 64) * payload, 16 << 20)
     rate = statistics.median(rates)
     result = {"requests": requests, "tokens": tokens, "bytes_per_request": payload,
               "transfer_GBps": round(rate, 3), "memcpy_GBps": round(copy, 3), "ratio": round(rate / copy, 3),
+              "raw_ucx_GBps": round(raw, 3), "ratio_to_raw_ucx": round(rate / raw, 3),
               "latency_ms_p50": round(1e3 * statistics.median(latencies), 2),
               "latency_ms_max": round(1e3 * max(latencies), 2), "rates_GBps": [round(x, 3) for x in rates]}
     log(f"{requests:4d} x {tokens} tokens: {rate:.2f} GB/s vs memcpy {copy:.2f} GB/s (ratio {rate / copy:.2f}), "
+        f"bare UCX {raw:.2f} GB/s (ratio {rate / raw:.2f}), "
         f"latency p50 {result['latency_ms_p50']} ms, max {result['latency_ms_max']} ms")
     return result
 

@@ -318,21 +318,22 @@ class KVTransferAgent:
                 t.end(TransferState.FAILED, reason)
 
     def _take_data(self) -> bool:
-        probe = self.transport.probe(make_tag(0, Kind.DATA, 0), KIND_MASK)
-        if probe is None:
-            return False
-        key = probe.tag >> 16
-        inbound = self._in.get(key)
-        if inbound is not None and not inbound.state.terminal:
-            slot = self.staging.acquire(probe.length)
-            if slot is None:
-                return False  # staging full: it waits until a slot frees up
-            if inbound.state is TransferState.RESERVED:
-                inbound.state = TransferState.TRANSFERRING
-        else:
-            slot = Slot(-1, probe.length, np.empty(probe.length, dtype=np.uint8))  # drained, then answered
-        self._receiving.append((self.transport.receive(probe, slot.view), slot, probe.tag))
-        return True
+        """Posts a receive for every arrived DATA message while staging has room (oldest first)."""
+        taken = False
+        while (probe := self.transport.probe(make_tag(0, Kind.DATA, 0), KIND_MASK)) is not None:
+            key = probe.tag >> 16
+            inbound = self._in.get(key)
+            if inbound is not None and not inbound.state.terminal:
+                slot = self.staging.acquire(probe.length)
+                if slot is None:
+                    break  # staging full: it waits until a slot frees up
+                if inbound.state is TransferState.RESERVED:
+                    inbound.state = TransferState.TRANSFERRING
+            else:
+                slot = Slot(-1, probe.length, np.empty(probe.length, dtype=np.uint8))  # drained, then answered
+            self._receiving.append((self.transport.receive(probe, slot.view), slot, probe.tag))
+            taken = True
+        return taken
 
     def _finish_receives(self) -> bool:
         done = [r for r in self._receiving if r[0].done()]
