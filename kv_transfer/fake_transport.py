@@ -7,22 +7,9 @@ from __future__ import annotations
 
 import itertools
 import threading
-from dataclasses import dataclass
-
 import numpy as np
 
-from tandem.kv_transfer.transport import Probe, TransportError
-
-
-@dataclass
-class _Done:
-    reason: str | None = None
-
-    def done(self) -> bool:
-        return True
-
-    def error(self) -> str | None:
-        return self.reason
+from tandem.kv_transfer.transport import Completed, Probe, TransportError
 
 
 class Fabric:
@@ -72,8 +59,8 @@ class FakeTransport:
             raise TransportError("the transport is closed")
         target = self._fabric.lookup(peer)
         if target is None or not target._deliver(tag, bytes(memoryview(buffer))):
-            return _Done(f"cannot send to {peer}: connection refused (no transport listens there)")
-        return _Done()
+            return Completed(f"cannot send to {peer}: connection refused (no transport listens there)")
+        return Completed()
 
     def probe(self, tag: int, mask: int) -> Probe | None:
         with self._lock:
@@ -89,11 +76,11 @@ class FakeTransport:
                     del self._inbox[i]
                     break
             else:
-                return _Done(f"message with tag {probe.tag:#x} vanished between probe and receive")
+                return Completed(f"message with tag {probe.tag:#x} vanished between probe and receive")
         if len(buffer) < len(data):
-            return _Done(f"buffer of {len(buffer)} bytes is too small for a {len(data)}-byte message")
+            return Completed(f"buffer of {len(buffer)} bytes is too small for a {len(data)}-byte message")
         buffer[:len(data)] = np.frombuffer(data, dtype=np.uint8)
-        return _Done()
+        return Completed()
 
     def forget_peer(self, peer: str) -> None:
         pass  # no connection state to drop

@@ -34,6 +34,19 @@ class Probe:
     token: object = None
 
 
+@dataclass(frozen=True)
+class Completed:
+    """A handle that finished at once: successfully (reason None) or with the reason it failed."""
+
+    reason: str | None = None
+
+    def done(self) -> bool:
+        return True
+
+    def error(self) -> str | None:
+        return self.reason
+
+
 class Handle(Protocol):
     def done(self) -> bool:
         """True once the operation finished, successfully or not."""

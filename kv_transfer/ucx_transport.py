@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tandem.kv_transfer.transport import Probe, TransportError
+from tandem.kv_transfer.transport import Completed, Probe, TransportError
 
 
 @dataclass
@@ -38,17 +38,6 @@ class _Handle:
         except Exception as e:  # ucxx raises one UCXError subclass per UCS status
             return f"{type(e).__name__}: {e}"
         return None
-
-
-@dataclass
-class _Failed:
-    reason: str
-
-    def done(self) -> bool:
-        return True
-
-    def error(self) -> str | None:
-        return self.reason
 
 
 _KEPT: list = []
@@ -144,7 +133,7 @@ class UCXTransport:
             raise
         except Exception as e:  # refused at once, unreachable host, ...
             self.forget_peer(peer)
-            return _Failed(f"cannot send to {peer}: {type(e).__name__}: {e}")
+            return Completed(f"cannot send to {peer}: {type(e).__name__}: {e}")
 
     def probe(self, tag: int, mask: int) -> Probe | None:
         with self._ucx_lock:
@@ -160,7 +149,7 @@ class UCXTransport:
         with self._ucx_lock:
             taken = self._worker.tag_probe(self._ucx.UCXXTag(probe.tag), self._ucx.UCXXTagMaskFull, remove=True)
             if not taken.matched:
-                return _Failed(f"message with tag {probe.tag:#x} vanished between probe and receive")
+                return Completed(f"message with tag {probe.tag:#x} vanished between probe and receive")
             return _Handle(self._worker.tag_recv_with_handle(Array(buffer[:taken.length]), taken), buffer)
 
     def forget_peer(self, peer: str) -> None:

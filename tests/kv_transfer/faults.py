@@ -6,7 +6,6 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-import numpy as np
 
 from tandem.engine.engine_config import EngineConfig
 from tandem.engine.llm_engine import LLMEngine
@@ -16,19 +15,9 @@ from tandem.kv_transfer.config import TransferConfig
 from tandem.kv_transfer.connector import DecodeConnector, PrefillConnector, first_token_of
 from tandem.kv_transfer.descriptor import TransferState
 from tandem.kv_transfer.fake_transport import Fabric
+from tandem.kv_transfer.transport import Completed
 from tandem.kv_transfer.wire import Kind, split_tag
 from tests.kv_transfer.kv_helpers import make_transport, wait_until
-
-
-@dataclass
-class _Done:
-    reason: str | None = None
-
-    def done(self) -> bool:
-        return True
-
-    def error(self) -> str | None:
-        return self.reason
 
 
 class FaultyTransport:
@@ -50,7 +39,7 @@ class FaultyTransport:
     def send(self, peer, tag, buffer):
         kind = split_tag(tag)[1]
         if kind is Kind.ACK and self.swallow_acks:
-            return _Done()  # "sent", never delivered
+            return Completed()  # "sent", never delivered
         if kind is Kind.DATA:
             index, self.data_sent = self.data_sent, self.data_sent + 1
             if self.corrupt:
@@ -60,7 +49,7 @@ class FaultyTransport:
             if self.drop_at == index:  # the connection goes down: this message is lost, the ones before it cut
                 self.drop_at = None
                 self.inner.forget_peer(peer)
-                return _Done("connection dropped")
+                return Completed("connection dropped")
         return self.inner.send(peer, tag, buffer)
 
     def probe(self, tag, mask):
