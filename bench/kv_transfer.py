@@ -226,7 +226,7 @@ def pipelining(conn, prefill_tokens: int, rounds: int) -> dict:
     engine = LLMEngine(load_model(progress=False), EngineConfig(num_kv_blocks=4 * (prefill_tokens // BLOCK + 2),
                                                                 max_num_batched_tokens=prefill_tokens),
                        kv_agent=AgentFactory(config))
-    agent = engine._local_agent
+    agent = engine.local_kv_agent
     per = -(-prefill_tokens // BLOCK)
     rows = []
     for r in range(rounds):

@@ -81,8 +81,9 @@ class LLMEngine:
             if loaded.model is None:
                 raise ValueError("a single-process engine needs the model's weights (load_model(weights=True))")
             self.runner = ModelRunner(loaded.model, PagedKVCache(self.kv_cache_spec, device))
-            self._local_agent = kv_agent(0, self.layout, self.runner.kv_cache) if kv_agent else None
-            self.runner.layer_observer = self._local_agent
+            # This process's KV transfer agent (None without kv_agent, or when the ranks hold their own).
+            self.local_kv_agent = kv_agent(0, self.layout, self.runner.kv_cache) if kv_agent else None
+            self.runner.layer_observer = self.local_kv_agent
         else:
             from tandem.engine.parallel.executor import MultiprocExecutor, free_port
             from tandem.engine.parallel.worker import WorkerSpec
@@ -94,7 +95,8 @@ class LLMEngine:
                 max_positions=model_config.max_position_embeddings,
                 init_method=f"tcp://127.0.0.1:{free_port()}", timeout_s=parallel.collective_timeout_s,
                 threads=threads, micro_batches=parallel.num_micro_batches, kv_agent=kv_agent))
-            self._local_agent = None
+            self.local_kv_agent = None
+        self.has_kv_agents = kv_agent is not None
         self.kv_manager = KVCacheManager(num_blocks, config.block_size,
                                          enable_prefix_caching=config.enable_prefix_caching, event_sink=event_sink)
         self.scheduler = Scheduler(
@@ -168,10 +170,10 @@ class LLMEngine:
         """Calls method(*args) on the KV transfer agent of each rank in args_by_rank, in that rank's process;
         returns the results by rank. Raises ValueError if the engine was built without kv_agent, and
         ReplicaFailedError if a rank fails."""
-        if self._local_agent is None and self.layout.world_size == 1:
+        if not self.has_kv_agents:
             raise ValueError("this engine was built without a KV transfer agent (LLMEngine(kv_agent=...))")
-        if self._local_agent is not None:
-            return {rank: getattr(self._local_agent, method)(*args) for rank, args in args_by_rank.items()}
+        if self.local_kv_agent is not None:
+            return {rank: getattr(self.local_kv_agent, method)(*args) for rank, args in args_by_rank.items()}
         return self.runner.call_agents(method, args_by_rank)
 
     def abort_request(self, request_id: str) -> list[RequestOutput]:
@@ -206,9 +208,8 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Stops the ranks of a multi-process replica, or this process's KV transfer agent. Idempotent."""
-        if self._local_agent is not None:
-            self._local_agent.close()
-            self._local_agent = None
+        if self.local_kv_agent is not None:
+            self.local_kv_agent.close()
         if hasattr(self.runner, "shutdown"):
             self.runner.shutdown()
 

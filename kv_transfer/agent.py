@@ -111,6 +111,8 @@ class KVTransferAgent:
                              f"its layout share is {len(self.layers)} x {len(self.kv_heads)}")
         self.format = KVFormat(layout.num_layers, layout.num_kv_heads, spec.head_dim, spec.block_size,
                                str(spec.dtype).removeprefix("torch."))
+        if len(transport.address.encode()) > 64:
+            raise ValueError(f"transfer address {transport.address!r} is longer than the 64 bytes a header holds")
         self.staging = StagingPool(config.staging_bytes)
         self.one_off_buffers = 0
         self._lock = threading.RLock()
@@ -288,6 +290,8 @@ class KVTransferAgent:
             self.staging.check_integrity()
 
     def close(self) -> None:
+        """Stops the pump and the transport (idempotent). Transfers still running here end with the peers'
+        leases."""
         self._stop.set()
         self._pump.join(timeout=5)
         self.transport.close()

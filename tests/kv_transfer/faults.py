@@ -195,7 +195,7 @@ def _child_side(conn, role: str, model_path: str) -> None:
         conn.send(dc.reserve("r", prompt, params, lease_s=lease_s))
         conn.recv()  # never comes: the parent kills this process
         return
-    agent = engine._local_agent
+    agent = engine.local_kv_agent
 
     class DieAtLayer1:
         def on_layers_done(self, layer, tables):
