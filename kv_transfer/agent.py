@@ -209,10 +209,14 @@ class KVTransferAgent:
             header = DataHeader(m.index, out.counts[m.dst_rank], self.rank, m.layers, m.kv_heads, m.blocks, nbytes,
                                 checksum(payload, tag), self.address)
             slot.view[:HEADER_BYTES] = np.frombuffer(header.pack(), dtype=np.uint8)
-            handle = self.transport.send(desc.addresses[m.dst_rank], tag, slot.view)
+            peer = desc.addresses[m.dst_rank]
+            handle = self.transport.send(peer, tag, slot.view)
             with self._lock:
+                if self._out.get(key) is not out:  # released while this message was gathered
+                    self._orphans.append((handle, slot, peer, time.monotonic()))
+                    return
                 out.sent.add(m.index)
-                out.pending.append((handle, slot, desc.addresses[m.dst_rank]))
+                out.pending.append((handle, slot, peer))
                 out.nbytes += nbytes
                 if out.state is TransferState.RESERVED:
                     out.state = TransferState.TRANSFERRING
