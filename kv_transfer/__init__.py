@@ -4,7 +4,8 @@
 - wire.py: tags, the data header, acknowledgements, xxh3 checksums.
 - transport.py: the contract; ucx_transport.py (ucxx) and fake_transport.py (in-process) implement it.
 - staging.py: the reusable buffer messages in flight live in.
-- agent.py: one per rank, beside its KV store: sends as layers are computed, receives, verifies, writes.
+- agent.py: one per rank, beside its KV store: sends as layers are computed, receives, verifies, writes;
+  rank_transfer.py: what it tracks of each transfer.
 - agent_factory.py: builds a rank's agent inside the rank's process (LLMEngine(kv_agent=...)).
 - connector.py: the per-request state machines of a replica (decode: reserve/admit; prefill: submit) and
   the disaggregated lifecycle, step by step.

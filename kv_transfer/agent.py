@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
 import numpy as np
@@ -36,55 +36,13 @@ from tandem.engine.parallel.layout import ReplicaLayout
 from tandem.kv_transfer.config import TransferConfig
 from tandem.kv_transfer.descriptor import KVFormat, RankStatus, TransferDescriptor, TransferState
 from tandem.kv_transfer.plan import Message, plan_messages, plan_pieces
+from tandem.kv_transfer.rank_transfer import STATE_FOR, STATUS_FOR, Inbound, Outbound
 from tandem.kv_transfer.staging import Slot, StagingPool
 from tandem.kv_transfer.transport import Transport
 from tandem.kv_transfer.wire import (HEADER_BYTES, KIND_MASK, STATUS_BYTES, DataHeader, Kind, Status, checksum,
                                      make_tag, pack_status, split_tag, transfer_key, unpack_status)
 
 ORPHAN_GRACE_S = 5.0
-_ENDING = {Status.CHECKSUM: TransferState.FAILED, Status.ABORTED: TransferState.ABORTED,
-           Status.EXPIRED: TransferState.EXPIRED, Status.UNKNOWN: TransferState.FAILED,
-           Status.BAD_MESSAGE: TransferState.FAILED}
-_STATUS_OF = {TransferState.FAILED: Status.BAD_MESSAGE, TransferState.ABORTED: Status.ABORTED,
-              TransferState.EXPIRED: Status.EXPIRED, TransferState.DONE: Status.OK}
-
-
-@dataclass
-class _Transfer:
-    transfer_id: str
-    deadline: float
-    state: TransferState = TransferState.RESERVED
-    nbytes: int = 0
-    error: str | None = None
-
-    def end(self, state: TransferState, error: str | None) -> bool:
-        """Moves to a terminal state; False (and no change) if already there."""
-        if self.state.terminal:
-            return False
-        self.state, self.error = state, error
-        return True
-
-
-@dataclass
-class _Inbound(_Transfer):
-    block_ids: tuple[int, ...] = ()
-    expected: int | None = None  # DATA messages this rank receives, learnt from the first header
-    arrived: set[int] = field(default_factory=set)
-    senders: set[str] = field(default_factory=set)
-
-
-@dataclass
-class _Outbound(_Transfer):
-    descriptor: TransferDescriptor | None = None
-    seq_id: str | None = None
-    messages: tuple[Message, ...] = ()
-    counts: dict[int, int] = field(default_factory=dict)  # destination rank -> its messages from every source
-    sent: set[int] = field(default_factory=set)
-    source_blocks: tuple[int, ...] = ()  # the blocks sent from, once sending started
-    pending: list[tuple[object, Slot, str]] = field(default_factory=list)  # (handle, slot, peer)
-    acked: set[int] = field(default_factory=set)
-
-
 @dataclass(frozen=True)
 class AgentStats:
     num_inbound: int
@@ -116,8 +74,8 @@ class KVTransferAgent:
         self.staging = StagingPool(config.staging_bytes)
         self.one_off_buffers = 0
         self._lock = threading.RLock()
-        self._in: dict[int, _Inbound] = {}
-        self._out: dict[int, _Outbound] = {}
+        self._in: dict[int, Inbound] = {}
+        self._out: dict[int, Outbound] = {}
         self._tombstones: dict[int, tuple[Status, float]] = {}
         self._receiving: list[tuple[object, Slot, int]] = []  # (handle, slot, tag)
         self._control: list[tuple[object, np.ndarray]] = []  # small sends kept alive until done
@@ -142,7 +100,7 @@ class KVTransferAgent:
             if key in self._in or key in self._out:
                 raise ValueError(f"transfer {transfer_id!r} is already registered on rank {self.rank}")
             self._tombstones.pop(key, None)
-            self._in[key] = _Inbound(transfer_id, deadline, block_ids=tuple(block_ids))
+            self._in[key] = Inbound(transfer_id, deadline, block_ids=tuple(block_ids))
 
     # -- sending side --------------------------------------------------------------------------------------
 
@@ -165,7 +123,7 @@ class KVTransferAgent:
         with self._lock:
             if key in self._in or key in self._out:
                 raise ValueError(f"transfer {descriptor.transfer_id!r} is already registered on rank {self.rank}")
-            out = _Outbound(descriptor.transfer_id, descriptor.deadline, descriptor=descriptor, seq_id=seq_id,
+            out = Outbound(descriptor.transfer_id, descriptor.deadline, descriptor=descriptor, seq_id=seq_id,
                             messages=mine, counts=counts)
             if not mine:
                 out.state = TransferState.DONE  # another replica of this rank's KV heads feeds every destination
@@ -188,7 +146,7 @@ class KVTransferAgent:
             raise ValueError(f"transfer {transfer_id!r} is not armed on rank {self.rank}")
         self._send_messages(out, [m for m in out.messages if m.index not in out.sent], block_ids)
 
-    def _send_messages(self, out: _Outbound, messages: list[Message], block_ids: Sequence[int]) -> None:
+    def _send_messages(self, out: Outbound, messages: list[Message], block_ids: Sequence[int]) -> None:
         desc = out.descriptor
         key = transfer_key(desc.transfer_id)
         per = self.format.bytes_per_block_layer_head
@@ -262,8 +220,8 @@ class KVTransferAgent:
         with self._lock:
             for table in (self._in, self._out):
                 if (t := table.pop(key, None)) is not None:
-                    self._tombstones[key] = (_STATUS_OF[t.state], self.clock())
-                    if isinstance(t, _Outbound):
+                    self._tombstones[key] = (STATUS_FOR[t.state], self.clock())
+                    if isinstance(t, Outbound):
                         now = time.monotonic()  # their slots come back when UCX is done with them
                         self._orphans.extend((h, slot, peer, now) for h, slot, peer in t.pending)
 
@@ -369,7 +327,7 @@ class KVTransferAgent:
             return
         if inbound is None or inbound.state.terminal:
             ended = self._tombstones.get(key, (Status.UNKNOWN, 0.0))[0] if inbound is None else \
-                _STATUS_OF[inbound.state]
+                STATUS_FOR[inbound.state]
             self._send_status(header.sender, key, Kind.ACK, ended if ended is not Status.OK else Status.UNKNOWN)
             return
         inbound.senders.add(header.sender)
@@ -395,7 +353,7 @@ class KVTransferAgent:
             inbound.state = TransferState.DONE
             self._notify_senders(key, inbound, Status.OK)
 
-    def _check_header(self, header: DataHeader, index: int, room: int, inbound: _Inbound):
+    def _check_header(self, header: DataHeader, index: int, room: int, inbound: Inbound):
         """(status, reason) for a header that does not fit this rank and reservation, else None."""
         expected = len(header.layers) * len(header.kv_heads) * len(header.blocks) * \
             self.format.bytes_per_block_layer_head
@@ -435,10 +393,10 @@ class KVTransferAgent:
         if kind is Kind.ACK and (out := self._out.get(key)) is not None and not out.state.terminal:
             if status is Status.OK:
                 out.acked.add(rank)
-            elif out.end(_ENDING[status], f"destination rank {rank} ended the transfer: {status.name.lower()}"):
+            elif out.end(STATE_FOR[status], f"destination rank {rank} ended the transfer: {status.name.lower()}"):
                 self._notify_receivers(key, out)
         elif kind is Kind.ABORT and (inbound := self._in.get(key)) is not None:
-            if inbound.end(_ENDING.get(status, TransferState.FAILED),
+            if inbound.end(STATE_FOR.get(status, TransferState.FAILED),
                            f"source rank {rank} ended the transfer: {status.name.lower()}"):
                 self._notify_senders(key, inbound)
 
@@ -476,7 +434,7 @@ class KVTransferAgent:
         for key, t in [*self._in.items(), *self._out.items()]:
             if not t.state.terminal and now > t.deadline:
                 t.end(TransferState.EXPIRED, f"the lease ran out with the transfer {t.state.value}")
-                if isinstance(t, _Inbound):
+                if isinstance(t, Inbound):
                     self._notify_senders(key, t)
                 else:
                     self._notify_receivers(key, t)
@@ -485,14 +443,14 @@ class KVTransferAgent:
         cutoff = now - self.config.tombstone_s
         self._tombstones = {k: v for k, v in self._tombstones.items() if v[1] >= cutoff}
 
-    def _notify_senders(self, key: int, inbound: _Inbound, status: Status | None = None) -> None:
-        status = _STATUS_OF[inbound.state] if status is None else status
+    def _notify_senders(self, key: int, inbound: Inbound, status: Status | None = None) -> None:
+        status = STATUS_FOR[inbound.state] if status is None else status
         for sender in inbound.senders:
             self._send_status(sender, key, Kind.ACK, status)
 
-    def _notify_receivers(self, key: int, out: _Outbound) -> None:
+    def _notify_receivers(self, key: int, out: Outbound) -> None:
         for dst in sorted({m.dst_rank for m in out.messages}):
-            self._send_status(out.descriptor.addresses[dst], key, Kind.ABORT, _STATUS_OF[out.state])
+            self._send_status(out.descriptor.addresses[dst], key, Kind.ABORT, STATUS_FOR[out.state])
 
     def _send_status(self, peer: str, key: int, kind: Kind, status: Status) -> None:
         buffer = np.frombuffer(pack_status(status, self.rank), dtype=np.uint8).copy()

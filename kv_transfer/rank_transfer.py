@@ -1,0 +1,54 @@
+"""One transfer as one rank's agent tracks it: an Inbound (receiving into reserved blocks) or an Outbound
+(sending from a KV store), and the mapping between transfer states and the status codes on the wire."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tandem.kv_transfer.descriptor import TransferDescriptor, TransferState
+from tandem.kv_transfer.plan import Message
+from tandem.kv_transfer.staging import Slot
+from tandem.kv_transfer.wire import Status
+
+# A peer's status code -> the state it puts this side in; this side's ended state -> the code it reports.
+STATE_FOR = {Status.CHECKSUM: TransferState.FAILED, Status.ABORTED: TransferState.ABORTED,
+             Status.EXPIRED: TransferState.EXPIRED, Status.UNKNOWN: TransferState.FAILED,
+             Status.BAD_MESSAGE: TransferState.FAILED}
+STATUS_FOR = {TransferState.FAILED: Status.BAD_MESSAGE, TransferState.ABORTED: Status.ABORTED,
+              TransferState.EXPIRED: Status.EXPIRED, TransferState.DONE: Status.OK}
+
+
+@dataclass
+class RankTransfer:
+    transfer_id: str
+    deadline: float
+    state: TransferState = TransferState.RESERVED
+    nbytes: int = 0
+    error: str | None = None
+
+    def end(self, state: TransferState, error: str | None) -> bool:
+        """Moves to a terminal state; False (and no change) if already there."""
+        if self.state.terminal:
+            return False
+        self.state, self.error = state, error
+        return True
+
+
+@dataclass
+class Inbound(RankTransfer):
+    block_ids: tuple[int, ...] = ()
+    expected: int | None = None  # DATA messages this rank receives, learnt from the first header
+    arrived: set[int] = field(default_factory=set)
+    senders: set[str] = field(default_factory=set)
+
+
+@dataclass
+class Outbound(RankTransfer):
+    descriptor: TransferDescriptor | None = None
+    seq_id: str | None = None
+    messages: tuple[Message, ...] = ()
+    counts: dict[int, int] = field(default_factory=dict)  # destination rank -> its messages from every source
+    sent: set[int] = field(default_factory=set)
+    source_blocks: tuple[int, ...] = ()  # the blocks sent from, once sending started
+    pending: list[tuple[object, Slot, str]] = field(default_factory=list)  # (handle, slot, peer)
+    acked: set[int] = field(default_factory=set)
