@@ -332,7 +332,8 @@ class KVTransferAgent:
             return
         inbound.senders.add(header.sender)
         payload = slot.view[HEADER_BYTES:HEADER_BYTES + header.payload_bytes]
-        problem = self._check_header(header, index, len(slot.view) - HEADER_BYTES, inbound)
+        problem = inbound.problem_with(header, index, len(slot.view) - HEADER_BYTES, self.layers, self.kv_heads,
+                                       self.format.bytes_per_block_layer_head)
         if problem is None and checksum(payload, tag) != header.checksum:
             problem = (Status.CHECKSUM, f"checksum mismatch in message {index} from rank {header.src_rank} "
                                         f"(layers {header.layers.start}-{header.layers.stop - 1})")
@@ -352,27 +353,6 @@ class KVTransferAgent:
         if len(inbound.arrived) == inbound.expected:
             inbound.state = TransferState.DONE
             self._notify_senders(key, inbound, Status.OK)
-
-    def _check_header(self, header: DataHeader, index: int, room: int, inbound: Inbound):
-        """(status, reason) for a header that does not fit this rank and reservation, else None."""
-        expected = len(header.layers) * len(header.kv_heads) * len(header.blocks) * \
-            self.format.bytes_per_block_layer_head
-        reason = None
-        if header.index != index:
-            reason = f"header index {header.index} under tag index {index}"
-        elif header.payload_bytes != expected or header.payload_bytes > room:
-            reason = f"message {index} carries {header.payload_bytes} bytes for a slice of {expected}"
-        elif not (header.layers.start in self.layers and header.layers.stop - 1 in self.layers and
-                  header.kv_heads.start in self.kv_heads and header.kv_heads.stop - 1 in self.kv_heads):
-            reason = (f"message {index} is for layers {header.layers.start}-{header.layers.stop - 1}, KV heads "
-                      f"{header.kv_heads.start}-{header.kv_heads.stop - 1}; rank {self.rank} holds layers "
-                      f"{self.layers.start}-{self.layers.stop - 1}, KV heads {self.kv_heads.start}-"
-                      f"{self.kv_heads.stop - 1}")
-        elif header.blocks.stop > len(inbound.block_ids):
-            reason = f"message {index} names blocks up to {header.blocks.stop}, {len(inbound.block_ids)} reserved"
-        elif index in inbound.arrived or (inbound.expected not in (None, header.msgs_for_dst)):
-            reason = f"message {index} arrived twice or disagrees on the message count"
-        return None if reason is None else (Status.BAD_MESSAGE, reason)
 
     def _take_control(self) -> bool:
         busy = False

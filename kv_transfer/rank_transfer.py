@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from tandem.kv_transfer.descriptor import TransferDescriptor, TransferState
 from tandem.kv_transfer.plan import Message
 from tandem.kv_transfer.staging import Slot
-from tandem.kv_transfer.wire import Status
+from tandem.kv_transfer.wire import DataHeader, Status
 
 # A peer's status code -> the state it puts this side in; this side's ended state -> the code it reports.
 STATE_FOR = {Status.CHECKSUM: TransferState.FAILED, Status.ABORTED: TransferState.ABORTED,
@@ -40,6 +40,27 @@ class Inbound(RankTransfer):
     expected: int | None = None  # DATA messages this rank receives, learnt from the first header
     arrived: set[int] = field(default_factory=set)
     senders: set[str] = field(default_factory=set)
+
+    def problem_with(self, header: DataHeader, index: int, room: int, layers: range, kv_heads: range,
+                     bytes_per_block_layer_head: int) -> tuple[Status, str] | None:
+        """(status, reason) for a DATA header that does not fit this reservation and the receiving rank's
+        layers and KV heads (room: payload bytes that arrived), else None."""
+        expected = len(header.layers) * len(header.kv_heads) * len(header.blocks) * bytes_per_block_layer_head
+        reason = None
+        if header.index != index:
+            reason = f"header index {header.index} under tag index {index}"
+        elif header.payload_bytes != expected or header.payload_bytes > room:
+            reason = f"message {index} carries {header.payload_bytes} bytes for a slice of {expected}"
+        elif not (header.layers.start in layers and header.layers.stop - 1 in layers and
+                  header.kv_heads.start in kv_heads and header.kv_heads.stop - 1 in kv_heads):
+            reason = (f"message {index} is for layers {header.layers.start}-{header.layers.stop - 1}, KV heads "
+                      f"{header.kv_heads.start}-{header.kv_heads.stop - 1}; this rank holds layers "
+                      f"{layers.start}-{layers.stop - 1}, KV heads {kv_heads.start}-{kv_heads.stop - 1}")
+        elif header.blocks.stop > len(self.block_ids):
+            reason = f"message {index} names blocks up to {header.blocks.stop}, {len(self.block_ids)} reserved"
+        elif index in self.arrived or self.expected not in (None, header.msgs_for_dst):
+            reason = f"message {index} arrived twice or disagrees on the message count"
+        return None if reason is None else (Status.BAD_MESSAGE, reason)
 
 
 @dataclass
