@@ -94,8 +94,9 @@ class _Connector:
         events, now = [], self.clock()
         for request_id, entry in list(self._entries.items()):
             state, error = combine([by_rank[r].get(entry.transfer_id) for r in self.ranks])
-            if not state.terminal or state is TransferState.DONE:
-                if now > entry.deadline and self._lease_covers(state):
+            # The lease covers a running transfer, and on the decode side a DONE one never admitted.
+            if not state.terminal or (state is TransferState.DONE and not self._release_when_done):
+                if now > entry.deadline:
                     state, error = TransferState.EXPIRED, f"the lease ran out with the transfer {state.value}"
                     self._call("abort", entry.transfer_id, error, True)
             if state is not entry.state:
@@ -108,9 +109,6 @@ class _Connector:
         return events
 
     _release_when_done = False
-
-    def _lease_covers(self, state: TransferState) -> bool:
-        return True
 
     def abort(self, request_id: str, reason: str = "aborted") -> None:
         """Ends the request's transfer on every rank (ABORTED; the peer side learns it) and drops the request

@@ -24,7 +24,7 @@ def test_header_and_tag_round_trip():
     key = transfer_key("req-9/0")
     assert key < 1 << 48 and split_tag(make_tag(key, Kind.ACK, 7)) == (key, Kind.ACK, 7)
     with pytest.raises(ValueError, match="magic"):
-        DataHeader.unpack(b"XXXX" + h.pack()[4:])
+        DataHeader.unpack(b"JUNK" + h.pack()[4:])
     with pytest.raises(ValueError, match="shorter"):
         DataHeader.unpack(h.pack()[:10])
 
