@@ -16,6 +16,8 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
                                    "processes on this machine. Streams text, or prints one JSON object (--json).")
     p.add_argument("--model", default=None,
                    help="Hugging Face folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--target", default=None, metavar="HOST:PORT",
+                   help="send the request to a running cluster's gRPC endpoint instead of running the model here")
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--prompt", help="raw prompt text, tokenized as is")
     what.add_argument("--chat", help="a user message; the model's chat template is applied")
@@ -48,6 +50,10 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
 
 
 def _generate(args: argparse.Namespace) -> int:
+    if args.target is not None:
+        from tandem.cluster.commands import generate_remote
+
+        return generate_remote(args)
     import torch
 
     from tandem.engine.generator import Generator
@@ -109,10 +115,47 @@ def _run(generator, prompt_ids: list[int], params, as_json: bool) -> int:
     return 0
 
 
+def _add_cluster(sub: argparse._SubParsersAction) -> None:
+    from tandem.cluster import commands
+
+    p = sub.add_parser("validate", help="check a cluster manifest and report every error with its YAML path")
+    p.add_argument("manifest")
+    p.add_argument("--no-port-check", action="store_true", help="do not report listen ports already in use")
+    p.set_defaults(func=commands.validate)
+
+    p = sub.add_parser("up", help="start the cluster a manifest describes on Ray",
+                       description="Connects to Ray (the manifest's ray.address; a local head is started when none "
+                                   "runs), places and starts every replica and the router, prints the endpoints "
+                                   "and serves until Ctrl-C or `tandem down`.")
+    p.add_argument("manifest")
+    p.add_argument("--address", default=None, help="Ray address (overrides the manifest's ray.address)")
+    p.add_argument("--detach", action="store_true", help="return once the cluster serves and leave it running")
+    p.add_argument("--ask", default=None, metavar="MESSAGE",
+                   help="once ready, send this chat message through the gRPC client and print the streamed answer")
+    p.add_argument("--max-tokens", type=int, default=128, help="tokens for --ask (default 128)")
+    p.set_defaults(func=commands.up)
+
+    for name, helptext in (("down", "stop a running cluster"), ("status", "show pools, replicas, queues, KV use")):
+        p = sub.add_parser(name, help=helptext)
+        p.add_argument("--name", default="tandem", help="the manifest's name (default tandem)")
+        p.add_argument("--namespace", default="tandem", help="the manifest's ray.namespace (default tandem)")
+        p.add_argument("--address", default=None, help="Ray address (default: the local cluster)")
+        if name == "status":
+            p.add_argument("--json", action="store_true", help="print one JSON object")
+        p.set_defaults(func=getattr(commands, name))
+
+    p = sub.add_parser("make-model", help="write a small random model (e.g. for deploy/manifests/local-moe.yaml)")
+    p.add_argument("kind", choices=["tiny-moe"])
+    p.add_argument("out", help="folder to write (config.json, model.safetensors, tokenizer.json)")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=commands.make_model)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description="tandem: a disaggregated LLM serving cluster")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
+    _add_cluster(sub)
     return parser
 
 
@@ -126,6 +169,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (TandemError, ValueError) as e:
         print(f"tandem: error: {e}", file=sys.stderr)
         return 2
+    except RuntimeError as e:  # a cluster that failed to start or cannot be found: the message says why
+        print(f"tandem: error: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
 

@@ -5,6 +5,11 @@ own thread (validation is pure), then hand commands to the engine thread, which 
 outputs travel back through each request's asyncio queue. abort() returns once the engine thread has freed
 the request's blocks; a consumer that stops iterating a stream (cancelled task, closed generator) aborts its
 request the same way.
+
+The layers above reach the engine thread in two more ways: call(fn) runs fn(engine) there between steps and
+returns its result, and a tick hook (AsyncEngine(engine, tick=...)) runs there every loop iteration; the KV
+transfer connectors are polled from it. open_stream()/stream() let a caller collect the outputs of a request it
+queued itself through call().
 """
 
 from __future__ import annotations
@@ -14,13 +19,14 @@ import logging
 import queue
 import threading
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable, Sequence as Seq
+from typing import AsyncIterator, Callable, Sequence as Seq, TypeVar
 
 from tandem.engine.llm_engine import EngineStats, LLMEngine
 from tandem.engine.output_processor import RequestOutput
 from tandem.engine.sampling_params import SamplingParams
 
 _log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class EngineDeadError(RuntimeError):
@@ -34,8 +40,13 @@ class _Stream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine):
+    def __init__(self, engine: LLMEngine, *, tick: Callable[[], bool] | None = None, idle_poll_s: float = 0.002):
+        """tick: called on the engine thread every loop iteration (before the step); it returns True while it
+        waits on something outside the engine (e.g. a KV transfer), which keeps the loop polling every
+        idle_poll_s seconds instead of sleeping until the next command."""
         self.engine = engine
+        self._tick = tick
+        self._idle_poll_s = idle_poll_s
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, _Stream] = {}
@@ -74,14 +85,34 @@ class AsyncEngine:
         RequestRejectedError before the first output for a request that cannot be served, EngineDeadError if
         the engine thread has failed. Leaving the iteration early aborts the request."""
         stream = self.add_request(request_id, prompt_token_ids, params, priority=priority, cache_salt=cache_salt)
+        async for item in self.stream(request_id, stream):
+            yield item
+
+    async def stream(self, request_id: str, stream: _Stream) -> AsyncIterator[RequestOutput]:
+        """Yields the outputs arriving on stream until every sample has finished (an exception delivered on it is
+        raised). Leaving early aborts the request."""
+        async for batch in self.batches(request_id, stream):
+            for item in batch:
+                yield item
+
+    async def batches(self, request_id: str, stream: _Stream) -> AsyncIterator[list[RequestOutput]]:
+        """Like stream(), but yields every output that has arrived at once as one list (fewer, larger messages
+        when a consumer forwards them across processes)."""
         finished = False
         try:
             while not finished:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                finished = item.finished
-                yield item
+                items = [await stream.queue.get()]
+                while not stream.queue.empty():
+                    items.append(stream.queue.get_nowait())
+                batch = []
+                for item in items:
+                    if isinstance(item, BaseException):
+                        if batch:
+                            yield batch
+                        raise item
+                    finished = finished or item.finished
+                    batch.append(item)
+                yield batch
         finally:
             if not finished:
                 await self.abort(request_id)
@@ -93,8 +124,7 @@ class AsyncEngine:
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.engine.validate(prompt_token_ids, params)
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
-        self._streams[request_id] = stream
+        stream = self.open_stream(request_id)
 
         def add() -> None:
             try:
@@ -105,6 +135,42 @@ class AsyncEngine:
 
         self._submit(add)
         return stream
+
+    def open_stream(self, request_id: str) -> _Stream:
+        """Registers the stream the outputs of request_id will be delivered on (the request itself is queued by
+        the caller, e.g. through call()). Raises ValueError if the id already has a stream."""
+        self._check_alive()
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        self._streams[request_id] = stream
+        return stream
+
+    def close_stream(self, request_id: str) -> None:
+        """Forgets a stream whose request never reached the engine."""
+        self._streams.pop(request_id, None)
+
+    def deliver(self, request_id: str, item, *, final: bool) -> None:
+        """From the engine thread (call() functions, the tick hook): puts an output or an exception on the
+        request's stream, if it has one."""
+        self._deliver(request_id, item, final=final)
+
+    async def call(self, fn: Callable[[LLMEngine], T]) -> T:
+        """Runs fn(engine) on the engine thread between steps and returns its result (or raises its exception)."""
+        self._check_alive()
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+
+        def run() -> None:
+            try:
+                result = fn(self.engine)
+            except BaseException as e:
+                loop.call_soon_threadsafe(lambda: done.done() or done.set_exception(e))
+            else:
+                loop.call_soon_threadsafe(lambda: done.done() or done.set_result(result))
+
+        self._submit(run)
+        return await done
 
     async def abort(self, request_id: str) -> None:
         """Ends a request and returns once its blocks are free. Unknown or finished ids are ignored."""
@@ -124,8 +190,12 @@ class AsyncEngine:
         await done
 
     def stats(self) -> EngineStats:
-        """Counters as of the last completed step (never blocks on the engine thread)."""
+        """Counters as of the last completed step or command (never blocks on the engine thread)."""
         return self._stats
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._error is None and not self._stopping
 
     # -- the engine thread ------------------------------------------------------------------------------
 
@@ -150,12 +220,15 @@ class AsyncEngine:
     def _run(self) -> None:
         try:
             while not self._stopping:
-                while not self._commands.empty():
-                    self._commands.get()()
-                if not self.engine.has_unfinished_requests():
+                if not self._commands.empty():
+                    while not self._commands.empty():
+                        self._commands.get()()
+                    self._stats = self.engine.stats()  # reservations and aborts change the counts too
+                waiting_outside = self._tick() if self._tick is not None else False
+                if not self.engine.has_schedulable_requests():
                     if self.engine.config.check_integrity:  # debug mode: verify KV ownership while idle
                         self.engine.check_integrity()
-                    self._wake.wait(timeout=0.5)
+                    self._wake.wait(timeout=self._idle_poll_s if waiting_outside else 0.5)
                     self._wake.clear()
                     continue
                 outputs = self.engine.step()

@@ -183,6 +183,10 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def has_schedulable_requests(self) -> bool:
+        """Whether step() has work: requests waiting or running (not those parked until their KV arrives)."""
+        return self.scheduler.has_schedulable()
+
     def step(self) -> list[RequestOutput]:
         """Runs one scheduler step and returns the outputs it produced (possibly none, e.g. mid-prefill)."""
         schedule = self.scheduler.schedule()

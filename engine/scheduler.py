@@ -192,6 +192,10 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.seqs)
 
+    def has_schedulable(self) -> bool:
+        """Whether schedule() has sequences to pick: waiting or running ones (WAITING_FOR_KV ones are parked)."""
+        return bool(self.waiting or self.running)
+
     # -- one step --------------------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 # Measured on the 2-core CI machine (docs/BENCHMARKS.md): 1 MiB TCP segments move about 4x more over loopback
@@ -33,6 +34,10 @@ class TransferConfig:
     tombstone_s: float = 120.0
     idle_poll_s: float = 0.002
     ucx_env: dict[str, str] = field(default_factory=lambda: dict(DEFAULT_UCX_ENV))
+
+    def on_host(self, host: str) -> TransferConfig:
+        """This config with the address peers reach this host's agents at."""
+        return dataclasses.replace(self, host=host)
 
     def __post_init__(self) -> None:
         if self.transport not in ("ucx", "fake"):

@@ -82,6 +82,11 @@ class _Connector:
         entry = self._entries.get(request_id)
         return entry.state if entry else None
 
+    @property
+    def num_pending(self) -> int:
+        """Requests whose transfer has not ended (or, on the decode side, ended DONE and is not admitted yet)."""
+        return len(self._entries)
+
     def _call(self, method: str, *args) -> dict:
         return self.engine.call_kv_agents(method, {rank: args for rank in self.ranks})
 

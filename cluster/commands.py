@@ -1,0 +1,166 @@
+"""The cluster subcommands of `tandem` (validate, up, down, status, make-model, and generate --target); cli.py
+parses the flags, these run them. Each returns the process exit code."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def validate(args: argparse.Namespace) -> int:
+    from tandem.cluster.manifest import ManifestInvalid
+    from tandem.cluster.manifest_checks import validate_file
+
+    try:
+        manifest = validate_file(args.manifest, check_ports=not args.no_port_check)
+    except ManifestInvalid as e:
+        for error in e.errors:
+            print(error.format(e.source), file=sys.stderr)
+        print(f"tandem: {args.manifest}: {len(e.errors)} error(s)", file=sys.stderr)
+        return 2
+    pools = ", ".join(f"{name} {p.parallelism.tp}x{p.parallelism.pp}x{p.parallelism.ep} (tp x pp x ep) "
+                      f"x {p.replicas.start} replica(s)" for name, p in manifest.pool_items())
+    print(f"{args.manifest}: valid ({manifest.mode}; {pools}; gRPC on {manifest.listen.grpc})")
+    return 0
+
+
+def up(args: argparse.Namespace) -> int:
+    from tandem.cluster import launcher
+    from tandem.cluster.manifest import ManifestInvalid
+    from tandem.cluster.manifest_checks import validate_file
+
+    try:
+        manifest = validate_file(args.manifest)
+    except ManifestInvalid as e:
+        for error in e.errors:
+            print(error.format(e.source), file=sys.stderr)
+        return 2
+    cluster = launcher.up(manifest, address=args.address, detach=args.detach)
+    print(f"tandem: cluster {manifest.name!r} is serving", file=sys.stderr)
+    print(f"  gRPC      {cluster.endpoint}   (tandem generate --target {cluster.endpoint} --chat \"Hi\")",
+          file=sys.stderr)
+    print("  status    tandem status        stop: tandem down" + ("" if args.detach else " or Ctrl-C"),
+          file=sys.stderr)
+    if args.ask:
+        try:
+            _ask(cluster.endpoint, args.ask, args.max_tokens)
+        except Exception as e:
+            print(f"tandem: the sample request failed: {e}", file=sys.stderr)
+    if args.detach:
+        return 0
+    launcher.serve_until_stopped(cluster)
+    return 0
+
+
+def _ask(target: str, message: str, max_tokens: int) -> None:
+    """One chat request through the gRPC client, streamed to stdout, with TTFT and ITL."""
+    import time
+
+    from tandem.router.client import TandemClient
+
+    print(f"\n> {message}", flush=True)
+    with TandemClient(target) as client:
+        start = last = time.perf_counter()
+        ttft, gaps, usage, timings = None, [], None, None
+        for chunk in client.stream(chat=[{"role": "user", "content": message}], max_tokens=max_tokens,
+                                   temperature=0.0):
+            now = time.perf_counter()
+            if chunk.token_ids:
+                if ttft is None:
+                    ttft = now - start
+                else:
+                    gaps.append(now - last)
+                last = now
+            sys.stdout.write(chunk.text)
+            sys.stdout.flush()
+            if chunk.HasField("usage"):
+                usage, timings = chunk.usage, chunk.timings
+    print()
+    itl = sum(gaps) / len(gaps) if gaps else 0.0
+    print(f"[TTFT {1000 * (ttft or 0):.0f} ms, ITL {1000 * itl:.1f} ms/token (client); "
+          f"{usage.completion_tokens} tokens, prompt {usage.prompt_tokens} ({usage.cached_tokens} cached); "
+          f"server TTFT {1000 * timings.ttft_s:.0f} ms]\n", file=sys.stderr, flush=True)
+
+
+def down(args: argparse.Namespace) -> int:
+    from tandem.cluster import launcher
+
+    cluster = launcher.find(args.name, address=args.address, namespace=args.namespace)
+    cluster.shutdown()
+    print(f"tandem: cluster {args.name!r} stopped" + (" (and the local Ray it started)" if cluster.started_ray
+                                                      else ""), file=sys.stderr)
+    return 0
+
+
+def status(args: argparse.Namespace) -> int:
+    from tandem.cluster import launcher
+
+    report = launcher.find(args.name, address=args.address, namespace=args.namespace).status()
+    if args.json:
+        print(json.dumps(report))
+        return 0
+    print(f"cluster {report['name']}: {report['state']} ({report['mode']}, model {report['model']}), "
+          f"gRPC {report['endpoints']['grpc']}")
+    for name, pool in report["pools"].items():
+        p = pool["parallelism"]
+        print(f"  pool {name}: {pool['ready']}/{pool['count']} ready, tp={p['tp']} pp={p['pp']} ep={p['ep']}, "
+              f"replicas min {pool['replicas']['min']} max {pool['replicas']['max']}")
+    for r in report["replicas"]:
+        kv = (f"KV {r['kv_blocks_in_use']}/{r['kv_blocks_total']} blocks ({100 * r['kv_usage']:.0f}%)"
+              if "kv_blocks_total" in r else "")
+        queues = (f"running {r['running']}, waiting {r['waiting']}, waiting for KV {r['waiting_for_kv']}"
+                  if "running" in r else r.get("error", ""))
+        print(f"    {r['name']:<12} {r['state']:<12} node {r.get('node')}  {queues}  {kv}")
+        for rank in r.get("ranks", []):
+            print(f"      {rank}")
+    router = report["router"]
+    print(f"  router: {router.get('state')}, active {router.get('active_requests', 0)}, queued "
+          f"{router.get('queued_requests', 0)}, finished {router.get('finished_requests', 0)}, failed "
+          f"{router.get('failed_requests', 0)}")
+    return 0
+
+
+def make_model(args: argparse.Namespace) -> int:
+    from tandem.engine.loader.synthetic import write_synthetic_model
+
+    folder = write_synthetic_model(args.kind, args.out, seed=args.seed)
+    print(f"tandem: wrote {args.kind} (seed {args.seed}) to {folder}", file=sys.stderr)
+    return 0
+
+
+def generate_remote(args: argparse.Namespace) -> int:
+    """tandem generate --target HOST:PORT: the same flags, through the gRPC API."""
+    import grpc
+
+    from tandem.router.client import TandemClient
+
+    sampling = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                    min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                    presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                    stop=args.stop, ignore_eos=args.ignore_eos, seed=args.seed)
+    prompt = {"chat": [{"role": "user", "content": args.chat}]} if args.chat is not None else {"prompt": args.prompt}
+    try:
+        with TandemClient(args.target) as client:
+            if args.json:
+                r = client.generate(**prompt, **sampling)
+                print(json.dumps({"text": r.text, "token_ids": r.token_ids.get(0, []),
+                                  "finish_reason": r.finish_reason, "request_id": r.request_id,
+                                  "prefill_replica": r.prefill_replica, "decode_replica": r.decode_replica,
+                                  "usage": {"prompt_tokens": r.usage.prompt_tokens,
+                                            "cached_tokens": r.usage.cached_tokens,
+                                            "completion_tokens": r.usage.completion_tokens},
+                                  "timings": {"ttft_s": r.timings.ttft_s, "mean_itl_s": r.timings.mean_itl_s,
+                                              "e2e_s": r.timings.e2e_s}}, ensure_ascii=False))
+                return 0
+            for chunk in client.stream(**prompt, **sampling):
+                sys.stdout.write(chunk.text)
+                sys.stdout.flush()
+                if chunk.HasField("timings"):
+                    t = chunk.timings
+                    print(f"\n[TTFT {1000 * t.ttft_s:.0f} ms, ITL {1000 * t.mean_itl_s:.1f} ms/token, "
+                          f"{chunk.usage.completion_tokens} tokens]", file=sys.stderr)
+    except grpc.RpcError as e:
+        print(f"tandem: error: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
+    return 0

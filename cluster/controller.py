@@ -1,0 +1,202 @@
+"""The control plane of one running cluster: a named Ray actor that owns every placement group, replica actor and
+the router of a manifest. `tandem up` creates it and calls start(); `tandem status` and `tandem down` find it by
+name (`<manifest name>-controller` in the manifest's namespace) from any process connected to the Ray cluster.
+
+start() places one placement group per replica (one bundle per rank, STRICT_PACK: a replica's ranks share a
+node), starts the replica actor inside it (it spawns its ranks as child processes on that node), waits until
+every replica has loaded its model, then starts the router with their handles. Progress lines accumulate in
+log() for the launcher to print.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from tandem.cluster.manifest import Manifest
+from tandem.cluster.replica_specs import ReplicaPlan, absolute_model, replica_plans, transfer_config
+from tandem.router.lifecycle import DriverSettings
+
+_log = logging.getLogger(__name__)
+STATS_TIMEOUT_S = 10.0
+
+
+def controller_name(cluster_name: str) -> str:
+    return f"{cluster_name}-controller"
+
+
+class Controller:
+    def __init__(self, manifest: Manifest, *, placement_timeout_s: float = 120.0, ready_timeout_s: float = 600.0,
+                 started_ray: bool = False):
+        self.manifest = manifest
+        self.placement_timeout_s = placement_timeout_s
+        self.ready_timeout_s = ready_timeout_s
+        self.started_ray = started_ray  # `tandem down` stops the local Ray it started
+        self.replicas: list[dict] = []  # {name, pool, handle, pg, info}
+        self.router = None
+        self.endpoint: str | None = None
+        self.state = "starting"
+        self._lines: list[str] = []
+
+    def _say(self, line: str) -> None:
+        _log.info(line)
+        self._lines.append(f"[{time.strftime('%H:%M:%S')}] {line}")
+
+    async def log(self, since: int = 0) -> list[str]:
+        return self._lines[since:]
+
+    async def info(self) -> dict:
+        return {"state": self.state, "endpoint": self.endpoint, "started_ray": self.started_ray}
+
+    # -- start -----------------------------------------------------------------------------------------
+
+    async def start(self) -> str:
+        """Starts every replica and the router; returns the gRPC endpoint. On failure everything started is
+        stopped again and the error says which replica failed and why."""
+        try:
+            plans = replica_plans(self.manifest)
+            await asyncio.gather(*(self._place(plan) for plan in plans))
+            self._say(f"starting {len(plans)} replica(s): {', '.join(p.name for p in plans)}")
+            await asyncio.gather(*(self._start_replica(r) for r in self.replicas))
+            await self._start_router()
+        except BaseException as e:
+            self.state = "failed"
+            self._say(f"start failed: {e}")
+            await self.shutdown()
+            self.state = "failed"
+            raise
+        self.state = "serving"
+        return self.endpoint
+
+    async def _place(self, plan: ReplicaPlan) -> None:
+        pg = placement_group(list(plan.bundles), strategy="STRICT_PACK", name=f"{self.manifest.name}-{plan.name}")
+        entry = {"name": plan.name, "pool": plan.pool, "plan": plan, "pg": pg, "handle": None, "info": {}}
+        self.replicas.append(entry)
+        self._say(f"{plan.name}: placing {len(plan.bundles)} rank(s) x {plan.bundles[0]} on one node")
+        try:
+            await asyncio.wait_for(pg.ready(), self.placement_timeout_s)
+        except asyncio.TimeoutError:
+            raise RuntimeError(
+                f"{plan.name}: Ray could not place {len(plan.bundles)} rank(s) x {plan.bundles[0]} on one node "
+                f"within {self.placement_timeout_s:g} s; the cluster has {ray.available_resources()} available. "
+                f"Add nodes with these resources or lower pools.{plan.pool}.resources") from None
+
+    async def _start_replica(self, entry: dict) -> None:
+        from tandem.decode_worker.replica import DecodeReplica
+        from tandem.prefill_worker.replica import PrefillReplica
+
+        plan: ReplicaPlan = entry["plan"]
+        colocated = self.manifest.mode == "colocated"
+        cls = PrefillReplica if plan.pool == "prefill" else DecodeReplica
+        transfer = None if colocated else transfer_config(self.manifest)
+        strategy = PlacementGroupSchedulingStrategy(entry["pg"], placement_group_bundle_index=0)
+        actor = ray.remote(cls).options(
+            name=f"{self.manifest.name}-{plan.name}", namespace=self.manifest.ray.namespace, num_cpus=0,
+            max_concurrency=1000, scheduling_strategy=strategy,
+        ).remote(plan.name, plan.spec, transfer)
+        entry["handle"] = actor
+        try:
+            entry["info"] = await asyncio.wait_for(actor.ready.remote(), self.ready_timeout_s)
+        except asyncio.TimeoutError:
+            raise RuntimeError(f"{plan.name} did not become ready within {self.ready_timeout_s:g} s") from None
+        except ray.exceptions.RayActorError as e:
+            raise RuntimeError(f"{plan.name} failed to start: {_cause(e)}") from None
+        self._say(f"{plan.name} ready on node {entry['info']['node']}: {entry['info']['kv_blocks_total']} KV blocks; "
+                  + "; ".join(entry["info"]["layout"]))
+
+    async def _start_router(self) -> None:
+        from tandem.router.router_actor import RouterActor
+
+        router = self.manifest.router
+        settings = DriverSettings(mode=self.manifest.mode, policy=router.policy,
+                                  max_queued_requests=router.max_queued_requests,
+                                  queue_timeout_s=router.queue_timeout_s)
+        self.router = ray.remote(RouterActor).options(
+            name=f"{self.manifest.name}-router", namespace=self.manifest.ray.namespace, num_cpus=0,
+            max_concurrency=10000,
+        ).remote(absolute_model(self.manifest), settings)
+        handles = [{"name": r["name"], "pool": r["pool"], "handle": r["handle"], "info": r["info"]}
+                   for r in self.replicas]
+        try:
+            self.endpoint = await self.router.start.remote(handles, self.manifest.listen.grpc)
+        except ray.exceptions.RayError as e:
+            raise RuntimeError(f"the router failed to start: {_cause(e)}") from None
+        self._say(f"router serving gRPC on {self.endpoint} ({self.manifest.mode}, policy {router.policy})")
+
+    # -- status ----------------------------------------------------------------------------------------
+
+    async def status(self) -> dict:
+        """Pools, replicas (state, ranks, queues, KV use) and the router, as one JSON-friendly dict."""
+        replicas = await asyncio.gather(*(self._replica_status(r) for r in self.replicas))
+        router = {"state": "absent"}
+        if self.router is not None:
+            try:
+                router = await asyncio.wait_for(self.router.stats.remote(), STATS_TIMEOUT_S)
+            except (asyncio.TimeoutError, ray.exceptions.RayError) as e:
+                router = {"state": "unreachable", "error": str(_cause(e))}
+        pools = {}
+        for name, pool in self.manifest.pool_items():
+            mine = [r for r in replicas if r["pool"] == name]
+            pools[name] = {"parallelism": pool.parallelism.model_dump(), "replicas": pool.replicas.model_dump(),
+                           "ready": sum(r["state"] == "ready" for r in mine), "count": len(mine)}
+        return {"name": self.manifest.name, "state": self.state, "mode": self.manifest.mode,
+                "model": self.manifest.model, "endpoints": {"grpc": self.endpoint}, "pools": pools,
+                "replicas": replicas, "router": router}
+
+    async def _replica_status(self, entry: dict) -> dict:
+        base = {"name": entry["name"], "pool": entry["pool"], "node": entry["info"].get("node"),
+                "node_id": entry["info"].get("node_id"),
+                "ranks": entry["info"].get("layout", [])}
+        if entry["handle"] is None:
+            return base | {"state": "placing"}
+        try:
+            stats = await asyncio.wait_for(entry["handle"].stats.remote(), STATS_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            return base | {"state": "unresponsive"}
+        except ray.exceptions.RayError as e:
+            return base | {"state": "dead", "error": str(_cause(e))}
+        return base | stats
+
+    async def replica_handles(self) -> dict:
+        return {r["name"]: r["handle"] for r in self.replicas}
+
+    # -- stop ------------------------------------------------------------------------------------------
+
+    async def shutdown(self) -> None:
+        """Stops the router (no new requests), then every replica (their ranks exit), then frees the placement
+        groups. Idempotent."""
+        self.state = "stopping"
+        if self.router is not None:
+            try:
+                await asyncio.wait_for(self.router.stop.remote(), 10)
+            except Exception as e:
+                _log.warning("router stop: %r", e)
+            ray.kill(self.router)
+            self.router = None
+        async def stop(entry: dict) -> None:
+            if entry["handle"] is not None:
+                try:
+                    await asyncio.wait_for(entry["handle"].shutdown.remote(), 30)
+                except Exception as e:
+                    _log.warning("%s shutdown: %r", entry["name"], e)
+                ray.kill(entry["handle"])
+                entry["handle"] = None
+            remove_placement_group(entry["pg"])
+        await asyncio.gather(*(stop(r) for r in self.replicas))
+        self.replicas = []
+        self.state = "stopped"
+        self._say("stopped")
+
+
+def _cause(error: BaseException) -> BaseException | str:
+    """The user-facing reason inside a Ray error (its cause's message when Ray wrapped one)."""
+    cause = getattr(error, "cause", None)
+    if cause is not None:
+        return cause
+    return str(error).strip().splitlines()[-1] if str(error).strip() else repr(error)
+

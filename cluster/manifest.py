@@ -1,0 +1,323 @@
+"""The cluster manifest: one YAML file that says what `tandem up` starts. Parsed once, here, into frozen
+pydantic models; every later layer reads these objects, never the YAML.
+
+    model: embedded                 # or a Hugging Face folder / .gguf file (relative paths: from where tandem runs)
+    mode: disaggregated             # or colocated (the decode pool's replicas prefill for themselves)
+    ray: {address: null}            # "auto" (under `ray up`), "HOST:PORT", or null: local (started if absent)
+    pools:
+      prefill:
+        parallelism: {tp: 2, pp: 1, ep: 1}
+        resources: {cpus: 0.5, gpus: 0, custom: {prefill: 1}}    # per rank
+        replicas: {min: 1, max: 1, initial: 1}
+        engine: {block_size: 16, kv_cache_bytes: 256MiB, max_num_batched_tokens: 2048, max_num_seqs: 64}
+      decode: ...
+    router: {policy: least_loaded, max_queued_requests: 256, queue_timeout_s: 30}
+    transport: {kind: ucx, host: null, lease_s: 30}
+    listen: {grpc: 127.0.0.1:50051}
+
+Structural checks (types, unknown keys, ranges) are pydantic's; check_manifest() adds the ones that need the
+world outside the file (the model's shape, free ports). Errors carry their YAML path, line and a hint.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+_UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
+
+
+def parse_bytes(value: Any) -> int:
+    """An int, or a string like '256MiB' / '1.5 GB'. Raises ValueError naming the accepted units."""
+    if isinstance(value, bool):
+        raise ValueError(f"expected a size in bytes, got {value!r}")
+    if isinstance(value, int):
+        return value
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", str(value))
+    if not match or match.group(2).lower() not in _UNITS:
+        raise ValueError(f"expected a size like 268435456, '256MiB' or '1GB', got {value!r}")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Parallelism(_Strict):
+    tp: int = Field(1, ge=1)
+    pp: int = Field(1, ge=1)
+    ep: int = Field(1, ge=1)
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.ep
+
+
+class Resources(_Strict):
+    """What each rank of a replica asks Ray for. custom: Ray custom resources (e.g. {prefill: 1}), which pin a
+    pool to the nodes that offer them."""
+
+    cpus: float = Field(1.0, ge=0)
+    gpus: float = Field(0.0, ge=0)
+    custom: dict[str, float] = Field(default_factory=dict)
+
+    def bundle(self) -> dict[str, float]:
+        """One placement-group bundle (Ray's resource names)."""
+        bundle = {"CPU": self.cpus, "GPU": self.gpus} | dict(self.custom)
+        return {k: v for k, v in bundle.items() if v > 0}
+
+
+class Replicas(_Strict):
+    min: int = Field(1, ge=0)
+    max: int = Field(1, ge=1)
+    initial: int | None = Field(None, ge=0)
+
+    @model_validator(mode="after")
+    def _order(self) -> Replicas:
+        if self.min > self.max:
+            raise ValueError(f"min ({self.min}) is more than max ({self.max})")
+        if self.initial is not None and not self.min <= self.initial <= self.max:
+            raise ValueError(f"initial ({self.initial}) must lie between min ({self.min}) and max ({self.max})")
+        return self
+
+    @property
+    def start(self) -> int:
+        return self.initial if self.initial is not None else max(self.min, 1)
+
+
+class EngineLimits(_Strict):
+    """The engine settings of each replica of a pool (engine/engine_config.py). kv_cache_bytes takes units."""
+
+    block_size: int = 16
+    kv_cache_bytes: int | None = None
+    num_kv_blocks: int | None = Field(None, ge=1)
+    max_num_batched_tokens: int = Field(2048, ge=1)
+    max_num_seqs: int = Field(64, ge=1)
+    max_model_len: int | None = Field(None, ge=1)
+    enable_prefix_caching: bool = True
+    dtype: Literal["float32", "bfloat16"] = "float32"
+
+    @field_validator("kv_cache_bytes", mode="before")
+    @classmethod
+    def _bytes(cls, value: Any) -> Any:
+        return None if value is None else parse_bytes(value)
+
+    @field_validator("block_size")
+    @classmethod
+    def _power_of_two(cls, value: int) -> int:
+        if value < 1 or value & (value - 1):
+            raise ValueError(f"block_size must be a power of two, got {value}")
+        return value
+
+    @model_validator(mode="after")
+    def _one_budget(self) -> EngineLimits:
+        if self.kv_cache_bytes is not None and self.num_kv_blocks is not None:
+            raise ValueError("give one KV budget: kv_cache_bytes or num_kv_blocks, not both")
+        return self
+
+
+class Pool(_Strict):
+    parallelism: Parallelism = Parallelism()
+    resources: Resources = Resources()
+    replicas: Replicas = Replicas()
+    engine: EngineLimits = EngineLimits()
+
+
+class Pools(_Strict):
+    prefill: Pool | None = None
+    decode: Pool
+
+
+class RouterSettings(_Strict):
+    """policy: how a replica is picked among those with room (cache-aware routing is a later issue).
+    max_queued_requests: requests waiting for room before new ones get RESOURCE_EXHAUSTED; queue_timeout_s:
+    how long one may wait."""
+
+    policy: Literal["least_loaded", "round_robin", "random"] = "least_loaded"
+    max_queued_requests: int = Field(256, ge=0)
+    queue_timeout_s: float = Field(30.0, gt=0)
+
+
+class Transport(_Strict):
+    """KV transfer settings (kv_transfer/config.py). host: null takes each node's IP address as Ray sees it."""
+
+    kind: Literal["ucx"] = "ucx"
+    host: str | None = None
+    layer_group: int = Field(1, ge=1)
+    max_message_bytes: int = 16 << 20
+    staging_bytes: int = 128 << 20
+    lease_s: float = Field(30.0, gt=0)
+    ucx_env: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("max_message_bytes", "staging_bytes", mode="before")
+    @classmethod
+    def _bytes(cls, value: Any) -> Any:
+        return parse_bytes(value)
+
+
+def _host_port(value: str) -> str:
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise ValueError(f"expected HOST:PORT (e.g. 127.0.0.1:50051), got {value!r}")
+    return value
+
+
+class Listen(_Strict):
+    grpc: str = "127.0.0.1:50051"
+
+    @field_validator("grpc")
+    @classmethod
+    def _address(cls, value: str) -> str:
+        return _host_port(value)
+
+
+class RaySettings(_Strict):
+    """address: null connects to a running local cluster or starts one; 'auto' requires a running cluster
+    (`ray up`); 'HOST:PORT' connects there. namespace: where the cluster's named actors live."""
+
+    address: str | None = None
+    namespace: str = "tandem"
+
+
+class Manifest(_Strict):
+    name: str = "tandem"
+    model: str = "embedded"
+    mode: Literal["disaggregated", "colocated"] = "disaggregated"
+    ray: RaySettings = RaySettings()
+    pools: Pools
+    router: RouterSettings = RouterSettings()
+    transport: Transport = Transport()
+    listen: Listen = Listen()
+
+    @model_validator(mode="after")
+    def _pools_for_mode(self) -> Manifest:
+        if self.mode == "disaggregated" and self.pools.prefill is None:
+            raise ValueError("disaggregated mode needs a prefill pool (pools.prefill); or set mode: colocated")
+        if self.mode == "colocated" and self.pools.prefill is not None:
+            raise ValueError("colocated mode runs only the decode pool (its replicas prefill themselves); "
+                             "remove pools.prefill or set mode: disaggregated")
+        return self
+
+    @property
+    def model_path(self) -> str | None:
+        """None for the embedded model."""
+        return None if self.model == "embedded" else self.model
+
+    def pool_items(self) -> list[tuple[str, Pool]]:
+        return [(name, pool) for name, pool in (("prefill", self.pools.prefill), ("decode", self.pools.decode))
+                if pool is not None]
+
+
+@dataclass(frozen=True)
+class ManifestError:
+    path: str  # dotted YAML path, e.g. "pools.prefill.parallelism.tp"
+    message: str
+    hint: str | None = None
+    line: int | None = None  # 1-based line in the file, where known
+
+    def format(self, source: str) -> str:
+        where = f"{source}:{self.line}" if self.line else source
+        text = f"{where}: {self.path or '(top level)'}: {self.message}"
+        return text + (f"\n    hint: {self.hint}" if self.hint else "")
+
+
+class ManifestInvalid(ValueError):
+    def __init__(self, source: str, errors: list[ManifestError]):
+        self.source = source
+        self.errors = errors
+        lines = [e.format(source) for e in errors]
+        super().__init__(f"{source}: {len(errors)} error(s) in the manifest\n" + "\n".join(lines))
+
+
+def line_map(text: str) -> dict[tuple, int]:
+    """Every YAML path (tuple of keys / indices) to the 1-based line its key or item starts on."""
+    lines: dict[tuple, int] = {}
+
+    def walk(node: yaml.Node, path: tuple) -> None:
+        if isinstance(node, yaml.MappingNode):
+            for key, value in node.value:
+                child = path + (key.value,)
+                lines[child] = key.start_mark.line + 1
+                walk(value, child)
+        elif isinstance(node, yaml.SequenceNode):
+            for i, item in enumerate(node.value):
+                lines[path + (i,)] = item.start_mark.line + 1
+                walk(item, path + (i,))
+
+    try:
+        root = yaml.compose(text)
+    except yaml.YAMLError:
+        return lines
+    if root is not None:
+        walk(root, ())
+    return lines
+
+
+def _model_fields(loc: tuple) -> list[str]:
+    """Field names allowed at the mapping that holds loc[-1], for 'did you mean' hints."""
+    model: Any = Manifest
+    for key in loc[:-1]:
+        field = getattr(model, "model_fields", {}).get(key)
+        if field is None:
+            return []
+        annotation = field.annotation
+        candidates = [a for a in getattr(annotation, "__args__", (annotation,)) if hasattr(a, "model_fields")]
+        if not candidates:
+            return []
+        model = candidates[0]
+    return list(getattr(model, "model_fields", {}))
+
+
+def _pydantic_errors(error: ValidationError, lines: dict[tuple, int]) -> list[ManifestError]:
+    found = []
+    for e in error.errors():
+        loc = tuple(p for p in e["loc"] if p not in ("function-after",))
+        path = ".".join(str(p) for p in loc)
+        hint = None
+        if e["type"] == "extra_forbidden":
+            allowed = _model_fields(loc)
+            close = difflib.get_close_matches(str(loc[-1]), allowed, n=1)
+            hint = (f"did you mean {close[0]!r}? " if close else "") + f"allowed here: {', '.join(allowed)}"
+            message = f"unknown key {loc[-1]!r}"
+        elif e["type"] == "missing":
+            message = "is required"
+        else:
+            message = str(e["msg"]).removeprefix("Value error, ")
+            if e["type"] == "literal_error":
+                hint = f"got {e.get('input')!r}"
+        line = next((lines[loc[:i]] for i in range(len(loc), 0, -1) if loc[:i] in lines), None)
+        found.append(ManifestError(path, message, hint, line))
+    return found
+
+
+def parse_manifest(text: str, source: str = "<manifest>") -> Manifest:
+    """Parses and structurally validates a manifest. Raises ManifestInvalid listing every error found."""
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        raise ManifestInvalid(source, [ManifestError("", f"not valid YAML: {getattr(e, 'problem', e)}",
+                                                     line=mark.line + 1 if mark else None)]) from None
+    if not isinstance(data, dict):
+        raise ManifestInvalid(source, [ManifestError("", "the manifest must be a YAML mapping",
+                                                     "start from deploy/manifests/local.yaml")])
+    try:
+        return Manifest.model_validate(data)
+    except ValidationError as e:
+        raise ManifestInvalid(source, _pydantic_errors(e, line_map(text))) from None
+
+
+def load_manifest(path: str | Path) -> Manifest:
+    """Reads a manifest file. Raises ManifestInvalid (which is a ValueError) naming the file."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ManifestInvalid(str(path), [ManifestError("", f"cannot be read: {e.strerror}")]) from None
+    return parse_manifest(text, str(path))

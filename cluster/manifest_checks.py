@@ -1,0 +1,129 @@
+"""The manifest checks that need more than the file: the model's shape against each pool's parallelism, the two
+pools' KV formats, context lengths, and listen ports that are already taken. Used by `tandem validate` and by
+`tandem up` before anything starts."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+from tandem.cluster.manifest import Manifest, ManifestError, ManifestInvalid, line_map
+from tandem.engine.errors import ModelLoadError
+
+
+def port_in_use(address: str) -> bool:
+    host, _, port = address.rpartition(":")
+    if int(port) == 0:
+        return False
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        try:
+            s.bind((host.strip("[]"), int(port)))
+        except OSError:
+            return True
+    return False
+
+
+def _get(data, *path, default=None):
+    for key in path:
+        if not isinstance(data, dict) or key not in data:
+            return default
+        data = data[key]
+    return data
+
+
+def _int(value, default: int = 1) -> int | None:
+    """value if it is a plain int (else None: pydantic reports the type error), default when absent."""
+    if value is None:
+        return default
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _model_errors(model) -> tuple[list[ManifestError], object]:
+    from tandem.engine.loader import load_model
+
+    if not isinstance(model, str):
+        return [], None  # a type error pydantic reports
+    path = None if model == "embedded" else model
+    if path is not None and not Path(path).expanduser().exists():
+        hint = (f"generate the small MoE test model with `tandem make-model tiny-moe {path}`"
+                if "moe" in Path(path).name else "give a Hugging Face folder, a .gguf file, or `embedded`")
+        return [ManifestError("model", f"{path!r} does not exist (relative paths start where tandem runs: "
+                                       f"{Path.cwd()})", hint)], None
+    try:
+        return [], load_model(path, weights=False, progress=False)
+    except ModelLoadError as e:
+        return [ManifestError("model", str(e))], None
+
+
+def check_manifest(data: dict, text: str = "", *, check_ports: bool = True) -> list[ManifestError]:
+    """The problems a structurally valid manifest can still have, checked on the parsed YAML (so that they are
+    reported beside pydantic's own errors, not after them): the model, each pool's split of it, the two pools'
+    KV formats, context lengths, the listen port. Parts with the wrong type are skipped (pydantic reports them)."""
+    from tandem.engine.parallel.layout import ParallelConfig, ReplicaLayout
+
+    lines = line_map(text)
+    errors, loaded = _model_errors(data.get("model", "embedded"))
+    pools = [name for name in ("prefill", "decode") if isinstance(_get(data, "pools", name), dict)]
+    if loaded is not None:
+        config = loaded.config
+        for name in pools:
+            split = [_int(_get(data, "pools", name, "parallelism", k)) for k in ("tp", "pp", "ep")]
+            if None in split or min(split) < 1:
+                continue
+            tp, pp, ep = split
+            try:
+                ReplicaLayout.build(ParallelConfig(tp=tp, pp=pp, ep=ep), num_layers=config.num_layers,
+                                    num_heads=config.num_heads, num_kv_heads=config.num_kv_heads,
+                                    num_experts=config.num_experts)
+            except ValueError as e:
+                errors.append(ManifestError(
+                    f"pools.{name}.parallelism", f"impossible for this model: {e}",
+                    f"the model has {config.num_layers} layers, {config.num_heads} attention heads, "
+                    f"{config.num_kv_heads} KV heads and {config.num_experts} experts"))
+            limit = _int(_get(data, "pools", name, "engine", "max_model_len"), None)
+            if limit is not None and limit > config.max_position_embeddings:
+                errors.append(ManifestError(f"pools.{name}.engine.max_model_len",
+                                            f"{limit} exceeds the model's context ({config.max_position_embeddings})"))
+    if data.get("mode", "disaggregated") == "disaggregated" and len(pools) == 2:
+        for field, default in (("block_size", 16), ("dtype", "float32")):
+            prefill = _get(data, "pools", "prefill", "engine", field, default=default)
+            decode = _get(data, "pools", "decode", "engine", field, default=default)
+            if prefill != decode:
+                errors.append(ManifestError(
+                    f"pools.decode.engine.{field}", f"differs from the prefill pool's ({prefill} vs {decode})",
+                    "KV blocks are copied as they are: both pools must agree"))
+    address = _get(data, "listen", "grpc", default="127.0.0.1:50051")
+    if check_ports and isinstance(address, str) and address.rpartition(":")[2].isdigit() and port_in_use(address):
+        errors.append(ManifestError("listen.grpc", f"{address} is already in use",
+                                    "stop what listens there (`tandem down`?) or pick another port"))
+    for i, e in enumerate(errors):
+        parts = tuple(e.path.split(".")) if e.path else ()
+        line = next((lines[parts[:k]] for k in range(len(parts), 0, -1) if parts[:k] in lines), None)
+        errors[i] = ManifestError(e.path, e.message, e.hint, line)
+    return errors
+
+
+def validate_file(path: str | Path, *, check_ports: bool = True) -> Manifest:
+    """Parses and checks a manifest file. Raises ManifestInvalid listing every error, in file order."""
+    import yaml
+
+    from tandem.cluster.manifest import parse_manifest
+
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ManifestInvalid(str(path), [ManifestError("", f"cannot be read: {e.strerror}")]) from None
+    try:
+        manifest, errors = parse_manifest(text, str(path)), []
+    except ManifestInvalid as e:
+        manifest, errors = None, list(e.errors)
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError:
+        data = None
+    if isinstance(data, dict):
+        errors += check_manifest(data, text, check_ports=check_ports)
+    if errors:
+        raise ManifestInvalid(str(path), sorted(errors, key=lambda e: e.line or 0))
+    return manifest

@@ -1,0 +1,66 @@
+"""The manifest turned into what each replica actor is built from: ReplicaSpec (engine) and TransferConfig (KV
+transfer), plus the Ray placement each replica asks for."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from tandem.cluster.manifest import Manifest, Pool
+from tandem.engine.engine_config import EngineConfig
+from tandem.engine.parallel.layout import ParallelConfig
+from tandem.engine.replica_spec import ReplicaSpec
+from tandem.kv_transfer.config import DEFAULT_UCX_ENV, TransferConfig
+
+
+@dataclass(frozen=True)
+class ReplicaPlan:
+    name: str  # "prefill-0", "decode-1", ...
+    pool: str
+    spec: ReplicaSpec
+    bundles: tuple[dict[str, float], ...]  # one per rank, packed on one node
+
+
+def absolute_model(manifest: Manifest) -> str | None:
+    """The model path as every node should read it (absolute), None for the embedded model."""
+    path = manifest.model_path
+    return None if path is None else str(Path(path).expanduser().resolve())
+
+
+def replica_spec(manifest: Manifest, pool: Pool) -> ReplicaSpec:
+    e = pool.engine
+    engine = EngineConfig(block_size=e.block_size, kv_cache_bytes=e.kv_cache_bytes, num_kv_blocks=e.num_kv_blocks,
+                          max_model_len=e.max_model_len, max_num_batched_tokens=e.max_num_batched_tokens,
+                          max_num_seqs=e.max_num_seqs, enable_prefix_caching=e.enable_prefix_caching)
+    p = pool.parallelism
+    threads = max(1, round(pool.resources.cpus * p.world_size))
+    return ReplicaSpec(model=absolute_model(manifest), dtype=e.dtype, engine=engine,
+                       parallel=ParallelConfig(tp=p.tp, pp=p.pp, ep=p.ep), threads=threads)
+
+
+def replica_plans(manifest: Manifest, count: dict[str, int] | None = None) -> list[ReplicaPlan]:
+    """The replicas `tandem up` starts: each pool's initial count (or count[pool])."""
+    plans = []
+    for name, pool in manifest.pool_items():
+        n = (count or {}).get(name, pool.replicas.start)
+        spec = replica_spec(manifest, pool)
+        bundles = (pool.resources.bundle(),) * pool.parallelism.world_size
+        plans += [ReplicaPlan(f"{name}-{i}", name, spec, bundles) for i in range(n)]
+    return plans
+
+
+def transfer_config(manifest: Manifest) -> TransferConfig:
+    """host "" means: each replica's node address, filled in on the node (TransferConfig.on_host)."""
+    t = manifest.transport
+    return TransferConfig(host=t.host or "", layer_group=t.layer_group, max_message_bytes=t.max_message_bytes,
+                          staging_bytes=t.staging_bytes, lease_s=t.lease_s, ucx_env=DEFAULT_UCX_ENV | t.ucx_env)
+
+
+def resources_needed(manifest: Manifest) -> dict[str, float]:
+    """Ray resources the initial replicas need in all (for starting a local Ray that can hold them)."""
+    total: dict[str, float] = {}
+    for plan in replica_plans(manifest):
+        for bundle in plan.bundles:
+            for key, value in bundle.items():
+                total[key] = total.get(key, 0.0) + value
+    return total

@@ -1,0 +1,88 @@
+"""What every serving replica (prefill or decode worker) does around its engine: runs it behind an AsyncEngine,
+answers readiness and stats calls, and remembers recently aborted request ids so that a call that arrives after
+its abort (calls and aborts may race across processes) is refused instead of holding blocks nobody frees."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from typing import Callable
+
+from tandem.engine.async_engine import AsyncEngine
+from tandem.engine.llm_engine import LLMEngine
+
+ABORT_MEMORY_S = 120.0
+
+
+def node_id() -> str | None:
+    """Ray's id of this process's node (None outside Ray)."""
+    try:
+        import ray
+
+        return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
+    except ImportError:
+        return None
+
+
+def node_address() -> str:
+    """The address other nodes reach this process's node at: Ray's node IP inside a Ray worker, else loopback."""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.util.get_node_ip_address()
+    except ImportError:
+        pass
+    return "127.0.0.1"
+
+
+class RequestAbortedError(RuntimeError):
+    """The request was aborted before this call reached the replica."""
+
+
+class ReplicaServer:
+    def __init__(self, name: str, pool: str, engine: LLMEngine, *, tick: Callable[[], bool] | None = None,
+                 clock: Callable[[], float] = time.monotonic):
+        self.name = name
+        self.pool = pool
+        self.engine = engine
+        self.server = AsyncEngine(engine, tick=tick)
+        self.server.start()
+        self.clock = clock
+        self._aborted: dict[str, float] = {}
+
+    def mark_aborted(self, request_id: str) -> None:
+        now = self.clock()
+        self._aborted[request_id] = now
+        for rid in [r for r, t in self._aborted.items() if t < now - ABORT_MEMORY_S]:
+            del self._aborted[rid]
+
+    def check_not_aborted(self, request_id: str) -> None:
+        if request_id in self._aborted:
+            raise RequestAbortedError(f"request {request_id!r} was aborted")
+
+    def info(self) -> dict:
+        """Static facts the router and the control plane need (JSON-friendly)."""
+        engine = self.engine
+        return {"name": self.name, "pool": self.pool, "pid": os.getpid(), "node": node_address(), "node_id": node_id(), "layout": engine.layout.describe(),
+                "world_size": engine.layout.world_size, "max_model_len": engine.max_model_len,
+                "block_size": engine.config.block_size, "kv_blocks_total": engine.kv_cache_spec.num_blocks}
+
+    async def stats(self) -> dict:
+        """Counters read on the engine thread between steps (exact, at the cost of waiting for a running step);
+        a failed engine reports its last counters with state "failed"."""
+        s = await self.server.call(lambda engine: engine.stats()) if self.server.alive else self.server.stats()
+        return {"name": self.name, "pool": self.pool, "state": "ready" if self.server.alive else "failed",
+                "running": s.num_running, "waiting": s.num_waiting, "waiting_for_kv": s.num_waiting_for_kv,
+                "kv_blocks_total": s.num_blocks_total, "kv_blocks_in_use": s.num_blocks_in_use,
+                "kv_blocks_cached": s.num_blocks_cached, "kv_usage": s.kv_usage, "prefix_hit_rate": s.prefix_hit_rate,
+                "num_preemptions": s.num_preemptions, "num_steps": s.num_steps}
+
+    async def check_integrity(self) -> None:
+        """Raises ValueError if the replica's KV bookkeeping is inconsistent (runs on the engine thread)."""
+        await self.server.call(lambda engine: engine.check_integrity())
+
+    async def shutdown(self) -> None:
+        await self.server.stop()
+        await asyncio.to_thread(self.engine.shutdown)

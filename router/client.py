@@ -1,0 +1,136 @@
+"""A Python client of tandem's gRPC API (proto/v1/tandem.proto): streamed generation, abort, models, health.
+
+    from tandem.router.client import TandemClient
+    with TandemClient("127.0.0.1:50051") as client:
+        for chunk in client.stream(chat=[{"role": "user", "content": "Hi"}], max_tokens=32):
+            print(chunk.text, end="", flush=True)
+        result = client.generate(prompt="The capital of France is", max_tokens=8, temperature=0)
+
+Errors arrive as grpc.RpcError (e.code(), e.details()).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterator, Mapping, Sequence
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tandem.proto.v1 import tandem_pb2 as pb
+from tandem.proto.v1 import tandem_pb2_grpc as pb_grpc
+
+_SAMPLING = ("n", "max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+             "frequency_penalty", "seed", "ignore_eos", "stop_token_ids", "stop", "logprobs")
+
+
+@dataclass
+class Completion:
+    """One request's result, gathered from its stream. texts/token_ids: per sample index. ttft_s / itl_s are
+    measured by this client (first and later message arrivals); usage and timings are the server's."""
+
+    request_id: str = ""
+    texts: dict[int, str] = field(default_factory=dict)
+    token_ids: dict[int, list[int]] = field(default_factory=dict)
+    finish_reasons: dict[int, str] = field(default_factory=dict)
+    logprobs: dict[int, list] = field(default_factory=dict)
+    usage: pb.Usage | None = None
+    timings: pb.Timings | None = None
+    prefill_replica: str = ""
+    decode_replica: str = ""
+    num_messages: int = 0
+    ttft_s: float = 0.0
+    itl_s: list[float] = field(default_factory=list)
+
+    @property
+    def text(self) -> str:
+        return self.texts.get(0, "")
+
+    @property
+    def finish_reason(self) -> str:
+        return self.finish_reasons.get(0, "")
+
+
+def build_request(*, prompt: str | None = None, chat: Sequence[Mapping[str, str]] | None = None,
+                  token_ids: Sequence[int] | None = None, request_id: str = "", model: str = "", priority: int = 0,
+                  **sampling) -> pb.GenerateRequest:
+    """Exactly one of prompt / chat / token_ids (none gives a request the server refuses). sampling: the fields
+    of SamplingParams (n, max_tokens, temperature, top_p, top_k, min_p, penalties, seed, ignore_eos,
+    stop_token_ids, stop, logprobs)."""
+    unknown = set(sampling) - set(_SAMPLING)
+    if unknown:
+        raise TypeError(f"unknown sampling parameter(s): {', '.join(sorted(unknown))}")
+    request = pb.GenerateRequest(request_id=request_id, model=model, priority=priority,
+                                 sampling=pb.SamplingParams(**{k: v for k, v in sampling.items() if v is not None}))
+    if prompt is not None:
+        request.text = prompt
+    elif chat is not None:
+        request.chat.messages.extend(pb.ChatMessage(role=m["role"], content=m["content"]) for m in chat)
+    elif token_ids is not None:
+        request.token_ids.ids.extend(token_ids)
+    return request
+
+
+class TandemClient:
+    def __init__(self, target: str, *, timeout_s: float | None = None):
+        self.target = target
+        self.timeout_s = timeout_s
+        self.channel = grpc.insecure_channel(target)
+        self.stub = pb_grpc.TandemStub(self.channel)
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> TandemClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def stream(self, **kwargs) -> Iterator[pb.GenerateResponse]:
+        """Yields the server's messages as they arrive (see build_request for the arguments). Breaking out of the
+        loop cancels the call, which aborts the request on the cluster."""
+        call = self.stub.Generate(build_request(**kwargs), timeout=self.timeout_s)
+        try:
+            yield from call
+        finally:
+            call.cancel()
+
+    def generate(self, **kwargs) -> Completion:
+        """The whole completion (see build_request). Raises grpc.RpcError on a failed request."""
+        result = Completion()
+        start = last = time.perf_counter()
+        for message in self.stream(**kwargs):
+            now = time.perf_counter()
+            if message.token_ids:
+                if result.ttft_s == 0.0:
+                    result.ttft_s = now - start
+                else:
+                    result.itl_s.append(now - last)
+                last = now
+            result.num_messages += 1
+            result.request_id = message.request_id
+            i = message.index
+            result.texts[i] = result.texts.get(i, "") + message.text
+            result.token_ids.setdefault(i, []).extend(message.token_ids)
+            result.logprobs.setdefault(i, []).extend(message.logprobs)
+            if message.finish_reason:
+                result.finish_reasons[i] = message.finish_reason
+            if message.prefill_replica or message.decode_replica:
+                result.prefill_replica, result.decode_replica = message.prefill_replica, message.decode_replica
+            if message.HasField("usage"):
+                result.usage, result.timings = message.usage, message.timings
+        return result
+
+    def abort(self, request_id: str) -> bool:
+        return self.stub.Abort(pb.AbortRequest(request_id=request_id), timeout=self.timeout_s or 10).found
+
+    def list_models(self) -> list[pb.Model]:
+        return list(self.stub.ListModels(pb.ListModelsRequest(), timeout=self.timeout_s or 10).models)
+
+    def health(self, service: str = "") -> str:
+        """"SERVING", "NOT_SERVING", ... as the standard grpc.health.v1 service reports it."""
+        stub = health_pb2_grpc.HealthStub(self.channel)
+        response = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=self.timeout_s or 10)
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)

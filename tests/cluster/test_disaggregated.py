@@ -1,0 +1,203 @@
+"""deploy/manifests/local.yaml on a simulated multi-node Ray cluster: real Ray, real gRPC, real UCX between a tp=2
+prefill replica and a pp=2 decode replica on different nodes, the embedded model. Outputs equal a
+single-process run; streams are incremental and carry usage and timings; aborts and disconnects at every phase
+leave no block held; bad requests get their status code and the cluster keeps serving."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+
+from tandem.engine.generator import Generator
+from tandem.engine.sampling_params import SamplingParams
+from tandem.router.client import TandemClient, build_request
+from tests.cluster.ray_cluster import check_integrity, manifest_for_test, running, simulated_cluster, wait_idle
+
+QUESTIONS = ["What is the capital of France?", "Name three colors.", "Write a haiku about the sea.",
+             "What is 12 times 12?", "Who wrote Hamlet?", "Give me a synonym for happy.",
+             "Describe a cat in one sentence.", "What is the boiling point of water?"]
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with simulated_cluster() as (ray_cluster, node_ids):
+        with running(manifest_for_test("local.yaml")) as tandem:
+            tandem.node_ids = node_ids
+            yield tandem
+
+
+@pytest.fixture(scope="module")
+def client(cluster):
+    with TandemClient(cluster.endpoint, timeout_s=120) as c:
+        yield c
+
+
+def chat(question: str) -> list[dict]:
+    return [{"role": "user", "content": question}]
+
+
+def test_replicas_are_placed_on_the_nodes_offering_their_pool(cluster):
+    status = cluster.status()
+    by_name = {r["name"]: r for r in status["replicas"]}
+    assert by_name["prefill-0"]["node_id"] == cluster.node_ids["prefill"]
+    assert by_name["decode-0"]["node_id"] == cluster.node_ids["decode"]
+    assert len(by_name["prefill-0"]["ranks"]) == 2 and len(by_name["decode-0"]["ranks"]) == 2
+    assert all(r["state"] == "ready" for r in status["replicas"])
+
+
+def test_concurrent_greedy_requests_equal_a_single_process_run(cluster, client, embedded):
+    with ThreadPoolExecutor(len(QUESTIONS)) as pool:
+        results = list(pool.map(lambda q: client.generate(chat=chat(q), max_tokens=MAX_TOKENS, temperature=0),
+                                QUESTIONS))
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
+    with Generator(embedded) as reference:  # what `tandem generate` runs, in this process
+        expected = [reference.generate(embedded.tokenizer.encode_chat(chat(q)), params) for q in QUESTIONS]
+    for question, got, want in zip(QUESTIONS, results, expected):
+        assert got.token_ids[0] == want.token_ids, question
+        assert got.text == want.text
+        assert got.finish_reason == want.finish_reason
+        assert (got.prefill_replica, got.decode_replica) == ("prefill-0", "decode-0")
+        # usage and timings, on the last message
+        assert got.usage.prompt_tokens == len(want.prompt_token_ids)
+        assert got.usage.completion_tokens == len(want.token_ids)
+        assert 0 < got.timings.ttft_s <= got.timings.e2e_s
+        assert got.timings.prefill_s > 0 and got.timings.mean_itl_s > 0
+    wait_idle(cluster)
+    check_integrity(cluster)
+
+
+def test_the_stream_is_incremental(client):
+    arrivals = []
+    start = time.perf_counter()
+    for message in client.stream(chat=chat("Count from one to twenty."), max_tokens=32, temperature=0,
+                                 ignore_eos=True):
+        arrivals.append((time.perf_counter() - start, len(message.token_ids)))
+    token_messages = [t for t, n in arrivals if n]
+    assert sum(n for _, n in arrivals) == 32
+    assert len(token_messages) >= 8, "tokens should arrive over many messages, not in one at the end"
+    # the first token arrived well before the last was generated
+    assert token_messages[0] < 0.5 * token_messages[-1]
+
+
+def test_cached_prefix_is_reported_from_the_prefill_replica(client):
+    question = chat("Tell me a long story about a lighthouse keeper and the storm that changed everything.")
+    first = client.generate(chat=question, max_tokens=2, temperature=0)
+    second = client.generate(chat=question, max_tokens=2, temperature=0)
+    assert first.usage.prompt_tokens == second.usage.prompt_tokens
+    assert second.usage.cached_tokens >= 16 * (second.usage.prompt_tokens // 16 - 1) > 0
+
+
+def test_seeded_sampling_is_reproducible_across_the_transfer(client):
+    kwargs = dict(chat=chat("Invent a name for a dragon."), max_tokens=12, temperature=0.9, top_p=0.9, seed=7)
+    assert client.generate(**kwargs).token_ids == client.generate(**kwargs).token_ids
+
+
+LONG_PROMPT = " ".join(f"Item {i} is a line in a long list that the model has to read." for i in range(60))
+
+
+def _status_of(cluster, name):
+    return next(r for r in cluster.status()["replicas"] if r["name"] == name)
+
+
+def _wait_for(predicate, timeout_s=30.0):
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize("phase", ["reserved_prefilling", "decoding", "disconnect_decoding", "disconnect_prefilling"])
+def test_abort_or_disconnect_at_each_phase_frees_every_block(cluster, client, phase):
+    request_id = f"abort-{phase}"
+    params = dict(max_tokens=400, temperature=0, ignore_eos=True)
+    call = client.stub.Generate(build_request(prompt=LONG_PROMPT, request_id=request_id, **params))
+    received = []
+    reader = threading.Thread(target=_drain, args=(call, received), daemon=True)
+    reader.start()
+    if phase.endswith("prefilling"):
+        # the decode replica holds the reservation while the prefill replica computes the prompt
+        _wait_for(lambda: _status_of(cluster, "decode-0")["waiting_for_kv"] == 1)
+    else:
+        _wait_for(lambda: len(received) >= 3)
+    if phase.startswith("disconnect"):
+        call.cancel()
+    else:
+        assert client.abort(request_id)
+    reader.join(30)
+    assert not reader.is_alive()
+    assert isinstance(received[-1], grpc.RpcError) and received[-1].code() is grpc.StatusCode.CANCELLED
+    assert sum(len(m.token_ids) for m in received[:-1]) < 400
+    replicas = wait_idle(cluster)
+    assert all(r["kv_blocks_in_use"] == 0 for r in replicas)
+    check_integrity(cluster)
+    assert client.generate(prompt="The capital of France is", max_tokens=4, temperature=0).usage.completion_tokens == 4
+
+
+def _drain(call, out: list) -> None:
+    """Appends each message of the call as it arrives, then the RpcError that ended it, if any."""
+    try:
+        for message in call:
+            out.append(message)
+    except grpc.RpcError as e:
+        out.append(e)
+
+
+@pytest.mark.parametrize("kwargs, code, words", [
+    (dict(prompt="Hi", temperature=-1.0), grpc.StatusCode.INVALID_ARGUMENT, "temperature"),
+    (dict(prompt="Hi", top_p=0.0), grpc.StatusCode.INVALID_ARGUMENT, "top_p"),
+    (dict(prompt="Hi", logprobs=99), grpc.StatusCode.INVALID_ARGUMENT, "logprobs"),
+    (dict(prompt="Hi", stop_token_ids=[10 ** 9]), grpc.StatusCode.INVALID_ARGUMENT, "vocabulary"),
+    (dict(prompt="Hi", model="gpt-9"), grpc.StatusCode.NOT_FOUND, "gpt-9"),
+    (dict(prompt="word " * 3000), grpc.StatusCode.INVALID_ARGUMENT, "context length"),
+    (dict(prompt="Hi", max_tokens=5000), grpc.StatusCode.INVALID_ARGUMENT, "context length"),
+    (dict(chat=[]), grpc.StatusCode.INVALID_ARGUMENT, "no messages"),
+    (dict(chat=[{"role": "wizard", "content": "hi"}]), grpc.StatusCode.INVALID_ARGUMENT, "role"),
+    (dict(), grpc.StatusCode.INVALID_ARGUMENT, "no prompt"),
+    (dict(token_ids=[-5]), grpc.StatusCode.INVALID_ARGUMENT, "vocabulary"),
+    (dict(prompt="Hi", request_id="a/b"), grpc.StatusCode.INVALID_ARGUMENT, "request_id"),
+])
+def test_invalid_requests_get_their_status_and_the_cluster_keeps_serving(client, kwargs, code, words):
+    with pytest.raises(grpc.RpcError) as failure:
+        client.generate(**kwargs)
+    assert failure.value.code() is code
+    assert words in failure.value.details()
+    assert client.generate(prompt="The capital of France is", max_tokens=2, temperature=0).usage.completion_tokens == 2
+
+
+def test_health_reflection_and_models(client):
+    assert client.health() == "SERVING"
+    assert client.health("tandem.v1.Tandem") == "SERVING"
+    (model,) = client.list_models()
+    assert (model.id, model.mode, model.max_model_len) == ("SmolLM2-135M-Instruct", "disaggregated", 2048)
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    stub = reflection_pb2_grpc.ServerReflectionStub(client.channel)
+    (response,) = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+    names = {s.name for s in response.list_services_response.service}
+    assert {"tandem.v1.Tandem", "grpc.health.v1.Health"} <= names
+
+
+def test_status_json_and_generate_target_from_the_command_line(cluster):
+    import json
+
+    address = __import__("ray").get_runtime_context().gcs_address
+    done = subprocess.run([sys.executable, "-m", "tandem.cluster.cli", "status", "--json", "--address", address],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["mode"] == "disaggregated" and report["endpoints"]["grpc"] == cluster.endpoint
+    for replica in report["replicas"]:
+        assert {"pool", "state", "running", "waiting", "kv_blocks_total", "kv_blocks_in_use"} <= set(replica)
+    done = subprocess.run([sys.executable, "-m", "tandem.cluster.cli", "generate", "--target", cluster.endpoint,
+                           "--prompt", "The capital of France is", "--max-tokens", "6", "--json"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert result["usage"]["completion_tokens"] == len(result["token_ids"]) == 6
