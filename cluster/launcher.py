@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from tandem.cluster.controller import Controller, controller_name
 from tandem.cluster.manifest import Manifest
@@ -107,8 +108,12 @@ def up(manifest: Manifest, *, address: str | None = None, detach: bool = False, 
         pass
     else:
         raise RuntimeError(f"a cluster named {manifest.name!r} is already running; `tandem down` it first")
+    # The controller and the router run on this node: the router's listen address (e.g. 127.0.0.1:50051) is an
+    # address of the machine `tandem up` runs on.
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     controller = ray.remote(Controller).options(
         name=name, namespace=namespace, num_cpus=0, lifetime="detached" if detach else None, max_concurrency=100,
+        scheduling_strategy=here,
     ).remote(manifest, placement_timeout_s=placement_timeout_s, started_ray=started)
     pending = controller.start.remote()
     shown = 0

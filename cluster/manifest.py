@@ -39,6 +39,8 @@ def parse_bytes(value: Any) -> int:
         raise ValueError(f"expected a size in bytes, got {value!r}")
     if isinstance(value, int):
         return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
     match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", str(value))
     if not match or match.group(2).lower() not in _UNITS:
         raise ValueError(f"expected a size like 268435456, '256MiB' or '1GB', got {value!r}")
@@ -95,7 +97,7 @@ class EngineLimits(_Strict):
     """The engine settings of each replica of a pool (engine/engine_config.py). kv_cache_bytes takes units."""
 
     block_size: int = 16
-    kv_cache_bytes: int | None = None
+    kv_cache_bytes: int | None = Field(None, ge=1)
     num_kv_blocks: int | None = Field(None, ge=1)
     max_num_batched_tokens: int = Field(2048, ge=1)
     max_num_seqs: int = Field(64, ge=1)
@@ -150,8 +152,8 @@ class Transport(_Strict):
     kind: Literal["ucx"] = "ucx"
     host: str | None = None
     layer_group: int = Field(1, ge=1)
-    max_message_bytes: int = 16 << 20
-    staging_bytes: int = 128 << 20
+    max_message_bytes: int = Field(16 << 20, ge=4096)
+    staging_bytes: int = Field(128 << 20, ge=8192)
     lease_s: float = Field(30.0, gt=0)
     ucx_env: dict[str, str] = Field(default_factory=dict)
 
@@ -185,6 +187,11 @@ class RaySettings(_Strict):
     namespace: str = "tandem"
 
 
+MODE_NEEDS_PREFILL = "disaggregated mode needs a prefill pool (pools.prefill); or set mode: colocated"
+COLOCATED_HAS_PREFILL = ("colocated mode runs only the decode pool (its replicas prefill themselves); remove "
+                         "pools.prefill or set mode: disaggregated")
+
+
 class Manifest(_Strict):
     name: str = "tandem"
     model: str = "embedded"
@@ -198,10 +205,9 @@ class Manifest(_Strict):
     @model_validator(mode="after")
     def _pools_for_mode(self) -> Manifest:
         if self.mode == "disaggregated" and self.pools.prefill is None:
-            raise ValueError("disaggregated mode needs a prefill pool (pools.prefill); or set mode: colocated")
+            raise ValueError(MODE_NEEDS_PREFILL)
         if self.mode == "colocated" and self.pools.prefill is not None:
-            raise ValueError("colocated mode runs only the decode pool (its replicas prefill themselves); "
-                             "remove pools.prefill or set mode: disaggregated")
+            raise ValueError(COLOCATED_HAS_PREFILL)
         return self
 
     @property

@@ -4,23 +4,34 @@ pools' KV formats, context lengths, and listen ports that are already taken. Use
 
 from __future__ import annotations
 
+import errno
 import socket
 from pathlib import Path
 
-from tandem.cluster.manifest import Manifest, ManifestError, ManifestInvalid, line_map
+from tandem.cluster.manifest import (COLOCATED_HAS_PREFILL, MODE_NEEDS_PREFILL, Manifest, ManifestError,
+                                     ManifestInvalid, line_map)
 from tandem.engine.errors import ModelLoadError
 
 
-def port_in_use(address: str) -> bool:
+def listen_problem(address: str) -> ManifestError | None:
+    """Why the router could not listen on address (HOST:PORT) on this machine, None if it can. The router runs
+    on the node `tandem up` runs on, so this machine is the one that matters."""
     host, _, port = address.rpartition(":")
+    if not port.isdigit() or not 0 <= int(port) < 65536:
+        return None  # malformed: the schema reports it
     if int(port) == 0:
-        return False
+        return None
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
         try:
             s.bind((host.strip("[]"), int(port)))
-        except OSError:
-            return True
-    return False
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                return ManifestError("listen.grpc", f"{address} is already in use",
+                                     "stop what listens there (`tandem down`?) or pick another port")
+            return ManifestError("listen.grpc", f"cannot listen on {address}: {e.strerror}",
+                                 "the router listens on the machine `tandem up` runs on; use one of its addresses "
+                                 "(127.0.0.1, 0.0.0.0, ...)")
+    return None
 
 
 def _get(data, *path, default=None):
@@ -84,7 +95,12 @@ def check_manifest(data: dict, text: str = "", *, check_ports: bool = True) -> l
             if limit is not None and limit > config.max_position_embeddings:
                 errors.append(ManifestError(f"pools.{name}.engine.max_model_len",
                                             f"{limit} exceeds the model's context ({config.max_position_embeddings})"))
-    if data.get("mode", "disaggregated") == "disaggregated" and len(pools) == 2:
+    mode = data.get("mode", "disaggregated")
+    if mode == "disaggregated" and "prefill" not in pools:
+        errors.append(ManifestError("mode", MODE_NEEDS_PREFILL))
+    if mode == "colocated" and "prefill" in pools:
+        errors.append(ManifestError("mode", COLOCATED_HAS_PREFILL))
+    if mode == "disaggregated" and len(pools) == 2:
         for field, default in (("block_size", 16), ("dtype", "float32")):
             prefill = _get(data, "pools", "prefill", "engine", field, default=default)
             decode = _get(data, "pools", "decode", "engine", field, default=default)
@@ -93,9 +109,8 @@ def check_manifest(data: dict, text: str = "", *, check_ports: bool = True) -> l
                     f"pools.decode.engine.{field}", f"differs from the prefill pool's ({prefill} vs {decode})",
                     "KV blocks are copied as they are: both pools must agree"))
     address = _get(data, "listen", "grpc", default="127.0.0.1:50051")
-    if check_ports and isinstance(address, str) and address.rpartition(":")[2].isdigit() and port_in_use(address):
-        errors.append(ManifestError("listen.grpc", f"{address} is already in use",
-                                    "stop what listens there (`tandem down`?) or pick another port"))
+    if check_ports and isinstance(address, str) and (problem := listen_problem(address)) is not None:
+        errors.append(problem)
     for i, e in enumerate(errors):
         parts = tuple(e.path.split(".")) if e.path else ()
         line = next((lines[parts[:k]] for k in range(len(parts), 0, -1) if parts[:k] in lines), None)
@@ -124,6 +139,11 @@ def validate_file(path: str | Path, *, check_ports: bool = True) -> Manifest:
         data = None
     if isinstance(data, dict):
         errors += check_manifest(data, text, check_ports=check_ports)
-    if errors:
-        raise ManifestInvalid(str(path), sorted(errors, key=lambda e: e.line or 0))
+    unique = {}
+    for error in errors:  # the mode rules are checked by the schema and on the raw data: report them once
+        key = error.message.removeprefix("Value error, ")
+        if key not in unique or (unique[key].line is None and error.line is not None):
+            unique[key] = error
+    if unique:
+        raise ManifestInvalid(str(path), sorted(unique.values(), key=lambda e: e.line or 0))
     return manifest

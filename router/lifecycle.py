@@ -84,7 +84,8 @@ class RequestDriver:
         self.prefill = prefill
         self.decode = decode
         self.settings = settings
-        self.picker = ReplicaPicker(settings.policy)
+        # One picker per pool: a shared round-robin turn would advance twice per request and never rotate.
+        self.pickers = {"prefill": ReplicaPicker(settings.policy), "decode": ReplicaPicker(settings.policy)}
         self.num_queued = 0
         self.num_fallbacks = 0
 
@@ -92,7 +93,7 @@ class RequestDriver:
         if not pool:
             raise NoReplicaError("no ready replica in the pool")
         by_name = {r.name: r for r in pool}
-        return [by_name[load.name] for load in self.picker.order([r.load for r in pool])]
+        return [by_name[load.name] for load in self.pickers[pool[0].pool].order([r.load for r in pool])]
 
     async def run(self, request: ParsedRequest) -> AsyncIterator[Progress]:
         """Yields Progress until the request's last output. Raises InvalidRequest-like ValueErrors from the

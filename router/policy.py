@@ -21,7 +21,8 @@ class ReplicaLoad:
 
 @dataclass
 class ReplicaPicker:
-    """policy: "least_loaded" (fewest requests in flight, ties by name order), "round_robin" or "random"."""
+    """policy: "least_loaded" (fewest requests in flight; ties keep the pool's order), "round_robin" or "random".
+    One picker serves one pool (round_robin's turn is per picker)."""
 
     policy: str = "least_loaded"
     rng: random.Random = field(default_factory=random.Random)

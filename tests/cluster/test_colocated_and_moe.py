@@ -1,0 +1,80 @@
+"""The other two example manifests on a simulated multi-node Ray cluster: local-colocated.yaml (one replica that
+prefills and decodes, behind the same router) and local-moe.yaml (a generated Mixtral-layout model, decode split
+ep=2 x pp=2). Greedy outputs equal a single-process run of the same model."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from tandem.cluster.cli import main as tandem_main
+from tandem.engine.generator import Generator
+from tandem.engine.loader import load_model
+from tandem.engine.sampling_params import SamplingParams
+from tandem.router.client import TandemClient
+from tests.cluster.ray_cluster import check_integrity, manifest_for_test, running, simulated_cluster, wait_idle
+
+QUESTIONS = ["What is the capital of France?", "Name three colors.", "Write a haiku about the sea.",
+             "What is 12 times 12?", "Who wrote Hamlet?", "Give me a synonym for happy.",
+             "Describe a cat in one sentence.", "What is the boiling point of water?"]
+
+
+def chat(question: str) -> list[dict]:
+    return [{"role": "user", "content": question}]
+
+
+def run_concurrently(endpoint: str, max_tokens: int):
+    with TandemClient(endpoint, timeout_s=180) as client, ThreadPoolExecutor(len(QUESTIONS)) as pool:
+        return list(pool.map(lambda q: client.generate(chat=chat(q), max_tokens=max_tokens, temperature=0),
+                             QUESTIONS))
+
+
+def single_process(loaded, max_tokens: int):
+    params = SamplingParams(max_tokens=max_tokens, temperature=0)
+    with Generator(loaded) as reference:
+        return [reference.generate(loaded.tokenizer.encode_chat(chat(q)), params) for q in QUESTIONS]
+
+
+def test_colocated_mode_serves_through_the_same_router(embedded):
+    nodes = {"decode": dict(num_cpus=2, resources={"decode": 4})}
+    with simulated_cluster(nodes) as (_, node_ids), running(manifest_for_test("local-colocated.yaml")) as cluster:
+        status = cluster.status()
+        assert [r["name"] for r in status["replicas"]] == ["decode-0"]
+        assert status["replicas"][0]["node_id"] == node_ids["decode"]
+        results = run_concurrently(cluster.endpoint, 16)
+        for got, want in zip(results, single_process(embedded, 16)):
+            assert got.token_ids[0] == want.token_ids
+            assert (got.prefill_replica, got.decode_replica) == ("", "decode-0")
+            assert got.usage.completion_tokens == len(want.token_ids)
+        with TandemClient(cluster.endpoint) as client:
+            (model,) = client.list_models()
+            assert model.mode == "colocated"
+            stream = client.stream(prompt="Once upon a time", max_tokens=200, temperature=0, ignore_eos=True)
+            next(stream), next(stream)
+            stream.close()  # a client that goes away mid-decode
+        wait_idle(cluster)
+        check_integrity(cluster)
+
+
+def test_moe_manifest_with_expert_and_pipeline_parallel_decode(tmp_path):
+    folder = tmp_path / "tiny-moe"
+    assert tandem_main(["make-model", "tiny-moe", str(folder)]) == 0
+    loaded = load_model(folder, progress=False)
+    assert loaded.config.num_experts == 8
+    with simulated_cluster() as _, running(manifest_for_test("local-moe.yaml", model=str(folder))) as cluster:
+        decode = next(r for r in cluster.status()["replicas"] if r["name"] == "decode-0")
+        assert len(decode["ranks"]) == 4  # ep=2 x pp=2
+        results = run_concurrently(cluster.endpoint, 12)
+        for question, got, want in zip(QUESTIONS, results, single_process(loaded, 12)):
+            assert got.token_ids[0] == want.token_ids, question
+            assert (got.prefill_replica, got.decode_replica) == ("prefill-0", "decode-0")
+        wait_idle(cluster)
+        check_integrity(cluster)
+
+
+def test_make_model_is_deterministic(tmp_path):
+    for name in ("a", "b"):
+        assert tandem_main(["make-model", "tiny-moe", str(tmp_path / name)]) == 0
+    for file in ("model.safetensors", "config.json", "tokenizer.json"):
+        assert (tmp_path / "a" / file).read_bytes() == (tmp_path / "b" / file).read_bytes()

@@ -1,0 +1,316 @@
+"""The cluster manifest as `tandem validate` and `tandem up` see it: the shipped manifests are valid, and a broken
+one is reported whole, every problem with its YAML path, line and a hint."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+
+import tandem.engine.loader as loader
+from tandem.cluster.cli import main
+from tandem.cluster.manifest import ManifestInvalid, parse_bytes
+from tandem.cluster.manifest_checks import validate_file
+
+MANIFESTS = Path(__file__).resolve().parents[2] / "deploy" / "manifests"
+
+
+@pytest.fixture(scope="module")
+def embedded_shape():
+    """The embedded model without weights (its config and tokenizer): what validate_file loads for `embedded`."""
+    return loader.load_model(None, weights=False, progress=False)
+
+
+@pytest.fixture(autouse=True)
+def _load_embedded_once(monkeypatch, embedded_shape):
+    """validate_file reads the embedded GGUF's header on every call (~2 s); hand it the same real result instead.
+    Every other load goes to the real loader."""
+    real = loader.load_model
+
+    def load_model(path=None, **kwargs):
+        if path is None and kwargs.get("weights") is False:
+            return embedded_shape
+        return real(path, **kwargs)
+
+    monkeypatch.setattr(loader, "load_model", load_model)
+
+
+def _write(tmp_path: Path, text: str, name: str = "manifest.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def _errors(path: Path, *, check_ports: bool = False) -> list:
+    with pytest.raises(ManifestInvalid) as info:
+        validate_file(path, check_ports=check_ports)
+    assert info.value.source == str(path)
+    return info.value.errors
+
+
+def _busy_port():
+    """A socket listening on a free 127.0.0.1 port (close it when done)."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.bind(("127.0.0.1", 0))
+    s.listen(1)
+    return s, s.getsockname()[1]
+
+
+# --- the shipped manifests ---------------------------------------------------------------------------------------
+
+
+def test_local_manifest_is_valid():
+    manifest = validate_file(MANIFESTS / "local.yaml", check_ports=False)
+    assert manifest.mode == "disaggregated"
+    assert manifest.model_path is None  # embedded
+    assert [name for name, _ in manifest.pool_items()] == ["prefill", "decode"]
+    prefill, decode = manifest.pools.prefill, manifest.pools.decode
+    assert (prefill.parallelism.tp, prefill.parallelism.pp, prefill.parallelism.ep) == (2, 1, 1)
+    assert (decode.parallelism.tp, decode.parallelism.pp, decode.parallelism.ep) == (1, 2, 1)
+    assert prefill.parallelism.world_size == decode.parallelism.world_size == 2
+    assert prefill.engine.kv_cache_bytes == decode.engine.kv_cache_bytes == 256 << 20
+    assert prefill.engine.block_size == decode.engine.block_size == 16
+    assert prefill.engine.max_model_len == 2048
+    assert prefill.resources.bundle() == {"CPU": 0.5, "prefill": 1}
+    assert decode.resources.bundle() == {"CPU": 0.5, "decode": 1}
+    assert prefill.replicas.start == decode.replicas.start == 1
+    assert manifest.router.policy == "least_loaded"
+    assert manifest.transport.kind == "ucx" and manifest.transport.lease_s == 30
+    assert manifest.listen.grpc == "127.0.0.1:50051"
+    assert manifest.ray.address is None
+
+
+def test_local_colocated_manifest_is_valid():
+    manifest = validate_file(MANIFESTS / "local-colocated.yaml", check_ports=False)
+    assert manifest.mode == "colocated"
+    assert manifest.pools.prefill is None
+    assert [name for name, _ in manifest.pool_items()] == ["decode"]
+    decode = manifest.pools.decode
+    assert (decode.parallelism.tp, decode.parallelism.pp, decode.parallelism.ep) == (1, 2, 1)
+    assert decode.engine.kv_cache_bytes == 512 << 20
+    assert manifest.listen.grpc == "127.0.0.1:50051"
+
+
+# --- sizes -------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value, expected", [
+    (268435456, 268435456),
+    ("256MiB", 256 << 20),
+    ("1GB", 10**9),
+    ("1.5 GiB", 3 << 29),
+    ("64kib", 64 << 10),
+    ("512", 512),
+    ("100 B", 100),
+])
+def test_parse_bytes_accepts_ints_and_units(value, expected):
+    assert parse_bytes(value) == expected
+
+
+@pytest.mark.parametrize("value", ["lots", True, "12 parsecs", "", "MiB", "-1MiB"])
+def test_parse_bytes_rejects_what_is_not_a_size(value):
+    with pytest.raises(ValueError, match="expected a size"):
+        parse_bytes(value)
+
+
+# --- every problem at once ---------------------------------------------------------------------------------------
+
+BROKEN = """\
+name: tandem
+model: embedded
+mode: disaggregated
+pools:
+  prefill:
+    parallelism:
+      pp: 99
+    replicas:
+      min: 3
+      max: 1
+    engine:
+      block_size: 16
+      kv_cache_byts: 256MiB
+  decode:
+    parallelism:
+      ep: 2
+    engine:
+      block_size: 32
+      max_model_len: 100000
+router:
+  policy: fastest
+listen:
+  grpc: localhost
+"""
+
+
+def test_a_broken_manifest_reports_every_problem_with_path_line_and_hint(tmp_path, embedded_shape):
+    errors = _errors(_write(tmp_path, BROKEN))
+    by_path = {e.path: e for e in errors}
+    assert len(by_path) == len(errors), "one error per problem"
+    assert {path: e.line for path, e in by_path.items()} == {
+        "pools.prefill.parallelism": 6,
+        "pools.prefill.replicas": 8,
+        "pools.prefill.engine.kv_cache_byts": 13,
+        "pools.decode.parallelism": 15,
+        "pools.decode.engine.block_size": 18,
+        "pools.decode.engine.max_model_len": 19,
+        "router.policy": 21,
+        "listen.grpc": 23,
+    }
+    assert [e.line for e in errors] == sorted(e.line for e in errors), "reported in file order"
+
+    unknown = by_path["pools.prefill.engine.kv_cache_byts"]
+    assert "unknown key 'kv_cache_byts'" in unknown.message
+    assert unknown.hint.startswith("did you mean 'kv_cache_bytes'?")
+    assert "max_num_seqs" in unknown.hint  # the keys allowed there
+
+    assert by_path["pools.prefill.replicas"].message == "min (3) is more than max (1)"
+
+    config = embedded_shape.config
+    pp = by_path["pools.prefill.parallelism"]
+    assert f"pp=99 is more than the model's {config.num_layers} layers" in pp.message
+    assert f"{config.num_layers} layers" in pp.hint and f"{config.num_kv_heads} KV heads" in pp.hint
+    ep = by_path["pools.decode.parallelism"]
+    assert "ep=2 needs a mixture-of-experts model" in ep.message
+    assert "0 experts" in ep.hint
+
+    block = by_path["pools.decode.engine.block_size"]
+    assert "(16 vs 32)" in block.message and "both pools must agree" in block.hint
+    context = by_path["pools.decode.engine.max_model_len"]
+    assert f"100000 exceeds the model's context ({config.max_position_embeddings})" in context.message
+
+    policy = by_path["router.policy"]
+    assert "'least_loaded', 'round_robin' or 'random'" in policy.message and policy.hint == "got 'fastest'"
+    assert "expected HOST:PORT" in by_path["listen.grpc"].message
+
+
+def test_parallelism_is_checked_against_the_model_heads(tmp_path, embedded_shape):
+    # 9 query heads / 3 KV heads: tp=10 has a rank without a head; tp=4 splits the query heads (3+2+2+2) and
+    # each rank reads its KV heads equally, which ReplicaLayout accepts.
+    assert (embedded_shape.config.num_heads, embedded_shape.config.num_kv_heads) == (9, 3)
+    path = _write(tmp_path, """\
+pools:
+  prefill:
+    parallelism: {tp: 10}
+  decode:
+    parallelism: {tp: 4, pp: 2}
+""")
+    [error] = _errors(path)
+    assert (error.path, error.line) == ("pools.prefill.parallelism", 3)
+    assert "tp=10 is more than the model's 9 attention heads" in error.message
+
+
+def test_a_missing_moe_model_hints_at_make_model_next_to_the_mode_error(tmp_path):
+    model = tmp_path / "tiny-moe"
+    path = _write(tmp_path, f"""\
+mode: colocated
+model: {model}
+pools:
+  prefill: {{}}
+  decode: {{}}
+""")
+    errors = _errors(path)
+    assert [(e.path, e.line) for e in errors] == [("mode", 1), ("model", 2)]
+    assert "colocated mode runs only the decode pool" in errors[0].message
+    assert "remove pools.prefill" in errors[0].message
+    assert f"{str(model)!r} does not exist" in errors[1].message
+    assert errors[1].hint == f"generate the small MoE test model with `tandem make-model tiny-moe {model}`"
+
+
+def test_a_missing_model_and_no_prefill_pool_in_disaggregated_mode(tmp_path):
+    model = tmp_path / "llama-folder"
+    path = _write(tmp_path, f"model: {model}\nmode: disaggregated\npools:\n  decode: {{}}\n")
+    errors = _errors(path)
+    assert [(e.path, e.line) for e in errors] == [("model", 1), ("mode", 2)]
+    errors = [errors[1], errors[0]]
+    assert "disaggregated mode needs a prefill pool (pools.prefill)" in errors[0].message
+    assert "make-model" not in errors[1].hint and "Hugging Face folder" in errors[1].hint
+
+
+@pytest.mark.parametrize("text", ["- a\n- b\n", "just words\n", ""])
+def test_a_manifest_that_is_not_a_mapping(tmp_path, text):
+    [error] = _errors(_write(tmp_path, text))
+    assert error.path == ""
+    assert error.message == "the manifest must be a YAML mapping"
+    assert "deploy/manifests/local.yaml" in error.hint
+
+
+def test_invalid_yaml_reports_the_line(tmp_path):
+    [error] = _errors(_write(tmp_path, "name: tandem\nmodel: embedded\nmode: colocated: yes\npools: {}\n"))
+    assert error.line == 3
+    assert error.message.startswith("not valid YAML: mapping values are not allowed here")
+
+
+def test_an_unreadable_manifest(tmp_path):
+    [error] = _errors(tmp_path / "absent.yaml")
+    assert "cannot be read" in error.message
+
+
+# --- ports -------------------------------------------------------------------------------------------------------
+
+VALID_ON_PORT = """\
+mode: colocated
+pools:
+  decode: {{}}
+listen:
+  grpc: 127.0.0.1:{port}
+"""
+
+
+def test_a_mode_error_is_reported_beside_field_errors(tmp_path):
+    path = _write(tmp_path, "mode: colocated\npools:\n  prefill: {}\n  decode: {}\nrouter: {policy: fastest}\n")
+    errors = _errors(path)
+    assert [(e.path, e.line) for e in errors] == [("mode", 1), ("router.policy", 5)]
+
+
+def test_a_listen_address_that_is_not_this_machines_is_reported(tmp_path):
+    path = _write(tmp_path, "pools:\n  prefill: {}\n  decode: {}\nlisten: {grpc: '10.255.1.2:50051'}\n")
+    [error] = _errors(path, check_ports=True)
+    assert error.path == "listen.grpc" and "cannot listen on 10.255.1.2:50051" in error.message
+
+
+def test_a_listen_port_in_use_is_reported(tmp_path):
+    busy, port = _busy_port()
+    with busy:
+        path = _write(tmp_path, VALID_ON_PORT.format(port=port))
+        [error] = _errors(path, check_ports=True)
+        assert (error.path, error.line) == ("listen.grpc", 5)
+        assert error.message == f"127.0.0.1:{port} is already in use"
+        assert "another port" in error.hint
+        # The port check is what `--no-port-check` turns off.
+        assert validate_file(path, check_ports=False).listen.grpc == f"127.0.0.1:{port}"
+    assert validate_file(path, check_ports=True).listen.grpc == f"127.0.0.1:{port}"  # free again
+
+
+# --- the CLI -----------------------------------------------------------------------------------------------------
+
+
+def test_cli_validate_accepts_the_local_manifest(capsys):
+    path = MANIFESTS / "local.yaml"
+    assert main(["validate", "--no-port-check", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert f"{path}: valid (disaggregated;" in out
+    assert "prefill 2x1x1 (tp x pp x ep)" in out and "decode 1x2x1 (tp x pp x ep)" in out
+    assert "gRPC on 127.0.0.1:50051" in out
+
+
+def test_cli_validate_lists_every_error_as_path_line_and_exits_2(tmp_path, capsys):
+    path = _write(tmp_path, BROKEN)
+    assert main(["validate", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"{path}:6: pools.prefill.parallelism: impossible for this model: pp=99" in err
+    assert f"{path}:13: pools.prefill.engine.kv_cache_byts: unknown key 'kv_cache_byts'" in err
+    assert "    hint: did you mean 'kv_cache_bytes'?" in err
+    assert f"{path}:18: pools.decode.engine.block_size: differs from the prefill pool's (16 vs 32)" in err
+    assert f"{path}:21: router.policy:" in err
+    assert f"tandem: {path}: 8 error(s)" in err
+
+
+def test_cli_validate_checks_ports_unless_told_not_to(tmp_path, capsys):
+    busy, port = _busy_port()
+    with busy:
+        path = _write(tmp_path, VALID_ON_PORT.format(port=port))
+        assert main(["validate", str(path)]) == 2
+        assert f"{path}:5: listen.grpc: 127.0.0.1:{port} is already in use" in capsys.readouterr().err
+        assert main(["validate", "--no-port-check", str(path)]) == 0
+        assert f"{path}: valid (colocated; decode 1x1x1" in capsys.readouterr().out

@@ -1,0 +1,140 @@
+"""The router's request driver (router/lifecycle.py) over mock replicas: the disaggregated path, backpressure
+(queueing, RESOURCE_EXHAUSTED), the fallback after a failed transfer, cancellation, colocated mode, and how each
+failure maps to a gRPC status."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from tandem.engine.sampling_params import SamplingParams
+from tandem.kv_transfer.descriptor import TransferState
+from tandem.router.grpc_service import status_for
+from tandem.router.lifecycle import DriverSettings, NoCapacityError, NoReplicaError, Replica, RequestDriver
+from tandem.router.request_parsing import InvalidRequest, ParsedRequest
+from tests.router.fake_replicas import FakeDecode, FakeHandle, FakePrefill, token_for
+
+PROMPT = (5, 6, 7, 8)
+
+
+def request(request_id="r1", max_tokens=5, n=1) -> ParsedRequest:
+    return ParsedRequest(request_id, PROMPT, SamplingParams(max_tokens=max_tokens, temperature=0, n=n), 0)
+
+
+def driver(prefill, decode, **settings) -> RequestDriver:
+    return RequestDriver([Replica(p.name, "prefill", FakeHandle(p)) for p in prefill],
+                         [Replica(d.name, "decode", FakeHandle(d)) for d in decode], DriverSettings(**settings))
+
+
+async def collect(d: RequestDriver, req: ParsedRequest):
+    return [p async for p in d.run(req)]
+
+
+def tokens_of(progress) -> list[int]:
+    return [t for p in progress for o in p.outputs for t in o.token_ids]
+
+
+def test_disaggregated_request_runs_reserve_prefill_decode():
+    prefill, decode = FakePrefill("prefill-0"), FakeDecode("decode-0")
+    progress = asyncio.run(collect(driver([prefill], [decode]), request()))
+    assert tokens_of(progress) == [token_for(PROMPT, i) for i in range(5)]
+    assert (progress[0].prefill_replica, progress[0].decode_replica) == ("prefill-0", "decode-0")
+    assert progress[0].num_cached_tokens == 16
+    assert prefill.prefilled == ["r1"]
+    # the end of a request tells every replica it touched (a no-op where it finished)
+    assert prefill.aborted == ["r1"] and decode.aborted == ["r1"]
+
+
+def test_a_request_waits_for_room_then_runs():
+    decode = FakeDecode("decode-0", room=[False, False, False])
+    d = driver([FakePrefill("prefill-0")], [decode], queue_timeout_s=5.0)
+    progress = asyncio.run(collect(d, request()))
+    assert len(tokens_of(progress)) == 5
+    assert progress[0].queue_s > 0
+    assert d.num_queued == 0
+
+
+def test_no_room_within_the_queue_timeout_is_resource_exhausted():
+    decode = FakeDecode("decode-0", room=[False] * 1000)
+    d = driver([FakePrefill("prefill-0")], [decode], queue_timeout_s=0.1)
+    with pytest.raises(NoCapacityError, match="within 0.1 s") as failure:
+        asyncio.run(collect(d, request()))
+    assert status_for(failure.value)[0] is grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert d.num_queued == 0
+
+
+def test_a_full_queue_refuses_at_once():
+    decode = FakeDecode("decode-0", room=[False] * 1000)
+    d = driver([FakePrefill("prefill-0")], [decode], max_queued_requests=0, queue_timeout_s=30)
+    with pytest.raises(NoCapacityError, match="already queued"):
+        asyncio.run(asyncio.wait_for(collect(d, request()), 5))
+
+
+def test_a_replica_without_room_is_tried_after_the_others():
+    full, free = FakeDecode("decode-0", room=[False] * 1000), FakeDecode("decode-1")
+    d = driver([FakePrefill("prefill-0")], [full, free])
+    for i in range(3):
+        progress = asyncio.run(collect(d, request(f"r{i}")))
+        assert progress[0].decode_replica == "decode-1"
+
+
+def test_a_failed_transfer_falls_back_to_prefilling_on_a_decode_replica():
+    prefill, decode = FakePrefill("prefill-0", fail=TransferState.FAILED), FakeDecode("decode-0")
+    d = driver([prefill], [decode])
+    progress = asyncio.run(collect(d, request()))
+    assert tokens_of(progress) == [token_for(PROMPT, i) for i in range(5)]
+    assert {o.request_id for p in progress for o in p.outputs} == {"r1"}  # the client sees its own id
+    assert d.num_fallbacks == 1
+    assert sorted(decode.aborted) == ["r1", "r1.local"]
+
+
+def test_n_above_one_and_colocated_mode_prefill_on_the_decode_replica():
+    prefill, decode = FakePrefill("prefill-0"), FakeDecode("decode-0")
+    progress = asyncio.run(collect(driver([prefill], [decode]), request(n=2)))
+    assert len(tokens_of(progress)) == 5 and prefill.prefilled == []
+    progress = asyncio.run(collect(driver([], [decode], mode="colocated"), request("c1")))
+    assert (progress[0].prefill_replica, progress[0].decode_replica) == ("", "decode-0")
+
+
+def test_cancelling_mid_stream_aborts_on_every_replica_touched():
+    prefill, decode = FakePrefill("prefill-0"), FakeDecode("decode-0", step_s=0.05)
+    d = driver([prefill], [decode])
+
+    async def cancel_after_two():
+        seen = []
+
+        async def consume():
+            async for p in d.run(request(max_tokens=100)):
+                seen.append(p)
+
+        task = asyncio.create_task(consume())
+        while len(seen) < 2:
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return seen
+
+    seen = asyncio.run(cancel_after_two())
+    assert 2 <= len(seen) < 100
+    assert prefill.aborted == ["r1"] and decode.aborted == ["r1"]
+    assert all(r.load.in_flight == 0 for r in d.prefill + d.decode)
+
+
+def test_an_empty_pool_is_unavailable():
+    with pytest.raises(NoReplicaError) as failure:
+        asyncio.run(collect(driver([FakePrefill("p")], []), request()))
+    assert status_for(failure.value)[0] is grpc.StatusCode.UNAVAILABLE
+
+
+def test_status_codes_for_each_failure():
+    from ray.exceptions import RayActorError
+
+    from tandem.engine.scheduler import RequestRejectedError
+
+    assert status_for(InvalidRequest("x", "NOT_FOUND"))[0] is grpc.StatusCode.NOT_FOUND
+    assert status_for(RequestRejectedError("too long"))[0] is grpc.StatusCode.INVALID_ARGUMENT
+    assert status_for(RayActorError())[0] is grpc.StatusCode.UNAVAILABLE
+    assert status_for(RuntimeError("bug"))[0] is grpc.StatusCode.INTERNAL
