@@ -115,26 +115,28 @@ def up(manifest: Manifest, *, address: str | None = None, detach: bool = False, 
         name=name, namespace=namespace, num_cpus=0, lifetime="detached" if detach else None, max_concurrency=100,
         scheduling_strategy=here,
     ).remote(manifest, placement_timeout_s=placement_timeout_s, started_ray=started)
+    cluster = RunningCluster(manifest.name, namespace, controller, None, started)
     pending = controller.start.remote()
     shown = 0
-    while True:
-        ready, _ = ray.wait([pending], timeout=0.5)
-        lines = ray.get(controller.log.remote(shown))
-        for line in lines:
-            print(f"tandem: {line}", file=out, flush=True)
-        shown += len(lines)
-        if ready:
-            break
     try:
-        endpoint = ray.get(pending)
-    except ray.exceptions.RayTaskError as e:
-        ray.kill(controller)
-        if started:
-            ray.shutdown()
-            stop_local_ray()
+        while True:
+            ready, _ = ray.wait([pending], timeout=0.5)
+            lines = ray.get(controller.log.remote(shown))
+            for line in lines:
+                print(f"tandem: {line}", file=out, flush=True)
+            shown += len(lines)
+            if ready:
+                break
+        cluster.endpoint = ray.get(pending)
+    except ray.exceptions.RayTaskError as e:  # start() already stopped what it had started
+        cluster.shutdown()
         cause = getattr(e, "cause", None)
         raise RuntimeError(str(cause) if cause is not None else str(e)) from None
-    return RunningCluster(manifest.name, namespace, controller, endpoint, started)
+    except KeyboardInterrupt:
+        print("\ntandem: interrupted while starting; stopping what was started", file=out, flush=True)
+        cluster.shutdown()
+        raise
+    return cluster
 
 
 def find(name: str = "tandem", *, address: str | None = None, namespace: str = "tandem") -> RunningCluster:

@@ -165,7 +165,7 @@ class AsyncEngine:
             try:
                 result = fn(self.engine)
             except BaseException as e:
-                loop.call_soon_threadsafe(lambda: done.done() or done.set_exception(e))
+                loop.call_soon_threadsafe(lambda error=e: done.done() or done.set_exception(error))
             else:
                 loop.call_soon_threadsafe(lambda: done.done() or done.set_result(result))
 

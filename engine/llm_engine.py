@@ -27,6 +27,7 @@ from typing import Any, Callable, Mapping, Sequence as Seq
 import torch
 
 from tandem.engine.engine_config import EngineConfig, available_memory_bytes
+from tandem.engine.errors import ReplicaFailedError
 from tandem.engine.kv_cache import KVCacheSpec, PagedKVCache
 from tandem.engine.kv_cache_manager import KVCacheManager
 from tandem.engine.kv_events import KVEventSink, discard_events
@@ -40,6 +41,7 @@ from tandem.engine.scheduler import RequestRejectedError, Scheduler, SchedulerCo
 
 __all__ = ["EngineStats", "KVAgentFactory", "LLMEngine", "RequestRejectedError"]
 
+STARTUP_PORT_ATTEMPTS = 3
 KVAgentFactory = Callable[[int, ReplicaLayout, PagedKVCache], Any]
 
 
@@ -89,12 +91,19 @@ class LLMEngine:
             from tandem.engine.parallel.worker import WorkerSpec
 
             threads = max(1, torch.get_num_threads() // self.layout.world_size)
-            self.runner = MultiprocExecutor(WorkerSpec(
-                model_path=str(loaded.source), dtype=str(loaded.dtype).removeprefix("torch."), device=str(device),
-                layout=self.layout, num_kv_blocks=num_blocks, block_size=config.block_size,
-                max_positions=model_config.max_position_embeddings,
-                init_method=f"tcp://127.0.0.1:{free_port()}", timeout_s=parallel.collective_timeout_s,
-                threads=threads, micro_batches=parallel.num_micro_batches, kv_agent=kv_agent))
+            for attempt in range(STARTUP_PORT_ATTEMPTS):
+                # free_port() may be taken by another process before rank 0 binds it: then try another port.
+                try:
+                    self.runner = MultiprocExecutor(WorkerSpec(
+                        model_path=str(loaded.source), dtype=str(loaded.dtype).removeprefix("torch."),
+                        device=str(device), layout=self.layout, num_kv_blocks=num_blocks, block_size=config.block_size,
+                        max_positions=model_config.max_position_embeddings,
+                        init_method=f"tcp://127.0.0.1:{free_port()}", timeout_s=parallel.collective_timeout_s,
+                        threads=threads, micro_batches=parallel.num_micro_batches, kv_agent=kv_agent))
+                    break
+                except ReplicaFailedError as e:
+                    if "EADDRINUSE" not in str(e) or attempt == STARTUP_PORT_ATTEMPTS - 1:
+                        raise
             self.local_kv_agent = None
         self.has_kv_agents = kv_agent is not None
         self.kv_manager = KVCacheManager(num_blocks, config.block_size,

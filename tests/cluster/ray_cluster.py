@@ -16,6 +16,13 @@ from tandem.cluster import launcher
 from tandem.cluster.manifest import Manifest, load_manifest
 
 MANIFESTS = Path(__file__).resolve().parents[2] / "deploy" / "manifests"
+QUESTIONS = ["What is the capital of France?", "Name three colors.", "Write a haiku about the sea.",
+             "What is 12 times 12?", "Who wrote Hamlet?", "Give me a synonym for happy.",
+             "Describe a cat in one sentence.", "What is the boiling point of water?"]
+
+
+def chat(question: str) -> list[dict]:
+    return [{"role": "user", "content": question}]
 
 
 def manifest_for_test(name: str, **updates) -> Manifest:

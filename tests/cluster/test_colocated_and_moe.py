@@ -6,22 +6,14 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
-import pytest
-
 from tandem.cluster.cli import main as tandem_main
 from tandem.engine.generator import Generator
 from tandem.engine.loader import load_model
 from tandem.engine.sampling_params import SamplingParams
 from tandem.router.client import TandemClient
-from tests.cluster.ray_cluster import check_integrity, manifest_for_test, running, simulated_cluster, wait_idle
+from tests.cluster.ray_cluster import (QUESTIONS, chat, check_integrity, manifest_for_test, running,
+                                      simulated_cluster, wait_idle)
 
-QUESTIONS = ["What is the capital of France?", "Name three colors.", "Write a haiku about the sea.",
-             "What is 12 times 12?", "Who wrote Hamlet?", "Give me a synonym for happy.",
-             "Describe a cat in one sentence.", "What is the boiling point of water?"]
-
-
-def chat(question: str) -> list[dict]:
-    return [{"role": "user", "content": question}]
 
 
 def run_concurrently(endpoint: str, max_tokens: int):

@@ -17,11 +17,9 @@ import pytest
 from tandem.engine.generator import Generator
 from tandem.engine.sampling_params import SamplingParams
 from tandem.router.client import TandemClient, build_request
-from tests.cluster.ray_cluster import check_integrity, manifest_for_test, running, simulated_cluster, wait_idle
+from tests.cluster.ray_cluster import (QUESTIONS, chat, check_integrity, manifest_for_test, running,
+                                      simulated_cluster, wait_idle)
 
-QUESTIONS = ["What is the capital of France?", "Name three colors.", "Write a haiku about the sea.",
-             "What is 12 times 12?", "Who wrote Hamlet?", "Give me a synonym for happy.",
-             "Describe a cat in one sentence.", "What is the boiling point of water?"]
 MAX_TOKENS = 24
 
 
@@ -37,10 +35,6 @@ def cluster():
 def client(cluster):
     with TandemClient(cluster.endpoint, timeout_s=120) as c:
         yield c
-
-
-def chat(question: str) -> list[dict]:
-    return [{"role": "user", "content": question}]
 
 
 def test_replicas_are_placed_on_the_nodes_offering_their_pool(cluster):
@@ -92,6 +86,15 @@ def test_cached_prefix_is_reported_from_the_prefill_replica(client):
     second = client.generate(chat=question, max_tokens=2, temperature=0)
     assert first.usage.prompt_tokens == second.usage.prompt_tokens
     assert second.usage.cached_tokens >= 16 * (second.usage.prompt_tokens // 16 - 1) > 0
+
+
+def test_logprobs_travel_with_every_token_including_the_prefilled_one(client):
+    result = client.generate(prompt="The capital of France is", max_tokens=4, temperature=0, logprobs=2)
+    logprobs = result.logprobs[0]
+    assert [lp.token_id for lp in logprobs] == result.token_ids[0]
+    for lp in logprobs:
+        assert len(lp.top) == 2 and lp.top[0].logprob >= lp.top[1].logprob
+        assert lp.top[0].token_id == lp.token_id and lp.logprob == pytest.approx(lp.top[0].logprob)  # greedy
 
 
 def test_seeded_sampling_is_reproducible_across_the_transfer(client):

@@ -164,3 +164,36 @@ def test_an_engine_failure_reaches_every_stream_and_refuses_new_requests(tiny_ll
                 server.add_request("b", [5, 6], SamplingParams(max_tokens=4))
 
     asyncio.run(main())
+
+
+def test_call_runs_on_the_engine_thread_returns_and_raises(tiny_llama):
+    import threading
+
+    async def main():
+        async with AsyncEngine(make(tiny_llama)) as server:
+            name = await server.call(lambda engine: threading.current_thread().name)
+            with pytest.raises(ValueError, match="already in use"):
+                await server.call(lambda engine: (engine.add_request("dup", [5, 6], SamplingParams(max_tokens=2)),
+                                                  engine.add_request("dup", [5, 6], SamplingParams(max_tokens=2))))
+            await server.abort("dup")
+            return name, server.stats()
+
+    name, stats = asyncio.run(asyncio.wait_for(main(), 30))
+    assert name == "tandem-engine"
+    assert stats.num_blocks_in_use == 0
+
+
+def test_batches_group_what_arrived_and_tick_keeps_the_loop_polling(tiny_llama):
+    ticks = []
+
+    async def main():
+        server = AsyncEngine(make(tiny_llama), tick=lambda: ticks.append(1) or len(ticks) < 50)
+        async with server:
+            stream = server.add_request("a", [5, 6, 7], SamplingParams(max_tokens=12, ignore_eos=True))
+            await asyncio.sleep(0.5)  # let outputs pile up before reading
+            return [batch async for batch in server.batches("a", stream)]
+
+    batches = asyncio.run(asyncio.wait_for(main(), 30))
+    assert sum(len(b) for b in batches) == 12 and batches[-1][-1].finished
+    assert len(batches) < 12  # outputs that arrived together came as one batch
+    assert len(ticks) >= 50  # ticked every iteration while it asked to, not only on commands

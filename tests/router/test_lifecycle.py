@@ -138,3 +138,22 @@ def test_status_codes_for_each_failure():
     assert status_for(RequestRejectedError("too long"))[0] is grpc.StatusCode.INVALID_ARGUMENT
     assert status_for(RayActorError())[0] is grpc.StatusCode.UNAVAILABLE
     assert status_for(RuntimeError("bug"))[0] is grpc.StatusCode.INTERNAL
+
+
+def test_cancelling_a_queued_request_leaves_the_queue_and_holds_nothing():
+    decode = FakeDecode("decode-0", room=[False] * 1000)
+    prefill = FakePrefill("prefill-0")
+    d = driver([prefill], [decode], queue_timeout_s=30)
+
+    async def cancel_while_queued():
+        task = asyncio.create_task(collect(d, request()))
+        while d.num_queued == 0:
+            await asyncio.sleep(0.005)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(cancel_while_queued())
+    assert d.num_queued == 0
+    assert decode.reservations == {} and prefill.prefilled == []
+    assert all(r.load.in_flight == 0 for r in d.prefill + d.decode)

@@ -59,7 +59,7 @@ INVALID = {
     "empty text": (lambda v: {"prompt": ""}, "INVALID_ARGUMENT", "prompt text is empty"),
     "empty token_ids": (lambda v: {"token_ids": []}, "INVALID_ARGUMENT", "token_ids is empty"),
     "token id = vocab size": (lambda v: {"token_ids": [1, v, 2]}, "INVALID_ARGUMENT",
-                              f"token id {{v}} is outside the vocabulary (0..{{last}})"),
+                              "token id {v} is outside the vocabulary (0..{last})"),
     "negative token id": (lambda v: {"token_ids": [-1]}, "INVALID_ARGUMENT", "token id -1 is outside the vocabulary"),
     "empty chat": (lambda v: {"chat": []}, "INVALID_ARGUMENT", "chat has no messages"),
     "bad role": (lambda v: {"chat": [{"role": "user", "content": "a"}, {"role": "robot", "content": "b"}]},

@@ -1,0 +1,139 @@
+"""Serving through the cluster: disaggregated (deploy/manifests/local.yaml) against colocated
+(local-colocated.yaml, the same model and cores) and against the engine in this process (no Ray, no gRPC: the
+floor of what serving costs), in one run on the same requests.
+
+For each: --requests chat requests one at a time (TTFT and mean ITL as the gRPC client sees them; medians), then
+the same requests all at once (output tokens/s, TTFT p50/p99). Greedy, ignore_eos, --tokens tokens each; one
+untimed warm-up request first (it also opens the UCX connections).
+
+    .venv/bin/python bench/cluster_serving.py [--requests 8] [--tokens 32]
+
+Each cluster starts on a local Ray head this script starts and stops (none may be running). The last line of
+output is one JSON object with every number.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+MANIFESTS = Path(__file__).resolve().parents[1] / "deploy" / "manifests"
+QUESTIONS = ["Write a short story about a lighthouse keeper.", "Explain how a hash map works.",
+             "What are the advantages of trains over planes?", "Give me three tips for learning a language."]
+
+
+def messages(i: int) -> list[dict]:
+    return [{"role": "user", "content": f"Request {i}. {QUESTIONS[i % len(QUESTIONS)]}"}]
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def summarize(sequential: list[tuple[float, float]], concurrent: list[tuple[float, float]], tokens: int,
+              wall_s: float) -> dict:
+    return {"ttft_ms_p50": 1000 * statistics.median(t for t, _ in sequential),
+            "itl_ms_mean": 1000 * statistics.median(i for _, i in sequential),
+            "concurrent_tokens_per_s": tokens * len(concurrent) / wall_s,
+            "concurrent_ttft_ms_p50": 1000 * percentile([t for t, _ in concurrent], 0.5),
+            "concurrent_ttft_ms_p99": 1000 * percentile([t for t, _ in concurrent], 0.99)}
+
+
+def bench_cluster(name: str, requests: int, tokens: int) -> dict:
+    import ray
+
+    from tandem.cluster import launcher
+    from tandem.cluster.manifest import load_manifest
+    from tandem.router.client import TandemClient
+
+    manifest = load_manifest(MANIFESTS / name)
+    manifest = manifest.model_copy(update={"listen": manifest.listen.model_copy(update={"grpc": "127.0.0.1:0"})})
+    cluster = launcher.up(manifest, out=sys.stderr)
+    try:
+        if not cluster.started_ray:
+            raise RuntimeError("a Ray cluster was already running; stop it so that every mode gets the same cores")
+        with TandemClient(cluster.endpoint, timeout_s=600) as client:
+            def one(i: int) -> tuple[float, float]:
+                r = client.generate(chat=messages(i), max_tokens=tokens, temperature=0, ignore_eos=True)
+                assert r.usage.completion_tokens == tokens
+                return r.ttft_s, statistics.mean(r.itl_s) if r.itl_s else 0.0
+
+            one(-1)
+            sequential = [one(i) for i in range(requests)]
+            start = time.perf_counter()
+            with ThreadPoolExecutor(requests) as pool:
+                concurrent = list(pool.map(one, range(requests, 2 * requests)))
+            wall = time.perf_counter() - start
+    finally:
+        cluster.shutdown()
+        ray.shutdown()
+    return summarize(sequential, concurrent, tokens, wall)
+
+
+def bench_in_process(requests: int, tokens: int) -> dict:
+    """The engine behind AsyncEngine in this process, two torch threads (the cores the clusters get)."""
+    import torch
+
+    from tandem.engine.async_engine import AsyncEngine
+    from tandem.engine.engine_config import EngineConfig
+    from tandem.engine.llm_engine import LLMEngine
+    from tandem.engine.loader import load_model
+    from tandem.engine.sampling_params import SamplingParams
+
+    torch.set_num_threads(2)
+    loaded = load_model(progress=False)
+    engine = LLMEngine(loaded, EngineConfig(kv_cache_bytes=256 << 20, max_model_len=2048, max_num_seqs=32))
+    params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
+
+    async def main():
+        async with AsyncEngine(engine) as server:
+            async def one(i: int) -> tuple[float, float]:
+                start = last = time.perf_counter()
+                ttft, gaps = None, []
+                async for out in server.generate(f"r{i}", loaded.tokenizer.encode_chat(messages(i)), params):
+                    now = time.perf_counter()
+                    if out.token_ids:
+                        if ttft is None:
+                            ttft = now - start
+                        else:
+                            gaps.append(now - last)
+                        last = now
+                return ttft, statistics.mean(gaps)
+
+            await one(-1)
+            sequential = [await one(i) for i in range(requests)]
+            start = time.perf_counter()
+            concurrent = await asyncio.gather(*(one(i) for i in range(requests, 2 * requests)))
+            return sequential, concurrent, time.perf_counter() - start
+
+    sequential, concurrent, wall = asyncio.run(main())
+    return summarize(sequential, list(concurrent), tokens, wall)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--requests", type=int, default=8)
+    parser.add_argument("--tokens", type=int, default=32)
+    args = parser.parse_args()
+    results = {"requests": args.requests, "tokens": args.tokens}
+    for mode, run in (("disaggregated", lambda: bench_cluster("local.yaml", args.requests, args.tokens)),
+                      ("colocated", lambda: bench_cluster("local-colocated.yaml", args.requests, args.tokens)),
+                      ("in_process", lambda: bench_in_process(args.requests, args.tokens))):
+        print(f"== {mode}", file=sys.stderr, flush=True)
+        results[mode] = run()
+        print(f"{mode}: {json.dumps(results[mode])}", file=sys.stderr, flush=True)
+    d, c = results["disaggregated"], results["colocated"]
+    results["ratios_disaggregated_to_colocated"] = {
+        key: d[key] / c[key] for key in ("ttft_ms_p50", "itl_ms_mean", "concurrent_tokens_per_s")}
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
