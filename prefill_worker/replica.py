@@ -64,9 +64,13 @@ class PrefillReplica:
             self.server.close_stream(request_id)
             raise
         first = None
-        async for output in self.server.stream(request_id, stream):
-            if output.token_ids:
-                first = output
+        try:
+            async for output in self.server.stream(request_id, stream):
+                if output.token_ids:
+                    first = output
+        except TransferFailedError:  # ended by the connector (see _end_stream): its outcome is this error
+            await self.server.call(lambda _e: self.transfers.forget(request_id))
+            raise
         if first is None:
             raise TransferFailedError(request_id, TransferState.ABORTED, "the prefill was aborted")
         event = await self.transfers.wait(self.server, request_id)
