@@ -143,6 +143,47 @@ def test_abort_or_disconnect_at_each_phase_frees_every_block(cluster, client, ph
     assert client.generate(prompt="The capital of France is", max_tokens=4, temperature=0).usage.completion_tokens == 4
 
 
+def _fill_decode_kv(handle, prefix: str) -> list[str]:
+    """Reserves every free block of the decode replica with transfers nobody sends (each lease runs 30 s);
+    returns the reservation ids."""
+    import ray
+
+    held, sizes = [], [2000, 512, 128, 32, 8, 1]
+    params = SamplingParams(max_tokens=1, temperature=0)
+    for size in sizes:
+        while ray.get(handle.reserve.remote(f"{prefix}-{len(held)}", [100 + len(held)] * size, params)) is not None:
+            held.append(f"{prefix}-{len(held)}")
+    return held
+
+
+@pytest.mark.parametrize("how", ["abort", "disconnect"])
+def test_abort_or_disconnect_while_queued_for_room(cluster, client, how):
+    import ray
+
+    decode = cluster.replica_handles()["decode-0"]
+    held = _fill_decode_kv(decode, f"hog-{how}")
+    try:
+        assert _status_of(cluster, "decode-0")["waiting_for_kv"] == len(held) > 0
+        request_id = f"queued-{how}"
+        call = client.stub.Generate(build_request(prompt="Hello there", request_id=request_id, max_tokens=4))
+        received = []
+        reader = threading.Thread(target=_drain, args=(call, received), daemon=True)
+        reader.start()
+        _wait_for(lambda: cluster.status()["router"]["queued_requests"] == 1)
+        if how == "abort":
+            assert client.abort(request_id)
+        else:
+            call.cancel()
+        reader.join(30)
+        assert not reader.is_alive() and received[-1].code() is grpc.StatusCode.CANCELLED
+        _wait_for(lambda: cluster.status()["router"]["queued_requests"] == 0)
+        assert _status_of(cluster, "decode-0")["waiting_for_kv"] == len(held)  # nothing more was reserved
+    finally:
+        ray.get([decode.abort.remote(request_id) for request_id in held])
+    wait_idle(cluster)
+    check_integrity(cluster)
+
+
 def _drain(call, out: list) -> None:
     """Appends each message of the call as it arrives, then the RpcError that ended it, if any."""
     try:
