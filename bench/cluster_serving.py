@@ -63,7 +63,7 @@ def bench_cluster(name: str, requests: int, tokens: int) -> dict:
             def one(i: int) -> tuple[float, float]:
                 r = client.generate(chat=messages(i), max_tokens=tokens, temperature=0, ignore_eos=True)
                 assert r.usage.completion_tokens == tokens
-                return r.ttft_s, statistics.mean(r.itl_s) if r.itl_s else 0.0
+                return r.ttft_s, statistics.mean(r.itl_s)
 
             one(-1)
             sequential = [one(i) for i in range(requests)]
@@ -86,6 +86,7 @@ def bench_in_process(requests: int, tokens: int) -> dict:
     from tandem.engine.llm_engine import LLMEngine
     from tandem.engine.loader import load_model
     from tandem.engine.sampling_params import SamplingParams
+    from tandem.router.client import TokenClock
 
     torch.set_num_threads(2)
     loaded = load_model(progress=False)
@@ -95,17 +96,10 @@ def bench_in_process(requests: int, tokens: int) -> dict:
     async def main():
         async with AsyncEngine(engine) as server:
             async def one(i: int) -> tuple[float, float]:
-                start = last = time.perf_counter()
-                ttft, gaps = None, []
+                clock = TokenClock()
                 async for out in server.generate(f"r{i}", loaded.tokenizer.encode_chat(messages(i)), params):
-                    now = time.perf_counter()
-                    if out.token_ids:
-                        if ttft is None:
-                            ttft = now - start
-                        else:
-                            gaps.append(now - last)
-                        last = now
-                return ttft, statistics.mean(gaps)
+                    clock.tick(bool(out.token_ids))
+                return clock.ttft_s, clock.mean_itl_s
 
             await one(-1)
             sequential = [await one(i) for i in range(requests)]

@@ -55,30 +55,20 @@ def up(args: argparse.Namespace) -> int:
 
 def _ask(target: str, message: str, max_tokens: int) -> None:
     """One chat request through the gRPC client, streamed to stdout, with TTFT and ITL."""
-    import time
-
-    from tandem.router.client import TandemClient
+    from tandem.router.client import TandemClient, TokenClock
 
     print(f"\n> {message}", flush=True)
     with TandemClient(target) as client:
-        start = last = time.perf_counter()
-        ttft, gaps, usage, timings = None, [], None, None
+        clock, usage, timings = TokenClock(), None, None
         for chunk in client.stream(chat=[{"role": "user", "content": message}], max_tokens=max_tokens,
                                    temperature=0.0):
-            now = time.perf_counter()
-            if chunk.token_ids:
-                if ttft is None:
-                    ttft = now - start
-                else:
-                    gaps.append(now - last)
-                last = now
+            clock.tick(bool(chunk.token_ids))
             sys.stdout.write(chunk.text)
             sys.stdout.flush()
             if chunk.HasField("usage"):
                 usage, timings = chunk.usage, chunk.timings
     print()
-    itl = sum(gaps) / len(gaps) if gaps else 0.0
-    print(f"[TTFT {1000 * (ttft or 0):.0f} ms, ITL {1000 * itl:.1f} ms/token (client); "
+    print(f"[TTFT {1000 * (clock.ttft_s or 0):.0f} ms, ITL {1000 * clock.mean_itl_s:.1f} ms/token (client); "
           f"{usage.completion_tokens} tokens, prompt {usage.prompt_tokens} ({usage.cached_tokens} cached); "
           f"server TTFT {1000 * timings.ttft_s:.0f} ms]\n", file=sys.stderr, flush=True)
 

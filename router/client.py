@@ -25,6 +25,29 @@ _SAMPLING = ("n", "max_tokens", "temperature", "top_p", "top_k", "min_p", "repet
              "frequency_penalty", "seed", "ignore_eos", "stop_token_ids", "stop", "logprobs")
 
 
+class TokenClock:
+    """Client-side TTFT and inter-token gaps: call tick(has_tokens) as each message arrives."""
+
+    def __init__(self):
+        self.start = self._last = time.perf_counter()
+        self.ttft_s: float | None = None
+        self.gaps_s: list[float] = []
+
+    def tick(self, has_tokens: bool) -> None:
+        now = time.perf_counter()
+        if not has_tokens:
+            return
+        if self.ttft_s is None:
+            self.ttft_s = now - self.start
+        else:
+            self.gaps_s.append(now - self._last)
+        self._last = now
+
+    @property
+    def mean_itl_s(self) -> float:
+        return sum(self.gaps_s) / len(self.gaps_s) if self.gaps_s else 0.0
+
+
 @dataclass
 class Completion:
     """One request's result, gathered from its stream. texts/token_ids: per sample index. ttft_s / itl_s are
@@ -100,15 +123,9 @@ class TandemClient:
     def generate(self, **kwargs) -> Completion:
         """The whole completion (see build_request). Raises grpc.RpcError on a failed request."""
         result = Completion()
-        start = last = time.perf_counter()
+        clock = TokenClock()
         for message in self.stream(**kwargs):
-            now = time.perf_counter()
-            if message.token_ids:
-                if result.ttft_s == 0.0:
-                    result.ttft_s = now - start
-                else:
-                    result.itl_s.append(now - last)
-                last = now
+            clock.tick(bool(message.token_ids))
             result.num_messages += 1
             result.request_id = message.request_id
             i = message.index
@@ -121,6 +138,7 @@ class TandemClient:
                 result.prefill_replica, result.decode_replica = message.prefill_replica, message.decode_replica
             if message.HasField("usage"):
                 result.usage, result.timings = message.usage, message.timings
+        result.ttft_s, result.itl_s = clock.ttft_s or 0.0, clock.gaps_s
         return result
 
     def abort(self, request_id: str) -> bool:

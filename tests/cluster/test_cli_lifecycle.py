@@ -51,9 +51,10 @@ def manifest(tmp_path: Path) -> tuple[Path, int]:
 
 def test_up_detach_status_generate_down(manifest):
     manifest, port = manifest
-    up = tandem("up", str(manifest), "--detach")
+    up = tandem("up", str(manifest), "--detach", "--ask", "Say hi.", "--max-tokens", "6")
     try:
         assert up.returncode == 0, up.stderr
+        assert "> Say hi." in up.stdout and "TTFT" in up.stderr and "6 tokens" in up.stderr  # the sample request
         endpoint = f"127.0.0.1:{port}"
         assert "starting a local Ray head" in up.stderr
         assert f"gRPC      {endpoint}" in up.stderr
