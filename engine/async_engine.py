@@ -40,13 +40,16 @@ class _Stream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, *, tick: Callable[[], bool] | None = None, idle_poll_s: float = 0.002):
+    def __init__(self, engine: LLMEngine, *, tick: Callable[[], bool] | None = None,
+                 idle_poll_s: tuple[float, float] = (0.001, 0.008)):
         """tick: called on the engine thread every loop iteration (before the step); it returns True while it
-        waits on something outside the engine (e.g. a KV transfer), which keeps the loop polling every
-        idle_poll_s seconds instead of sleeping until the next command."""
+        waits on something outside the engine (e.g. a KV transfer), which keeps an otherwise idle loop polling:
+        first after idle_poll_s[0] seconds, then backing off to idle_poll_s[1] (each poll may cost the ranks a
+        wake-up, and on a few shared cores they are the ones computing what is waited for)."""
         self.engine = engine
         self._tick = tick
         self._idle_poll_s = idle_poll_s
+        self._poll_s = idle_poll_s[0]
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, _Stream] = {}
@@ -184,6 +187,7 @@ class AsyncEngine:
             for output in self.engine.abort_request(request_id):
                 self._deliver(request_id, output, final=output.finished)
             self._streams.pop(request_id, None)
+            self._stats = self.engine.stats()  # stats() right after abort() shows the blocks freed
             loop.call_soon_threadsafe(lambda: done.done() or done.set_result(None))
 
         self._submit(abort)
@@ -228,9 +232,11 @@ class AsyncEngine:
                 if not self.engine.has_schedulable_requests():
                     if self.engine.config.check_integrity:  # debug mode: verify KV ownership while idle
                         self.engine.check_integrity()
-                    self._wake.wait(timeout=self._idle_poll_s if waiting_outside else 0.5)
+                    self._wake.wait(timeout=self._poll_s if waiting_outside else 0.5)
                     self._wake.clear()
+                    self._poll_s = min(self._poll_s * 2, self._idle_poll_s[1])
                     continue
+                self._poll_s = self._idle_poll_s[0]
                 outputs = self.engine.step()
                 self._stats = self.engine.stats()  # before delivery: a finished stream sees its blocks freed
                 for output in outputs:

@@ -176,7 +176,7 @@ def test_call_runs_on_the_engine_thread_returns_and_raises(tiny_llama):
                 await server.call(lambda engine: (engine.add_request("dup", [5, 6], SamplingParams(max_tokens=2)),
                                                   engine.add_request("dup", [5, 6], SamplingParams(max_tokens=2))))
             await server.abort("dup")
-            return name, server.stats()
+            return name, await server.call(lambda engine: engine.stats())
 
     name, stats = asyncio.run(asyncio.wait_for(main(), 30))
     assert name == "tandem-engine"
