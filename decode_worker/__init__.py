@@ -1,1 +1,2 @@
-"""Decode worker: a Ray actor group that runs one pipeline- and expert-parallel decode replica (filled by a later issue)."""
+"""Decode worker: the Ray actor that runs one decode replica (PP stages x EP ranks x TP ranks): reservations for
+transferred KV, admission with the prefill replica's first token, local prefill for colocated mode (replica.py)."""

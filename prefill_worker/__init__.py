@@ -1,1 +1,2 @@
-"""Prefill worker: a Ray actor group that runs one tensor-parallel prefill replica (filled by a later issue)."""
+"""Prefill worker: the Ray actor that runs one prefill replica (TP ranks) and pushes each prompt's KV into the decode
+replica's reservation layer by layer (replica.py)."""

@@ -1,1 +1,1 @@
-"""Wire types: `.proto` definitions and their generated code (filled by a later issue)."""
+"""Wire types: v1/tandem.proto (package tandem.v1) and its generated code; generate.py regenerates it."""
