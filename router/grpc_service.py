@@ -14,7 +14,8 @@ from grpc_reflection.v1alpha import reflection
 from tandem.engine.output_processor import RequestOutput
 from tandem.proto.v1 import tandem_pb2 as pb
 from tandem.proto.v1 import tandem_pb2_grpc as pb_grpc
-from tandem.router.lifecycle import NoCapacityError, NoReplicaError, Progress, RequestDriver
+from tandem.router.lifecycle import (NoCapacityError, NoReplicaError, Progress, ReplicaLostError, RequestDriver,
+                                     is_replica_death)
 from tandem.router.request_parsing import InvalidRequest, ModelFacts, ParsedRequest, parse_request
 
 _log = logging.getLogger(__name__)
@@ -27,15 +28,10 @@ def status_for(error: BaseException) -> tuple[grpc.StatusCode, str]:
         return getattr(grpc.StatusCode, error.code), str(error)
     if isinstance(error, NoCapacityError):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, str(error)
-    if isinstance(error, NoReplicaError):
+    if isinstance(error, (NoReplicaError, ReplicaLostError)):
         return grpc.StatusCode.UNAVAILABLE, str(error)
-    try:
-        from ray.exceptions import RayActorError
-
-        if isinstance(error, RayActorError):
-            return grpc.StatusCode.UNAVAILABLE, f"a replica serving the request died: {error}"
-    except ImportError:  # the servicer also runs without Ray in unit tests
-        pass
+    if is_replica_death(error):
+        return grpc.StatusCode.UNAVAILABLE, f"a replica serving the request died: {error}"
     if isinstance(error, ValueError):  # the engine's own validation (RequestRejectedError is one)
         return grpc.StatusCode.INVALID_ARGUMENT, str(error).splitlines()[-1] if str(error) else repr(error)
     return grpc.StatusCode.INTERNAL, f"internal error: {error!r}"

@@ -45,6 +45,19 @@ class NoReplicaError(RuntimeError):
     """The pool has no live replica (gRPC UNAVAILABLE)."""
 
 
+class ReplicaLostError(RuntimeError):
+    """A replica serving the request died (gRPC UNAVAILABLE); the router no longer routes to it."""
+
+
+def is_replica_death(error: BaseException) -> bool:
+    """Whether error says the replica's actor is gone (Ray's RayActorError and its subclasses)."""
+    try:
+        from ray.exceptions import RayActorError
+    except ImportError:  # the driver also runs over mock handles without Ray
+        return False
+    return isinstance(error, RayActorError)
+
+
 @dataclass
 class Replica:
     """A replica as the router sees it: its Ray actor handle, static info, and the router's load counters."""
@@ -88,6 +101,7 @@ class RequestDriver:
         self.pickers = {"prefill": ReplicaPicker(settings.policy), "decode": ReplicaPicker(settings.policy)}
         self.num_queued = 0
         self.num_fallbacks = 0
+        self.lost: list[str] = []  # replicas found dead, no longer routed to
 
     def _ordered(self, pool: list[Replica]) -> list[Replica]:
         if not pool:
@@ -111,6 +125,36 @@ class RequestDriver:
                 replica.load.in_flight -= 1
             await asyncio.shield(self._abort_everywhere(request.request_id, touched))
 
+    async def _call(self, replica: Replica, ref):
+        """Awaits a call on replica; if the replica died, stops routing to it and raises ReplicaLostError."""
+        try:
+            return await ref
+        except Exception as e:
+            self._check_death(replica, e)
+            raise
+
+    async def _items(self, replica: Replica, stream) -> AsyncIterator[list[RequestOutput]]:
+        """The items of a streaming call on replica, with the replica's death handled as in _call."""
+        while True:
+            try:
+                ref = await stream.__anext__()
+            except StopAsyncIteration:
+                return
+            except Exception as e:
+                self._check_death(replica, e)
+                raise
+            yield await self._call(replica, ref)
+
+    def _check_death(self, replica: Replica, error: Exception) -> None:
+        if not is_replica_death(error):
+            return
+        pool = self.prefill if replica.pool == "prefill" else self.decode
+        if replica in pool:
+            pool.remove(replica)
+            self.lost.append(replica.name)
+            _log.error("replica %s died; no longer routing to it: %s", replica.name, error)
+        raise ReplicaLostError(f"replica {replica.name} died while serving the request") from None
+
     async def _abort_everywhere(self, request_id: str, touched: list[tuple[Replica, str]]) -> None:
         """Tells every replica the request touched to drop it (a no-op where it finished)."""
         calls = [(replica, replica.handle.abort.remote(rid)) for replica, rid in touched]
@@ -131,8 +175,8 @@ class RequestDriver:
         try:
             while True:
                 for replica in self._ordered(self.decode):
-                    descriptor = await replica.handle.reserve.remote(
-                        request.request_id, request.prompt_token_ids, request.params, priority=request.priority)
+                    descriptor = await self._call(replica, replica.handle.reserve.remote(
+                        request.request_id, request.prompt_token_ids, request.params, priority=request.priority))
                     if descriptor is not None:
                         replica.load.refusals = 0
                         self._use(replica, request.request_id, touched)
@@ -158,13 +202,12 @@ class RequestDriver:
         self._use(prefill, request.request_id, touched)
         start = time.monotonic()
         try:
-            result = await prefill.handle.prefill.remote(request.request_id, request.prompt_token_ids,
-                                                         request.params, descriptor, priority=request.priority)
+            result = await self._call(prefill, prefill.handle.prefill.remote(
+                request.request_id, request.prompt_token_ids, request.params, descriptor, priority=request.priority))
             stream = decode.handle.decode.options(num_returns="streaming").remote(request.request_id,
                                                                                    result.first_token)
             first = True
-            async for ref in stream:
-                outputs = await ref
+            async for outputs in self._items(decode, stream):
                 if first:
                     yield Progress(outputs, prefill.name, decode.name, result.num_cached_tokens,
                                    time.monotonic() - start, queue_s)
@@ -188,8 +231,7 @@ class RequestDriver:
         stream = replica.handle.generate.options(num_returns="streaming").remote(
             local_id, request.prompt_token_ids, request.params, priority=request.priority)
         first = True
-        async for ref in stream:
-            outputs = await ref
+        async for outputs in self._items(replica, stream):
             if retry_of is not None:
                 outputs = [dataclasses.replace(o, request_id=request.request_id) for o in outputs]
             yield Progress(outputs, "", replica.name, None, time.monotonic() - start) if first else Progress(outputs)

@@ -54,6 +54,7 @@ class RouterActor:
         return {"state": "serving", "endpoint": self.endpoint, "active_requests": len(servicer.active),
                 "queued_requests": driver.num_queued, "finished_requests": servicer.num_finished,
                 "failed_requests": servicer.num_failed, "transfer_fallbacks": driver.num_fallbacks,
+                "replicas_lost": list(driver.lost),
                 "in_flight": {r.name: r.load.in_flight for r in driver.prefill + driver.decode}}
 
     async def stop(self, grace_s: float = 2.0) -> None:

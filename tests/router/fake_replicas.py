@@ -101,3 +101,33 @@ class FakePrefill:
 
     async def abort(self, request_id):
         self.aborted.append(request_id)
+
+
+class DyingDecode(FakeDecode):
+    """Dies (as Ray reports a dead actor) after streaming `after` outputs of a request."""
+
+    def __init__(self, name: str, after: int):
+        super().__init__(name)
+        self.after = after
+
+    async def _stream(self, request_id, prompt, tokens):
+        from ray.exceptions import RayActorError
+
+        async for i, batch in _enumerate(super()._stream(request_id, prompt, tokens)):
+            if i == self.after:
+                raise RayActorError()
+            yield batch
+
+    async def reserve(self, request_id, prompt, params, priority=0):
+        if self.after < 0:
+            from ray.exceptions import RayActorError
+
+            raise RayActorError()
+        return await super().reserve(request_id, prompt, params, priority)
+
+
+async def _enumerate(items):
+    i = 0
+    async for item in items:
+        yield i, item
+        i += 1

@@ -157,3 +157,33 @@ def test_cancelling_a_queued_request_leaves_the_queue_and_holds_nothing():
     assert d.num_queued == 0
     assert decode.reservations == {} and prefill.prefilled == []
     assert all(r.load.in_flight == 0 for r in d.prefill + d.decode)
+
+
+def test_a_replica_that_dies_mid_stream_is_unavailable_and_no_longer_routed_to():
+    from tandem.router.lifecycle import ReplicaLostError
+    from tests.router.fake_replicas import DyingDecode
+
+    dying, healthy = DyingDecode("decode-0", after=2), FakeDecode("decode-1")
+    d = driver([FakePrefill("prefill-0")], [dying, healthy])
+    seen = []
+
+    async def run():
+        async for p in d.run(request(max_tokens=10)):
+            seen.append(p)
+
+    with pytest.raises(ReplicaLostError, match="decode-0 died") as failure:
+        asyncio.run(run())
+    assert status_for(failure.value)[0] is grpc.StatusCode.UNAVAILABLE
+    assert len(seen) == 2 and d.lost == ["decode-0"]
+    for i in range(3):  # later requests go to the live replica
+        assert asyncio.run(collect(d, request(f"after-{i}")))[0].decode_replica == "decode-1"
+
+
+def test_a_replica_found_dead_while_reserving_leaves_the_pool():
+    from tests.router.fake_replicas import DyingDecode
+
+    d = driver([FakePrefill("prefill-0")], [DyingDecode("decode-0", after=-1)])
+    with pytest.raises(Exception, match="decode-0 died"):
+        asyncio.run(collect(d, request()))
+    with pytest.raises(NoReplicaError):
+        asyncio.run(collect(d, request("r2")))
