@@ -104,6 +104,7 @@ class EngineLimits(_Strict):
     max_model_len: int | None = Field(None, ge=1)
     enable_prefix_caching: bool = True
     dtype: Literal["float32", "bfloat16"] = "float32"
+    attention_backend: Literal["auto", "torch", "triton"] = "auto"  # auto: Triton on CUDA, torch elsewhere
 
     @field_validator("kv_cache_bytes", mode="before")
     @classmethod

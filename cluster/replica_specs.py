@@ -31,7 +31,8 @@ def replica_spec(manifest: Manifest, pool: Pool) -> ReplicaSpec:
     e = pool.engine
     engine = EngineConfig(block_size=e.block_size, kv_cache_bytes=e.kv_cache_bytes, num_kv_blocks=e.num_kv_blocks,
                           max_model_len=e.max_model_len, max_num_batched_tokens=e.max_num_batched_tokens,
-                          max_num_seqs=e.max_num_seqs, enable_prefix_caching=e.enable_prefix_caching)
+                          max_num_seqs=e.max_num_seqs, enable_prefix_caching=e.enable_prefix_caching,
+                          attention_backend=e.attention_backend)
     p = pool.parallelism
     threads = max(1, round(pool.resources.cpus * p.world_size))
     return ReplicaSpec(model=absolute_model(manifest), dtype=e.dtype, engine=engine,

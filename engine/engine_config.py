@@ -7,6 +7,7 @@ from pathlib import Path
 
 DEFAULT_CPU_KV_FRACTION = 0.25  # of available RAM: the CPU is shared with the tokenizer, the OS and peers
 DEFAULT_GPU_KV_FRACTION = 0.90  # of free device memory after the weights are loaded
+ATTENTION_BACKENDS = ("auto", "torch", "triton")  # auto: Triton on CUDA, the torch reference elsewhere
 
 
 @dataclass(frozen=True)
@@ -24,10 +25,14 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
     check_integrity: bool = False  # verify KV ownership after every step (debug; costs O(blocks) per step)
+    attention_backend: str = "auto"  # one of ATTENTION_BACKENDS
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
+                             f"got {self.attention_backend!r}")
         budgets = [n for n in ("num_kv_blocks", "kv_cache_bytes", "kv_cache_fraction") if getattr(self, n) is not None]
         if len(budgets) > 1:
             raise ValueError(f"give one KV budget, not {' and '.join(budgets)}")

@@ -82,6 +82,9 @@ class LLMEngine:
         if self.layout.world_size == 1:
             if loaded.model is None:
                 raise ValueError("a single-process engine needs the model's weights (load_model(weights=True))")
+            from tandem.engine.attention.triton_backend import select_backend
+
+            loaded.model.attention = select_backend(config.attention_backend, device)
             self.runner = ModelRunner(loaded.model, PagedKVCache(self.kv_cache_spec, device))
             # This process's KV transfer agent (None without kv_agent, or when the ranks hold their own).
             self.local_kv_agent = kv_agent(0, self.layout, self.runner.kv_cache) if kv_agent else None
@@ -99,7 +102,8 @@ class LLMEngine:
                         device=str(device), layout=self.layout, num_kv_blocks=num_blocks, block_size=config.block_size,
                         max_positions=model_config.max_position_embeddings,
                         init_method=f"tcp://127.0.0.1:{free_port()}", timeout_s=parallel.collective_timeout_s,
-                        threads=threads, micro_batches=parallel.num_micro_batches, kv_agent=kv_agent))
+                        threads=threads, micro_batches=parallel.num_micro_batches, kv_agent=kv_agent,
+                        attention_backend=config.attention_backend))
                     break
                 except ReplicaFailedError as e:
                     if "EADDRINUSE" not in str(e) or attempt == STARTUP_PORT_ATTEMPTS - 1:

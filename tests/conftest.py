@@ -9,6 +9,9 @@ import torch
 
 # Two cores on CI: one process, two threads.
 torch.set_num_threads(min(2, os.cpu_count() or 1))
+# Without a GPU, Triton kernels run on Triton's CPU interpreter (read when a kernel module is imported).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

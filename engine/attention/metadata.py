@@ -46,6 +46,12 @@ class AttentionMetadata:
             self._per_step[key] = ((slots // bs) * (num_kv_heads * bs) + slots % bs)[:, None].add(heads).view(-1)
         return self._per_step[key]
 
+    def per_step(self, key, make):
+        """A value every layer of the step shares (e.g. an index tensor), computed by the first layer that asks."""
+        if key not in self._per_step:
+            self._per_step[key] = make()
+        return self._per_step[key]
+
     def decode_hidden(self, window: int | None) -> torch.Tensor:
         """For a decode-only batch: bool [num_seqs, max(seq_lens)], True where a key position is not visible to
         the sequence's query (padding past its length, or outside a sliding window)."""

@@ -14,7 +14,10 @@ from tandem.engine.attention.metadata import AttentionMetadata
 
 
 class TorchAttentionBackend:
-    """Stateless; one instance serves every layer."""
+    """Stateless; one instance serves every layer. fused: an object with rms_norm() and rotary_() kernels the model
+    uses around attention (the Triton backend's), or None for the model's own torch ops."""
+
+    fused = None
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor, meta: AttentionMetadata) -> None:
         """Stores new K/V ([T, Hk, D]) into one layer's cache kv at meta.slot_mapping."""

@@ -278,25 +278,42 @@ class LlamaModel:
         q_size, kv_size = hq * cfg.head_dim, hk * cfg.head_dim
         cos, sin = self.rope.lookup(positions)
         h = self.embed[input_ids] if hidden is None else hidden
+        fused = self.attention.fused  # Triton's fused norm and rotary kernels, or None (torch ops)
+        pending = None  # the last MLP's output, added to h together with the next norm
         for index, layer in enumerate(self.layers):
-            x = self._norm(h, layer.input_norm)
+            x, h = self._add_norm(h, pending, layer.input_norm, fused)
             qkv = layer.qkv(x)
             qk = qkv[:, : q_size + kv_size].view(t, hq + hk, cfg.head_dim)
             if layer.q_norm is not None:
                 q, k = qk.split([hq, hk], dim=1)
                 qk = torch.cat([self._norm(q, layer.q_norm), self._norm(k, layer.k_norm)], dim=1)
             # Q and K sit side by side in the fused output: rotate them in one pass.
-            qk = self.rope.rotate(qk, cos, sin)
+            if fused is not None:
+                qk = fused.rotary_(qk, positions, self.rope.cos, self.rope.signed_sin)
+            else:
+                qk = self.rope.rotate(qk, cos, sin)
             q, k = qk.split([hq, hk], dim=1)
             v = qkv[:, q_size + kv_size :].reshape(t, hk, cfg.head_dim)
             attn = layer.o(self.attention.forward(q, k, v, kv_cache.layer(index), meta, self.scale, layer.window))
             if on_layer is not None:
                 on_layer(self.shard.layers[index])
-            h = h + (attn if self.comm is None else self.comm.all_reduce_tp(attn))
-            x = self._norm(h, layer.post_norm)
+            x, h = self._add_norm(h, attn if self.comm is None else self.comm.all_reduce_tp(attn), layer.post_norm,
+                                  fused)
             out = layer.mlp(x)
-            h = h + (out if self.comm is None or isinstance(layer.mlp, MoEBlock) else self.comm.all_reduce_tp(out))
-        return h if self.norm is None else self._norm(h, self.norm)
+            pending = out if self.comm is None or isinstance(layer.mlp, MoEBlock) else self.comm.all_reduce_tp(out)
+        if self.norm is None:
+            return h if pending is None else h + pending
+        return self._add_norm(h, pending, self.norm, fused)[0]
+
+    def _add_norm(self, h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
+                  fused) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(h + delta) * weight, h + delta), or of h alone when delta is None; one fused kernel when the
+        attention backend brings them (the sum rounded to h's dtype either way)."""
+        if fused is not None:
+            return fused.rms_norm(h, weight, self.config.rms_norm_eps, delta)
+        if delta is not None:
+            h = h + delta
+        return self._norm(h, weight), h
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -33,6 +33,7 @@ class WorkerSpec:
     threads: int
     micro_batches: int
     kv_agent: object = None  # a picklable factory (rank, layout, kv_cache) -> KV transfer agent (kv_transfer/)
+    attention_backend: str = "auto"  # engine_config.ATTENTION_BACKENDS
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,7 @@ def run_worker(rank: int, spec: WorkerSpec, conn: Connection) -> None:
     try:
         import torch
 
+        from tandem.engine.attention.triton_backend import select_backend
         from tandem.engine.kv_cache import KVCacheSpec, PagedKVCache
         from tandem.engine.loader.checkpoint import load_checkpoint
         from tandem.engine.model_runner import ModelRunner
@@ -75,6 +77,7 @@ def run_worker(rank: int, spec: WorkerSpec, conn: Connection) -> None:
         model = build_model(checkpoint.config, checkpoint.weights, dtype=dtype, device=device,
                             max_positions=spec.max_positions, source=str(checkpoint.source), shard=shard, comm=comm)
         del checkpoint
+        model.attention = select_backend(spec.attention_backend, torch.device(device))
         config = model.config
         kv_spec = KVCacheSpec(len(shard.layers), spec.num_kv_blocks, spec.block_size, len(shard.kv_heads),
                               config.head_dim, dtype)

@@ -1,0 +1,119 @@
+"""The Triton attention kernels against the torch reference backend and against the floor of their shapes.
+
+Decode (paged, split-K): batch x context tokens of KV read once; floor = KV bytes / measured memory bandwidth
+(a large device-to-device copy). Prefill (paged, causal, over cached context): floor = attention FLOPs / measured
+matmul rate (a large bf16 matmul on CUDA, fp32 on the CPU). Each kernel's time is the median of --rounds after a
+warm-up; the reference is TorchAttentionBackend on the same inputs.
+
+    .venv/bin/python bench/attention_kernels.py                    # CUDA: batch 64 x 4k decode, 8k prefill
+    TRITON_INTERPRET=1 .venv/bin/python bench/attention_kernels.py --small   # CPU: the interpreter, tiny shapes
+
+On the CPU the kernels run in Triton's interpreter: its times say nothing about speed (the JSON says so), only
+that the benchmark runs end to end. The last line of output is one JSON object with every number.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+
+
+def timed(fn, rounds: int, device: torch.device) -> float:
+    fn()
+    times = []
+    for _ in range(rounds):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def bandwidth(device: torch.device, rounds: int) -> float:
+    """Bytes/s of a large copy (read + write)."""
+    n = (1 << 28) if device.type == "cuda" else (1 << 24)
+    src = torch.empty(n, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    return 2 * n / timed(lambda: dst.copy_(src), rounds, device)
+
+
+def matmul_rate(device: torch.device, dtype: torch.dtype, rounds: int) -> float:
+    n = 8192 if device.type == "cuda" else 512
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    return 2 * n**3 / timed(lambda: a @ b, rounds, device)
+
+
+def paged_batch(lens_done, query_lens, heads, kv_heads, head_dim, block_size, dtype, device):
+    from tandem.engine.attention import AttentionMetadata
+
+    totals = [q + c for q, c in zip(query_lens, lens_done)]
+    needed = [-(-t // block_size) for t in totals]
+    perm = torch.randperm(sum(needed)).tolist()
+    tables, i = [], 0
+    for n in needed:
+        tables.append(perm[i:i + n])
+        i += n
+    kv = torch.randn(2, sum(needed), kv_heads, block_size, head_dim, device=device, dtype=dtype)
+    meta = AttentionMetadata.build(query_lens, lens_done, tables, block_size, device)
+    t = sum(query_lens)
+    q = torch.randn(t, heads, head_dim, device=device, dtype=dtype)
+    k = torch.randn(t, kv_heads, head_dim, device=device, dtype=dtype)
+    v = torch.randn(t, kv_heads, head_dim, device=device, dtype=dtype)
+    return kv, meta, q, k, v
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--small", action="store_true", help="tiny shapes (CPU interpreter)")
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    interpreted = device.type != "cuda"
+    if interpreted:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    from tandem.engine.attention import TorchAttentionBackend
+    from tandem.engine.attention.triton_backend import TritonAttentionBackend
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    heads, kv_heads, head_dim, block_size = 32, 8, 128, 16
+    batch, context, prefill = (64, 4096, 8192) if not args.small else (2, 256, 128)
+    rounds = args.rounds if not args.small else 1
+    triton_backend, torch_backend = TritonAttentionBackend(), TorchAttentionBackend()
+    results = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu (Triton interpreter)",
+               "interpreted": interpreted, "dtype": str(dtype).removeprefix("torch.")}
+
+    bw = bandwidth(device, rounds)
+    kv, meta, q, k, v = paged_batch([context - 1] * batch, [1] * batch, heads, kv_heads, head_dim, block_size,
+                                    dtype, device)
+    scale = head_dim**-0.5
+    kv_bytes = batch * context * kv_heads * head_dim * 2 * kv.element_size()
+    t_triton = timed(lambda: triton_backend.forward(q, k, v, kv, meta, scale), rounds, device)
+    t_torch = timed(lambda: torch_backend.forward(q, k, v, kv, meta, scale), rounds, device)
+    results["decode"] = {"batch": batch, "context": context, "kv_bytes": kv_bytes, "bandwidth_gb_s": bw / 1e9,
+                         "triton_s": t_triton, "torch_s": t_torch, "speedup_vs_torch": t_torch / t_triton,
+                         "fraction_of_bandwidth": kv_bytes / t_triton / bw}
+
+    rate = matmul_rate(device, dtype, rounds)
+    kv, meta, q, k, v = paged_batch([0], [prefill], heads, kv_heads, head_dim, block_size, dtype, device)
+    flops = 4 * heads * head_dim * prefill * prefill / 2  # QK^T and PV over the causal half
+    t_triton = timed(lambda: triton_backend.forward(q, k, v, kv, meta, scale), rounds, device)
+    t_torch = timed(lambda: torch_backend.forward(q, k, v, kv, meta, scale), rounds, device)
+    results["prefill"] = {"tokens": prefill, "flops": flops, "matmul_tflops": rate / 1e12, "triton_s": t_triton,
+                          "torch_s": t_torch, "speedup_vs_torch": t_torch / t_triton,
+                          "fraction_of_matmul_rate": flops / t_triton / rate}
+    for name in ("decode", "prefill"):
+        print(f"{name}: {results[name]}", flush=True)
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,151 @@
+"""Paged decode attention in Triton, split-K (flash-decoding): one query token per sequence reads its KV straight
+from the paged cache through its block table, with no gather into contiguous tensors.
+
+Layout (the engine's own, see torch_ref.py): one layer's cache is [2, num_blocks, Hk, block_size, D], K at 0 and V
+at 1. A program handles one (sequence, KV head, split): the split is a run of the sequence's blocks; the KV head's
+whole group of query heads is computed together, so each K/V tile is loaded once for the group (GQA/MQA). Each
+split leaves a partial softmax (running max m, sum l) and an unnormalised output; a second kernel combines the
+splits. Splits let a few long sequences use the whole device; with many sequences one split each suffices.
+
+Triton is imported here only; the engine imports this module only when the Triton backend is chosen. On the CPU
+the kernels run under TRITON_INTERPRET=1 (tests), which must be set before this module is imported.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+MIN_DOT = 16  # tl.dot needs at least 16 rows: a KV head's query group is padded up to this
+
+
+@triton.jit
+def _split_kernel(q_ptr, kv_ptr, tables_ptr, lens_ptr, part_out_ptr, part_m_ptr, part_l_ptr,
+                  scale, window,
+                  stride_q_t, stride_q_h,
+                  stride_kv_kv, stride_kv_b, stride_kv_h, stride_kv_s,
+                  stride_tab,
+                  num_splits, blocks_per_split,
+                  GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  BLOCK_SIZE: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(lens_ptr + seq)
+
+    rows = tl.arange(0, GROUP_PAD)
+    dims = tl.arange(0, HEAD_DIM)
+    row_ok = rows < GROUP
+    q_heads = kv_head * GROUP + rows
+    q = tl.load(q_ptr + seq * stride_q_t + q_heads[:, None] * stride_q_h + dims[None, :],
+                mask=row_ok[:, None], other=0.0).to(tl.float32)
+
+    m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    slots = tl.arange(0, BLOCK_SIZE)
+    first_block = split * blocks_per_split
+    num_blocks = tl.cdiv(seq_len, BLOCK_SIZE)
+    last_block = tl.minimum(first_block + blocks_per_split, num_blocks)
+    query_pos = seq_len - 1
+    for j in range(first_block, last_block):
+        block = tl.load(tables_ptr + seq * stride_tab + j)
+        base = kv_ptr + block * stride_kv_b + kv_head * stride_kv_h
+        offsets = slots[:, None] * stride_kv_s + dims[None, :]
+        k = tl.load(base + offsets).to(tl.float32)                      # [BLOCK_SIZE, HEAD_DIM]
+        v = tl.load(base + stride_kv_kv + offsets).to(tl.float32)
+        scores = tl.dot(q, tl.trans(k)) * scale                          # [GROUP_PAD, BLOCK_SIZE]
+        pos = j * BLOCK_SIZE + slots
+        visible = pos <= query_pos
+        if HAS_WINDOW:
+            visible = visible & (query_pos - pos < window)
+        scores = tl.where(visible[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a fully hidden tile contributes nothing
+        p = tl.exp(scores - m_safe[:, None])
+        alpha = tl.exp(m - m_safe)
+        l = l * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p, v)
+        m = m_new
+
+    part = (seq * tl.num_programs(1) + kv_head) * num_splits + split
+    tl.store(part_m_ptr + part * GROUP_PAD + rows, m)
+    tl.store(part_l_ptr + part * GROUP_PAD + rows, l)
+    tl.store(part_out_ptr + (part * GROUP_PAD + rows[:, None]) * HEAD_DIM + dims[None, :], acc)
+
+
+@triton.jit
+def _combine_kernel(part_out_ptr, part_m_ptr, part_l_ptr, out_ptr, stride_o_t, stride_o_h, num_splits,
+                    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    SPLITS_PAD: tl.constexpr):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    kv_head = head // GROUP
+    row = head % GROUP
+    splits = tl.arange(0, SPLITS_PAD)
+    ok = splits < num_splits
+    part = (seq * (tl.num_programs(1) // GROUP) + kv_head) * num_splits + splits
+    m = tl.load(part_m_ptr + part * GROUP_PAD + row, mask=ok, other=float("-inf"))
+    l = tl.load(part_l_ptr + part * GROUP_PAD + row, mask=ok, other=0.0)
+    dims = tl.arange(0, HEAD_DIM)
+    acc = tl.load(part_out_ptr + (part[:, None] * GROUP_PAD + row) * HEAD_DIM + dims[None, :], mask=ok[:, None],
+                  other=0.0)
+    m_max = tl.max(m, axis=0)
+    weight = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_max))
+    out = tl.sum(acc * weight[:, None], axis=0) / tl.sum(l * weight, axis=0)
+    tl.store(out_ptr + seq * stride_o_t + head * stride_o_h + dims, out.to(out_ptr.dtype.element_ty))
+
+
+def check_paged_shapes(q: torch.Tensor, kv: torch.Tensor) -> tuple[int, int, int, int]:
+    """(query heads, KV heads, head_dim, block_size) of q [tokens, Hq, D] and a layer's cache [2, blocks, Hk,
+    block_size, D]. Raises ValueError for shapes the kernels do not take."""
+    _, hq, d = q.shape
+    _, _, hk, block_size, d_kv = kv.shape
+    if d != d_kv or hq % hk:
+        raise ValueError(f"q {tuple(q.shape)} does not fit the cache {tuple(kv.shape)}")
+    if d & (d - 1) or block_size & (block_size - 1):
+        raise ValueError(f"head_dim ({d}) and block_size ({block_size}) must be powers of two")
+    if kv.stride(4) != 1 or q.stride(2) != 1:
+        raise ValueError("q and the cache must be contiguous in their last dimension")
+    return hq, hk, d, block_size
+
+
+def choose_splits(num_seqs: int, num_kv_heads: int, max_blocks: int, *, target_programs: int = 256,
+                  min_blocks_per_split: int = 4) -> int:
+    """Splits per sequence: enough programs to fill the device when sequences are few and long, none when the
+    batch already fills it or contexts are short."""
+    if max_blocks <= min_blocks_per_split:
+        return 1
+    wanted = triton.cdiv(target_programs, max(1, num_seqs * num_kv_heads))
+    return max(1, min(wanted, triton.cdiv(max_blocks, min_blocks_per_split)))
+
+
+def paged_decode_attention(q: torch.Tensor, kv: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                           scale: float, window: int | None = None, num_splits: int | None = None) -> torch.Tensor:
+    """q: [B, Hq, D], one query token per sequence (at position seq_lens[b] - 1); kv: one layer's cache
+    [2, num_blocks, Hk, block_size, D]; block_tables: [B, max_blocks] int; seq_lens: [B] int (>= 1). Returns
+    [B, Hq, D] in q's dtype. D and block_size must be powers of two; Hq a multiple of Hk. Raises ValueError
+    otherwise."""
+    b = q.shape[0]
+    hq, hk, d, block_size = check_paged_shapes(q, kv)
+    group = hq // hk
+    group_pad = max(MIN_DOT, triton.next_power_of_2(group))
+    max_blocks = block_tables.shape[1]
+    splits = num_splits or choose_splits(b, hk, max_blocks)
+    blocks_per_split = triton.cdiv(max_blocks, splits)
+    parts = b * hk * splits * group_pad
+    part_out = torch.empty(parts * d, dtype=torch.float32, device=q.device)
+    part_m = torch.empty(parts, dtype=torch.float32, device=q.device)
+    part_l = torch.empty(parts, dtype=torch.float32, device=q.device)
+    tables, lens = block_tables, seq_lens  # the engine's own int64 tensors, read as they are
+    _split_kernel[(b, hk, splits)](
+        q, kv, tables, lens, part_out, part_m, part_l, scale, window or 0,
+        q.stride(0), q.stride(1), kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3), tables.stride(0),
+        splits, blocks_per_split,
+        GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=d, BLOCK_SIZE=block_size, HAS_WINDOW=window is not None)
+    out = torch.empty_like(q)
+    _combine_kernel[(b, hq)](part_out, part_m, part_l, out, out.stride(0), out.stride(1), splits,
+                             GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=d,
+                             SPLITS_PAD=triton.next_power_of_2(splits))
+    return out

@@ -1,0 +1,96 @@
+"""Paged prefill attention in Triton, FlashAttention-style: a chunk of new query tokens per sequence attends,
+causally, to the sequence's whole context read straight from the paged cache through its block table, so
+chunked prefill and prefix-cached blocks need no gather. Decodes mixed into the same batch are sequences whose
+chunk is one token.
+
+The new tokens' K/V must already be in the cache (the backend writes them first). A program handles one tile of
+BLOCK_M query tokens of one sequence and one query head; it walks the sequence's KV blocks up to the tile's last
+position with an online softmax, in fp32.
+
+Triton is imported here only; on the CPU the kernel runs under TRITON_INTERPRET=1 (set before import).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tandem.engine.attention.triton_decode import check_paged_shapes
+
+BLOCK_M = 16
+
+
+@triton.jit
+def _prefill_kernel(q_ptr, kv_ptr, out_ptr, tables_ptr, starts_ptr, lens_ptr,
+                    scale, window,
+                    stride_q_t, stride_q_h, stride_o_t, stride_o_h,
+                    stride_kv_kv, stride_kv_b, stride_kv_h, stride_kv_s,
+                    stride_tab,
+                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
+                    HAS_WINDOW: tl.constexpr):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    tile = tl.program_id(2)
+    start = tl.load(starts_ptr + seq)
+    query_len = tl.load(starts_ptr + seq + 1) - start
+    seq_len = tl.load(lens_ptr + seq)
+    if tile * BLOCK_M < query_len:
+        kv_head = head // GROUP
+        rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = rows < query_len
+        dims = tl.arange(0, HEAD_DIM)
+        q = tl.load(q_ptr + (start + rows[:, None]) * stride_q_t + head * stride_q_h + dims[None, :],
+                    mask=row_ok[:, None], other=0.0).to(tl.float32)
+        query_pos = seq_len - query_len + rows  # [BLOCK_M]
+
+        m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        slots = tl.arange(0, BLOCK_SIZE)
+        last_pos = tl.minimum(seq_len - query_len + (tile + 1) * BLOCK_M, seq_len) - 1
+        first_block = 0
+        if HAS_WINDOW:
+            first_block = tl.maximum(seq_len - query_len + tile * BLOCK_M - window + 1, 0) // BLOCK_SIZE
+        for j in range(first_block, last_pos // BLOCK_SIZE + 1):
+            block = tl.load(tables_ptr + seq * stride_tab + j)
+            base = kv_ptr + block * stride_kv_b + kv_head * stride_kv_h
+            offsets = slots[:, None] * stride_kv_s + dims[None, :]
+            k = tl.load(base + offsets).to(tl.float32)
+            v = tl.load(base + stride_kv_kv + offsets).to(tl.float32)
+            scores = tl.dot(q, tl.trans(k)) * scale  # [BLOCK_M, BLOCK_SIZE]
+            key_pos = j * BLOCK_SIZE + slots
+            visible = key_pos[None, :] <= query_pos[:, None]
+            if HAS_WINDOW:
+                visible = visible & (query_pos[:, None] - key_pos[None, :] < window)
+            scores = tl.where(visible, scores, float("-inf"))
+            m_new = tl.maximum(m, tl.max(scores, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp(scores - m_safe[:, None])
+            alpha = tl.exp(m - m_safe)
+            l = l * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p, v)
+            m = m_new
+        out = acc / tl.where(l == 0.0, 1.0, l)[:, None]
+        tl.store(out_ptr + (start + rows[:, None]) * stride_o_t + head * stride_o_h + dims[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+def paged_prefill_attention(q: torch.Tensor, kv: torch.Tensor, block_tables: torch.Tensor,
+                            query_start_loc: torch.Tensor, seq_lens: torch.Tensor, max_query_len: int, scale: float,
+                            window: int | None = None) -> torch.Tensor:
+    """q: [T, Hq, D], the batch's new tokens concatenated (sequence i owns rows query_start_loc[i]:[i+1], at
+    positions seq_lens[i] - query_len .. seq_lens[i] - 1); kv: one layer's cache [2, num_blocks, Hk, block_size,
+    D] already holding the new tokens' K/V; block_tables: [B, max_blocks]. Returns [T, Hq, D] in q's dtype.
+    Raises ValueError for shapes the kernel does not take (D and block_size must be powers of two)."""
+    hq, hk, d, block_size = check_paged_shapes(q, kv)
+    b = block_tables.shape[0]
+    out = torch.empty_like(q)
+    tables, starts, lens = block_tables, query_start_loc, seq_lens  # the engine's own int64 tensors, as they are
+    grid = (b, hq, triton.cdiv(max_query_len, BLOCK_M))
+    _prefill_kernel[grid](
+        q, kv, out, tables, starts, lens, scale, window or 0,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3), tables.stride(0),
+        GROUP=hq // hk, HEAD_DIM=d, BLOCK_SIZE=block_size, BLOCK_M=BLOCK_M, HAS_WINDOW=window is not None)
+    return out
