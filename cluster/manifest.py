@@ -303,8 +303,8 @@ def _pydantic_errors(error: ValidationError, lines: dict[tuple, int]) -> list[Ma
     return found
 
 
-def parse_manifest(text: str, source: str = "<manifest>") -> Manifest:
-    """Parses and structurally validates a manifest. Raises ManifestInvalid listing every error found."""
+def read_yaml(text: str, source: str = "<manifest>") -> dict:
+    """The manifest text as a mapping. Raises ManifestInvalid for invalid YAML or anything but a mapping."""
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:
@@ -314,17 +314,32 @@ def parse_manifest(text: str, source: str = "<manifest>") -> Manifest:
     if not isinstance(data, dict):
         raise ManifestInvalid(source, [ManifestError("", "the manifest must be a YAML mapping",
                                                      "start from deploy/manifests/local.yaml")])
+    return data
+
+
+def manifest_from(data: dict, lines: dict[tuple, int], source: str = "<manifest>") -> Manifest:
+    """Structurally validates parsed YAML (lines: line_map of its text). Raises ManifestInvalid listing every
+    error found."""
     try:
         return Manifest.model_validate(data)
     except ValidationError as e:
-        raise ManifestInvalid(source, _pydantic_errors(e, line_map(text))) from None
+        raise ManifestInvalid(source, _pydantic_errors(e, lines)) from None
+
+
+def parse_manifest(text: str, source: str = "<manifest>") -> Manifest:
+    """Parses and structurally validates a manifest. Raises ManifestInvalid listing every error found."""
+    return manifest_from(read_yaml(text, source), line_map(text), source)
+
+
+def read_text(path: Path) -> str:
+    """The manifest file's text. Raises ManifestInvalid naming the file if it cannot be read."""
+    try:
+        return path.read_text()
+    except OSError as e:
+        raise ManifestInvalid(str(path), [ManifestError("", f"cannot be read: {e.strerror}")]) from None
 
 
 def load_manifest(path: str | Path) -> Manifest:
     """Reads a manifest file. Raises ManifestInvalid (which is a ValueError) naming the file."""
     path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as e:
-        raise ManifestInvalid(str(path), [ManifestError("", f"cannot be read: {e.strerror}")]) from None
-    return parse_manifest(text, str(path))
+    return parse_manifest(read_text(path), str(path))

@@ -9,7 +9,7 @@ import socket
 from pathlib import Path
 
 from tandem.cluster.manifest import (COLOCATED_HAS_PREFILL, MODE_NEEDS_PREFILL, Manifest, ManifestError,
-                                     ManifestInvalid, line_map)
+                                     ManifestInvalid, line_map, manifest_from, read_text, read_yaml)
 from tandem.engine.errors import ModelLoadError
 
 
@@ -66,13 +66,14 @@ def _model_errors(model) -> tuple[list[ManifestError], object]:
         return [ManifestError("model", str(e))], None
 
 
-def check_manifest(data: dict, text: str = "", *, check_ports: bool = True) -> list[ManifestError]:
+def check_manifest(data: dict, lines: dict[tuple, int] | None = None, *,
+                   check_ports: bool = True) -> list[ManifestError]:
     """The problems a structurally valid manifest can still have, checked on the parsed YAML (so that they are
     reported beside pydantic's own errors, not after them): the model, each pool's split of it, the two pools'
     KV formats, context lengths, the listen port. Parts with the wrong type are skipped (pydantic reports them)."""
     from tandem.engine.parallel.layout import ParallelConfig, ReplicaLayout
 
-    lines = line_map(text)
+    lines = lines or {}
     errors, loaded = _model_errors(data.get("model", "embedded"))
     pools = [name for name in ("prefill", "decode") if isinstance(_get(data, "pools", name), dict)]
     if loaded is not None:
@@ -120,30 +121,18 @@ def check_manifest(data: dict, text: str = "", *, check_ports: bool = True) -> l
 
 def validate_file(path: str | Path, *, check_ports: bool = True) -> Manifest:
     """Parses and checks a manifest file. Raises ManifestInvalid listing every error, in file order."""
-    import yaml
-
-    from tandem.cluster.manifest import parse_manifest
-
     path = Path(path)
+    text = read_text(path)
+    data, lines = read_yaml(text, str(path)), line_map(text)
     try:
-        text = path.read_text()
-    except OSError as e:
-        raise ManifestInvalid(str(path), [ManifestError("", f"cannot be read: {e.strerror}")]) from None
-    try:
-        manifest, errors = parse_manifest(text, str(path)), []
+        manifest, errors = manifest_from(data, lines, str(path)), []
     except ManifestInvalid as e:
-        manifest, errors = None, list(e.errors)
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError:
-        data = None
-    if isinstance(data, dict):
-        errors += check_manifest(data, text, check_ports=check_ports)
-    unique = {}
-    for error in errors:  # the mode rules are checked by the schema and on the raw data: report them once
-        key = error.message.removeprefix("Value error, ")
-        if key not in unique or (unique[key].line is None and error.line is not None):
-            unique[key] = error
-    if unique:
-        raise ManifestInvalid(str(path), sorted(unique.values(), key=lambda e: e.line or 0))
+        # The schema's mode rules run only when every field is valid, and without a line: check_manifest
+        # reports them always, at `mode:`.
+        manifest = None
+        mode_rules = (MODE_NEEDS_PREFILL, COLOCATED_HAS_PREFILL)
+        errors = [x for x in e.errors if not (x.path == "" and x.message in mode_rules)]
+    errors += check_manifest(data, lines, check_ports=check_ports)
+    if errors:
+        raise ManifestInvalid(str(path), sorted(errors, key=lambda e: e.line or 0))
     return manifest

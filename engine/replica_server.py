@@ -15,26 +15,25 @@ from tandem.engine.llm_engine import LLMEngine
 ABORT_MEMORY_S = 120.0
 
 
-def node_id() -> str | None:
-    """Ray's id of this process's node (None outside Ray)."""
+def _ray_if_running():
+    """The ray module when this process is connected to a Ray cluster, else None."""
     try:
         import ray
-
-        return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
     except ImportError:
         return None
+    return ray if ray.is_initialized() else None
+
+
+def node_id() -> str | None:
+    """Ray's id of this process's node (None outside Ray)."""
+    ray = _ray_if_running()
+    return ray.get_runtime_context().get_node_id() if ray else None
 
 
 def node_address() -> str:
     """The address other nodes reach this process's node at: Ray's node IP inside a Ray worker, else loopback."""
-    try:
-        import ray
-
-        if ray.is_initialized():
-            return ray.util.get_node_ip_address()
-    except ImportError:
-        pass
-    return "127.0.0.1"
+    ray = _ray_if_running()
+    return ray.util.get_node_ip_address() if ray else "127.0.0.1"
 
 
 class RequestAbortedError(RuntimeError):
@@ -65,7 +64,8 @@ class ReplicaServer:
     def info(self) -> dict:
         """Static facts the router and the control plane need (JSON-friendly)."""
         engine = self.engine
-        return {"name": self.name, "pool": self.pool, "pid": os.getpid(), "node": node_address(), "node_id": node_id(), "layout": engine.layout.describe(),
+        return {"name": self.name, "pool": self.pool, "pid": os.getpid(), "node": node_address(), "node_id": node_id(),
+                "layout": engine.layout.describe(),
                 "world_size": engine.layout.world_size, "max_model_len": engine.max_model_len,
                 "block_size": engine.config.block_size, "kv_blocks_total": engine.kv_cache_spec.num_blocks}
 
@@ -80,8 +80,14 @@ class ReplicaServer:
                 "num_preemptions": s.num_preemptions, "num_steps": s.num_steps}
 
     async def check_integrity(self) -> None:
-        """Raises ValueError if the replica's KV bookkeeping is inconsistent (runs on the engine thread)."""
-        await self.server.call(lambda engine: engine.check_integrity())
+        """Raises ValueError if the replica's KV bookkeeping, or any rank's KV transfer agent, is inconsistent
+        (runs on the engine thread)."""
+        def check(engine: LLMEngine) -> None:
+            engine.check_integrity()
+            if engine.has_kv_agents:
+                engine.call_kv_agents("check_integrity", {r: () for r in range(engine.layout.world_size)})
+
+        await self.server.call(check)
 
     async def shutdown(self) -> None:
         await self.server.stop()

@@ -85,8 +85,6 @@ class PrefillReplica:
 
     async def check_integrity(self) -> None:
         await self.replica.check_integrity()
-        ranks = {r: () for r in self.connector.ranks}
-        await self.server.call(lambda engine: engine.call_kv_agents("check_integrity", ranks))
 
     async def shutdown(self) -> None:
         await self.replica.shutdown()

@@ -21,8 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tandem.proto.v1 import tandem_pb2 as pb
 from tandem.proto.v1 import tandem_pb2_grpc as pb_grpc
 
-_SAMPLING = ("n", "max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-             "frequency_penalty", "seed", "ignore_eos", "stop_token_ids", "stop", "logprobs")
+_SAMPLING = tuple(f.name for f in pb.SamplingParams.DESCRIPTOR.fields)
 
 
 class TokenClock:

@@ -47,18 +47,19 @@ class _Accounting:
         self.prompt_tokens = self.cached_tokens = 0
         self.queue_s = self.prefill_s = 0.0
 
-    def observe(self, progress: Progress, output: RequestOutput, now: float) -> None:
-        if progress.outputs and output is progress.outputs[0] and (progress.queue_s or progress.prefill_s):
+    def observe(self, progress: Progress, now: float) -> None:
+        if progress.queue_s or progress.prefill_s:  # the first progress of a request carries them
             self.queue_s, self.prefill_s = progress.queue_s, progress.prefill_s
-        if progress.num_cached_tokens is not None:
+        if progress.num_cached_tokens is not None:  # disaggregated: the prefill replica's cache hits
             self.cached_tokens = progress.num_cached_tokens
-        elif output.num_cached_tokens:
-            self.cached_tokens = max(self.cached_tokens, output.num_cached_tokens)
-        self.prompt_tokens = output.num_prompt_tokens
-        if output.token_ids:
-            self.completion_tokens += len(output.token_ids)
-            self.first = self.first if self.first is not None else now
-            self.last = now
+        for output in progress.outputs:
+            if progress.num_cached_tokens is None:
+                self.cached_tokens = max(self.cached_tokens, output.num_cached_tokens)
+            self.prompt_tokens = output.num_prompt_tokens
+            if output.token_ids:
+                self.completion_tokens += len(output.token_ids)
+                self.first = self.first if self.first is not None else now
+                self.last = now
 
     def usage(self) -> pb.Usage:
         return pb.Usage(prompt_tokens=self.prompt_tokens, cached_tokens=self.cached_tokens,
@@ -125,11 +126,12 @@ class TandemServicer(pb_grpc.TandemServicer):
         first = True
         async for progress in self.driver.run(parsed):
             now = time.monotonic()
+            account.observe(progress, now)
             for output in progress.outputs:
-                account.observe(progress, output, now)
                 response = _response(output)
                 if first:
-                    response.prefill_replica, response.decode_replica = progress.prefill_replica, progress.decode_replica
+                    response.prefill_replica = progress.prefill_replica
+                    response.decode_replica = progress.decode_replica
                     first = False
                 if output.finished:
                     response.usage.CopyFrom(account.usage())

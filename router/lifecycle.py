@@ -209,8 +209,9 @@ class RequestDriver:
             first = True
             async for outputs in self._items(decode, stream):
                 if first:
-                    yield Progress(outputs, prefill.name, decode.name, result.num_cached_tokens,
-                                   time.monotonic() - start, queue_s)
+                    yield Progress(outputs, prefill_replica=prefill.name, decode_replica=decode.name,
+                                   num_cached_tokens=result.num_cached_tokens, prefill_s=time.monotonic() - start,
+                                   queue_s=queue_s)
                     first = False
                 else:
                     yield Progress(outputs)
@@ -234,5 +235,8 @@ class RequestDriver:
         async for outputs in self._items(replica, stream):
             if retry_of is not None:
                 outputs = [dataclasses.replace(o, request_id=request.request_id) for o in outputs]
-            yield Progress(outputs, "", replica.name, None, time.monotonic() - start) if first else Progress(outputs)
+            if first:
+                yield Progress(outputs, decode_replica=replica.name, prefill_s=time.monotonic() - start)
+            else:
+                yield Progress(outputs)
             first = False

@@ -14,8 +14,8 @@ from tandem.proto.v1 import tandem_pb2 as pb
 
 DEFAULT_MAX_TOKENS = 256
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
-_OPTIONAL = ("n", "max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-             "frequency_penalty", "seed", "logprobs")
+# The sampling fields a request may leave unset (proto3 `optional`): unset ones take SamplingParams' defaults.
+_OPTIONAL = tuple(f.name for f in pb.SamplingParams.DESCRIPTOR.fields if f.has_presence)
 
 
 class InvalidRequest(ValueError):

@@ -39,12 +39,12 @@ class AttentionMetadata:
         """[num_tokens * num_kv_heads] rows of one layer's head-major K (or V) cache, viewed as
         [num_blocks * num_kv_heads * block_size, head_dim], that the new tokens' heads are written to, in
         (token, head) order."""
-        key = ("kv_rows", num_kv_heads)
-        if key not in self._per_step:
+        def rows() -> torch.Tensor:
             bs, slots = self.block_size, self.slot_mapping
             heads = torch.arange(num_kv_heads, device=slots.device) * bs
-            self._per_step[key] = ((slots // bs) * (num_kv_heads * bs) + slots % bs)[:, None].add(heads).view(-1)
-        return self._per_step[key]
+            return ((slots // bs) * (num_kv_heads * bs) + slots % bs)[:, None].add(heads).view(-1)
+
+        return self.per_step(("kv_rows", num_kv_heads), rows)
 
     def per_step(self, key, make):
         """A value every layer of the step shares (e.g. an index tensor), computed by the first layer that asks."""
@@ -55,15 +55,15 @@ class AttentionMetadata:
     def decode_hidden(self, window: int | None) -> torch.Tensor:
         """For a decode-only batch: bool [num_seqs, max(seq_lens)], True where a key position is not visible to
         the sequence's query (padding past its length, or outside a sliding window)."""
-        key = ("decode_hidden", window)
-        if key not in self._per_step:
+        def hidden() -> torch.Tensor:
             kpos = torch.arange(max(self.seq_lens), device=self.seq_lens_tensor.device)[None, :]
             qpos = self.seq_lens_tensor[:, None] - 1
-            hidden = kpos > qpos
+            mask = kpos > qpos
             if window is not None:
-                hidden |= qpos - kpos >= window
-            self._per_step[key] = hidden
-        return self._per_step[key]
+                mask |= qpos - kpos >= window
+            return mask
+
+        return self.per_step(("decode_hidden", window), hidden)
 
     @classmethod
     def build(

@@ -314,3 +314,11 @@ def test_cli_validate_checks_ports_unless_told_not_to(tmp_path, capsys):
         assert f"{path}:5: listen.grpc: 127.0.0.1:{port} is already in use" in capsys.readouterr().err
         assert main(["validate", "--no-port-check", str(path)]) == 0
         assert f"{path}: valid (colocated; decode 1x1x1" in capsys.readouterr().out
+
+
+def test_the_same_message_at_two_paths_is_reported_twice(tmp_path):
+    path = _write(tmp_path, "pools:\n  prefill:\n    engine: {block_size: 3}\n  decode:\n    engine: {block_size: 3}\n")
+    errors = _errors(path)
+    assert [(e.path, e.line) for e in errors] == [("pools.prefill.engine.block_size", 3),
+                                                  ("pools.decode.engine.block_size", 5)]
+    assert errors[0].message == errors[1].message == "block_size must be a power of two, got 3"
