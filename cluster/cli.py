@@ -17,7 +17,8 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default=None,
                    help="Hugging Face folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--target", default=None, metavar="HOST:PORT",
-                   help="send the request to a running cluster's gRPC endpoint instead of running the model here")
+                   help="send the request to a running cluster's gRPC endpoint instead of running the model here "
+                        "(its API key, if it needs one, from the TANDEM_API_KEY environment variable)")
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--prompt", help="raw prompt text, tokenized as is")
     what.add_argument("--chat", help="a user message; the model's chat template is applied")

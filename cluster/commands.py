@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 
@@ -21,7 +22,9 @@ def validate(args: argparse.Namespace) -> int:
         return 2
     pools = ", ".join(f"{name} {p.parallelism.tp}x{p.parallelism.pp}x{p.parallelism.ep} (tp x pp x ep) "
                       f"x {p.replicas.start} replica(s)" for name, p in manifest.pool_items())
-    print(f"{args.manifest}: valid ({manifest.mode}; {pools}; gRPC on {manifest.listen.grpc})")
+    http = f", HTTP on {manifest.listen.http}" if manifest.listen.http else ""
+    print(f"{args.manifest}: valid ({manifest.mode}; {pools}; gRPC on {manifest.listen.grpc}{http}; "
+          f"routing {manifest.router.policy})")
     return 0
 
 
@@ -40,11 +43,15 @@ def up(args: argparse.Namespace) -> int:
     print(f"tandem: cluster {manifest.name!r} is serving", file=sys.stderr)
     print(f"  gRPC      {cluster.endpoint}   (tandem generate --target {cluster.endpoint} --chat \"Hi\")",
           file=sys.stderr)
+    if cluster.http_endpoint:
+        print(f"  HTTP      http://{cluster.http_endpoint}/v1   (OpenAI-compatible; /health, /metrics)",
+              file=sys.stderr)
     print("  status    tandem status        stop: tandem down" + ("" if args.detach else " or Ctrl-C"),
           file=sys.stderr)
     if args.ask:
         try:
-            _ask(cluster.endpoint, args.ask, args.max_tokens)
+            keys = manifest.auth.resolve()  # the sample request authenticates as the first tenant
+            _ask(cluster.endpoint, args.ask, args.max_tokens, next(iter(keys), None))
         except Exception as e:
             print(f"tandem: the sample request failed: {e}", file=sys.stderr)
     if args.detach:
@@ -53,12 +60,12 @@ def up(args: argparse.Namespace) -> int:
     return 0
 
 
-def _ask(target: str, message: str, max_tokens: int) -> None:
+def _ask(target: str, message: str, max_tokens: int, api_key: str | None) -> None:
     """One chat request through the gRPC client, streamed to stdout, with TTFT and ITL."""
     from tandem.router.client import TandemClient, TokenClock
 
     print(f"\n> {message}", flush=True)
-    with TandemClient(target) as client:
+    with TandemClient(target, api_key=api_key) as client:
         clock, usage, timings = TokenClock(), None, None
         for chunk in client.stream(chat=[{"role": "user", "content": message}], max_tokens=max_tokens,
                                    temperature=0.0):
@@ -90,8 +97,9 @@ def status(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report))
         return 0
+    http = f", HTTP {report['endpoints']['http']}" if report["endpoints"].get("http") else ""
     print(f"cluster {report['name']}: {report['state']} ({report['mode']}, model {report['model']}), "
-          f"gRPC {report['endpoints']['grpc']}")
+          f"gRPC {report['endpoints']['grpc']}{http}")
     for name, pool in report["pools"].items():
         p = pool["parallelism"]
         print(f"  pool {name}: {pool['ready']}/{pool['count']} ready, tp={p['tp']} pp={p['pp']} ep={p['ep']}, "
@@ -107,7 +115,9 @@ def status(args: argparse.Namespace) -> int:
     router = report["router"]
     print(f"  router: {router.get('state')}, active {router.get('active_requests', 0)}, queued "
           f"{router.get('queued_requests', 0)}, finished {router.get('finished_requests', 0)}, failed "
-          f"{router.get('failed_requests', 0)}")
+          f"{router.get('failed_requests', 0)}, policy {router.get('policy', '-')}")
+    if router.get("prefill_decisions"):
+        print("  prefilled: " + ", ".join(f"{k} {v}" for k, v in sorted(router["prefill_decisions"].items())))
     return 0
 
 
@@ -131,7 +141,7 @@ def generate_remote(args: argparse.Namespace) -> int:
                     stop=args.stop, ignore_eos=args.ignore_eos, seed=args.seed)
     prompt = {"chat": [{"role": "user", "content": args.chat}]} if args.chat is not None else {"prompt": args.prompt}
     try:
-        with TandemClient(args.target) as client:
+        with TandemClient(args.target, api_key=os.environ.get("TANDEM_API_KEY") or None) as client:
             if args.json:
                 r = client.generate(**prompt, **sampling)
                 print(json.dumps({"text": r.text, "token_ids": r.token_ids.get(0, []),

@@ -21,9 +21,23 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, Place
 from tandem.cluster.manifest import Manifest
 from tandem.cluster.replica_specs import ReplicaPlan, absolute_model, replica_plans, transfer_config
 from tandem.router.lifecycle import DriverSettings
+from tandem.router.policy import RoutingWeights
+from tandem.router.routing import RoutingSettings
 
 _log = logging.getLogger(__name__)
 STATS_TIMEOUT_S = 10.0
+
+
+def driver_settings(manifest: Manifest) -> DriverSettings:
+    """The manifest's router section as the router's request driver takes it."""
+    r = manifest.router
+    routing = RoutingSettings(policy=r.policy, weights=RoutingWeights(**r.weights.model_dump()),
+                              local_prefill_max_tokens=r.local_prefill_max_tokens,
+                              prefill_saturation_tokens=r.prefill_saturation_tokens,
+                              session_affinity=r.session_affinity, affinity_max_gap=r.affinity_max_gap)
+    return DriverSettings(mode=manifest.mode, max_queued_requests=r.max_queued_requests,
+                          queue_timeout_s=r.queue_timeout_s, routing=routing,
+                          kv_events_interval_s=r.kv_events_interval_s)
 
 
 def controller_name(cluster_name: str) -> str:
@@ -40,6 +54,7 @@ class Controller:
         self.replicas: list[dict] = []  # {name, pool, handle, pg, info}
         self.router = None
         self.endpoint: str | None = None
+        self.http_endpoint: str | None = None
         self.state = "starting"
         self._lines: list[str] = []
 
@@ -51,13 +66,14 @@ class Controller:
         return self._lines[since:]
 
     async def info(self) -> dict:
-        return {"state": self.state, "endpoint": self.endpoint, "started_ray": self.started_ray}
+        return {"state": self.state, "endpoint": self.endpoint, "http_endpoint": self.http_endpoint,
+                "started_ray": self.started_ray}
 
     # -- start -----------------------------------------------------------------------------------------
 
-    async def start(self) -> str:
-        """Starts every replica and the router; returns the gRPC endpoint. On failure everything started is
-        stopped again and the error says which replica failed and why."""
+    async def start(self) -> dict:
+        """Starts every replica and the router; returns {"grpc": endpoint, "http": endpoint or None}. On failure
+        everything started is stopped again and the error says which replica failed and why."""
         try:
             plans = replica_plans(self.manifest)
             await asyncio.gather(*(self._place(plan) for plan in plans))
@@ -71,7 +87,7 @@ class Controller:
             self.state = "failed"
             raise
         self.state = "serving"
-        return self.endpoint
+        return {"grpc": self.endpoint, "http": self.http_endpoint}
 
     async def _place(self, plan: ReplicaPlan) -> None:
         pg = placement_group(list(plan.bundles), strategy="STRICT_PACK", name=f"{self.manifest.name}-{plan.name}")
@@ -113,9 +129,7 @@ class Controller:
         from tandem.router.router_actor import RouterActor
 
         router = self.manifest.router
-        settings = DriverSettings(mode=self.manifest.mode, policy=router.policy,
-                                  max_queued_requests=router.max_queued_requests,
-                                  queue_timeout_s=router.queue_timeout_s)
+        settings = driver_settings(self.manifest)
         self.router = ray.remote(RouterActor).options(
             name=f"{self.manifest.name}-router", namespace=self.manifest.ray.namespace, num_cpus=0,
             max_concurrency=10000,  # on the controller's node, which is the node `tandem up` ran on
@@ -123,11 +137,17 @@ class Controller:
         ).remote(absolute_model(self.manifest), settings)
         handles = [{"name": r["name"], "pool": r["pool"], "handle": r["handle"], "info": r["info"]}
                    for r in self.replicas]
+        listen = self.manifest.listen
         try:
-            self.endpoint = await self.router.start.remote(handles, self.manifest.listen.grpc)
+            endpoints = await self.router.start.remote(handles, listen.grpc, listen.http,
+                                                       self.manifest.auth.resolve() or None)
         except ray.exceptions.RayError as e:
             raise RuntimeError(f"the router failed to start: {_cause(e)}") from None
-        self._say(f"router serving gRPC on {self.endpoint} ({self.manifest.mode}, policy {router.policy})")
+        self.endpoint, self.http_endpoint = endpoints["grpc"], endpoints["http"]
+        http = f", HTTP on {self.http_endpoint}" if self.http_endpoint else ""
+        auth = f", API keys for {len(self.manifest.auth.api_keys)} tenant(s)" if self.manifest.auth.api_keys else ""
+        self._say(f"router serving gRPC on {self.endpoint}{http} ({self.manifest.mode}, policy {router.policy}"
+                  f"{auth})")
 
     # -- status ----------------------------------------------------------------------------------------
 
@@ -146,7 +166,8 @@ class Controller:
             pools[name] = {"parallelism": pool.parallelism.model_dump(), "replicas": pool.replicas.model_dump(),
                            "ready": sum(r["state"] == "ready" for r in mine), "count": len(mine)}
         return {"name": self.manifest.name, "state": self.state, "mode": self.manifest.mode,
-                "model": self.manifest.model, "endpoints": {"grpc": self.endpoint}, "pools": pools,
+                "model": self.manifest.model, "endpoints": {"grpc": self.endpoint, "http": self.http_endpoint},
+                "pools": pools,
                 "replicas": replicas, "router": router}
 
     async def _replica_status(self, entry: dict) -> dict:

@@ -78,6 +78,7 @@ class RunningCluster:
     controller: Any
     endpoint: str | None
     started_ray: bool = False
+    http_endpoint: str | None = None
 
     def status(self) -> dict:
         return ray.get(self.controller.status.remote())
@@ -127,7 +128,8 @@ def up(manifest: Manifest, *, address: str | None = None, detach: bool = False, 
             shown += len(lines)
             if ready:
                 break
-        cluster.endpoint = ray.get(pending)
+        endpoints = ray.get(pending)
+        cluster.endpoint, cluster.http_endpoint = endpoints["grpc"], endpoints["http"]
     except ray.exceptions.RayTaskError as e:  # start() already stopped what it had started
         cluster.shutdown()
         cause = getattr(e, "cause", None)
@@ -147,7 +149,7 @@ def find(name: str = "tandem", *, address: str | None = None, namespace: str = "
     except ValueError:
         raise ClusterNotFound(f"no tandem cluster named {name!r} is running on this Ray cluster") from None
     info = ray.get(controller.info.remote())
-    return RunningCluster(name, namespace, controller, info["endpoint"], info["started_ray"])
+    return RunningCluster(name, namespace, controller, info["endpoint"], info["started_ray"], info["http_endpoint"])
 
 
 def serve_until_stopped(cluster: RunningCluster, out: TextIO = sys.stderr) -> None:

@@ -11,9 +11,19 @@ pydantic models; every later layer reads these objects, never the YAML.
         replicas: {min: 1, max: 1, initial: 1}
         engine: {block_size: 16, kv_cache_bytes: 256MiB, max_num_batched_tokens: 2048, max_num_seqs: 64}
       decode: ...
-    router: {policy: least_loaded, max_queued_requests: 256, queue_timeout_s: 30}
+    router:
+      policy: cache_aware           # or least_loaded, round_robin, random
+      weights: {prefix_tokens: 1, queued_prefill_tokens: 0.5, prefill_in_flight: 8, free_blocks: 1, decode_in_flight: 16}
+      local_prefill_max_tokens: 0   # prefill on the decode replica below this many uncached tokens (0: never)
+      prefill_saturation_tokens: 0  # ... or when every prefill replica has this many queued (0: never)
+      session_affinity: false
+      max_queued_requests: 256
+      queue_timeout_s: 30
     transport: {kind: ucx, host: null, lease_s: 30}
-    listen: {grpc: 127.0.0.1:50051}
+    listen: {grpc: 127.0.0.1:50051, http: 127.0.0.1:8000}   # http: null serves gRPC only
+    auth:                           # absent or no keys: no authentication
+      api_keys:
+        - {tenant: acme, key_env: ACME_API_KEY}    # or key: "...", or key_file: path/to/file
 
 Structural checks (types, unknown keys, ranges) are pydantic's; check_manifest() adds the ones that need the
 world outside the file (the model's shape, free ports). Errors carry their YAML path, line and a hint.
@@ -22,6 +32,7 @@ world outside the file (the model's shape, free ports). Errors carry their YAML 
 from __future__ import annotations
 
 import difflib
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -137,14 +148,33 @@ class Pools(_Strict):
     decode: Pool
 
 
-class RouterSettings(_Strict):
-    """policy: how a replica is picked among those with room (cache-aware routing is a later issue).
-    max_queued_requests: requests waiting for room before new ones get RESOURCE_EXHAUSTED; queue_timeout_s:
-    how long one may wait."""
+class RoutingWeightsSettings(_Strict):
+    """cache_aware's weights (router/policy.py RoutingWeights): prefill costs in tokens, decode scores in blocks."""
 
-    policy: Literal["least_loaded", "round_robin", "random"] = "least_loaded"
+    prefix_tokens: float = Field(1.0, ge=0)
+    queued_prefill_tokens: float = Field(0.5, ge=0)
+    prefill_in_flight: float = Field(8.0, ge=0)
+    free_blocks: float = Field(1.0, ge=0)
+    decode_in_flight: float = Field(16.0, ge=0)
+
+
+class RouterSettings(_Strict):
+    """policy: how replicas are ranked (router/policy.py). local_prefill_max_tokens / prefill_saturation_tokens:
+    conditional disaggregation (router/routing.py; 0 turns each off). session_affinity: requests with the same
+    session id prefer the replicas of the session's last turn, unless those have more than affinity_max_gap
+    requests in flight beyond the least busy replica. max_queued_requests: requests waiting for room before new
+    ones get RESOURCE_EXHAUSTED; queue_timeout_s: how long one may wait. kv_events_interval_s: how often the
+    router polls every replica's KV events and load."""
+
+    policy: Literal["cache_aware", "least_loaded", "round_robin", "random"] = "cache_aware"
+    weights: RoutingWeightsSettings = RoutingWeightsSettings()
+    local_prefill_max_tokens: int = Field(0, ge=0)
+    prefill_saturation_tokens: int = Field(0, ge=0)
+    session_affinity: bool = False
+    affinity_max_gap: int = Field(4, ge=0)
     max_queued_requests: int = Field(256, ge=0)
     queue_timeout_s: float = Field(30.0, gt=0)
+    kv_events_interval_s: float = Field(0.05, gt=0, le=10)
 
 
 class Transport(_Strict):
@@ -172,12 +202,67 @@ def _host_port(value: str) -> str:
 
 
 class Listen(_Strict):
-    grpc: str = "127.0.0.1:50051"
+    """grpc: where the router serves the gRPC API; http: the OpenAI-compatible HTTP API (null: not served)."""
 
-    @field_validator("grpc")
+    grpc: str = "127.0.0.1:50051"
+    http: str | None = None
+
+    @field_validator("grpc", "http")
     @classmethod
-    def _address(cls, value: str) -> str:
-        return _host_port(value)
+    def _address(cls, value: str | None) -> str | None:
+        return None if value is None else _host_port(value)
+
+
+class ApiKey(_Strict):
+    """One client key and the tenant it authenticates as. Exactly one of key (inline), key_env (an environment
+    variable of the process that runs `tandem up`) or key_file (a file holding the key) gives it."""
+
+    tenant: str = Field(min_length=1, max_length=128)
+    key: str | None = Field(None, min_length=8)
+    key_env: str | None = None
+    key_file: str | None = None
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ApiKey:
+        given = [name for name in ("key", "key_env", "key_file") if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise ValueError(f"give exactly one of key, key_env or key_file (got {', '.join(given) or 'none'})")
+        return self
+
+    def resolve(self) -> str:
+        """The key itself. Raises ValueError naming the missing variable or unreadable file."""
+        if self.key is not None:
+            return self.key
+        if self.key_env is not None:
+            value = os.environ.get(self.key_env, "").strip()
+            if not value:
+                raise ValueError(f"environment variable {self.key_env} (the key of tenant {self.tenant!r}) is not set")
+            return value
+        try:
+            value = Path(self.key_file).read_text().strip()
+        except OSError as e:
+            raise ValueError(f"cannot read the key of tenant {self.tenant!r} from {self.key_file}: "
+                             f"{e.strerror}") from None
+        if not value:
+            raise ValueError(f"{self.key_file} (the key of tenant {self.tenant!r}) is empty")
+        return value
+
+
+class AuthSettings(_Strict):
+    """API keys for both the gRPC and the HTTP API (`authorization: Bearer KEY`). No keys: no authentication.
+    A key's tenant also salts the prefix cache, so tenants never share cached KV blocks."""
+
+    api_keys: list[ApiKey] = Field(default_factory=list)
+
+    def resolve(self) -> dict[str, str]:
+        """key -> tenant. Raises ValueError for a key that cannot be read or is given twice."""
+        keys: dict[str, str] = {}
+        for entry in self.api_keys:
+            key = entry.resolve()
+            if key in keys:
+                raise ValueError(f"tenants {keys[key]!r} and {entry.tenant!r} have the same API key")
+            keys[key] = entry.tenant
+        return keys
 
 
 class RaySettings(_Strict):
@@ -202,6 +287,7 @@ class Manifest(_Strict):
     router: RouterSettings = RouterSettings()
     transport: Transport = Transport()
     listen: Listen = Listen()
+    auth: AuthSettings = AuthSettings()
 
     @model_validator(mode="after")
     def _pools_for_mode(self) -> Manifest:

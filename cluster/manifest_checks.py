@@ -8,14 +8,16 @@ import errno
 import socket
 from pathlib import Path
 
-from tandem.cluster.manifest import (COLOCATED_HAS_PREFILL, MODE_NEEDS_PREFILL, Manifest, ManifestError,
+from pydantic import ValidationError
+
+from tandem.cluster.manifest import (COLOCATED_HAS_PREFILL, MODE_NEEDS_PREFILL, ApiKey, Manifest, ManifestError,
                                      ManifestInvalid, line_map, manifest_from, read_text, read_yaml)
 from tandem.engine.errors import ModelLoadError
 
 
-def listen_problem(address: str) -> ManifestError | None:
-    """Why the router could not listen on address (HOST:PORT) on this machine, None if it can. The router runs
-    on the node `tandem up` runs on, so this machine is the one that matters."""
+def listen_problem(address: str, field: str = "grpc") -> ManifestError | None:
+    """Why the router could not listen on address (HOST:PORT, manifest key listen.<field>) on this machine, None
+    if it can. The router runs on the node `tandem up` runs on, so this machine is the one that matters."""
     host, _, port = address.rpartition(":")
     if not port.isdigit() or not 0 <= int(port) < 65536:
         return None  # malformed: the schema reports it
@@ -26,9 +28,9 @@ def listen_problem(address: str) -> ManifestError | None:
             s.bind((host.strip("[]"), int(port)))
         except OSError as e:
             if e.errno == errno.EADDRINUSE:
-                return ManifestError("listen.grpc", f"{address} is already in use",
+                return ManifestError(f"listen.{field}", f"{address} is already in use",
                                      "stop what listens there (`tandem down`?) or pick another port")
-            return ManifestError("listen.grpc", f"cannot listen on {address}: {e.strerror}",
+            return ManifestError(f"listen.{field}", f"cannot listen on {address}: {e.strerror}",
                                  "the router listens on the machine `tandem up` runs on; use one of its addresses "
                                  "(127.0.0.1, 0.0.0.0, ...)")
     return None
@@ -109,11 +111,28 @@ def check_manifest(data: dict, lines: dict[tuple, int] | None = None, *,
                 errors.append(ManifestError(
                     f"pools.decode.engine.{field}", f"differs from the prefill pool's ({prefill} vs {decode})",
                     "KV blocks are copied as they are: both pools must agree"))
-    address = _get(data, "listen", "grpc", default="127.0.0.1:50051")
-    if check_ports and isinstance(address, str) and (problem := listen_problem(address)) is not None:
-        errors.append(problem)
+    addresses = {"grpc": _get(data, "listen", "grpc", default="127.0.0.1:50051"), "http": _get(data, "listen", "http")}
+    for field, address in addresses.items():
+        if check_ports and isinstance(address, str) and (problem := listen_problem(address, field)) is not None:
+            errors.append(problem)
+    http = addresses["http"]
+    if http is not None and http == addresses["grpc"] and not http.endswith(":0"):
+        errors.append(ManifestError("listen.http", f"{http} is also the gRPC address",
+                                    "give the HTTP API a port of its own"))
+    keys = _get(data, "auth", "api_keys", default=[])
+    for i, entry in enumerate(keys if isinstance(keys, list) else []):
+        try:
+            key = ApiKey.model_validate(entry)
+        except ValidationError:
+            continue  # the schema reports it
+        try:
+            key.resolve()
+        except ValueError as e:  # a variable that is not set, a file that cannot be read
+            errors.append(ManifestError(f"auth.api_keys.{i}", str(e),
+                                        "keys are read by `tandem up`, from its environment and files"))
     for i, e in enumerate(errors):
-        parts = tuple(e.path.split(".")) if e.path else ()
+        # line_map keys list items by their int index ("auth.api_keys.1" -> ("auth", "api_keys", 1))
+        parts = tuple(int(p) if p.isdigit() else p for p in e.path.split(".")) if e.path else ()
         line = next((lines[parts[:k]] for k in range(len(parts), 0, -1) if parts[:k] in lines), None)
         errors[i] = ManifestError(e.path, e.message, e.hint, line)
     return errors

@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import AsyncIterator, Sequence
 
 from tandem.engine.output_processor import RequestOutput
+from tandem.engine.kv_events import KVEventLog
 from tandem.engine.replica_server import ReplicaServer, node_address
 from tandem.engine.replica_spec import ReplicaSpec
 from tandem.engine.sampler import SampledToken
@@ -34,10 +35,12 @@ class DecodeReplica:
         node's address."""
         if transfer is not None and not transfer.host:
             transfer = transfer.on_host(node_address())
-        engine = spec.build(kv_agent=AgentFactory(transfer) if transfer is not None else None)
+        events = KVEventLog()
+        engine = spec.build(kv_agent=AgentFactory(transfer) if transfer is not None else None, event_sink=events)
         self.connector = DecodeConnector(engine, transfer) if transfer is not None else None
         self.transfers = ConnectorLoop(self.connector) if self.connector is not None else None
-        self.replica = ReplicaServer(name, "decode", engine, tick=self.transfers.tick if self.transfers else None)
+        self.replica = ReplicaServer(name, "decode", engine, tick=self.transfers.tick if self.transfers else None,
+                                     events=events)
         self.server = self.replica.server
 
     async def ready(self) -> dict:
@@ -48,15 +51,19 @@ class DecodeReplica:
     async def stats(self) -> dict:
         return await self.replica.stats()
 
+    async def kv_events(self, epoch: str | None, since: int) -> dict:
+        return await self.replica.kv_events(epoch, since)
+
     async def reserve(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *,
-                      priority: int = 0) -> TransferDescriptor | None:
-        """Holds blocks for the prompt's KV; None when there is no room now. Raises ValueError /
-        RequestRejectedError for a request this replica cannot serve."""
+                      priority: int = 0, cache_salt: str | None = None) -> TransferDescriptor | None:
+        """Holds blocks for the prompt's KV (cache_salt: the tenant's prefix-cache salt); None when there is no
+        room now. Raises ValueError / RequestRejectedError for a request this replica cannot serve."""
         if self.connector is None:
             raise ValueError(f"decode replica {self.replica.name} is colocated: it takes no KV transfers")
         self.replica.check_not_aborted(request_id)
         return await self.server.call(
-            lambda _e: self.connector.reserve(request_id, prompt_token_ids, params, priority=priority))
+            lambda _e: self.connector.reserve(request_id, prompt_token_ids, params, priority=priority,
+                                              cache_salt=cache_salt))
 
     async def decode(self, request_id: str, first_token: SampledToken) -> AsyncIterator[list[RequestOutput]]:
         """Waits for the reserved request's KV, admits it with first_token and streams its outputs (the first
@@ -81,10 +88,11 @@ class DecodeReplica:
             yield batch
 
     async def generate(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *,
-                       priority: int = 0) -> AsyncIterator[list[RequestOutput]]:
+                       priority: int = 0, cache_salt: str | None = None) -> AsyncIterator[list[RequestOutput]]:
         """Prefills and decodes the request here; streams its outputs."""
         self.replica.check_not_aborted(request_id)
-        stream = self.server.add_request(request_id, prompt_token_ids, params, priority=priority)
+        stream = self.server.add_request(request_id, prompt_token_ids, params, priority=priority,
+                                         cache_salt=cache_salt)
         async for batch in self.server.batches(request_id, stream):
             yield batch
 

@@ -220,6 +220,10 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         return EngineStats(**vars(self.scheduler.stats()), num_steps=self.num_steps)
 
+    def cached_block_hashes(self) -> tuple[int, ...]:
+        """The hashes of every block in the prefix cache now (engine thread only)."""
+        return self.scheduler.kv.cache.hashes()
+
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
 

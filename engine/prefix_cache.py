@@ -91,6 +91,10 @@ class PrefixCache:
         self._sink(BlockStored(block_hash, parent_hash, tuple(token_ids), cache_salt))
         return True
 
+    def hashes(self) -> tuple[int, ...]:
+        """Every block hash held now (for a KV snapshot)."""
+        return tuple(self._block_by_hash)
+
     def is_cached(self, block: int) -> bool:
         return block in self._hash_by_block
 

@@ -10,6 +10,7 @@ import time
 from typing import Callable
 
 from tandem.engine.async_engine import AsyncEngine
+from tandem.engine.kv_events import KVEventBatch, KVEventLog, KVSnapshot
 from tandem.engine.llm_engine import LLMEngine
 
 ABORT_MEMORY_S = 120.0
@@ -42,8 +43,10 @@ class RequestAbortedError(RuntimeError):
 
 class ReplicaServer:
     def __init__(self, name: str, pool: str, engine: LLMEngine, *, tick: Callable[[], bool] | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, events: KVEventLog | None = None):
+        """events: the log engine publishes its KV events to (None: the replica answers no kv_events calls)."""
         self.name = name
+        self.events = events
         self.pool = pool
         self.engine = engine
         self.server = AsyncEngine(engine, tick=tick)
@@ -78,6 +81,23 @@ class ReplicaServer:
                 "kv_blocks_total": s.num_blocks_total, "kv_blocks_in_use": s.num_blocks_in_use,
                 "kv_blocks_cached": s.num_blocks_cached, "kv_usage": s.kv_usage, "prefix_hit_rate": s.prefix_hit_rate,
                 "num_preemptions": s.num_preemptions, "num_steps": s.num_steps}
+
+    async def kv_events(self, epoch: str | None, since: int) -> dict:
+        """What the router's index needs from this replica, polled: the KV events from `since` on in the log of
+        `epoch` (or a snapshot of the prefix cache when those are gone or the epoch is not the log's, e.g. after a
+        restart; epoch None asks for one) and the load counters of the engine's last step. Returns {"events":
+        KVEventBatch | KVSnapshot, "load": {...}}."""
+        if self.events is None:
+            raise ValueError(f"replica {self.name} publishes no KV events")
+        batch: KVEventBatch | KVSnapshot | None = self.events.read(epoch, since)
+        if batch is None:
+            log = self.events
+            batch = await self.server.call(lambda engine: KVSnapshot(log.epoch, log.next_seq,
+                                                                     engine.cached_block_hashes()))
+        s = self.server.stats()
+        return {"events": batch, "load": {"running": s.num_running, "waiting": s.num_waiting,
+                                          "kv_blocks_free": s.num_blocks_total - s.num_blocks_in_use,
+                                          "kv_blocks_total": s.num_blocks_total}}
 
     async def check_integrity(self) -> None:
         """Raises ValueError if the replica's KV bookkeeping, or any rank's KV transfer agent, is inconsistent

@@ -20,9 +20,10 @@ class ReplicaSpec:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     threads: int = 1
 
-    def build(self, kv_agent=None):
+    def build(self, kv_agent=None, event_sink=None):
         """Loads the model (only its config and tokenizer when the ranks load their own shards) and returns a
-        running LLMEngine. Raises ModelLoadError / ValueError / ReplicaFailedError like LLMEngine."""
+        running LLMEngine publishing its KV events to event_sink (None: nowhere). Raises ModelLoadError /
+        ValueError / ReplicaFailedError like LLMEngine."""
         import torch
 
         from tandem.engine.llm_engine import LLMEngine
@@ -31,4 +32,7 @@ class ReplicaSpec:
         torch.set_num_threads(max(1, self.threads))
         loaded = load_model(self.model, dtype=getattr(torch, self.dtype), progress=False,
                             weights=self.parallel.world_size == 1)
-        return LLMEngine(loaded, self.engine, parallel=self.parallel, kv_agent=kv_agent)
+        from tandem.engine.kv_events import discard_events
+
+        return LLMEngine(loaded, self.engine, parallel=self.parallel, kv_agent=kv_agent,
+                         event_sink=event_sink or discard_events)

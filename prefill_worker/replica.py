@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+from tandem.engine.kv_events import KVEventLog
 from tandem.engine.replica_server import ReplicaServer, node_address
 from tandem.engine.replica_spec import ReplicaSpec
 from tandem.engine.sampler import SampledToken
@@ -34,10 +35,11 @@ class PrefillReplica:
         """transfer.host "": this node's address."""
         if not transfer.host:
             transfer = transfer.on_host(node_address())
-        engine = spec.build(kv_agent=AgentFactory(transfer))
+        events = KVEventLog()
+        engine = spec.build(kv_agent=AgentFactory(transfer), event_sink=events)
         self.connector = PrefillConnector(engine)
         self.transfers = ConnectorLoop(self.connector, on_failed=self._end_stream)
-        self.replica = ReplicaServer(name, "prefill", engine, tick=self.transfers.tick)
+        self.replica = ReplicaServer(name, "prefill", engine, tick=self.transfers.tick, events=events)
         self.server = self.replica.server
 
     def _end_stream(self, event: TransferEvent) -> None:
@@ -51,15 +53,19 @@ class PrefillReplica:
     async def stats(self) -> dict:
         return await self.replica.stats()
 
+    async def kv_events(self, epoch: str | None, since: int) -> dict:
+        return await self.replica.kv_events(epoch, since)
+
     async def prefill(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
-                      descriptor: TransferDescriptor, *, priority: int = 0) -> PrefillResult:
-        """Raises ValueError for a request this replica cannot serve, TransferFailedError if the KV did not reach
-        the decode replica (nothing is held here then)."""
+                      descriptor: TransferDescriptor, *, priority: int = 0,
+                      cache_salt: str | None = None) -> PrefillResult:
+        """cache_salt: the tenant's prefix-cache salt (None: none). Raises ValueError for a request this replica
+        cannot serve, TransferFailedError if the KV did not reach the decode replica (nothing is held here then)."""
         self.replica.check_not_aborted(request_id)
         stream = self.server.open_stream(request_id)
         try:
             await self.server.call(lambda _e: self.connector.submit(request_id, prompt_token_ids, params, descriptor,
-                                                                    priority=priority))
+                                                                    priority=priority, cache_salt=cache_salt))
         except BaseException:
             self.server.close_stream(request_id)
             raise

@@ -95,9 +95,11 @@ def build_request(*, prompt: str | None = None, chat: Sequence[Mapping[str, str]
 
 
 class TandemClient:
-    def __init__(self, target: str, *, timeout_s: float | None = None):
+    def __init__(self, target: str, *, timeout_s: float | None = None, api_key: str | None = None):
+        """api_key: sent as `authorization: Bearer KEY` on every Tandem call (clusters with API keys on)."""
         self.target = target
         self.timeout_s = timeout_s
+        self.metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
         self.channel = grpc.insecure_channel(target)
         self.stub = pb_grpc.TandemStub(self.channel)
 
@@ -113,7 +115,7 @@ class TandemClient:
     def stream(self, **kwargs) -> Iterator[pb.GenerateResponse]:
         """Yields the server's messages as they arrive (see build_request for the arguments). Breaking out of the
         loop cancels the call, which aborts the request on the cluster."""
-        call = self.stub.Generate(build_request(**kwargs), timeout=self.timeout_s)
+        call = self.stub.Generate(build_request(**kwargs), timeout=self.timeout_s, metadata=self.metadata)
         try:
             yield from call
         finally:
@@ -141,10 +143,12 @@ class TandemClient:
         return result
 
     def abort(self, request_id: str) -> bool:
-        return self.stub.Abort(pb.AbortRequest(request_id=request_id), timeout=self.timeout_s or 10).found
+        return self.stub.Abort(pb.AbortRequest(request_id=request_id), timeout=self.timeout_s or 10,
+                               metadata=self.metadata).found
 
     def list_models(self) -> list[pb.Model]:
-        return list(self.stub.ListModels(pb.ListModelsRequest(), timeout=self.timeout_s or 10).models)
+        return list(self.stub.ListModels(pb.ListModelsRequest(), timeout=self.timeout_s or 10,
+                                         metadata=self.metadata).models)
 
     def health(self, service: str = "") -> str:
         """"SERVING", "NOT_SERVING", ... as the standard grpc.health.v1 service reports it."""

@@ -1,9 +1,10 @@
 """The gRPC front door: tandem.v1.Tandem (Generate, Abort, ListModels) beside the standard grpc.health.v1 health
-service and server reflection, on grpc.aio. Errors map to status codes here and nowhere else."""
+service and server reflection, on grpc.aio. A failure's status name comes from serving.error_code; here it becomes
+a grpc.StatusCode. With API keys on, every Tandem call needs `authorization: Bearer KEY` metadata; the health
+and reflection services stay open (probes carry no keys)."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 
@@ -14,9 +15,9 @@ from grpc_reflection.v1alpha import reflection
 from tandem.engine.output_processor import RequestOutput
 from tandem.proto.v1 import tandem_pb2 as pb
 from tandem.proto.v1 import tandem_pb2_grpc as pb_grpc
-from tandem.router.lifecycle import (NoCapacityError, NoReplicaError, Progress, ReplicaLostError, RequestDriver,
-                                     is_replica_death)
-from tandem.router.request_parsing import InvalidRequest, ModelFacts, ParsedRequest, parse_request
+from tandem.router.auth import Unauthenticated
+from tandem.router.request_parsing import InvalidRequest
+from tandem.router.serving import Serving, error_code
 
 _log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Tandem"].full_name
@@ -24,53 +25,8 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Tandem"].full_name
 
 def status_for(error: BaseException) -> tuple[grpc.StatusCode, str]:
     """The gRPC status a failed request ends with, and its message."""
-    if isinstance(error, InvalidRequest):
-        return getattr(grpc.StatusCode, error.code), str(error)
-    if isinstance(error, NoCapacityError):
-        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(error)
-    if isinstance(error, (NoReplicaError, ReplicaLostError)):
-        return grpc.StatusCode.UNAVAILABLE, str(error)
-    if is_replica_death(error):
-        return grpc.StatusCode.UNAVAILABLE, f"a replica serving the request died: {error}"
-    if isinstance(error, ValueError):  # the engine's own validation (RequestRejectedError is one)
-        return grpc.StatusCode.INVALID_ARGUMENT, str(error).splitlines()[-1] if str(error) else repr(error)
-    return grpc.StatusCode.INTERNAL, f"internal error: {error!r}"
-
-
-class _Accounting:
-    """Usage and timings of one request, from the outputs the router forwards."""
-
-    def __init__(self, arrival: float):
-        self.arrival = arrival
-        self.first = self.last = None
-        self.completion_tokens = 0
-        self.prompt_tokens = self.cached_tokens = 0
-        self.queue_s = self.prefill_s = 0.0
-
-    def observe(self, progress: Progress, now: float) -> None:
-        if progress.queue_s or progress.prefill_s:  # the first progress of a request carries them
-            self.queue_s, self.prefill_s = progress.queue_s, progress.prefill_s
-        if progress.num_cached_tokens is not None:  # disaggregated: the prefill replica's cache hits
-            self.cached_tokens = progress.num_cached_tokens
-        for output in progress.outputs:
-            if progress.num_cached_tokens is None:
-                self.cached_tokens = max(self.cached_tokens, output.num_cached_tokens)
-            self.prompt_tokens = output.num_prompt_tokens
-            if output.token_ids:
-                self.completion_tokens += len(output.token_ids)
-                self.first = self.first if self.first is not None else now
-                self.last = now
-
-    def usage(self) -> pb.Usage:
-        return pb.Usage(prompt_tokens=self.prompt_tokens, cached_tokens=self.cached_tokens,
-                        completion_tokens=self.completion_tokens)
-
-    def timings(self, now: float) -> pb.Timings:
-        first = self.first if self.first is not None else now
-        gaps = self.completion_tokens - 1
-        itl = (self.last - self.first) / gaps if gaps > 0 and self.first is not None else 0.0
-        return pb.Timings(ttft_s=first - self.arrival, mean_itl_s=itl, e2e_s=now - self.arrival,
-                          queue_s=self.queue_s, prefill_s=self.prefill_s)
+    code, message = error_code(error)
+    return getattr(grpc.StatusCode, code), message
 
 
 def _response(output: RequestOutput) -> pb.GenerateResponse:
@@ -83,71 +39,54 @@ def _response(output: RequestOutput) -> pb.GenerateResponse:
 
 
 class TandemServicer(pb_grpc.TandemServicer):
-    def __init__(self, driver: RequestDriver, model: ModelFacts, mode: str):
-        self.driver = driver
-        self.model = model
-        self.mode = mode
-        self.active: dict[str, asyncio.Task] = {}
-        self._abort_calls: set[str] = set()  # ids whose task an Abort call cancelled (not a gone client)
-        self.num_finished = 0
-        self.num_failed = 0
+    def __init__(self, serving: Serving):
+        self.serving = serving
+
+    def _tenant(self, context: grpc.aio.ServicerContext) -> str | None:
+        metadata = dict(context.invocation_metadata() or ())
+        return self.serving.authenticate(metadata.get("authorization"), "grpc")
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         arrival = time.monotonic()
         try:
-            parsed = parse_request(request, self.model)
-        except InvalidRequest as e:
-            await context.abort(getattr(grpc.StatusCode, e.code), str(e))
-        if parsed.request_id in self.active:
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request id {parsed.request_id!r} is in use")
-        self.active[parsed.request_id] = asyncio.current_task()
+            parsed = self.serving.parse(request, self._tenant(context), "grpc")
+        except (InvalidRequest, Unauthenticated) as e:
+            await context.abort(*status_for(e))
         code = None
         try:
-            async for response in self._stream(parsed, arrival):
-                yield response
-        except asyncio.CancelledError:
-            if parsed.request_id not in self._abort_calls:
-                raise  # the client went away: nobody to answer
-            code, message = grpc.StatusCode.CANCELLED, f"request {parsed.request_id!r} was aborted"
+            first = True
+            async for step in self.serving.run(parsed, arrival, "grpc"):
+                for output in step.progress.outputs:
+                    response = _response(output)
+                    if first:
+                        response.prefill_replica = step.progress.prefill_replica
+                        response.decode_replica = step.progress.decode_replica
+                        response.prefill_route = step.progress.prefill_route
+                        first = False
+                    if output.finished:
+                        response.usage.CopyFrom(pb.Usage(**vars(step.account.usage())))
+                        response.timings.CopyFrom(pb.Timings(**vars(step.account.timings(step.now))))
+                    yield response
         except Exception as e:
             code, message = status_for(e)
-            if code is grpc.StatusCode.INTERNAL:
-                _log.exception("request %s failed", parsed.request_id)
-        finally:
-            self.active.pop(parsed.request_id, None)
-            self._abort_calls.discard(parsed.request_id)
         if code is not None:
-            self.num_failed += 1
             await context.abort(code, message)
-        self.num_finished += 1
-
-    async def _stream(self, parsed: ParsedRequest, arrival: float):
-        account = _Accounting(arrival)
-        first = True
-        async for progress in self.driver.run(parsed):
-            now = time.monotonic()
-            account.observe(progress, now)
-            for output in progress.outputs:
-                response = _response(output)
-                if first:
-                    response.prefill_replica = progress.prefill_replica
-                    response.decode_replica = progress.decode_replica
-                    first = False
-                if output.finished:
-                    response.usage.CopyFrom(account.usage())
-                    response.timings.CopyFrom(account.timings(now))
-                yield response
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
-        task = self.active.get(request.request_id)
-        if task is not None:
-            self._abort_calls.add(request.request_id)
-            task.cancel()
-        return pb.AbortResponse(found=task is not None)
+        try:
+            self._tenant(context)
+        except Unauthenticated as e:
+            await context.abort(*status_for(e))
+        return pb.AbortResponse(found=self.serving.abort(request.request_id))
 
     async def ListModels(self, request: pb.ListModelsRequest, context) -> pb.ListModelsResponse:
-        return pb.ListModelsResponse(models=[pb.Model(id=self.model.model_id, max_model_len=self.model.max_model_len,
-                                                      mode=self.mode)])
+        try:
+            self._tenant(context)
+        except Unauthenticated as e:
+            await context.abort(*status_for(e))
+        model = self.serving.model
+        return pb.ListModelsResponse(models=[pb.Model(id=model.model_id, max_model_len=model.max_model_len,
+                                                      mode=self.serving.mode)])
 
 
 async def start_grpc_server(servicer: TandemServicer, address: str) -> tuple[grpc.aio.Server, int,

@@ -1,10 +1,13 @@
 """One request through the cluster, as the router drives it (DESIGN.md section 2). Disaggregated, n == 1:
 
-  1. Reserve. Decode replicas are asked in the policy's order until one holds blocks for the prompt and returns
-     a transfer descriptor. When none has room the request waits (polling) up to queue_timeout_s, and at most
-     max_queued_requests requests wait at once; past either, RESOURCE_EXHAUSTED.
-  2. Prefill. A prefill replica (policy order) computes the prompt, reusing its prefix cache, and pushes the
-     KV of each layer into the descriptor as soon as it is written; it answers with the first token once every
+  0. Route. routing.Routing plans the request (no replica is asked): decode candidates in policy order, and
+     either a prefill replica or the reason the decode replica prefills the prompt itself (conditional
+     disaggregation: a short uncached prompt, a saturated or empty prefill pool).
+  1. Reserve. Decode replicas are asked in the plan's order until one holds blocks for the prompt and returns
+     a transfer descriptor. When none has room the request waits (polling, re-ranked each round) up to
+     queue_timeout_s, and at most max_queued_requests requests wait at once; past either, RESOURCE_EXHAUSTED.
+  2. Prefill. The planned prefill replica computes the prompt, reusing its prefix cache, and pushes the KV of
+     each layer into the descriptor as soon as it is written; it answers with the first token once every
      decode rank has acknowledged its data.
   3. Decode. The decode replica admits the request with that first token and streams its outputs back; each
      engine step's outputs travel decode replica -> router as one Ray message, then to the client.
@@ -12,12 +15,12 @@
      driving task, and every replica the request touched is told to abort it (each frees its blocks).
 
   Failure: a transfer that fails, expires or is aborted leaves nothing held on either side (the connectors
-  clean up); the router then lets a decode replica prefill the prompt itself (step L below). A replica that
-  dies surfaces as UNAVAILABLE.
+  clean up); the router then lets the decode replica prefill the prompt itself (step L below). A replica that
+  dies leaves its pool and the request ends UNAVAILABLE.
 
-Colocated mode, n > 1 and that fallback take the local path (L): one decode replica's generate() prefills and
-decodes, streaming the same way.
-"""
+Colocated mode, n > 1, conditional disaggregation and that fallback take the local path (L): one decode
+replica's generate() prefills and decodes, streaming the same way. Every call carries the tenant's cache salt.
+The KV feed (kv_feed.py) polls every replica's KV events and load beside all this, off the request path."""
 
 from __future__ import annotations
 
@@ -30,8 +33,10 @@ from typing import Any, AsyncIterator
 
 from tandem.engine.output_processor import RequestOutput
 from tandem.kv_transfer.connector_loop import TransferFailedError
-from tandem.router.policy import ReplicaLoad, ReplicaPicker
+from tandem.router.kv_feed import KVFeed
+from tandem.router.policy import ReplicaLoad
 from tandem.router.request_parsing import ParsedRequest
+from tandem.router.routing import PREFILL_POOL, RoutePlan, Routing, RoutingSettings
 
 _log = logging.getLogger(__name__)
 RETRY_INTERVAL_S = 0.02
@@ -75,9 +80,10 @@ class Replica:
 @dataclass(frozen=True)
 class DriverSettings:
     mode: str = "disaggregated"
-    policy: str = "least_loaded"
     max_queued_requests: int = 256
     queue_timeout_s: float = 30.0
+    routing: RoutingSettings = field(default_factory=RoutingSettings)
+    kv_events_interval_s: float = 0.05  # how often the router polls every replica's KV events and load
 
 
 @dataclass
@@ -87,38 +93,71 @@ class Progress:
     outputs: list[RequestOutput]
     prefill_replica: str = ""
     decode_replica: str = ""
+    prefill_route: str = ""  # routing.PREFILL_POOL or the reason the decode replica prefilled
     num_cached_tokens: int | None = None  # the prefill replica's cache hits (disaggregated)
     prefill_s: float = 0.0
     queue_s: float = 0.0
 
 
 class RequestDriver:
-    def __init__(self, prefill: list[Replica], decode: list[Replica], settings: DriverSettings):
+    def __init__(self, prefill: list[Replica], decode: list[Replica], settings: DriverSettings, *,
+                 block_size: int | None = None):
+        """block_size: the replicas' KV block size in tokens (None: read from their info, else 16)."""
         self.prefill = prefill
         self.decode = decode
         self.settings = settings
-        # One picker per pool: a shared round-robin turn would advance twice per request and never rotate.
-        self.pickers = {"prefill": ReplicaPicker(settings.policy), "decode": ReplicaPicker(settings.policy)}
+        if block_size is None:
+            block_size = next((r.info["block_size"] for r in prefill + decode if "block_size" in r.info), 16)
+        self.routing = Routing(settings.routing, block_size)
+        self.feed = KVFeed(self.routing.indexes)
         self.num_queued = 0
         self.num_fallbacks = 0
         self.lost: list[str] = []  # replicas found dead, no longer routed to
+        self._replicas = {r.name: r for r in prefill + decode}
 
-    def _ordered(self, pool: list[Replica]) -> list[Replica]:
-        if not pool:
-            raise NoReplicaError("no ready replica in the pool")
-        by_name = {r.name: r for r in pool}
-        return [by_name[load.name] for load in self.pickers[pool[0].pool].order([r.load for r in pool])]
+    def replicas(self) -> list[tuple[str, ReplicaLoad, Any]]:
+        """(pool, load, handle) of every replica routed to (what the KV feed polls)."""
+        return [(r.pool, r.load, r.handle) for r in self.prefill + self.decode]
+
+    def remove(self, name: str) -> bool:
+        """Stops routing to a replica (dead, or leaving its pool) and forgets what the index held for it.
+        Returns whether it was in a pool."""
+        replica = self._replicas.pop(name, None)
+        if replica is None:
+            return False
+        (self.prefill if replica.pool == "prefill" else self.decode).remove(replica)
+        self.routing.forget_replica(replica.pool, name)
+        self.feed.forget(name)
+        return True
+
+    def add(self, replica: Replica) -> None:
+        """Starts routing to a ready replica."""
+        if replica.name in self._replicas:
+            raise ValueError(f"replica {replica.name} is already routed to")
+        self._replicas[replica.name] = replica
+        (self.prefill if replica.pool == "prefill" else self.decode).append(replica)
+
+    def _replica(self, load: ReplicaLoad) -> Replica:
+        return self._replicas[load.name]
 
     async def run(self, request: ParsedRequest) -> AsyncIterator[Progress]:
         """Yields Progress until the request's last output. Raises InvalidRequest-like ValueErrors from the
         replicas, NoCapacityError, NoReplicaError, or Ray's errors for a dead replica."""
+        if not self.decode:
+            raise NoReplicaError("no ready replica in the decode pool")
+        local = "colocated" if self.settings.mode == "colocated" else "n_gt_1" if request.params.n > 1 else None
+        plan = self.routing.plan(request.prompt_token_ids, prefill=[r.load for r in self.prefill],
+                                 decode=[r.load for r in self.decode], local_reason=local,
+                                 cache_salt=request.cache_salt, session=request.session_id)
         touched: list[tuple[Replica, str]] = []  # (replica, the request's id there)
         try:
-            if self.settings.mode == "colocated" or request.params.n > 1:
-                async for progress in self._local(request, touched):
+            if plan.prefill is None:
+                replica = self._replica(next(plan.decode))
+                self.routing.record(plan, prefill=None, decode=replica.name, session=request.session_id)
+                async for progress in self._local(request, replica, plan.reason, touched):
                     yield progress
                 return
-            async for progress in self._disaggregated(request, touched):
+            async for progress in self._disaggregated(request, plan, touched):
                 yield progress
         finally:
             for replica, _ in touched:
@@ -148,9 +187,7 @@ class RequestDriver:
     def _check_death(self, replica: Replica, error: Exception) -> None:
         if not is_replica_death(error):
             return
-        pool = self.prefill if replica.pool == "prefill" else self.decode
-        if replica in pool:
-            pool.remove(replica)
+        if self.remove(replica.name):
             self.lost.append(replica.name)
             _log.error("replica %s died; no longer routing to it: %s", replica.name, error)
         raise ReplicaLostError(f"replica {replica.name} died while serving the request") from None
@@ -169,14 +206,18 @@ class RequestDriver:
         replica.load.in_flight += 1
         touched.append((replica, request_id))
 
-    async def _reserve(self, request: ParsedRequest, touched: list[Replica]) -> tuple[Replica, Any, float]:
+    async def _reserve(self, request: ParsedRequest, plan: RoutePlan,
+                       touched: list[tuple[Replica, str]]) -> tuple[Replica, Any, float]:
         start = time.monotonic()
         queued = False
+        order = plan.decode
         try:
             while True:
-                for replica in self._ordered(self.decode):
+                for load in order:
+                    replica = self._replica(load)
                     descriptor = await self._call(replica, replica.handle.reserve.remote(
-                        request.request_id, request.prompt_token_ids, request.params, priority=request.priority))
+                        request.request_id, request.prompt_token_ids, request.params, priority=request.priority,
+                        cache_salt=request.cache_salt))
                     if descriptor is not None:
                         replica.load.refusals = 0
                         self._use(replica, request.request_id, touched)
@@ -192,51 +233,68 @@ class RequestDriver:
                     raise NoCapacityError(f"no decode replica had room for the prompt within "
                                           f"{self.settings.queue_timeout_s:g} s")
                 await asyncio.sleep(RETRY_INTERVAL_S)
+                if not self.decode:
+                    raise NoReplicaError("no ready replica in the decode pool")
+                order = self.routing.pickers["decode"].rank_decode([r.load for r in self.decode])
         finally:
             if queued:
                 self.num_queued -= 1
 
-    async def _disaggregated(self, request: ParsedRequest, touched: list[Replica]) -> AsyncIterator[Progress]:
-        decode, descriptor, queue_s = await self._reserve(request, touched)
-        prefill = self._ordered(self.prefill)[0]
-        self._use(prefill, request.request_id, touched)
-        start = time.monotonic()
+    async def _disaggregated(self, request: ParsedRequest, plan: RoutePlan,
+                             touched: list[tuple[Replica, str]]) -> AsyncIterator[Progress]:
+        prefill = self._replica(plan.prefill)
+        # Counted as queued on the prefill replica from the decision on, so that a burst of requests spreads
+        # by load before any of them reaches it.
+        prefill.load.queued_prefill_tokens += plan.uncached_tokens
+        queued = plan.uncached_tokens
         try:
+            decode, descriptor, queue_s = await self._reserve(request, plan, touched)
+            self.routing.record(plan, prefill=prefill.name, decode=decode.name, session=request.session_id)
+            self._use(prefill, request.request_id, touched)
+            start = time.monotonic()
             result = await self._call(prefill, prefill.handle.prefill.remote(
-                request.request_id, request.prompt_token_ids, request.params, descriptor, priority=request.priority))
+                request.request_id, request.prompt_token_ids, request.params, descriptor,
+                priority=request.priority, cache_salt=request.cache_salt))
+            prefill.load.queued_prefill_tokens -= queued
+            queued = 0
             stream = decode.handle.decode.options(num_returns="streaming").remote(request.request_id,
                                                                                    result.first_token)
             first = True
             async for outputs in self._items(decode, stream):
                 if first:
                     yield Progress(outputs, prefill_replica=prefill.name, decode_replica=decode.name,
-                                   num_cached_tokens=result.num_cached_tokens, prefill_s=time.monotonic() - start,
-                                   queue_s=queue_s)
+                                   prefill_route=PREFILL_POOL, num_cached_tokens=result.num_cached_tokens,
+                                   prefill_s=time.monotonic() - start, queue_s=queue_s)
                     first = False
                 else:
                     yield Progress(outputs)
         except TransferFailedError as e:
-            # Nothing is held on either side now; the decode replicas prefill the prompt themselves.
+            # Nothing is held on either side now; the decode replica prefills the prompt itself.
             _log.warning("request %s: %s; prefilling on a decode replica instead", request.request_id, e)
             self.num_fallbacks += 1
-            async for progress in self._local(request, touched, retry_of=decode):
+            self.routing.decisions[("decode_replica", "transfer_failed")] += 1
+            async for progress in self._local(request, decode, "transfer_failed", touched,
+                                              local_id=f"{request.request_id}.local"):
                 yield progress
+        finally:
+            prefill.load.queued_prefill_tokens -= queued
 
-    async def _local(self, request: ParsedRequest, touched: list[tuple[Replica, str]], *,
-                     retry_of: Replica | None = None) -> AsyncIterator[Progress]:
-        # A retry runs under its own id on the replica: the failed reservation's id may still be winding down.
-        local_id = request.request_id if retry_of is None else f"{request.request_id}.local"
+    async def _local(self, request: ParsedRequest, replica: Replica, reason: str,
+                     touched: list[tuple[Replica, str]], *, local_id: str | None = None) -> AsyncIterator[Progress]:
+        """The decode replica prefills and decodes. local_id: the id on the replica when it differs (a retry
+        runs under its own id: the failed reservation's may still be winding down there)."""
+        rid = local_id or request.request_id
         start = time.monotonic()
-        replica = self._ordered(self.decode)[0]
-        self._use(replica, local_id, touched)
+        self._use(replica, rid, touched)
         stream = replica.handle.generate.options(num_returns="streaming").remote(
-            local_id, request.prompt_token_ids, request.params, priority=request.priority)
+            rid, request.prompt_token_ids, request.params, priority=request.priority, cache_salt=request.cache_salt)
         first = True
         async for outputs in self._items(replica, stream):
-            if retry_of is not None:
+            if rid != request.request_id:
                 outputs = [dataclasses.replace(o, request_id=request.request_id) for o in outputs]
             if first:
-                yield Progress(outputs, decode_replica=replica.name, prefill_s=time.monotonic() - start)
+                yield Progress(outputs, decode_replica=replica.name, prefill_route=reason,
+                               prefill_s=time.monotonic() - start)
             else:
                 yield Progress(outputs)
             first = False

@@ -32,6 +32,8 @@ class ParsedRequest:
     prompt_token_ids: tuple[int, ...]
     params: SamplingParams
     priority: int
+    session_id: str = ""
+    cache_salt: str | None = None  # the tenant's prefix-cache salt (set by the server after authentication)
 
 
 @dataclass(frozen=True)
@@ -98,4 +100,6 @@ def parse_request(request: pb.GenerateRequest, model: ModelFacts) -> ParsedReque
     request_id = request.request_id or f"req-{secrets.token_hex(8)}"
     if len(request_id) > 128 or not request_id.isprintable() or "#" in request_id or "/" in request_id:
         raise InvalidRequest("request_id must be at most 128 printable characters without '#' or '/'")
-    return ParsedRequest(request_id, tuple(prompt), params, request.priority)
+    if len(request.session_id) > 256 or not request.session_id.isprintable():
+        raise InvalidRequest("session_id must be at most 256 printable characters")
+    return ParsedRequest(request_id, tuple(prompt), params, request.priority, request.session_id)

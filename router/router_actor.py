@@ -1,11 +1,14 @@
-"""The router process: a Ray actor that serves the gRPC API and drives every request across the replicas the
-control plane hands it. The actor runs on Ray's asyncio loop; so do the gRPC server and every request."""
+"""The router process: a Ray actor that serves the gRPC API and the OpenAI-compatible HTTP API, and drives every
+request across the replicas the control plane hands it. The actor runs on Ray's asyncio loop; so do both
+servers, every request and the KV feed that keeps the routing index current."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from pathlib import Path
 
+from tandem.router.auth import Authenticator
 from tandem.router.lifecycle import DriverSettings, Replica, RequestDriver
 from tandem.router.request_parsing import ModelFacts
 
@@ -29,35 +32,57 @@ class RouterActor:
         self.config = loaded.config
         self.model_path = model_path
         self.settings = settings
-        self.server = None
-        self.servicer = None
-        self.endpoint = None
+        self.serving = None
+        self.grpc_server = None
+        self.http_server = None
+        self.endpoints: dict[str, str | None] = {"grpc": None, "http": None}
+        self._feed_task: asyncio.Task | None = None
 
-    async def start(self, replicas: list[dict], address: str) -> str:
-        """replicas: {name, pool, handle, info} per ready replica. Starts serving on address; returns HOST:PORT."""
+    async def start(self, replicas: list[dict], grpc_address: str, http_address: str | None = None,
+                    api_keys: dict[str, str] | None = None) -> dict[str, str | None]:
+        """replicas: {name, pool, handle, info} per ready replica. api_keys: key -> tenant (None: no auth).
+        Starts serving; returns {"grpc": HOST:PORT, "http": HOST:PORT or None}."""
         from tandem.router.grpc_service import TandemServicer, start_grpc_server
+        from tandem.router.http_service import build_app, start_http_server
+        from tandem.router.serving import Serving
 
         prefill = [Replica(r["name"], "prefill", r["handle"], r["info"]) for r in replicas if r["pool"] == "prefill"]
         decode = [Replica(r["name"], "decode", r["handle"], r["info"]) for r in replicas if r["pool"] == "decode"]
         limit = min(r.info["max_model_len"] for r in prefill + decode)
         facts = ModelFacts(model_id_for(self.model_path), self.tokenizer, self.config.vocab_size, limit)
-        self.servicer = TandemServicer(RequestDriver(prefill, decode, self.settings), facts, self.settings.mode)
-        self.server, port, _ = await start_grpc_server(self.servicer, address)
-        self.endpoint = f"{address.rpartition(':')[0]}:{port}"
-        return self.endpoint
+        driver = RequestDriver(prefill, decode, self.settings)
+        self.serving = Serving(driver, facts, self.settings.mode, auth=Authenticator(api_keys))
+        self._feed_task = asyncio.get_running_loop().create_task(
+            driver.feed.run(driver.replicas, self.settings.kv_events_interval_s))
+        self.grpc_server, port, _ = await start_grpc_server(TandemServicer(self.serving), grpc_address)
+        self.endpoints["grpc"] = f"{grpc_address.rpartition(':')[0]}:{port}"
+        if http_address is not None:
+            self.http_server, port = await start_http_server(build_app(self.serving), http_address)
+            self.endpoints["http"] = f"{http_address.rpartition(':')[0]}:{port}"
+        return dict(self.endpoints)
 
     async def stats(self) -> dict:
-        servicer = self.servicer
-        if servicer is None:
+        serving = self.serving
+        if serving is None:
             return {"state": "starting"}
-        driver = servicer.driver
-        return {"state": "serving", "endpoint": self.endpoint, "active_requests": len(servicer.active),
-                "queued_requests": driver.num_queued, "finished_requests": servicer.num_finished,
-                "failed_requests": servicer.num_failed, "transfer_fallbacks": driver.num_fallbacks,
+        driver = serving.driver
+        return {"state": "serving", "endpoint": self.endpoints["grpc"], "http_endpoint": self.endpoints["http"],
+                "policy": self.settings.routing.policy, "active_requests": len(serving.active),
+                "queued_requests": driver.num_queued, "finished_requests": serving.num_finished,
+                "failed_requests": serving.num_failed, "transfer_fallbacks": driver.num_fallbacks,
                 "replicas_lost": list(driver.lost),
+                "prefill_decisions": {f"{where}/{reason}": n
+                                      for (where, reason), n in driver.routing.decisions.items()},
+                "kv_feed": vars(driver.feed.counters),
                 "in_flight": {r.name: r.load.in_flight for r in driver.prefill + driver.decode}}
 
     async def stop(self, grace_s: float = 2.0) -> None:
-        if self.server is not None:
-            await self.server.stop(grace_s)
-            self.server = None
+        if self._feed_task is not None:
+            self._feed_task.cancel()
+            self._feed_task = None
+        if self.http_server is not None:
+            await self.http_server.stop()
+            self.http_server = None
+        if self.grpc_server is not None:
+            await self.grpc_server.stop(grace_s)
+            self.grpc_server = None

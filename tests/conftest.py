@@ -22,6 +22,30 @@ def embedded():
 
 
 @pytest.fixture(scope="session")
+def embedded_shape():
+    """The embedded model without weights (its config and tokenizer): what manifest checks load for `embedded`."""
+    from tandem.engine.loader import load_model
+
+    return load_model(None, weights=False, progress=False)
+
+
+@pytest.fixture
+def embedded_shape_once(monkeypatch, embedded_shape):
+    """Loading the embedded model's shape reads its GGUF header (~2 s); hand every such load in the test the
+    same real result instead. Every other load goes to the real loader."""
+    import tandem.engine.loader as loader
+
+    real = loader.load_model
+
+    def load_model(path=None, **kwargs):
+        if path is None and kwargs.get("weights") is False:
+            return embedded_shape
+        return real(path, **kwargs)
+
+    monkeypatch.setattr(loader, "load_model", load_model)
+
+
+@pytest.fixture(scope="session")
 def embedded_generator(embedded):
     from tandem.engine.generator import Generator
 

@@ -58,7 +58,8 @@ class TandemServicer:
         """Streams the completion of one prompt: one message per batch of new tokens, the last one carrying the finish
         reason(s), usage and timings. Errors: INVALID_ARGUMENT (bad parameters, malformed prompt or chat messages,
         prompt too long), NOT_FOUND (unknown model), ALREADY_EXISTS (request id in use), RESOURCE_EXHAUSTED (no
-        replica has room and the queue is full), UNAVAILABLE (no ready replica), CANCELLED (aborted).
+        replica has room and the queue is full), UNAVAILABLE (no ready replica), CANCELLED (aborted),
+        UNAUTHENTICATED (API keys are on and the call's `authorization: Bearer KEY` metadata is missing or wrong).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -26,10 +26,10 @@ def chat(question: str) -> list[dict]:
 
 
 def manifest_for_test(name: str, **updates) -> Manifest:
-    """A manifest of deploy/manifests with the gRPC port made free (port 0) and fields replaced."""
+    """A manifest of deploy/manifests with its ports made free (port 0) and fields replaced."""
     manifest = load_manifest(MANIFESTS / name)
-    return manifest.model_copy(update={"listen": manifest.listen.model_copy(update={"grpc": "127.0.0.1:0"})}
-                               | updates)
+    listen = {"grpc": "127.0.0.1:0", "http": "127.0.0.1:0" if manifest.listen.http else None}
+    return manifest.model_copy(update={"listen": manifest.listen.model_copy(update=listen)} | updates)
 
 
 @contextlib.contextmanager

@@ -45,7 +45,8 @@ def manifest(tmp_path: Path) -> tuple[Path, int]:
     port = free_port()
     text = (MANIFESTS / "local.yaml").read_text().replace("name: tandem", "name: cli-test")
     path = tmp_path / "cli.yaml"
-    path.write_text(text.replace("127.0.0.1:50051", f"127.0.0.1:{port}"))
+    path.write_text(text.replace("127.0.0.1:50051", f"127.0.0.1:{port}")
+                    .replace("127.0.0.1:8000", f"127.0.0.1:{free_port()}"))
     return path, port
 
 

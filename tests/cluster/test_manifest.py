@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 
-import tandem.engine.loader as loader
 from tandem.cluster.cli import main
 from tandem.cluster.manifest import ManifestInvalid, parse_bytes
 from tandem.cluster.manifest_checks import validate_file
@@ -16,24 +15,9 @@ from tandem.cluster.manifest_checks import validate_file
 MANIFESTS = Path(__file__).resolve().parents[2] / "deploy" / "manifests"
 
 
-@pytest.fixture(scope="module")
-def embedded_shape():
-    """The embedded model without weights (its config and tokenizer): what validate_file loads for `embedded`."""
-    return loader.load_model(None, weights=False, progress=False)
-
-
 @pytest.fixture(autouse=True)
-def _load_embedded_once(monkeypatch, embedded_shape):
-    """validate_file reads the embedded GGUF's header on every call (~2 s); hand it the same real result instead.
-    Every other load goes to the real loader."""
-    real = loader.load_model
-
-    def load_model(path=None, **kwargs):
-        if path is None and kwargs.get("weights") is False:
-            return embedded_shape
-        return real(path, **kwargs)
-
-    monkeypatch.setattr(loader, "load_model", load_model)
+def _load_embedded_once(embedded_shape_once):
+    """validate_file loads the embedded model's shape once for the session (tests/conftest.py)."""
 
 
 def _write(tmp_path: Path, text: str, name: str = "manifest.yaml") -> Path:
@@ -75,9 +59,11 @@ def test_local_manifest_is_valid():
     assert prefill.resources.bundle() == {"CPU": 0.5, "prefill": 1}
     assert decode.resources.bundle() == {"CPU": 0.5, "decode": 1}
     assert prefill.replicas.start == decode.replicas.start == 1
-    assert manifest.router.policy == "least_loaded"
+    assert manifest.router.policy == "cache_aware" and manifest.router.weights.queued_prefill_tokens == 0.5
+    assert manifest.router.local_prefill_max_tokens == 0 and not manifest.router.session_affinity
     assert manifest.transport.kind == "ucx" and manifest.transport.lease_s == 30
-    assert manifest.listen.grpc == "127.0.0.1:50051"
+    assert manifest.listen.grpc == "127.0.0.1:50051" and manifest.listen.http == "127.0.0.1:8000"
+    assert manifest.auth.api_keys == []
     assert manifest.ray.address is None
 
 
@@ -89,7 +75,7 @@ def test_local_colocated_manifest_is_valid():
     decode = manifest.pools.decode
     assert (decode.parallelism.tp, decode.parallelism.pp, decode.parallelism.ep) == (1, 2, 1)
     assert decode.engine.kv_cache_bytes == 512 << 20
-    assert manifest.listen.grpc == "127.0.0.1:50051"
+    assert manifest.listen.grpc == "127.0.0.1:50051" and manifest.listen.http == "127.0.0.1:8000"
 
 
 # --- sizes -------------------------------------------------------------------------------------------------------
@@ -280,6 +266,28 @@ def test_a_listen_port_in_use_is_reported(tmp_path):
         # The port check is what `--no-port-check` turns off.
         assert validate_file(path, check_ports=False).listen.grpc == f"127.0.0.1:{port}"
     assert validate_file(path, check_ports=True).listen.grpc == f"127.0.0.1:{port}"  # free again
+
+
+def test_the_http_port_is_checked_like_the_grpc_port(tmp_path):
+    busy, port = _busy_port()
+    with busy:
+        path = _write(tmp_path, "pools:\n  prefill: {}\n  decode: {}\n"
+                                f"listen: {{grpc: '127.0.0.1:0', http: '127.0.0.1:{port}'}}\n")
+        [error] = _errors(path, check_ports=True)
+        assert error.path == "listen.http" and error.message == f"127.0.0.1:{port} is already in use"
+    same = _write(tmp_path, "pools:\n  prefill: {}\n  decode: {}\nlisten: {grpc: '127.0.0.1:7000', http: "
+                            "'127.0.0.1:7000'}\n", "same.yaml")
+    [error] = _errors(same)
+    assert error.path == "listen.http" and "also the gRPC address" in error.message
+
+
+def test_router_settings_are_checked(tmp_path):
+    path = _write(tmp_path, "pools:\n  prefill: {}\n  decode: {}\nrouter:\n  policy: fastest\n"
+                            "  weights: {prefix_tokens: -1, queued_prefil_tokens: 2}\n  local_prefill_max_tokens: -5\n")
+    errors = {e.path: e for e in _errors(path)}
+    assert "cache_aware" in errors["router.policy"].message
+    assert "router.weights.prefix_tokens" in errors and "router.local_prefill_max_tokens" in errors
+    assert "queued_prefill_tokens" in errors["router.weights.queued_prefil_tokens"].hint  # did you mean
 
 
 # --- the CLI -----------------------------------------------------------------------------------------------------

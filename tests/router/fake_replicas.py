@@ -1,13 +1,21 @@
-"""A mock engine behind Ray-like actor handles (STYLE.md): deterministic tokens and a configurable step latency,
-so the router's request driver runs its real code paths (reserve, prefill, decode, fallback, abort) in
+"""A mock engine behind Ray-like actor handles (STYLE.md): deterministic tokens, a configurable step latency and
+a prefix cache that hashes and publishes KV events exactly as the engine's does, so the router's request driver
+and routing run their real code paths (route, reserve, prefill, decode, fallback, abort, KV feed) in
 milliseconds without Ray or a model. `handle.method.remote(...)` returns an awaitable, and with
-`.options(num_returns="streaming")` an async iterator of awaitables, as Ray's handles do."""
+`.options(num_returns="streaming")` an async iterator of awaitables, as Ray's handles do.
+
+A prefill replica computes one prompt at a time, taking step_s + per_token_s per uncached prompt token: the
+cost model bench/routing.py measures routing policies against."""
 
 from __future__ import annotations
 
 import asyncio
+import random
+from collections import OrderedDict
 
-from tandem.engine.output_processor import RequestOutput
+from tandem.engine.kv_events import BlockRemoved, BlockStored, KVEventLog, KVSnapshot
+from tandem.engine.output_processor import RequestOutput, TokenLogprob
+from tandem.engine.prefix_cache import block_hashes
 from tandem.engine.sampler import SampledToken
 from tandem.kv_transfer.connector_loop import TransferFailedError
 from tandem.kv_transfer.descriptor import TransferState
@@ -42,65 +50,152 @@ class FakeHandle:
         return _Method(getattr(self.replica, name))
 
 
+class MockKVCache:
+    """One replica's prefix cache: LRU over capacity blocks of block_size tokens, hashed with the engine's
+    block_hashes (cache salt included) and published through a real KVEventLog. lose_events: the fraction of
+    events silently dropped (never numbered: the router cannot notice, only its hit rate suffers)."""
+
+    def __init__(self, capacity: int = 4096, block_size: int = 16, *, lose_events: float = 0.0, seed: int = 0):
+        self.capacity, self.block_size, self.lose_events = capacity, block_size, lose_events
+        self.blocks: OrderedDict[int, None] = OrderedDict()
+        self.log = KVEventLog()
+        self.rng = random.Random(seed)
+        self.skip_next = False  # the next kv_events answer goes missing (the router must notice the gap)
+
+    def _publish(self, event) -> None:
+        if not (self.lose_events and self.rng.random() < self.lose_events):
+            self.log(event)
+
+    def lookup(self, prompt, cache_salt=None) -> tuple[list[int], int]:
+        """The prompt's block hashes and how many leading ones are cached."""
+        hashes = block_hashes(prompt, self.block_size, cache_salt)
+        hit = 0
+        while hit < len(hashes) and hashes[hit] in self.blocks:
+            self.blocks.move_to_end(hashes[hit])
+            hit += 1
+        return hashes, hit
+
+    def store(self, prompt, cache_salt=None) -> int:
+        """Caches every full block of prompt; returns the prompt tokens that were cached before."""
+        hashes, hit = self.lookup(prompt, cache_salt)
+        for i in range(hit, len(hashes)):
+            self.blocks[hashes[i]] = None
+            self._publish(BlockStored(hashes[i], hashes[i - 1] if i else None,
+                                      tuple(prompt[i * self.block_size:(i + 1) * self.block_size]), cache_salt))
+        evicted = []
+        while len(self.blocks) > self.capacity:
+            evicted.append(self.blocks.popitem(last=False)[0])
+        if evicted:
+            self._publish(BlockRemoved(tuple(evicted)))
+        return hit * self.block_size
+
+    def kv_events(self, epoch, since, load: dict) -> dict:
+        batch = self.log.read(epoch, since)
+        if batch is None:
+            batch = KVSnapshot(self.log.epoch, self.log.next_seq, tuple(self.blocks))
+        elif self.skip_next and batch.events:
+            self.skip_next = False
+            batch = type(batch)(batch.epoch, batch.first_seq + 1, batch.events[1:])
+        return {"events": batch, "load": load}
+
+
 def token_for(prompt: tuple[int, ...], i: int) -> int:
     """The mock model: token i of a completion depends only on the prompt."""
     return (sum(prompt) * 31 + i * 7) % 1000
 
 
-def _output(request_id, prompt, tokens, i0, finished, cached=0) -> RequestOutput:
-    return RequestOutput(request_id, 0, tuple(tokens), "".join(f"<{t}>" for t in tokens), None,
+def _output(request_id, prompt, tokens, i0, finished, cached=0, index=0, logprobs=None) -> RequestOutput:
+    """logprobs: k alternatives per token (None: no logprobs); the mock's log-probability of token t is -t/1000."""
+    lps = None if logprobs is None else tuple(
+        TokenLogprob(t, -t / 1000, tuple((t + j, -(t + j) / 1000) for j in range(1, logprobs + 1))) for t in tokens)
+    return RequestOutput(request_id, index, tuple(tokens), "".join(f"<{t}>" for t in tokens), lps,
                          "length" if finished else None, len(prompt), cached, finished)
 
 
 class FakeDecode:
-    def __init__(self, name: str, *, room: list[bool] | None = None, step_s: float = 0.0):
-        """room: reserve() answers from this list in turn (True: a descriptor, False: no room), then True."""
-        self.name, self.room, self.step_s = name, list(room or []), step_s
+    def __init__(self, name: str, *, room: list[bool] | None = None, step_s: float = 0.0, blocks: int = 4096,
+                 per_token_s: float = 0.0, lose_events: float = 0.0):
+        """room: reserve() answers from this list in turn (True: a descriptor, False: no room), then True.
+        per_token_s: what generate() spends per uncached prompt token before its first output."""
+        self.name, self.room, self.step_s, self.per_token_s = name, list(room or []), step_s, per_token_s
+        self.cache = MockKVCache(blocks, lose_events=lose_events)
         self.aborted: list[str] = []
         self.reservations: dict[str, tuple] = {}
+        self.served: list[str] = []  # request ids admitted here (reserved or generated)
+        self.salts: list[str | None] = []
+        self.running = 0
 
-    async def reserve(self, request_id, prompt, params, priority=0):
+    async def reserve(self, request_id, prompt, params, priority=0, cache_salt=None):
         if self.room and not self.room.pop(0):
             return None
-        self.reservations[request_id] = (tuple(prompt), params)
+        self.reservations[request_id] = (tuple(prompt), params, cache_salt)
+        self.served.append(request_id)
+        self.salts.append(cache_salt)
         return {"transfer_id": f"{request_id}/0"}
 
     async def decode(self, request_id, first: SampledToken):
-        prompt, params = self.reservations.pop(request_id)
+        prompt, params, salt = self.reservations.pop(request_id)
+        self.cache.store(prompt, salt)  # the transferred blocks enter this replica's prefix cache
         tokens = [first.token_id] + [token_for(prompt, i) for i in range(1, params.max_tokens)]
-        async for batch in self._stream(request_id, prompt, tokens):
+        async for batch in self._stream(request_id, prompt, tokens, logprobs=params.logprobs):
             yield batch
 
-    async def generate(self, request_id, prompt, params, priority=0):
+    async def generate(self, request_id, prompt, params, priority=0, cache_salt=None):
+        self.served.append(request_id)
+        self.salts.append(cache_salt)
+        cached = self.cache.store(tuple(prompt), cache_salt)
+        await asyncio.sleep(self.per_token_s * (len(prompt) - cached))
         tokens = [token_for(tuple(prompt), i) for i in range(params.max_tokens)]
-        async for batch in self._stream(request_id, tuple(prompt), tokens):
+        async for batch in self._stream(request_id, tuple(prompt), tokens, cached, n=params.n,
+                                        logprobs=params.logprobs):
             yield batch
 
-    async def _stream(self, request_id, prompt, tokens):
-        for i, token in enumerate(tokens):
-            await asyncio.sleep(self.step_s)
-            yield [_output(request_id, prompt, [token], i, i == len(tokens) - 1)]
+    async def _stream(self, request_id, prompt, tokens, cached=0, n=1, logprobs=None):
+        """Sample k of n is the completion shifted by k (token + k), so samples differ."""
+        self.running += 1
+        try:
+            for i, token in enumerate(tokens):
+                await asyncio.sleep(self.step_s)
+                last = i == len(tokens) - 1
+                yield [_output(request_id, prompt, [token + k], i, last, cached, k, logprobs) for k in range(n)]
+        finally:
+            self.running -= 1
 
     async def abort(self, request_id):
         self.aborted.append(request_id)
         self.reservations.pop(request_id, None)
 
+    async def kv_events(self, epoch, since):
+        return self.cache.kv_events(epoch, since, {"running": self.running,
+                                                   "kv_blocks_free": self.cache.capacity - self.running * 4})
+
 
 class FakePrefill:
-    def __init__(self, name: str, *, fail: TransferState | None = None, step_s: float = 0.0):
-        self.name, self.fail, self.step_s = name, fail, step_s
+    def __init__(self, name: str, *, fail: TransferState | None = None, step_s: float = 0.0,
+                 per_token_s: float = 0.0, blocks: int = 4096, lose_events: float = 0.0):
+        self.name, self.fail, self.step_s, self.per_token_s = name, fail, step_s, per_token_s
+        self.cache = MockKVCache(blocks, lose_events=lose_events)
         self.aborted: list[str] = []
         self.prefilled: list[str] = []
+        self.cached_tokens: dict[str, int] = {}  # request id -> prompt tokens its prefill found cached
+        self._compute = asyncio.Lock()  # one prompt at a time, like one accelerator
 
-    async def prefill(self, request_id, prompt, params, descriptor, priority=0):
-        await asyncio.sleep(self.step_s)
+    async def prefill(self, request_id, prompt, params, descriptor, priority=0, cache_salt=None):
+        async with self._compute:
+            _, hit = self.cache.lookup(tuple(prompt), cache_salt)
+            await asyncio.sleep(self.step_s + self.per_token_s * (len(prompt) - hit * self.cache.block_size))
+            cached = self.cache.store(tuple(prompt), cache_salt)
         self.prefilled.append(request_id)
+        self.cached_tokens[request_id] = cached
         if self.fail is not None:
             raise TransferFailedError(request_id, self.fail, "the peer went away")
-        return PrefillResult(SampledToken(token_for(tuple(prompt), 0), None, ()), len(prompt), 16)
+        return PrefillResult(SampledToken(token_for(tuple(prompt), 0), None, ()), len(prompt), cached)
 
     async def abort(self, request_id):
         self.aborted.append(request_id)
+
+    async def kv_events(self, epoch, since):
+        return self.cache.kv_events(epoch, since, {"running": 0, "kv_blocks_free": self.cache.capacity})
 
 
 class DyingDecode(FakeDecode):
@@ -110,20 +205,20 @@ class DyingDecode(FakeDecode):
         super().__init__(name)
         self.after = after
 
-    async def _stream(self, request_id, prompt, tokens):
+    async def _stream(self, request_id, prompt, tokens, *args, **kwargs):
         from ray.exceptions import RayActorError
 
-        async for i, batch in _enumerate(super()._stream(request_id, prompt, tokens)):
+        async for i, batch in _enumerate(super()._stream(request_id, prompt, tokens, *args, **kwargs)):
             if i == self.after:
                 raise RayActorError()
             yield batch
 
-    async def reserve(self, request_id, prompt, params, priority=0):
+    async def reserve(self, request_id, prompt, params, priority=0, cache_salt=None):
         if self.after < 0:
             from ray.exceptions import RayActorError
 
             raise RayActorError()
-        return await super().reserve(request_id, prompt, params, priority)
+        return await super().reserve(request_id, prompt, params, priority, cache_salt)
 
 
 async def _enumerate(items):

@@ -41,7 +41,8 @@ def test_disaggregated_request_runs_reserve_prefill_decode():
     progress = asyncio.run(collect(driver([prefill], [decode]), request()))
     assert tokens_of(progress) == [token_for(PROMPT, i) for i in range(5)]
     assert (progress[0].prefill_replica, progress[0].decode_replica) == ("prefill-0", "decode-0")
-    assert progress[0].num_cached_tokens == 16
+    assert progress[0].num_cached_tokens == 0  # a cold cache
+    assert progress[0].prefill_route == "prefill_pool"
     assert prefill.prefilled == ["r1"]
     # the end of a request tells every replica it touched (a no-op where it finished)
     assert prefill.aborted == ["r1"] and decode.aborted == ["r1"]
@@ -93,9 +94,11 @@ def test_a_failed_transfer_falls_back_to_prefilling_on_a_decode_replica():
 def test_n_above_one_and_colocated_mode_prefill_on_the_decode_replica():
     prefill, decode = FakePrefill("prefill-0"), FakeDecode("decode-0")
     progress = asyncio.run(collect(driver([prefill], [decode]), request(n=2)))
-    assert len(tokens_of(progress)) == 5 and prefill.prefilled == []
+    assert len(tokens_of(progress)) == 2 * 5 and prefill.prefilled == []  # two samples of 5 tokens
+    assert progress[0].prefill_route == "n_gt_1"
     progress = asyncio.run(collect(driver([], [decode], mode="colocated"), request("c1")))
     assert (progress[0].prefill_replica, progress[0].decode_replica) == ("", "decode-0")
+    assert progress[0].prefill_route == "colocated"
 
 
 def test_cancelling_mid_stream_aborts_on_every_replica_touched():

@@ -1,0 +1,97 @@
+"""Keeps the router's prefix indexes and load counters fed: polls every replica's kv_events() (its KV event log
+and last load counters) and applies the answers.
+
+Each replica has a cursor: the epoch of its event log and the sequence number expected next. An answer whose
+batch does not start at the cursor is a gap (a lost answer, a log that moved on): the cursor is cleared and the
+next poll asks for a snapshot. A snapshot (a restarted replica, or a cursor older than what the log keeps)
+replaces what the index believed about the replica. A replica that fails to answer keeps its entries until it
+answers or leaves the pool; routing to it only risks a miss.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+from tandem.engine.kv_events import KVEventBatch, KVSnapshot
+from tandem.router.kv_index import PrefixIndex
+from tandem.router.policy import ReplicaLoad
+
+_log = logging.getLogger(__name__)
+
+
+@dataclass
+class FeedCursor:
+    epoch: str | None = None  # None: ask for a snapshot
+    next_seq: int = 0
+
+
+@dataclass
+class FeedCounters:
+    batches: int = 0
+    events: int = 0
+    snapshots: int = 0
+    gaps: int = 0
+    poll_failures: int = 0
+
+
+class KVFeed:
+    def __init__(self, indexes: dict[str, PrefixIndex]):
+        """indexes: pool name -> that pool's index."""
+        self.indexes = indexes
+        self.cursors: dict[str, FeedCursor] = {}
+        self.counters = FeedCounters()
+
+    def apply(self, pool: str, load: ReplicaLoad, reply: dict) -> None:
+        """Applies one kv_events() answer from the replica whose load record is `load`."""
+        cursor = self.cursors.setdefault(load.name, FeedCursor())
+        batch = reply["events"]
+        index = self.indexes[pool]
+        if isinstance(batch, KVSnapshot):
+            index.apply_snapshot(load.name, batch.block_hashes)
+            cursor.epoch, cursor.next_seq = batch.epoch, batch.next_seq
+            self.counters.snapshots += 1
+        elif isinstance(batch, KVEventBatch):
+            if batch.epoch != cursor.epoch or batch.first_seq != cursor.next_seq:
+                _log.info("replica %s: KV events out of step (%s:%d, expected %s:%d); resynchronizing",
+                          load.name, batch.epoch, batch.first_seq, cursor.epoch, cursor.next_seq)
+                cursor.epoch = None
+                self.counters.gaps += 1
+            else:
+                index.apply(load.name, batch.events)
+                cursor.next_seq = batch.next_seq
+                self.counters.batches += 1
+                self.counters.events += len(batch.events)
+        counters = reply.get("load") or {}
+        load.kv_blocks_free = counters.get("kv_blocks_free", load.kv_blocks_free)
+        load.running = counters.get("running", load.running)
+
+    def forget(self, name: str) -> None:
+        self.cursors.pop(name, None)
+
+    async def poll(self, replicas: Iterable[tuple[str, ReplicaLoad, Any]]) -> None:
+        """One round: asks every (pool, load, handle) for its events concurrently and applies the answers."""
+        replicas = list(replicas)
+
+        async def ask(pool: str, load: ReplicaLoad, handle: Any) -> None:
+            cursor = self.cursors.setdefault(load.name, FeedCursor())
+            try:
+                reply = await handle.kv_events.remote(cursor.epoch, cursor.next_seq)
+            except Exception as e:  # a dead replica is noticed by the requests it serves
+                self.counters.poll_failures += 1
+                _log.debug("kv_events of %s failed: %r", load.name, e)
+                return
+            self.apply(pool, load, reply)
+
+        await asyncio.gather(*(ask(*r) for r in replicas))
+
+    async def run(self, replicas: Callable[[], Iterable[tuple[str, ReplicaLoad, Any]]], interval_s: float) -> None:
+        """Polls every interval_s until cancelled. replicas() gives the current (pool, load, handle) triples."""
+        while True:
+            try:
+                await self.poll(replicas())
+            except Exception:  # a malformed answer must not stop the feed for every replica
+                _log.exception("KV feed round failed")
+            await asyncio.sleep(interval_s)

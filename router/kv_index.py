@@ -1,0 +1,157 @@
+"""The router's index of which replica holds which KV block, by the chained block hashes of
+engine/prefix_cache.py: fed by the replicas' KV events, read once per request to score cached-prefix overlap.
+
+The index is approximate on purpose. Between polls it lags the replicas; a lost event leaves a block counted
+where it is gone (or missing where it is held), which costs routing quality and nothing else, since each replica
+matches the prefix against its own cache. Two mechanisms keep it close:
+
+  - resync: a replica answers with a snapshot of its whole cache when the router's place in its event log is
+    gone or belongs to an earlier incarnation (restart); apply_snapshot() replaces what the index believed;
+  - expectation: when a request is sent to a replica, its prompt's blocks are expected there (expect()) until
+    the replica's events confirm them or `ttl_s` passes, so that a burst of requests sharing a prefix follows
+    the first one instead of scattering before any event arrives.
+
+Plain Python over ints and strings; no Ray, no gRPC.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Callable, Iterable, Sequence
+
+from tandem.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+
+
+class PrefixIndex:
+    def __init__(self, *, ttl_s: float = 5.0, clock: Callable[[], float] = time.monotonic):
+        self.ttl_s = ttl_s
+        self.clock = clock
+        self._holders: dict[int, set[str]] = {}  # hash -> replicas holding it (confirmed or expected)
+        self._confirmed: dict[str, set[int]] = {}  # replica -> hashes its events reported
+        self._expected: dict[str, dict[int, float]] = {}  # replica -> hash -> deadline
+        self._deadlines: deque[tuple[float, str, tuple[int, ...]]] = deque()
+
+    def __len__(self) -> int:
+        """Distinct block hashes indexed (confirmed or expected and not expired)."""
+        self._expire()
+        return len(self._holders)
+
+    def num_blocks(self, replica: str) -> int:
+        """Blocks the index believes replica holds (confirmed ones)."""
+        return len(self._confirmed.get(replica, ()))
+
+    # ---- updates ----
+
+    def apply(self, replica: str, events: Iterable[KVEvent]) -> None:
+        """Applies replica's events in order."""
+        for event in events:
+            if isinstance(event, BlockStored):
+                self._store(replica, event.block_hash)
+            elif isinstance(event, BlockRemoved):
+                for h in event.block_hashes:
+                    self._drop(replica, h)
+            elif isinstance(event, AllBlocksCleared):
+                self.remove_replica(replica)
+
+    def apply_snapshot(self, replica: str, block_hashes: Iterable[int]) -> None:
+        """replica holds exactly block_hashes now: whatever the index believed about it is replaced."""
+        self.remove_replica(replica)
+        for h in block_hashes:
+            self._store(replica, h)
+
+    def expect(self, replica: str, block_hashes: Sequence[int]) -> None:
+        """The blocks of a prompt just sent to replica: counted as held there until confirmed or ttl_s passes."""
+        self._expire()
+        deadline = self.clock() + self.ttl_s
+        expected = self._expected.setdefault(replica, {})
+        confirmed = self._confirmed.get(replica, ())
+        fresh = tuple(h for h in block_hashes if h not in confirmed)
+        for h in fresh:
+            expected[h] = deadline
+            self._holders.setdefault(h, set()).add(replica)
+        if fresh:
+            self._deadlines.append((deadline, replica, fresh))
+
+    def remove_replica(self, replica: str) -> None:
+        """Forgets everything about replica (it left the pool, restarted or cleared its cache)."""
+        for h in self._confirmed.pop(replica, set()) | set(self._expected.pop(replica, {})):
+            self._unhold(replica, h)
+
+    # ---- reads ----
+
+    def overlap(self, block_hashes: Sequence[int]) -> dict[str, int]:
+        """For every replica holding the first of block_hashes: how many leading blocks of block_hashes it holds.
+        Replicas holding none are absent. Costs O(matched blocks x holders), not O(index size)."""
+        self._expire()
+        if not block_hashes:
+            return {}
+        holders = self._holders.get(block_hashes[0])
+        if not holders:
+            return {}
+        alive = set(holders)
+        depth: dict[str, int] = {}
+        reached = len(block_hashes)
+        for i in range(1, len(block_hashes)):
+            here = self._holders.get(block_hashes[i])
+            if here is None:
+                reached = i
+                break
+            if not alive <= here:
+                for r in alive - here:
+                    depth[r] = i
+                alive &= here
+                if not alive:
+                    break
+        for r in alive:
+            depth[r] = reached
+        return depth
+
+    # ---- internals ----
+
+    def _store(self, replica: str, h: int) -> None:
+        self._confirmed.setdefault(replica, set()).add(h)
+        expected = self._expected.get(replica)
+        if expected:
+            expected.pop(h, None)
+        self._holders.setdefault(h, set()).add(replica)
+
+    def _drop(self, replica: str, h: int) -> None:
+        confirmed = self._confirmed.get(replica)
+        if confirmed:
+            confirmed.discard(h)
+        expected = self._expected.get(replica)
+        if expected:
+            expected.pop(h, None)
+        self._unhold(replica, h)
+
+    def _unhold(self, replica: str, h: int) -> None:
+        holders = self._holders.get(h)
+        if holders is not None:
+            holders.discard(replica)
+            if not holders:
+                del self._holders[h]
+
+    def _expire(self) -> None:
+        now = self.clock()
+        while self._deadlines and self._deadlines[0][0] <= now:
+            deadline, replica, hashes = self._deadlines.popleft()
+            expected = self._expected.get(replica)
+            if not expected:
+                continue
+            confirmed = self._confirmed.get(replica, ())
+            for h in hashes:
+                if expected.get(h) == deadline:  # not re-expected later, not confirmed since
+                    del expected[h]
+                    if h not in confirmed:
+                        self._unhold(replica, h)
+
+    def check_integrity(self) -> None:
+        """Raises ValueError unless holders == confirmed + expected, per hash and replica."""
+        derived: dict[int, set[str]] = {}
+        for source in (self._confirmed, self._expected):
+            for replica, hashes in source.items():
+                for h in hashes:
+                    derived.setdefault(h, set()).add(replica)
+        if derived != self._holders:
+            raise ValueError("prefix index holders disagree with the per-replica sets")

@@ -1,0 +1,120 @@
+"""The router's Prometheus metrics (GET /metrics on the HTTP port): request latencies as histograms, token and
+request counters, and, read from the driver at scrape time, queue depth, routing decisions with their reasons,
+the KV feed, and every replica's load as the router sees it. One registry per router (tests run several)."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from tandem.router.accounting import Accounting, Timings
+from tandem.router.lifecycle import RequestDriver
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.5, 5.0, 10.0, 20.0,
+                   40.0, 80.0)
+DECISION_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2)
+
+
+class RouterMetrics:
+    def __init__(self, driver: RequestDriver, active: Callable[[], int]):
+        """active: how many requests the router is serving now."""
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("tandem_requests", "Finished requests by API and status code", ["api", "code"],
+                                registry=r)
+        self.ttft = Histogram("tandem_time_to_first_token_seconds", "Arrival at the router to the first token",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("tandem_inter_token_latency_seconds", "Time between a request's tokens",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("tandem_e2e_request_latency_seconds", "Arrival to the last token",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.queue = Histogram("tandem_request_queue_seconds", "Waiting for a decode replica with room",
+                               buckets=LATENCY_BUCKETS, registry=r)
+        self.decision = Histogram("tandem_routing_decision_seconds", "Routing one request (hashing included)",
+                                  buckets=DECISION_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("tandem_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.cached_tokens = Counter("tandem_cached_prompt_tokens", "Prompt tokens served from a prefix cache",
+                                     registry=r)
+        self.completion_tokens = Counter("tandem_completion_tokens", "Generated tokens", registry=r)
+        self.auth_failures = Counter("tandem_auth_failures", "Calls refused for a missing or wrong API key",
+                                     ["api"], registry=r)
+        r.register(_DriverCollector(driver, active))
+        driver.routing.observe = self.decision.observe
+
+    def observe_gaps(self, gaps: list[float]) -> None:
+        for gap in gaps:
+            self.itl.observe(gap)
+
+    def finished(self, api: str, code: str, account: Accounting | None, timings: Timings | None) -> None:
+        """One request ended with status `code` ("OK" or a gRPC status name)."""
+        self.requests.labels(api, code).inc()
+        if account is None or timings is None:
+            return
+        usage = account.usage()
+        self.prompt_tokens.inc(usage.prompt_tokens)
+        self.cached_tokens.inc(usage.cached_tokens)
+        self.completion_tokens.inc(usage.completion_tokens)
+        if usage.completion_tokens:
+            self.ttft.observe(timings.ttft_s)
+        self.e2e.observe(timings.e2e_s)
+        self.queue.observe(timings.queue_s)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _DriverCollector:
+    """Reads the driver's live state at scrape time."""
+
+    def __init__(self, driver: RequestDriver, active: Callable[[], int]):
+        self.driver, self.active = driver, active
+
+    def collect(self):
+        d = self.driver
+        yield _gauge("tandem_active_requests", "Requests being served", self.active())
+        yield _gauge("tandem_queued_requests", "Requests waiting for a decode replica with room", d.num_queued)
+        replicas = GaugeMetricFamily("tandem_replicas", "Replicas routed to, by pool", labels=["pool"])
+        for pool, members in (("prefill", d.prefill), ("decode", d.decode)):
+            replicas.add_metric([pool], len(members))
+        yield replicas
+        lost = CounterMetricFamily("tandem_replicas_lost", "Replicas found dead and removed from their pool")
+        lost.add_metric([], len(d.lost))
+        yield lost
+        decisions = CounterMetricFamily("tandem_prefill_decisions", "Where prompts were prefilled, and why",
+                                        labels=["where", "reason"])
+        for (where, reason), count in sorted(d.routing.decisions.items()):
+            decisions.add_metric([where, reason], count)
+        yield decisions
+        feed = CounterMetricFamily("tandem_kv_feed", "The router's KV event feed: batches, events, snapshots "
+                                                     "(resyncs), gaps and failed polls", labels=["kind"])
+        for kind, count in vars(d.feed.counters).items():
+            feed.add_metric([kind], count)
+        yield feed
+        indexed = GaugeMetricFamily("tandem_prefix_index_blocks", "Distinct block hashes in the router's index",
+                                    labels=["pool"])
+        for pool, index in d.routing.indexes.items():
+            indexed.add_metric([pool], len(index))
+        yield indexed
+        in_flight = GaugeMetricFamily("tandem_replica_in_flight", "Requests in flight per replica",
+                                      labels=["pool", "replica"])
+        queued = GaugeMetricFamily("tandem_replica_queued_prefill_tokens", "Uncached prompt tokens sent to a "
+                                   "prefill replica and not answered yet", labels=["replica"])
+        free = GaugeMetricFamily("tandem_replica_kv_blocks_free", "Free KV blocks per replica (last poll)",
+                                 labels=["pool", "replica"])
+        for r in d.prefill + d.decode:
+            in_flight.add_metric([r.pool, r.name], r.load.in_flight)
+            if r.pool == "prefill":
+                queued.add_metric([r.name], r.load.queued_prefill_tokens)
+            if r.load.kv_blocks_free is not None:
+                free.add_metric([r.pool, r.name], r.load.kv_blocks_free)
+        yield in_flight
+        yield queued
+        yield free
+
+
+def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
+    family = GaugeMetricFamily(name, documentation)
+    family.add_metric([], value)
+    return family
