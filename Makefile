@@ -20,7 +20,8 @@ $(STAMP): pyproject.toml
 	@touch $@
 
 # The local disaggregated cluster (deploy/manifests/local.yaml): starts Ray, a tp=2 prefill and a pp=2 decode replica
-# and the gRPC router, asks one chat question through the gRPC client, then serves until Ctrl-C.
+# and the router (gRPC :50051, OpenAI HTTP :8000), asks one chat question through the gRPC client, then serves
+# until Ctrl-C.
 run: setup
 	$(VENV)/bin/tandem up deploy/manifests/local.yaml --ask "$(PROMPT)" --max-tokens 128
 

@@ -75,9 +75,12 @@ class Serving:
             raise
 
     def parse(self, request: pb.GenerateRequest, tenant: str | None, api: str) -> ParsedRequest:
-        """Raises InvalidRequest (counted as a failed request of `api`)."""
+        """Raises InvalidRequest (counted as a failed request of `api`). Session ids are scoped by tenant: two
+        tenants choosing the same id do not share a session."""
         try:
-            return replace(parse_request(request, self.model), cache_salt=cache_salt_for(tenant))
+            parsed = parse_request(request, self.model)
+            session = f"{tenant}/{parsed.session_id}" if tenant is not None and parsed.session_id else parsed.session_id
+            return replace(parsed, cache_salt=cache_salt_for(tenant), session_id=session)
         except InvalidRequest as e:
             self.refused(api, e.code)
             raise

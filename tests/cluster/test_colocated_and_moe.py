@@ -1,10 +1,14 @@
 """The other two example manifests on a simulated multi-node Ray cluster: local-colocated.yaml (one replica that
 prefills and decodes, behind the same router) and local-moe.yaml (a generated Mixtral-layout model, decode split
-ep=2 x pp=2). Greedy outputs equal a single-process run of the same model."""
+ep=2 x pp=2). Greedy outputs equal a single-process run of the same model, over gRPC and (colocated) the OpenAI
+HTTP API."""
 
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
 
 from tandem.cluster.cli import main as tandem_main
 from tandem.engine.generator import Generator
@@ -13,7 +17,6 @@ from tandem.engine.sampling_params import SamplingParams
 from tandem.router.client import TandemClient
 from tests.cluster.ray_cluster import (QUESTIONS, chat, check_integrity, manifest_for_test, running,
                                       simulated_cluster, wait_idle)
-
 
 
 def run_concurrently(endpoint: str, max_tokens: int):
@@ -45,6 +48,14 @@ def test_colocated_mode_serves_through_the_same_router(embedded):
             stream = client.stream(prompt="Once upon a time", max_tokens=200, temperature=0, ignore_eos=True)
             next(stream), next(stream)
             stream.close()  # a client that goes away mid-decode
+        # The OpenAI API on the colocated cluster: the same greedy text, prefilled on the decode replica.
+        openai_client = openai.OpenAI(base_url=f"http://{cluster.http_endpoint}/v1", api_key="none", max_retries=0,
+                                      timeout=120)
+        reply = openai_client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=chat(QUESTIONS[0]),
+                                                      max_tokens=16, temperature=0)
+        assert reply.choices[0].message.content == results[0].text
+        metrics = httpx.get(f"http://{cluster.http_endpoint}/metrics").text
+        assert 'tandem_prefill_decisions_total{reason="colocated",where="decode_replica"}' in metrics
         wait_idle(cluster)
         check_integrity(cluster)
 
