@@ -61,6 +61,7 @@ class Completion:
     timings: pb.Timings | None = None
     prefill_replica: str = ""
     decode_replica: str = ""
+    prefill_route: str = ""  # "prefill_pool", or why the decode replica prefilled ("short_prompt", ...)
     num_messages: int = 0
     ttft_s: float = 0.0
     itl_s: list[float] = field(default_factory=list)
@@ -137,6 +138,7 @@ class TandemClient:
                 result.finish_reasons[i] = message.finish_reason
             if message.prefill_replica or message.decode_replica:
                 result.prefill_replica, result.decode_replica = message.prefill_replica, message.decode_replica
+                result.prefill_route = message.prefill_route
             if message.HasField("usage"):
                 result.usage, result.timings = message.usage, message.timings
         result.ttft_s, result.itl_s = clock.ttft_s or 0.0, clock.gaps_s

@@ -32,7 +32,7 @@ from tandem.router.openai_protocol import (ChatCompletionRequest, CompletionRequ
                                            chat_request, completion_requests, http_status_for, models_body,
                                            parse_body)
 from tandem.router.request_parsing import InvalidRequest, ParsedRequest
-from tandem.router.serving import Serving, Step, error_code
+from tandem.router.serving import RequestCancelled, Serving, Step, error_code
 
 _DONE = object()
 
@@ -62,12 +62,18 @@ class _Merged:
         self.last: dict[int, Step] = {}
 
     async def _pump(self, serving: Serving, parsed: ParsedRequest, i: int, arrival: float) -> None:
+        """Queues each step, then _DONE, the error, or a RequestCancelled when cancel() stopped it."""
+        end: object = _DONE
         try:
             async for step in serving.run(parsed, arrival, "http"):
-                await self.queue.put((i, step))
-            await self.queue.put((i, _DONE))
+                self.queue.put_nowait((i, step))
+        except asyncio.CancelledError:
+            end = RequestCancelled(f"request {parsed.request_id!r} was cancelled: the client went away")
+            raise
         except Exception as e:
-            await self.queue.put((i, e))
+            end = e
+        finally:
+            self.queue.put_nowait((i, end))
 
     async def next(self) -> tuple[int, Step] | None:
         """The next step of any prompt; None once all have finished. Raises the first prompt's error."""
@@ -92,6 +98,13 @@ class _Merged:
     def cancel(self) -> None:
         for task in self.tasks:
             task.cancel()
+
+
+async def _cancel_on_disconnect(request: Request, merged: _Merged) -> None:
+    """Waits for the client to go away (the body is read already, so the next ASGI message is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    merged.cancel()
 
 
 def build_app(serving: Serving) -> FastAPI:
@@ -146,14 +159,15 @@ def build_app(serving: Serving) -> FastAPI:
             who = tenant(request)
             body = await parse(body_cls, request)
             response_id = f"{id_prefix}-{secrets.token_hex(12)}"
-            return await serve(kind, body, to_requests(body, response_id), who, arrival, response_id)
+            return await serve(request, kind, body, to_requests(body, response_id), who, arrival, response_id)
         return handle
 
     app.post("/v1/chat/completions")(endpoint("chat", ChatCompletionRequest, "chatcmpl",
                                               lambda body, rid: [chat_request(body, rid)]))
     app.post("/v1/completions")(endpoint("completion", CompletionRequest, "cmpl", completion_requests))
 
-    async def serve(kind: str, body, requests, who: str | None, arrival: float, response_id: str) -> Response:
+    async def serve(request: Request, kind: str, body, requests, who: str | None, arrival: float,
+                    response_id: str) -> Response:
         try:
             parsed = [serving.parse(r, who, "http") for r in requests]
         except InvalidRequest as e:
@@ -163,24 +177,24 @@ def build_app(serving: Serving) -> FastAPI:
                                   n=n * len(parsed), logprobs=parsed[0].params.logprobs is not None,
                                   include_usage=body.include_usage)
         merged = _Merged(serving, parsed, arrival)
+        # Until the response starts, a client that disconnects cancels its request (a stream notices by itself).
+        watcher = asyncio.create_task(_cancel_on_disconnect(request, merged))
         try:
             first = await merged.next()  # failures before the first output get a proper status
-        except Exception as e:
-            raise openai_error(e) from None
-        except BaseException:
-            merged.cancel()
-            raise
-        if not body.stream:
-            try:
+            if not body.stream:
                 step = first
                 while step is not None:
                     builder.add(step[1].progress.outputs, step[0] * n)
                     step = await merged.next()
-            except Exception as e:
-                raise openai_error(e) from None
-            finally:
-                merged.cancel()
-            return JSONResponse(builder.response(*merged.usage()))
+                return JSONResponse(builder.response(*merged.usage()))
+        except Exception as e:
+            merged.cancel()
+            raise openai_error(e) from None
+        except BaseException:
+            merged.cancel()
+            raise
+        finally:
+            watcher.cancel()
         return StreamingResponse(stream(builder, merged, first, n), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 

@@ -6,12 +6,17 @@ batch does not start at the cursor is a gap (a lost answer, a log that moved on)
 next poll asks for a snapshot. A snapshot (a restarted replica, or a cursor older than what the log keeps)
 replaces what the index believed about the replica. A replica that fails to answer keeps its entries until it
 answers or leaves the pool; routing to it only risks a miss.
+
+A quiet replica (nothing in flight from this router, nothing new in its last answers) is polled less often, up
+to every 16 intervals, so that an idle cluster of many replicas costs the router little; one with requests in
+flight is polled every interval.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
@@ -22,10 +27,15 @@ from tandem.router.policy import ReplicaLoad
 _log = logging.getLogger(__name__)
 
 
+MAX_BACKOFF = 16  # intervals between polls of a quiet replica, at most
+
+
 @dataclass
 class FeedCursor:
     epoch: str | None = None  # None: ask for a snapshot
     next_seq: int = 0
+    quiet: int = 0  # answers in a row that brought nothing new
+    next_poll: float = 0.0  # monotonic time before which a quiet replica is not polled
 
 
 @dataclass
@@ -38,9 +48,10 @@ class FeedCounters:
 
 
 class KVFeed:
-    def __init__(self, indexes: dict[str, PrefixIndex]):
+    def __init__(self, indexes: dict[str, PrefixIndex], *, clock: Callable[[], float] = time.monotonic):
         """indexes: pool name -> that pool's index."""
         self.indexes = indexes
+        self.clock = clock
         self.cursors: dict[str, FeedCursor] = {}
         self.counters = FeedCounters()
 
@@ -64,6 +75,7 @@ class KVFeed:
                 cursor.next_seq = batch.next_seq
                 self.counters.batches += 1
                 self.counters.events += len(batch.events)
+                cursor.quiet = cursor.quiet + 1 if not batch.events else 0
         counters = reply.get("load") or {}
         load.kv_blocks_free = counters.get("kv_blocks_free", load.kv_blocks_free)
         load.running = counters.get("running", load.running)
@@ -71,12 +83,19 @@ class KVFeed:
     def forget(self, name: str) -> None:
         self.cursors.pop(name, None)
 
-    async def poll(self, replicas: Iterable[tuple[str, ReplicaLoad, Any]]) -> None:
-        """One round: asks every (pool, load, handle) for its events concurrently and applies the answers."""
-        replicas = list(replicas)
+    async def poll(self, replicas: Iterable[tuple[str, ReplicaLoad, Any]], interval_s: float = 0.0) -> None:
+        """One round: asks every (pool, load, handle) for its events concurrently and applies the answers; a
+        quiet replica is skipped until its backoff (in units of interval_s) has passed."""
+        now = self.clock()
+        due = []
+        for pool, load, handle in replicas:
+            cursor = self.cursors.setdefault(load.name, FeedCursor())
+            if load.in_flight or now >= cursor.next_poll:
+                cursor.next_poll = now + interval_s * min(2 ** cursor.quiet, MAX_BACKOFF)
+                due.append((pool, load, handle))
 
         async def ask(pool: str, load: ReplicaLoad, handle: Any) -> None:
-            cursor = self.cursors.setdefault(load.name, FeedCursor())
+            cursor = self.cursors[load.name]
             try:
                 reply = await handle.kv_events.remote(cursor.epoch, cursor.next_seq)
             except Exception as e:  # a dead replica is noticed by the requests it serves
@@ -85,13 +104,13 @@ class KVFeed:
                 return
             self.apply(pool, load, reply)
 
-        await asyncio.gather(*(ask(*r) for r in replicas))
+        await asyncio.gather(*(ask(*r) for r in due))
 
     async def run(self, replicas: Callable[[], Iterable[tuple[str, ReplicaLoad, Any]]], interval_s: float) -> None:
         """Polls every interval_s until cancelled. replicas() gives the current (pool, load, handle) triples."""
         while True:
             try:
-                await self.poll(replicas())
+                await self.poll(replicas(), interval_s)
             except Exception:  # a malformed answer must not stop the feed for every replica
                 _log.exception("KV feed round failed")
             await asyncio.sleep(interval_s)

@@ -24,13 +24,19 @@ from tandem.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored,
 
 
 class PrefixIndex:
+    """Holders are kept as one int bit mask per hash (bit i: the replica with slot i), so that the index holds no
+    container object per block: at 100k blocks, per-hash sets made every full garbage collection of the router
+    take about 100 ms, and a request arriving then waited for it. Overlap is then a few big-int ANDs per block."""
+
     def __init__(self, *, ttl_s: float = 5.0, clock: Callable[[], float] = time.monotonic):
         self.ttl_s = ttl_s
         self.clock = clock
-        self._holders: dict[int, set[str]] = {}  # hash -> replicas holding it (confirmed or expected)
+        self._holders: dict[int, int] = {}  # hash -> bit mask of the replicas holding it (confirmed or expected)
         self._confirmed: dict[str, set[int]] = {}  # replica -> hashes its events reported
         self._expected: dict[str, dict[int, float]] = {}  # replica -> hash -> deadline
         self._deadlines: deque[tuple[float, str, tuple[int, ...]]] = deque()
+        self._slots: dict[str, int] = {}  # replica -> its bit
+        self._names: list[str | None] = []  # bit -> replica (None: free)
 
     def __len__(self) -> int:
         """Distinct block hashes indexed (confirmed or expected and not expired)."""
@@ -66,55 +72,75 @@ class PrefixIndex:
         deadline = self.clock() + self.ttl_s
         expected = self._expected.setdefault(replica, {})
         confirmed = self._confirmed.get(replica, ())
+        bit = self._bit(replica)
+        holders = self._holders
         fresh = tuple(h for h in block_hashes if h not in confirmed)
         for h in fresh:
             expected[h] = deadline
-            self._holders.setdefault(h, set()).add(replica)
+            holders[h] = holders.get(h, 0) | bit
         if fresh:
             self._deadlines.append((deadline, replica, fresh))
 
     def remove_replica(self, replica: str) -> None:
         """Forgets everything about replica (it left the pool, restarted or cleared its cache)."""
+        slot = self._slots.pop(replica, None)
+        if slot is None:
+            return
         for h in self._confirmed.pop(replica, set()) | set(self._expected.pop(replica, {})):
-            self._unhold(replica, h)
+            self._unhold(1 << slot, h)
+        self._names[slot] = None
 
     # ---- reads ----
 
     def overlap(self, block_hashes: Sequence[int]) -> dict[str, int]:
         """For every replica holding the first of block_hashes: how many leading blocks of block_hashes it holds.
-        Replicas holding none are absent. Costs O(matched blocks x holders), not O(index size)."""
+        Replicas holding none are absent. Costs O(matched blocks) big-int ANDs, not O(index size)."""
         self._expire()
         if not block_hashes:
             return {}
-        holders = self._holders.get(block_hashes[0])
-        if not holders:
+        holders = self._holders
+        alive = holders.get(block_hashes[0], 0)
+        if not alive:
             return {}
-        alive = set(holders)
         depth: dict[str, int] = {}
-        reached = len(block_hashes)
+        i = 1
         for i in range(1, len(block_hashes)):
-            here = self._holders.get(block_hashes[i])
-            if here is None:
-                reached = i
-                break
-            if not alive <= here:
-                for r in alive - here:
-                    depth[r] = i
-                alive &= here
+            here = alive & holders.get(block_hashes[i], 0)
+            if here != alive:
+                self._name_bits(alive & ~here, i, depth)
+                alive = here
                 if not alive:
                     break
-        for r in alive:
-            depth[r] = reached
+        else:
+            i = len(block_hashes)
+        self._name_bits(alive, i, depth)
         return depth
 
     # ---- internals ----
+
+    def _bit(self, replica: str) -> int:
+        slot = self._slots.get(replica)
+        if slot is None:
+            slot = next((i for i, name in enumerate(self._names) if name is None), len(self._names))
+            if slot == len(self._names):
+                self._names.append(replica)
+            else:
+                self._names[slot] = replica
+            self._slots[replica] = slot
+        return 1 << slot
+
+    def _name_bits(self, mask: int, depth: int, into: dict[str, int]) -> None:
+        while mask:
+            low = mask & -mask
+            into[self._names[low.bit_length() - 1]] = depth
+            mask ^= low
 
     def _store(self, replica: str, h: int) -> None:
         self._confirmed.setdefault(replica, set()).add(h)
         expected = self._expected.get(replica)
         if expected:
             expected.pop(h, None)
-        self._holders.setdefault(h, set()).add(replica)
+        self._holders[h] = self._holders.get(h, 0) | self._bit(replica)
 
     def _drop(self, replica: str, h: int) -> None:
         confirmed = self._confirmed.get(replica)
@@ -123,13 +149,17 @@ class PrefixIndex:
         expected = self._expected.get(replica)
         if expected:
             expected.pop(h, None)
-        self._unhold(replica, h)
+        slot = self._slots.get(replica)
+        if slot is not None:
+            self._unhold(1 << slot, h)
 
-    def _unhold(self, replica: str, h: int) -> None:
-        holders = self._holders.get(h)
-        if holders is not None:
-            holders.discard(replica)
-            if not holders:
+    def _unhold(self, bit: int, h: int) -> None:
+        mask = self._holders.get(h)
+        if mask is not None:
+            mask &= ~bit
+            if mask:
+                self._holders[h] = mask
+            else:
                 del self._holders[h]
 
     def _expire(self) -> None:
@@ -140,18 +170,24 @@ class PrefixIndex:
             if not expected:
                 continue
             confirmed = self._confirmed.get(replica, ())
+            bit = 1 << self._slots[replica]
             for h in hashes:
                 if expected.get(h) == deadline:  # not re-expected later, not confirmed since
                     del expected[h]
                     if h not in confirmed:
-                        self._unhold(replica, h)
+                        self._unhold(bit, h)
 
     def check_integrity(self) -> None:
-        """Raises ValueError unless holders == confirmed + expected, per hash and replica."""
-        derived: dict[int, set[str]] = {}
+        """Raises ValueError unless holders == confirmed + expected, per hash and replica, and every replica with
+        entries has a slot of its own."""
+        derived: dict[int, int] = {}
         for source in (self._confirmed, self._expected):
             for replica, hashes in source.items():
+                if hashes and replica not in self._slots:
+                    raise ValueError(f"replica {replica} has entries but no slot")
                 for h in hashes:
-                    derived.setdefault(h, set()).add(replica)
+                    derived[h] = derived.get(h, 0) | (1 << self._slots[replica])
         if derived != self._holders:
             raise ValueError("prefix index holders disagree with the per-replica sets")
+        if any(self._names[slot] != name for name, slot in self._slots.items()):
+            raise ValueError("prefix index slots disagree with their names")

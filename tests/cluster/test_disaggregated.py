@@ -58,6 +58,7 @@ def test_concurrent_greedy_requests_equal_a_single_process_run(cluster, client, 
         assert got.text == want.text
         assert got.finish_reason == want.finish_reason
         assert (got.prefill_replica, got.decode_replica) == ("prefill-0", "decode-0")
+        assert got.prefill_route == "prefill_pool"
         # usage and timings, on the last message
         assert got.usage.prompt_tokens == len(want.prompt_token_ids)
         assert got.usage.completion_tokens == len(want.token_ids)

@@ -210,6 +210,23 @@ def test_a_client_that_goes_away_aborts_its_request_on_the_replicas():
         s.close()
 
 
+def test_a_non_streaming_client_that_goes_away_aborts_its_request_too():
+    decode = FakeDecode("decode-0", step_s=0.05)
+    s = Server([decode], [FakePrefill("prefill-0")])
+    try:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{s.url}/v1/completions", timeout=0.5,
+                       json={"model": MODEL, "prompt": "Hi", "max_tokens": 200})  # would take 10 s
+        deadline = time.monotonic() + 5
+        while not decode.aborted and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert decode.aborted and not s.serving.active
+        # and the server serves the next request as usual
+        assert s.client().completions.create(model=MODEL, prompt="Hi", max_tokens=2).choices[0].text
+    finally:
+        s.close()
+
+
 def test_an_error_after_the_first_token_ends_the_stream_with_an_error_event():
     s = Server([DyingDecode("decode-0", after=2)], [FakePrefill("prefill-0")])
     try:

@@ -272,3 +272,31 @@ def test_the_baseline_policies_route_every_request(policy):
     assert all(r[2] == "prefill_pool" for r in routes)
     if policy == "round_robin":
         assert len({r[0] for r in routes}) == 3
+
+
+def test_quiet_replicas_are_polled_less_often_and_busy_ones_every_round():
+    prefill, decode = pools(n_prefill=2, n_decode=1)
+    calls = {p.name: 0 for p in prefill + decode}
+    for replica in prefill + decode:
+        def counted(epoch, since, replica=replica, real=replica.kv_events):
+            calls[replica.name] += 1
+            return real(epoch, since)
+        replica.kv_events = counted
+    now = [0.0]
+
+    async def scenario():
+        d = make(prefill, decode)
+        d.feed.clock = lambda: now[0]
+        for _ in range(40):  # 40 rounds 50 ms apart with nothing happening
+            await d.feed.poll(d.replicas(), 0.05)
+            now[0] += 0.05
+        quiet = dict(calls)
+        d.prefill[0].load.in_flight = 1  # a request in flight there: polled every round
+        for _ in range(10):
+            await d.feed.poll(d.replicas(), 0.05)
+            now[0] += 0.05
+        return quiet
+
+    quiet = asyncio.run(scenario())
+    assert all(count <= 8 for count in quiet.values()), quiet  # backed off to every 16 rounds, not 40 polls
+    assert calls["prefill-0"] - quiet["prefill-0"] == 10
