@@ -1,7 +1,9 @@
 """The official `openai` client, unchanged, against deploy/manifests/local.yaml (tp=2 prefill, pp=2 decode, real
 UCX, the embedded model) on a simulated multi-node Ray cluster, with API keys for two tenants: chat and
 completions, streaming and not, n=2, stop strings, logprobs and usage; greedy outputs equal the gRPC path's;
-missing or wrong keys get 401 / UNAUTHENTICATED; two tenants sending the same prompt never share cached blocks.
+missing or wrong keys get 401 / UNAUTHENTICATED; two tenants sending the same prompt never share cached blocks;
+with conditional disaggregation on, a follow-up turn is prefilled on the decode replica that holds the
+conversation, with the same tokens as one process computing it all.
 Nothing leaks: every replica is idle and consistent afterwards."""
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from tests.cluster.ray_cluster import (QUESTIONS, chat, check_integrity, manifes
                                       simulated_cluster, wait_idle)
 
 MODEL = "SmolLM2-135M-Instruct"
+LOCAL_BELOW = 48
 ACME, BETA = "sk-acme-test-0123456789", "sk-beta-test-0123456789"
 SYSTEM = ("You are a careful assistant for a library. You answer questions about opening hours, borrowing rules, "
           "late fees and the reading rooms. Keep every answer short and polite, and never invent a rule that is "
@@ -26,8 +29,13 @@ SYSTEM = ("You are a careful assistant for a library. You answer questions about
 @pytest.fixture(scope="module")
 def cluster():
     auth = AuthSettings(api_keys=[ApiKey(tenant="acme", key=ACME), ApiKey(tenant="beta", key=BETA)])
+    manifest = manifest_for_test("local.yaml", auth=auth)
+    # Conditional disaggregation on: a prompt with fewer than 48 uncached tokens on its decode replica is
+    # prefilled there (a follow-up turn, a repeated prompt).
+    manifest = manifest.model_copy(update={"router": manifest.router.model_copy(
+        update={"local_prefill_max_tokens": LOCAL_BELOW})})
     with simulated_cluster():
-        with running(manifest_for_test("local.yaml", auth=auth)) as tandem:
+        with running(manifest) as tandem:
             yield tandem
             wait_idle(tandem)
             check_integrity(tandem)
@@ -125,10 +133,31 @@ def test_two_tenants_with_the_same_prompt_do_not_share_blocks(cluster):
     assert cached[2] == 0 and cached[3] >= 48  # beta starts cold although acme cached the same prompt
 
 
+def test_a_follow_up_turn_is_prefilled_on_the_decode_replica_that_holds_the_conversation(grpc_client, embedded):
+    from tandem.engine.generator import Generator
+    from tandem.engine.sampling_params import SamplingParams
+
+    system = "A conversation that no other test has had. " + SYSTEM  # cold on every replica
+    turn1 = [{"role": "system", "content": system}, {"role": "user", "content": "Can I renew a book online?"}]
+    first = grpc_client.generate(chat=turn1, max_tokens=12, temperature=0)
+    assert first.prefill_route == "prefill_pool"  # a long, cold prompt goes to the prefill pool
+    turn2 = turn1 + [{"role": "assistant", "content": first.text}, {"role": "user", "content": "And by phone?"}]
+    second = grpc_client.generate(chat=turn2, max_tokens=12, temperature=0)
+    # Its blocks sit on the decode replica (transferred there for turn 1): few uncached tokens, prefilled there.
+    assert second.prefill_route == "short_prompt" and second.prefill_replica == ""
+    assert second.decode_replica == first.decode_replica
+    assert second.usage.cached_tokens >= second.usage.prompt_tokens - LOCAL_BELOW
+    params = SamplingParams(max_tokens=12, temperature=0)
+    with Generator(embedded) as reference:  # the same tokens as one process computing the whole prompt
+        want = reference.generate(embedded.tokenizer.encode_chat(turn2), params)
+    assert second.token_ids[0] == want.token_ids
+
+
 def test_metrics_show_requests_and_routing(cluster, client):
     client.completions.create(model=MODEL, prompt="Hello", max_tokens=2)
     text = httpx.get(f"http://{cluster.http_endpoint}/metrics").text
     assert 'tandem_requests_total{api="http",code="OK"}' in text
     assert 'tandem_requests_total{api="grpc",code="OK"}' in text
     assert 'tandem_prefill_decisions_total{reason="prefill_pool",where="prefill_pool"}' in text
+    assert 'tandem_prefill_decisions_total{reason="short_prompt",where="decode_replica"}' in text
     assert 'tandem_kv_feed_total{kind="events"}' in text
