@@ -13,7 +13,8 @@ pydantic models; every later layer reads these objects, never the YAML.
       decode: ...
     router:
       policy: cache_aware           # or least_loaded, round_robin, random
-      weights: {prefix_tokens: 1, queued_prefill_tokens: 0.5, prefill_in_flight: 8, free_blocks: 1, decode_in_flight: 16}
+      weights: {prefix_tokens: 1, queued_prefill_tokens: 0.5, prefill_in_flight: 8,
+                free_blocks: 1, decode_in_flight: 16}
       local_prefill_max_tokens: 0   # prefill on the decode replica below this many uncached tokens (0: never)
       prefill_saturation_tokens: 0  # ... or when every prefill replica has this many queued (0: never)
       session_affinity: false
