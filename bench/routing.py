@@ -16,7 +16,7 @@ Part 2, decision cost. Routing alone (hashing the prompt, the index lookup, scor
 prefill and decode replicas, recording the decision) against --replicas prefill and as many decode replicas
 with random loads, and an index holding --indexed-blocks blocks; p50/p99 over --decisions decisions.
 
-    .venv/bin/python bench/routing.py [--requests 240] [--no-calibrate --prefill-us 400]
+    .venv/bin/python bench/routing.py [--requests 240] [--no-calibrate --prefill-us 400] [--queued-weight 1.0]
 
 The last line of output is one JSON object with every number.
 """
@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.router.fak
 
 from tandem.engine.sampling_params import SamplingParams  # noqa: E402
 from tandem.router.lifecycle import DriverSettings, Replica, RequestDriver  # noqa: E402
-from tandem.router.policy import ReplicaLoad  # noqa: E402
+from tandem.router.policy import ReplicaLoad, RoutingWeights  # noqa: E402
 from tandem.router.request_parsing import ParsedRequest  # noqa: E402
 from tandem.router.routing import Routing, RoutingSettings  # noqa: E402
 from tests.router.fake_replicas import FakeDecode, FakeHandle, FakePrefill  # noqa: E402
@@ -69,6 +69,13 @@ def calibrate(system_tokens: int) -> float:
     return min(times) / system_tokens
 
 
+def weights(args) -> RoutingWeights:
+    """The manifest's default weights, or --queued-weight for queued prefill tokens."""
+    if args.queued_weight is None:
+        return RoutingWeights()
+    return RoutingWeights(queued_prefill_tokens=args.queued_weight)
+
+
 def workload(args) -> list[tuple[int, tuple[int, ...]]]:
     rng = random.Random(args.seed)
     systems = [tuple(rng.randrange(100, 30000) for _ in range(args.system_tokens)) for _ in range(args.groups)]
@@ -85,7 +92,8 @@ async def run_policy(policy: str, requests, args, per_token_s: float) -> dict:
     decode = [FakeDecode(f"decode-{i}", step_s=args.decode_ms / 1000) for i in range(args.prefill)]
     driver = RequestDriver([Replica(p.name, "prefill", FakeHandle(p)) for p in prefill],
                            [Replica(d.name, "decode", FakeHandle(d)) for d in decode],
-                           DriverSettings(routing=RoutingSettings(policy=policy)), block_size=16)
+                           DriverSettings(routing=RoutingSettings(policy=policy, weights=weights(args))),
+                           block_size=16)
     feed = asyncio.create_task(driver.feed.run(driver.replicas, 0.05))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0)
     queue = list(enumerate(requests))
@@ -158,6 +166,8 @@ def main() -> None:
     parser.add_argument("--cache-blocks", type=int, default=320, help="prefix cache per prefill replica, blocks")
     parser.add_argument("--prefill-us", type=float, default=None, help="per uncached token (default: measured)")
     parser.add_argument("--no-calibrate", action="store_true")
+    parser.add_argument("--queued-weight", type=float, default=None,
+                        help="cache_aware's weight of a queued prefill token (default: the manifest's 0.5)")
     parser.add_argument("--replicas", type=int, default=1000, help="per pool, for the decision cost")
     parser.add_argument("--indexed-blocks", type=int, default=100_000)
     parser.add_argument("--decisions", type=int, default=2000)
