@@ -85,8 +85,8 @@ class ReplicaServer:
     async def kv_events(self, epoch: str | None, since: int) -> dict:
         """What the router's index needs from this replica, polled: the KV events from `since` on in the log of
         `epoch` (or a snapshot of the prefix cache when those are gone or the epoch is not the log's, e.g. after a
-        restart; epoch None asks for one) and the load counters of the engine's last step. Returns {"events":
-        KVEventBatch | KVSnapshot, "load": {...}}."""
+        restart; epoch None asks for one) and the free KV blocks after the engine's last step. Returns {"events":
+        KVEventBatch | KVSnapshot, "load": {"kv_blocks_free": int}}."""
         if self.events is None:
             raise ValueError(f"replica {self.name} publishes no KV events")
         batch: KVEventBatch | KVSnapshot | None = self.events.read(epoch, since)
@@ -95,9 +95,7 @@ class ReplicaServer:
             batch = await self.server.call(lambda engine: KVSnapshot(log.epoch, log.next_seq,
                                                                      engine.cached_block_hashes()))
         s = self.server.stats()
-        return {"events": batch, "load": {"running": s.num_running, "waiting": s.num_waiting,
-                                          "kv_blocks_free": s.num_blocks_total - s.num_blocks_in_use,
-                                          "kv_blocks_total": s.num_blocks_total}}
+        return {"events": batch, "load": {"kv_blocks_free": s.num_blocks_total - s.num_blocks_in_use}}
 
     async def check_integrity(self) -> None:
         """Raises ValueError if the replica's KV bookkeeping, or any rank's KV transfer agent, is inconsistent

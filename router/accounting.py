@@ -33,13 +33,11 @@ class Accounting:
         self.completion_tokens = 0
         self.prompt_tokens = self.cached_tokens = 0
         self.queue_s = self.prefill_s = 0.0
-        self.route = ""
 
     def observe(self, progress: Progress, now: float) -> list[float]:
         """Takes one progress; returns the inter-token gaps it shows (seconds per token since the previous
         tokens, one entry per token after the first)."""
-        if progress.prefill_route:  # the first progress of a request carries where and how long
-            self.route = progress.prefill_route
+        if progress.prefill_route:  # the first progress of a request carries how long it queued and prefilled
             self.queue_s, self.prefill_s = progress.queue_s, progress.prefill_s
         if progress.num_cached_tokens is not None:  # disaggregated: the prefill replica's cache hits
             self.cached_tokens = progress.num_cached_tokens

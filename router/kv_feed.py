@@ -76,9 +76,7 @@ class KVFeed:
                 self.counters.batches += 1
                 self.counters.events += len(batch.events)
                 cursor.quiet = cursor.quiet + 1 if not batch.events else 0
-        counters = reply.get("load") or {}
-        load.kv_blocks_free = counters.get("kv_blocks_free", load.kv_blocks_free)
-        load.running = counters.get("running", load.running)
+        load.kv_blocks_free = (reply.get("load") or {}).get("kv_blocks_free", load.kv_blocks_free)
 
     def forget(self, name: str) -> None:
         self.cursors.pop(name, None)

@@ -111,9 +111,13 @@ class RequestDriver:
         self.routing = Routing(settings.routing, block_size)
         self.feed = KVFeed(self.routing.indexes)
         self.num_queued = 0
-        self.num_fallbacks = 0
         self.lost: list[str] = []  # replicas found dead, no longer routed to
         self._replicas = {r.name: r for r in prefill + decode}
+
+    @property
+    def num_fallbacks(self) -> int:
+        """Requests whose transfer failed and that the decode replica prefilled instead."""
+        return self.routing.decisions[("decode_replica", "transfer_failed")]
 
     def replicas(self) -> list[tuple[str, ReplicaLoad, Any]]:
         """(pool, load, handle) of every replica routed to (what the KV feed polls)."""
@@ -271,8 +275,7 @@ class RequestDriver:
         except TransferFailedError as e:
             # Nothing is held on either side now; the decode replica prefills the prompt itself.
             _log.warning("request %s: %s; prefilling on a decode replica instead", request.request_id, e)
-            self.num_fallbacks += 1
-            self.routing.decisions[("decode_replica", "transfer_failed")] += 1
+            self.routing.count("decode_replica", "transfer_failed")
             async for progress in self._local(request, decode, "transfer_failed", touched,
                                               local_id=f"{request.request_id}.local"):
                 yield progress

@@ -25,7 +25,7 @@ POLICIES = ("cache_aware", "least_loaded", "round_robin", "random")
 class ReplicaLoad:
     """The router's view of one replica. in_flight: requests the router sent there and has not seen finish.
     queued_prefill_tokens: uncached prompt tokens of prefills sent there and not answered yet (router's own
-    count). kv_blocks_free / running: the replica's last polled counters (None: not polled yet). refusals:
+    count). kv_blocks_free: the replica's last polled count (None: not polled yet). refusals:
     reservations it refused since its last success (then it is tried last)."""
 
     name: str
@@ -33,7 +33,6 @@ class ReplicaLoad:
     refusals: int = 0
     queued_prefill_tokens: int = 0
     kv_blocks_free: int | None = None
-    running: int | None = None
 
 
 @dataclass(frozen=True)
@@ -68,10 +67,6 @@ class ReplicaPicker:
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"unknown routing policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
-
-    def order(self, replicas: Sequence[ReplicaLoad]) -> list[ReplicaLoad]:
-        """Every replica, best first, by load alone (no prefix overlap): the order the router tries them in."""
-        return list(self.rank_prefill(replicas, {}, block_size=1))
 
     def rank_prefill(self, replicas: Sequence[ReplicaLoad], overlap: Mapping[str, int], *, block_size: int,
                      cached_blocks: Callable[[str], int] = lambda name: 0) -> Iterator[ReplicaLoad]:

@@ -29,7 +29,6 @@ from tandem.router.kv_index import PrefixIndex
 from tandem.router.policy import ReplicaLoad, ReplicaPicker, RoutingWeights
 
 PREFILL_POOL = "prefill_pool"
-LOCAL_REASONS = ("short_prompt", "prefill_saturated", "no_prefill_replica", "colocated", "n_gt_1", "transfer_failed")
 
 
 @dataclass(frozen=True)
@@ -128,19 +127,21 @@ class Routing:
             return order
         return _first_then(preferred, order)
 
-    def record(self, plan: RoutePlan, *, prefill: str | None, decode: str, session: str = "",
-               reason: str | None = None) -> None:
+    def record(self, plan: RoutePlan, *, prefill: str | None, decode: str, session: str = "") -> None:
         """Counts the decision, expects the prompt's blocks on the decode replica (transferred or computed there,
         they are cached there; plan() expected them on the prefill replica already), and remembers the
-        session's replicas. reason overrides plan.reason (a transfer that failed and fell back)."""
-        where = "prefill_pool" if prefill is not None else "decode_replica"
-        self.decisions[(where, reason or plan.reason)] += 1
+        session's replicas."""
+        self.count("prefill_pool" if prefill is not None else "decode_replica", plan.reason)
         self.indexes["decode"].expect(decode, plan.hashes)  # transferred or computed there, it is cached there
         if session and self.settings.session_affinity:
             self.sessions[session] = (prefill, decode)
             self.sessions.move_to_end(session)
             while len(self.sessions) > self.settings.max_sessions:
                 self.sessions.popitem(last=False)
+
+    def count(self, where: str, reason: str) -> None:
+        """One prompt prefilled `where` ("prefill_pool" | "decode_replica") for `reason`."""
+        self.decisions[(where, reason)] += 1
 
     def forget_replica(self, pool: str, name: str) -> None:
         """The replica left its pool: drop it from the index (sessions skip it on their own)."""

@@ -166,8 +166,7 @@ class FakeDecode:
         self.reservations.pop(request_id, None)
 
     async def kv_events(self, epoch, since):
-        return self.cache.kv_events(epoch, since, {"running": self.running,
-                                                   "kv_blocks_free": self.cache.capacity - self.running * 4})
+        return self.cache.kv_events(epoch, since, {"kv_blocks_free": self.cache.capacity - self.running * 4})
 
 
 class FakePrefill:
@@ -195,7 +194,7 @@ class FakePrefill:
         self.aborted.append(request_id)
 
     async def kv_events(self, epoch, since):
-        return self.cache.kv_events(epoch, since, {"running": 0, "kv_blocks_free": self.cache.capacity})
+        return self.cache.kv_events(epoch, since, {"kv_blocks_free": self.cache.capacity})
 
 
 class DyingDecode(FakeDecode):
