@@ -9,8 +9,10 @@ from pathlib import Path
 import torch
 
 from tandem.engine.config import ModelConfig
+from tandem.engine.cpu_features import CpuFeatures, cpu_features
 from tandem.engine.loader.checkpoint import load_checkpoint
 from tandem.engine.models import LlamaModel, build_model
+from tandem.engine.models.linear import KERNELS, choose_kernel
 from tandem.engine.tokenizer import Tokenizer
 
 
@@ -27,21 +29,36 @@ class LoadedModel:
     dtype: torch.dtype = torch.float32
     device: torch.device = torch.device("cpu")
 
+    def describe_kernels(self) -> list[str]:
+        """What runs the weight products, for `tandem generate --verbose`: the CPU's probe (on the CPU) and how many
+        projections run on each kernel (without weights: the kernel each rank will choose for this dtype)."""
+        on_cpu = self.device.type == "cpu"
+        cpu = (self.model.cpu if self.model is not None else None) or (cpu_features() if on_cpu else None)
+        titles = KERNELS | {"int4": "packed 4-bit, torch's int4 CPU kernel"}
+        if self.model is not None:
+            kernels = ", ".join(f"{n} x {k} ({titles[k]})" for k, n in self.model.kernel_counts().items())
+        else:
+            kernel = choose_kernel(self.dtype, self.device, cpu)
+            kernels = f"{kernel} ({titles[kernel]}), as each rank's own probe chooses"
+        dtype = str(self.dtype).removeprefix("torch.")
+        return ([cpu.describe()] if cpu else []) + [f"{dtype} projections on {self.device}: {kernels}"]
+
 
 def load_model(path: str | Path | None = None, *, dtype: torch.dtype = torch.float32,
                device: torch.device | str = "cpu", progress: bool = True, packed: bool = False,
-               weights: bool = True) -> LoadedModel:
+               weights: bool = True, cpu: CpuFeatures | None = None) -> LoadedModel:
     """Loads weights and tokenizer from `path` (None: the embedded model). Raises ModelLoadError on bad input.
 
     packed: run a GGUF file's Q4_0/Q4_1 projections on the packed 4-bit kernel (needs dtype=torch.bfloat16).
     weights: False reads only the config and tokenizer (model is None).
+    cpu: what the CPU runs, for the kernel choice (default: this process's probe, engine/cpu_features.py).
     """
     start = time.perf_counter()
     checkpoint = load_checkpoint(path, progress=progress, packed=packed, weights=weights)
     model = None
     if weights:
         model = build_model(checkpoint.config, checkpoint.weights, dtype=dtype, device=device,
-                            source=str(checkpoint.source))
+                            source=str(checkpoint.source), cpu=cpu)
     return LoadedModel(model=model, tokenizer=checkpoint.tokenizer, config=checkpoint.config,
                        source=checkpoint.source, load_seconds=time.perf_counter() - start, dtype=dtype,
                        device=torch.device(device))

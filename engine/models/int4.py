@@ -41,15 +41,14 @@ class Int4Weight:
                           torch.cat([p.offset for p in parts]))
 
 
-def int4_supported(device: torch.device) -> bool:
-    return device.type == "cpu" and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
-
-
 class Int4Linear:
-    """y = x @ w.T + bias for bfloat16 x [M, in], with w held packed (see the module docstring)."""
+    """y = x @ w.T + bias for bfloat16 x [M, in], with w held packed (see the module docstring). The caller
+    checks that the kernel runs here (CpuFeatures.int4)."""
+
+    kernel = "int4"  # as Linear.kernel names its kernel
 
     def __init__(self, weight: Int4Weight, bias: torch.Tensor | None, *, device: torch.device):
-        if not int4_supported(device):
+        if device.type != "cpu":
             raise ValueError("packed 4-bit weights run on the CPU only (torch's int4 CPU kernel)")
         out_features, in_features = weight.shape
         if in_features % GROUP:

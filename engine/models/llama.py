@@ -8,14 +8,17 @@ device and dtype.
 
 from __future__ import annotations
 
+import logging
+from collections import Counter
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
 import torch.nn.functional as F
 
 from tandem.engine.attention import AttentionMetadata, TorchAttentionBackend
 from tandem.engine.config import ModelConfig
+from tandem.engine.cpu_features import FEATURES, CpuFeatures, cpu_features
 from tandem.engine.errors import ModelLoadError
 from tandem.engine.kv_cache import PagedKVCache
 from tandem.engine.models.int4 import Int4Linear, Int4Weight
@@ -27,6 +30,8 @@ from tandem.engine.parallel.layout import ParallelConfig, RankShard, ReplicaLayo
 
 if TYPE_CHECKING:
     from tandem.engine.parallel.comm import ParallelComm
+
+_log = logging.getLogger(__name__)
 
 
 def expert_names(config: ModelConfig, layer: int, expert: int | None) -> tuple[str, str, str]:
@@ -134,10 +139,12 @@ class LlamaModel:
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor | Int4Weight], *, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu", max_positions: int | None = None, source: str = "weights",
-                 shard: RankShard | None = None, comm: ParallelComm | None = None):
+                 shard: RankShard | None = None, comm: ParallelComm | None = None, cpu: CpuFeatures | None = None):
         """Consumes `weights` (entries are popped to keep peak memory low). Int4Weight entries stay packed when
-        every part of a fused projection is packed and the rank holds the whole projection. Raises
-        ModelLoadError on bad shapes, ValueError if packed weights are combined with a dtype other than bfloat16."""
+        every part of a fused projection is packed, the rank holds the whole projection and the CPU runs the int4
+        kernel (otherwise they are expanded to bfloat16, with a warning). cpu: what the CPU runs, for the kernel
+        choice (default: this process's probe; ignored off the CPU). Raises ModelLoadError on bad shapes,
+        ValueError if packed weights are combined with a dtype other than bfloat16 or a device other than the CPU."""
         check_weights(config, weights, source)  # source names the checkpoint in errors
         self.config = config
         self.dtype = dtype
@@ -145,6 +152,7 @@ class LlamaModel:
         self.scale = config.head_dim**-0.5
         self.attention = TorchAttentionBackend()
         self.comm = comm
+        self.cpu = (cpu or cpu_features()) if self.device.type == "cpu" else None
         if shard is None:
             shard = ReplicaLayout.build(ParallelConfig(), num_layers=config.num_layers, num_heads=config.num_heads,
                                         num_kv_heads=config.num_kv_heads, num_experts=config.num_experts).shard(0)
@@ -158,6 +166,12 @@ class LlamaModel:
         packed = [n for n, w in weights.items() if isinstance(w, Int4Weight)]
         if packed and dtype != torch.bfloat16:
             raise ValueError(f"packed 4-bit weights compute in bfloat16, but dtype {dtype} was asked for")
+        if packed and self.cpu is None:
+            raise ValueError("packed 4-bit weights run on the CPU only (torch's int4 CPU kernel)")
+        keep_packed = bool(packed) and self.cpu.int4
+        if packed and not keep_packed:
+            _log.warning("packed 4-bit weights: %s does not run here (%s); they are expanded to bfloat16, with "
+                         "4x the weight memory", FEATURES["int4"], self.cpu.why_not.get("int4", "?"))
 
         def linear(names: list[str], rows: list[range | None] | None = None, columns: range | None = None
                    ) -> Linear | Int4Linear:
@@ -169,13 +183,13 @@ class LlamaModel:
             biases = [_rows(weights.pop(f"{n}.bias"), r) for n, r in zip(names, rows) if f"{n}.bias" in weights]
             bias = torch.cat(biases) if biases and (columns is None or shard.tp_index == 0) else None
             whole = all(r is None for r in rows) and columns is None
-            if whole and all(isinstance(p, Int4Weight) for p in parts):
+            if keep_packed and whole and all(isinstance(p, Int4Weight) for p in parts):
                 return Int4Linear(Int4Weight.cat(parts), bias, device=self.device)
             dense = [_rows(p.dequantize() if isinstance(p, Int4Weight) else p, r) for p, r in zip(parts, rows)]
             weight = torch.cat(dense)
             if columns is not None:
                 weight = weight[:, columns.start:columns.stop]
-            return Linear(weight, bias, dtype=dtype, device=self.device)
+            return Linear(weight, bias, dtype=dtype, device=self.device, cpu=self.cpu)
 
         def mlp(names: tuple[str, str, str], size: int) -> GatedMLP:
             cols = range(0, size) if tp == 1 else split_evenly(size, tp)[shard.tp_index]
@@ -219,12 +233,31 @@ class LlamaModel:
         if shard.is_last_stage:
             self.norm = take("model.norm.weight")
             # A tied head gets its own copy in the product layout; the embedding stays [vocab, hidden] for lookups.
-            self.lm_head = Linear(self.embed, None, dtype=dtype, device=self.device) if config.tie_word_embeddings \
+            tied = config.tie_word_embeddings
+            self.lm_head = Linear(self.embed, None, dtype=dtype, device=self.device, cpu=self.cpu) if tied \
                 else linear(["lm_head"])
             if not shard.is_first_stage:
                 self.embed = None
         positions = max_positions or config.max_position_embeddings
         self.rope = RotaryEmbedding(config.rope, config.head_dim, positions, dtype, self.device)
+        _log.info("%s projections on %s by kernel: %s", dtype, self.device, self.kernel_counts())
+
+    def projections(self) -> Iterator[Linear | Int4Linear]:
+        """Every weight product this rank runs: each layer's QKV, O and MLP (each expert's), then the LM head."""
+        for layer in self.layers:
+            yield layer.qkv
+            yield layer.o
+            mlps = [layer.mlp] if isinstance(layer.mlp, GatedMLP) else \
+                list(layer.mlp.experts.values()) + ([layer.mlp.shared] if layer.mlp.shared else [])
+            for mlp in mlps:
+                yield mlp.gate_up
+                yield mlp.down
+        if self.lm_head is not None:
+            yield self.lm_head
+
+    def kernel_counts(self) -> dict[str, int]:
+        """How many projections run on each kernel (Linear.kernel names, "int4" for packed ones)."""
+        return dict(Counter(p.kernel for p in self.projections()))
 
     def weight_bytes_per_token(self) -> int:
         """Bytes a batch-1 decode step reads: every projection, every norm and the LM head (the embedding

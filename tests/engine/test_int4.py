@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+import logging
+
 import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType, quantize
 
+from tandem.engine.cpu_features import CpuFeatures, cpu_features
 from tandem.engine.loader import default_model_path, load_checkpoint, load_model
 from tandem.engine.loader.gguf_file import _unpack_q4
 from tandem.engine.models.int4 import Int4Linear, Int4Weight
@@ -50,17 +54,42 @@ def test_packed_checkpoint_holds_the_same_weights():
         torch.testing.assert_close(weight.dequantize(), dense[name], rtol=0, atol=0, msg=name)
 
 
+# Each bfloat16 path a CPU may take: packed weights on the int4 kernel or expanded (no int4 kernel), dense ones
+# on oneDNN (AVX-512) or widened to float32 (AVX2). The features are forced, so every machine runs every path
+# its CPU can run at all.
+PATHS = {
+    "bf16-packed-int4": (True, {"int4": True}),
+    "bf16-packed-expanded": (True, {"int4": False}),
+    "bf16-dense-onednn": (False, {"onednn_bf16": True}),
+    "bf16-dense-widen": (False, {"onednn_bf16": False}),
+}
+
+
+def forced(**on: bool) -> CpuFeatures:
+    """This CPU's features with `on` forced; skips the test when it forces on a kernel this CPU cannot run."""
+    here = cpu_features()
+    for name, value in on.items():
+        if value and not getattr(here, name):
+            pytest.skip(f"{name} does not run on this CPU ({here.capability}): {here.why_not[name]}")
+    return dataclasses.replace(here, **on)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("packed", [True, False], ids=["bf16-packed-int4", "bf16-dense"])
-def test_bfloat16_models_stay_close_to_float32(embedded_generator, packed):
+@pytest.mark.parametrize("path", list(PATHS))
+def test_bfloat16_models_stay_close_to_float32(embedded_generator, path):
     """Reduced precision cannot match float32 to 1e-3; it must keep the same next-token distribution: the same
     top token and a KL divergence from float32 under 0.02 nats (measured: at most 0.009) on every prompt."""
     from tandem.engine.generator import Generator
 
-    loaded = load_model(progress=False, packed=packed, dtype=torch.bfloat16)
+    packed, on = PATHS[path]
+    loaded = load_model(progress=False, packed=packed, dtype=torch.bfloat16, cpu=forced(**on))
     generator = Generator(loaded, max_model_len=2048)
-    if packed:
+    kernels = loaded.model.kernel_counts()
+    if path == "bf16-packed-int4":
+        assert kernels["int4"] == 30 * 4  # QKV, O, gate/up and down of every layer; the tied head is dense
         assert loaded.model.weight_bytes_per_token() < embedded_generator.loaded.model.weight_bytes_per_token() / 4
+    else:
+        assert set(kernels) == {"onednn" if on.get("onednn_bf16") else "widen"}
     for name, spec in PROMPTS.items():
         ids = _prompt_ids(loaded.tokenizer, spec)
         reference = embedded_generator.prompt_logits(ids).log_softmax(-1)
@@ -69,6 +98,23 @@ def test_bfloat16_models_stay_close_to_float32(embedded_generator, packed):
         kl = (reference.exp() * (reference - logprobs)).sum().item()
         assert kl < 0.02, (name, kl)
     generator.block_pool.check_integrity()
+
+
+def test_packed_weights_are_expanded_where_the_int4_kernel_does_not_run(embedded, caplog):
+    """Without the int4 kernel a packed load still runs: every projection expanded to bfloat16, the very
+    products of a dense bfloat16 load, and a warning that says why it takes 4x the memory."""
+    from tandem.engine.generator import Generator
+
+    no_int4 = forced(int4=False)
+    with caplog.at_level(logging.WARNING, logger="tandem.engine.models.llama"):
+        packed = load_model(progress=False, packed=True, dtype=torch.bfloat16, cpu=no_int4)
+    assert "int4 CPU kernel does not run here" in caplog.text and "4x the weight memory" in caplog.text
+    assert "int4" not in packed.model.kernel_counts()
+    dense = load_model(progress=False, dtype=torch.bfloat16, cpu=no_int4)
+    ids = embedded.tokenizer.encode("Packed weights that cannot stay packed are expanded.")
+    a = Generator(packed, max_model_len=128).prompt_logits(ids)
+    b = Generator(dense, max_model_len=128).prompt_logits(ids)
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
 def test_packed_needs_bfloat16_and_a_gguf(tmp_path):
