@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.tandem-installed
 PROMPT ?= Explain in two sentences why the sky is blue.
 
-.PHONY: setup run test clean
+.PHONY: setup run test test-avx2 clean
 
 setup: $(STAMP)
 
@@ -27,6 +27,10 @@ run: setup
 
 test: setup
 	$(PY) -m pytest
+
+# The suite as an AVX2-only CPU runs it (torch's ATen dispatch and oneDNN capped at AVX2): for AVX-512 machines.
+test-avx2: setup
+	ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 $(PY) -m pytest
 
 clean:
 	rm -rf $(VENV) build *.egg-info

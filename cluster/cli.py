@@ -44,7 +44,8 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (attention by KV heads, MLP by columns)")
     p.add_argument("--pp", type=int, default=1, help="pipeline stages (layers split evenly)")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (MoE models)")
-    p.add_argument("--verbose", action="store_true", help="print the replica layout (which rank holds what)")
+    p.add_argument("--verbose", action="store_true", help="print the CPU's probed kernels, the kernel each projection "
+                   "runs on and the replica layout (which rank holds what)")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object: text, token_ids, prompt_token_ids, finish_reason, timings")
     p.set_defaults(func=_generate)
@@ -89,7 +90,7 @@ def _generate(args: argparse.Namespace) -> int:
     context = loaded.config.max_position_embeddings
     with Generator(loaded, max_model_len=needed if needed <= context else context, parallel=parallel) as generator:
         if args.verbose:
-            print("\n".join(generator.engine.layout.describe()), file=sys.stderr)
+            print("\n".join(loaded.describe_kernels() + generator.engine.layout.describe()), file=sys.stderr)
         return _run(generator, prompt_ids, params, args.json)
 
 

@@ -103,3 +103,53 @@ def test_console_script_streams(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip()
     assert "TTFT" in proc.stderr
+
+
+def test_verbose_names_the_probed_cpu_and_each_projections_kernel(capsys):
+    import torch
+
+    from tandem.engine.cpu_features import cpu_features
+    from tandem.engine.models.linear import choose_kernel
+
+    assert main(["generate", "--json", "--prompt", "Hi", "--max-tokens", "2", "--dtype", "bfloat16",
+                 "--verbose"]) == 0
+    err = capsys.readouterr().err
+    assert cpu_features().describe() in err
+    kernel = choose_kernel(torch.bfloat16, torch.device("cpu"))
+    assert f"bfloat16 projections on cpu: 121 x {kernel} (" in err  # 30 layers x 4, and the tied LM head
+
+
+# What an AVX2-only CPU runs, reproduced on any x86-64 machine (on an AVX2 machine these change nothing).
+AVX2_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+
+
+@pytest.mark.parametrize("flags, disable, kernels", [
+    (["--dtype", "bfloat16"], "", "121 x widen"),
+    (["--weights", "packed"], "", "120 x int4 (packed 4-bit, torch's int4 CPU kernel), 1 x widen"),
+    (["--weights", "packed"], "int4", "121 x widen"),  # the int4 kernel turned off by the setting as well
+], ids=["bf16", "packed", "packed-no-int4"])
+def test_bfloat16_modes_run_on_an_avx2_cpu(embedded, flags, disable, kernels):
+    """The modes that crashed on AVX2 CPUs (oneDNN has no bfloat16 inner product there) run, name the path
+    they took, and give the same greedy tokens as the same path in this process."""
+    import dataclasses
+    import os
+
+    import torch
+
+    from tandem.engine.cpu_features import DISABLE_ENV, cpu_features
+    from tandem.engine.generator import Generator
+    from tandem.engine.loader import load_model
+
+    prompt = "The capital of France is"
+    proc = subprocess.run([sys.executable, "-m", "tandem.cluster.cli", "generate", "--json", "--verbose",
+                           "--prompt", prompt, "--max-tokens", "6", "--ignore-eos", *flags],
+                          capture_output=True, text=True, timeout=300,
+                          env=os.environ | AVX2_ENV | {DISABLE_ENV: disable})
+    assert proc.returncode == 0, proc.stderr
+    assert "oneDNN bfloat16 inner product: no" in proc.stderr
+    assert f"bfloat16 projections on cpu: {kernels}" in proc.stderr
+    features = dataclasses.replace(cpu_features(), onednn_bf16=False, int4=cpu_features().int4 and not disable)
+    loaded = load_model(progress=False, dtype=torch.bfloat16, packed="packed" in flags, cpu=features)
+    expected = Generator(loaded, max_model_len=64).generate(
+        embedded.tokenizer.encode(prompt), SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    assert json.loads(proc.stdout)["token_ids"] == expected.token_ids
