@@ -10,7 +10,10 @@ each system's fraction of the roofline and tandem's speed-up over transformers. 
 
 Modes: float32 and bfloat16 expand every weight (the peer is transformers in the same dtype); packed-int4
 keeps the GGUF's Q4_1 weights 4-bit (bfloat16 compute; the peer is transformers in bfloat16, which expands
-them: its bytes per token are counted from its own tensors).
+them: its bytes per token are counted from its own tensors). Each mode runs on the kernels the CPU probe chose
+(recorded per mode as `tandem_kernels`, with the probe under `cpu`); a mode that fails on this machine is
+recorded with its error instead of numbers, and the others still run. To measure an AVX2 CPU's paths on an
+AVX-512 machine, run with ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2.
 
 The last line of output is one JSON object with every number.
 """
@@ -19,13 +22,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.machine import cpu_report, machine_line  # noqa: E402
 
 PROMPTS = [
     [{"role": "user", "content": "Write a short story about a lighthouse keeper."}],
@@ -118,15 +123,6 @@ def profile_tandem(generator, ids, tokens: int) -> str:
     return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15)
 
 
-def _machine() -> str:
-    try:
-        cpuinfo = open("/proc/cpuinfo").read()
-        model = next(line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("model name"))
-    except (OSError, StopIteration):
-        model = platform.processor() or "unknown CPU"
-    return f"{model}, {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=64)
@@ -135,49 +131,61 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="interleaved measurement rounds (median is reported)")
     parser.add_argument("--profile", action="store_true")
     args = parser.parse_args()
+    unknown = [m for m in args.modes.split(",") if m not in MODES]
+    if unknown:
+        parser.error(f"unknown mode {unknown[0]!r}; modes: {', '.join(MODES)}")
     torch.set_num_threads(args.threads)
 
-    results = {"machine": _machine(), "threads": args.threads, "tokens": args.tokens, "prompts": len(PROMPTS),
-               "rounds": args.rounds, "runs": {}}
+    results = {"machine": machine_line(), "cpu": cpu_report(), "threads": args.threads, "tokens": args.tokens,
+               "prompts": len(PROMPTS), "rounds": args.rounds, "runs": {}}
     peers: dict[torch.dtype, tuple] = {}
     for name in args.modes.split(","):
-        load_args, peer_dtype = MODES[name]
-        loaded, generator, run = tandem_runner(load_args)
-        prompts = [loaded.tokenizer.encode_chat(p) for p in PROMPTS]
-        per_token = loaded.model.weight_bytes_per_token()
-        if peer_dtype not in peers:
-            peers[peer_dtype] = transformers_runner(peer_dtype)
-        hf_run, hf_bytes = peers[peer_dtype]
-        # This machine's speed drifts (shared host): interleave the two systems and the bandwidth probe, and
-        # report medians over rounds, so a ratio compares measurements taken seconds apart.
-        rounds = [(read_bandwidth(gib=0.5, repeats=3), decode_rate(run, prompts, args.tokens),
-                   decode_rate(hf_run, prompts, args.tokens)) for _ in range(args.rounds)]
-        bw = statistics.median(r[0] for r in rounds)
-        tandem_tps = statistics.median(r[1] for r in rounds)
-        hf_tps = statistics.median(r[2] for r in rounds)
-        run_result = {
-            "read_bandwidth_gbps": bw / 1e9,
-            "tandem_weight_bytes_per_token": per_token,
-            "tandem_roofline_tokens_per_s": bw / per_token,
-            "tandem_tokens_per_s": tandem_tps,
-            "tandem_roofline_fraction": statistics.median(r[1] * per_token / r[0] for r in rounds),
-            "transformers_dtype": str(peer_dtype).removeprefix("torch."),
-            "transformers_weight_bytes_per_token": hf_bytes,
-            "transformers_tokens_per_s": hf_tps,
-            "transformers_roofline_fraction": statistics.median(r[2] * hf_bytes / r[0] for r in rounds),
-            "speedup_vs_transformers": statistics.median(r[1] / r[2] for r in rounds),
-            "speedup_per_round": [r[1] / r[2] for r in rounds],
-        }
-        results["runs"][name] = run_result
-        print(f"{name}: tandem {tandem_tps:.1f} tok/s ({per_token / 1e6:.0f} MB/token, "
-              f"{100 * run_result['tandem_roofline_fraction']:.0f}% of roofline); transformers {peer_dtype} "
-              f"{hf_tps:.1f} tok/s ({hf_bytes / 1e6:.0f} MB/token); speed-up "
-              f"{run_result['speedup_vs_transformers']:.2f}x (rounds: "
-              f"{', '.join(f'{x:.2f}' for x in run_result['speedup_per_round'])})", file=sys.stderr)
-        if args.profile:
-            print(profile_tandem(generator, prompts[0], 16), file=sys.stderr)
-        del loaded, generator, run
+        try:
+            results["runs"][name] = measure_mode(name, args, peers)
+        except Exception as e:  # noqa: BLE001 - a mode this machine cannot run is a result, not a crash
+            results["runs"][name] = {"error": f"{type(e).__name__}: {e}"}
+            print(f"{name}: cannot run here: {type(e).__name__}: {e}", file=sys.stderr)
     print(json.dumps(results))
+
+
+def measure_mode(name: str, args: argparse.Namespace, peers: dict) -> dict:
+    """One mode's numbers (see the module docstring); `peers` caches the transformers runner per dtype."""
+    load_args, peer_dtype = MODES[name]
+    loaded, generator, run = tandem_runner(load_args)
+    prompts = [loaded.tokenizer.encode_chat(p) for p in PROMPTS]
+    per_token = loaded.model.weight_bytes_per_token()
+    if peer_dtype not in peers:
+        peers[peer_dtype] = transformers_runner(peer_dtype)
+    hf_run, hf_bytes = peers[peer_dtype]
+    # This machine's speed drifts (shared host): interleave the two systems and the bandwidth probe, and
+    # report medians over rounds, so a ratio compares measurements taken seconds apart.
+    rounds = [(read_bandwidth(gib=0.5, repeats=3), decode_rate(run, prompts, args.tokens),
+               decode_rate(hf_run, prompts, args.tokens)) for _ in range(args.rounds)]
+    bw = statistics.median(r[0] for r in rounds)
+    tandem_tps = statistics.median(r[1] for r in rounds)
+    hf_tps = statistics.median(r[2] for r in rounds)
+    run_result = {
+        "tandem_kernels": loaded.model.kernel_counts(),
+        "read_bandwidth_gbps": bw / 1e9,
+        "tandem_weight_bytes_per_token": per_token,
+        "tandem_roofline_tokens_per_s": bw / per_token,
+        "tandem_tokens_per_s": tandem_tps,
+        "tandem_roofline_fraction": statistics.median(r[1] * per_token / r[0] for r in rounds),
+        "transformers_dtype": str(peer_dtype).removeprefix("torch."),
+        "transformers_weight_bytes_per_token": hf_bytes,
+        "transformers_tokens_per_s": hf_tps,
+        "transformers_roofline_fraction": statistics.median(r[2] * hf_bytes / r[0] for r in rounds),
+        "speedup_vs_transformers": statistics.median(r[1] / r[2] for r in rounds),
+        "speedup_per_round": [r[1] / r[2] for r in rounds],
+    }
+    print(f"{name}: tandem {tandem_tps:.1f} tok/s ({per_token / 1e6:.0f} MB/token, "
+          f"{100 * run_result['tandem_roofline_fraction']:.0f}% of roofline); transformers {peer_dtype} "
+          f"{hf_tps:.1f} tok/s ({hf_bytes / 1e6:.0f} MB/token); speed-up "
+          f"{run_result['speedup_vs_transformers']:.2f}x (rounds: "
+          f"{', '.join(f'{x:.2f}' for x in run_result['speedup_per_round'])})", file=sys.stderr)
+    if args.profile:
+        print(profile_tandem(generator, prompts[0], 16), file=sys.stderr)
+    return run_result
 
 
 if __name__ == "__main__":

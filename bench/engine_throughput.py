@@ -11,6 +11,10 @@ system prompt is cached vs the same request on a cold cache, alternating, median
 
     .venv/bin/python bench/engine_throughput.py [--concurrency 1,8,32,64] [--tokens 64] [--dtype float32]
 
+The JSON names the machine, the CPU probe (`cpu`) and the kernels the projections ran on (`tandem_kernels`); a
+dtype this machine cannot run is reported with its error instead of numbers. To measure an AVX2 CPU's paths on
+an AVX-512 machine, run with ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2.
+
 The last line of output is one JSON object with every number.
 """
 
@@ -24,6 +28,9 @@ import time
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.machine import cpu_report, machine_line  # noqa: E402
 
 QUESTIONS = [
     "Write a short story about a lighthouse keeper.",
@@ -123,14 +130,23 @@ def main() -> None:
     parser.add_argument("--ttft-rounds", type=int, default=5)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    dtype = getattr(torch, args.dtype)
+    results = {"machine": machine_line(), "cpu": cpu_report(), "dtype": args.dtype, "threads": args.threads,
+               "tokens": args.tokens, "rounds": args.rounds, "hf_requests": args.hf_requests}
+    try:
+        results |= measure(args)
+    except Exception as e:  # noqa: BLE001 - a dtype this machine cannot run is a result, not a crash
+        results["error"] = f"{type(e).__name__}: {e}"
+        print(f"{args.dtype}: cannot run here: {results['error']}", file=sys.stderr)
+    print(json.dumps(results))
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from bench.decode_roofline import _machine
+
+def measure(args: argparse.Namespace) -> dict:
+    """Every number of the module docstring, for args.dtype."""
     from tandem.engine.engine_config import EngineConfig
     from tandem.engine.llm_engine import LLMEngine
     from tandem.engine.loader import load_model
 
+    dtype = getattr(torch, args.dtype)
     loaded = load_model(progress=False, dtype=dtype)
     levels = [int(c) for c in args.concurrency.split(",")]
     requests = prompts(loaded.tokenizer, max(levels))
@@ -150,8 +166,7 @@ def main() -> None:
         rounds.append(row)
         print(f"round {r + 1}: " + ", ".join(f"{k}: {v['tokens_per_s']:.1f} tok/s" for k, v in row.items()),
               file=sys.stderr)
-    results = {"machine": _machine(), "dtype": args.dtype, "threads": args.threads, "tokens": args.tokens,
-               "rounds": args.rounds, "hf_requests": args.hf_requests, "engine_tokens_per_s": {},
+    results = {"tandem_kernels": loaded.model.kernel_counts(), "engine_tokens_per_s": {},
                "speedup_vs_transformers": {}, "speedup_per_round": {}}
     results["transformers_sequential_tokens_per_s"] = statistics.median(
         row["transformers"]["tokens_per_s"] for row in rounds)
@@ -168,7 +183,7 @@ def main() -> None:
     results["prefix_cache"] = prefix = prefix_ttft(loaded, EngineConfig, LLMEngine, args.ttft_rounds)
     print(f"500-token system prompt: TTFT cold {prefix['cold_ttft_s'] * 1e3:.0f} ms, cached "
           f"{prefix['cached_ttft_s'] * 1e3:.0f} ms ({prefix['ttft_speedup']:.1f}x)", file=sys.stderr)
-    print(json.dumps(results))
+    return results
 
 
 if __name__ == "__main__":
