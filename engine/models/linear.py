@@ -65,7 +65,8 @@ def _widened(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     rows = max(1, WIDEN_CHUNK_ELEMENTS // in_features)
     buffer = getattr(_widen_buffer, "tensor", None)
     if buffer is None or buffer.numel() < rows * in_features:
-        buffer = _widen_buffer.tensor = torch.empty(rows * in_features, dtype=torch.float32)
+        with torch.inference_mode(False):  # a normal tensor: writable inside and outside inference mode
+            buffer = _widen_buffer.tensor = torch.empty(rows * in_features, dtype=torch.float32)
     wide = x.float()
     out = torch.empty(x.shape[0], out_features, dtype=x.dtype)
     for start in range(0, out_features, rows):

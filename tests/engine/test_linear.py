@@ -80,3 +80,17 @@ def test_widened_rows_equal_the_one_row_product():
     alone = torch.cat([layer(x[i:i + 1]) for i in range(16)]).float()
     assert ((together - alone).abs() <= 2 ** -7 * alone.abs() + 1e-6).all()
     assert (together == alone).float().mean() > 0.9
+
+
+@pytest.mark.parametrize("first_in_inference_mode", [True, False])
+def test_widened_products_run_in_and_out_of_inference_mode(first_in_inference_mode):
+    """The widening buffer is reused across calls, whichever grad mode the first call ran in."""
+    linear_module._widen_buffer.__dict__.clear()
+    layer = Linear(torch.randn(40, 64).to(torch.bfloat16), None, dtype=torch.bfloat16, device=CPU,
+                   cpu=_features(onednn_bf16=False))
+    x = torch.randn(8, 64).to(torch.bfloat16)
+    results = []
+    for inference in (first_in_inference_mode, not first_in_inference_mode):
+        with torch.inference_mode(inference):
+            results.append(layer(x))
+    assert torch.equal(results[0], results[1])
