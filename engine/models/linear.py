@@ -16,11 +16,12 @@ call on the transposed view [out, in] (measured 10-25% faster at 64 rows than a 
 bfloat16 weights stay [out, in] for oneDNN. GPUs, and torch builds without oneDNN, use `F.linear`.
 
 Which of these a CPU can run is probed (engine/cpu_features.py), never assumed. oneDNN's bfloat16 inner product
-does not run on AVX2-only CPUs; there bfloat16 weights stay bfloat16 in memory and ("widen") one- to three-row
-products run `F.linear` in bfloat16, larger ones widen the weight to float32 a chunk of rows at a time into a
+does not run on AVX2-only CPUs; there bfloat16 weights stay bfloat16 in memory and ("widen") products of up to
+15 rows run `F.linear` in bfloat16, larger ones widen the weight to float32 a chunk of rows at a time into a
 reused buffer and multiply in float32. Both accumulate in float32 and round the output once, as oneDNN does.
-Measured on a 2-core AVX2 EPYC (960x576 .. 49152x576 weights): bfloat16 `F.linear` is on par with the float32
-bmm at one row but 4-8x slower than float32 from 8 rows on, where widening in chunks is 2-8x faster than it.
+Measured on a 2-core AVX2 EPYC (bench/linear_kernels.py, 960x576 .. 49152x576 weights): bfloat16 `F.linear` is
+on par with the float32 bmm at one row and ahead of widening at 4 rows, but 4-8x slower than float32 from 64
+rows on, where widening in chunks is 3-7x faster than it; 8 rows is about even.
 """
 
 from __future__ import annotations
@@ -36,10 +37,10 @@ SPLIT = 2  # column groups of the CPU float32 layout: one per core of the machin
 KERNELS = {
     "split": "float32 column-split bmm (one row), oneDNN (more rows)",
     "onednn": "oneDNN bfloat16",
-    "widen": "bfloat16 F.linear (up to 3 rows), float32 over widened weight chunks (more rows)",
+    "widen": "bfloat16 F.linear (up to 15 rows), float32 over widened weight chunks (more rows)",
     "linear": "F.linear",
 }
-WIDEN_FROM_ROWS = 4  # measured crossover: from 4-8 rows on, widening beats bfloat16 F.linear on AVX2
+WIDEN_FROM_ROWS = 16  # measured on AVX2 (bench/linear_kernels.py): F.linear wins at 4 rows, either at 8, widening from 16
 WIDEN_CHUNK_ELEMENTS = 1 << 19  # weight elements widened at a time (2 MiB of float32)
 _widen_buffer = threading.local()  # one float32 scratch per thread, reused: fresh pages cost a fault each
 

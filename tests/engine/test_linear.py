@@ -8,7 +8,7 @@ import torch
 
 from tandem.engine.cpu_features import CpuFeatures, cpu_features
 from tandem.engine.models import linear as linear_module
-from tandem.engine.models.linear import KERNELS, Linear, choose_kernel
+from tandem.engine.models.linear import KERNELS, WIDEN_FROM_ROWS, Linear, choose_kernel
 
 CPU = torch.device("cpu")
 
@@ -48,7 +48,8 @@ def _runs_here(kernel: str) -> None:
 
 
 @pytest.mark.parametrize("kernel", list(CASES))
-@pytest.mark.parametrize("rows", [1, 3, 4, 9, 70])  # the one-row path, both sides of WIDEN_FROM_ROWS, a batch
+@pytest.mark.parametrize("rows", [1, 3, WIDEN_FROM_ROWS - 1, WIDEN_FROM_ROWS, 70])  # one row, both sides of
+# WIDEN_FROM_ROWS, a batch
 @pytest.mark.parametrize("out_features,with_bias", [(45, True), (64, False)])  # odd: the split layout pads
 def test_kernel_matches_float64_math(kernel, rows, out_features, with_bias, monkeypatch):
     _runs_here(kernel)
@@ -74,10 +75,10 @@ def test_widened_rows_equal_the_one_row_product():
     output once), up to summation order: within one bfloat16 step of each other."""
     g = torch.Generator().manual_seed(3)
     weight = torch.randn(300, 576, generator=g).to(torch.bfloat16)
-    x = torch.randn(16, 576, generator=g).to(torch.bfloat16)
+    x = torch.randn(WIDEN_FROM_ROWS + 4, 576, generator=g).to(torch.bfloat16)
     layer = Linear(weight, None, dtype=torch.bfloat16, device=CPU, cpu=_features(onednn_bf16=False))
     together = layer(x).float()
-    alone = torch.cat([layer(x[i:i + 1]) for i in range(16)]).float()
+    alone = torch.cat([layer(x[i:i + 1]) for i in range(x.shape[0])]).float()
     assert ((together - alone).abs() <= 2 ** -7 * alone.abs() + 1e-6).all()
     assert (together == alone).float().mean() > 0.9
 
@@ -88,7 +89,7 @@ def test_widened_products_run_in_and_out_of_inference_mode(first_in_inference_mo
     linear_module._widen_buffer.__dict__.clear()
     layer = Linear(torch.randn(40, 64).to(torch.bfloat16), None, dtype=torch.bfloat16, device=CPU,
                    cpu=_features(onednn_bf16=False))
-    x = torch.randn(8, 64).to(torch.bfloat16)
+    x = torch.randn(WIDEN_FROM_ROWS, 64).to(torch.bfloat16)
     results = []
     for inference in (first_in_inference_mode, not first_in_inference_mode):
         with torch.inference_mode(inference):
