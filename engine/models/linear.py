@@ -21,7 +21,7 @@ does not run on AVX2-only CPUs; there bfloat16 weights stay bfloat16 in memory a
 reused buffer and multiply in float32. Both accumulate in float32 and round the output once, as oneDNN does.
 Measured on a 2-core AVX2 EPYC (bench/linear_kernels.py, 960x576 .. 49152x576 weights): bfloat16 `F.linear` is
 on par with the float32 bmm at one row and ahead of widening at 4 rows, but 4-8x slower than float32 from 64
-rows on, where widening in chunks is 3-7x faster than it; 8 rows is about even.
+rows on, where widening in chunks is 4-8x faster than it (2-3x at 16 rows); 8 rows is about even.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ KERNELS = {
     "widen": "bfloat16 F.linear (up to 15 rows), float32 over widened weight chunks (more rows)",
     "linear": "F.linear",
 }
-WIDEN_FROM_ROWS = 16  # measured on AVX2 (bench/linear_kernels.py): F.linear wins at 4 rows, either at 8, widening from 16
+WIDEN_FROM_ROWS = 16  # AVX2, bench/linear_kernels.py: F.linear wins at 4 rows, even at 8, widening from 16
 WIDEN_CHUNK_ELEMENTS = 1 << 19  # weight elements widened at a time (2 MiB of float32)
 _widen_buffer = threading.local()  # one float32 scratch per thread, reused: fresh pages cost a fault each
 
