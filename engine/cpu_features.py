@@ -75,7 +75,7 @@ def _cpu_flags() -> tuple[str, ...]:
     return tuple(f for f in _KERNEL_FLAGS if f in present)
 
 
-def _first_line(error: BaseException) -> str:
+def _first_sentence(error: BaseException) -> str:
     """The error's first sentence (oneDNN appends advice on how to debug it)."""
     first = str(error).strip().split("\n")[0].split(". ")[0].rstrip(".")
     return f"{type(error).__name__}: {first}" if first else type(error).__name__
@@ -86,7 +86,7 @@ def _try(run) -> str | None:
     try:
         return None if run() else "ran but gave a wrong answer"
     except Exception as e:  # noqa: BLE001 - any failure of a kernel means "not on this CPU"
-        return _first_line(e)
+        return _first_sentence(e)
 
 
 def _close(out: torch.Tensor, expected: torch.Tensor) -> bool:
@@ -130,7 +130,7 @@ def probe() -> CpuFeatures:
                        why_not={name: reason for name, reason in why.items() if reason is not None})
 
 
-def disabled_by_setting(value: str) -> list[str]:
+def _disabled_by_setting(value: str) -> list[str]:
     """The feature names in a TANDEM_CPU_DISABLE value ("" -> none)."""
     return [name.strip() for name in value.split(",") if name.strip()]
 
@@ -140,7 +140,7 @@ def cpu_features() -> CpuFeatures:
     """This process's answer: the probe, less what TANDEM_CPU_DISABLE turns off. Logged once. Raises ValueError
     if the setting names an unknown feature."""
     features = probe()
-    disabled = disabled_by_setting(os.environ.get(DISABLE_ENV, ""))
+    disabled = _disabled_by_setting(os.environ.get(DISABLE_ENV, ""))
     if disabled:
         features = features.without(disabled, f"{DISABLE_ENV}={os.environ[DISABLE_ENV]}")
     _log.info("%s", features.describe())
