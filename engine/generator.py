@@ -17,7 +17,7 @@ import torch
 from tandem.engine.block_pool import BlockPool
 from tandem.engine.engine_config import EngineConfig
 from tandem.engine.llm_engine import LLMEngine, RequestRejectedError
-from tandem.engine.loader import LoadedModel
+from tandem.engine.loader.model_loader import LoadedModel
 from tandem.engine.model_runner import SequenceChunk
 from tandem.engine.parallel import ParallelConfig
 from tandem.engine.sampling_params import SamplingParams

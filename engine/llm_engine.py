@@ -5,15 +5,16 @@ the result (tokens, stop tokens, lengths, caching), the output processor turns t
 catches stop strings. add_request validates at once and raises before anything is queued; abort_request frees
 the request's blocks immediately. This class is synchronous; engine/async_engine.py runs it on a thread.
 
-With a ParallelConfig of more than one rank the model runs in separate processes (engine/parallel/): the
-scheduler stays here and a MultiprocExecutor takes the runner's place. Every rank's KV cache has the same
-number of blocks (block ids are global), each holding only that rank's layers and KV heads. Call shutdown()
-(or use the engine as a context manager) to stop the ranks.
+With a ParallelConfig of more than one rank the model runs in separate processes (engine/ranks/, split as
+engine/parallel/layout.py says): the scheduler stays here and a MultiprocExecutor takes the runner's place.
+Every rank's KV cache has the same number of blocks (block ids are global), each holding only that rank's layers
+and KV heads. Call shutdown() (or use the engine as a context manager) to stop the ranks.
 
 KV transfer (kv_transfer/, a layer above) plugs in through `kv_agent`: a picklable factory
 `(rank, layout, kv_cache) -> agent` called beside every rank's KV store (in the rank's process). The runner calls
 the agent's on_layers_done(layer, tables) after each layer of a step that completes prompts, and
-call_kv_agents() reaches the agents' methods from here. reserve_for_transfer() and admit_transferred() are the
+call_kv_agents(fn, args_by_rank) runs fn(agent, *args) beside each named rank's agent (fn: a picklable callable
+such as an unbound agent method, never a method name). reserve_for_transfer() and admit_transferred() are the
 decode side's way in: blocks held for a prompt whose KV another replica computes, then the request continued
 from its first token.
 """
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 import secrets
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence as Seq
+from typing import Any, Callable, Mapping, Sequence as Seq, TypeVar
 
 import torch
 
@@ -31,11 +32,12 @@ from tandem.engine.errors import ReplicaFailedError
 from tandem.engine.kv_cache import KVCacheSpec, PagedKVCache
 from tandem.engine.kv_cache_manager import KVCacheManager
 from tandem.engine.kv_events import KVEventSink, discard_events
-from tandem.engine.loader import LoadedModel
+from tandem.engine.loader.model_loader import LoadedModel
 from tandem.engine.model_runner import ModelRunner
 from tandem.engine.parallel.layout import ParallelConfig, ReplicaLayout
 from tandem.engine.output_processor import OutputProcessor, RequestOutput
 from tandem.engine.request import RequestStatus, Sequence
+from tandem.engine.sampled_token import SampledToken
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.scheduler import RequestRejectedError, Scheduler, SchedulerConfig, SchedulerStats
 
@@ -43,6 +45,7 @@ __all__ = ["EngineStats", "KVAgentFactory", "LLMEngine", "RequestRejectedError"]
 
 STARTUP_PORT_ATTEMPTS = 3
 KVAgentFactory = Callable[[int, ReplicaLayout, PagedKVCache], Any]
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -90,8 +93,8 @@ class LLMEngine:
             self.local_kv_agent = kv_agent(0, self.layout, self.runner.kv_cache) if kv_agent else None
             self.runner.layer_observer = self.local_kv_agent
         else:
-            from tandem.engine.parallel.executor import MultiprocExecutor, free_port
-            from tandem.engine.parallel.worker import WorkerSpec
+            from tandem.engine.ranks.executor import MultiprocExecutor, free_port
+            from tandem.engine.ranks.worker import WorkerSpec
 
             threads = max(1, torch.get_num_threads() // self.layout.world_size)
             for attempt in range(STARTUP_PORT_ATTEMPTS):
@@ -169,9 +172,9 @@ class LLMEngine:
             self.outputs.add_request(request_id, params.n)
         return blocks
 
-    def admit_transferred(self, request_id: str, first) -> list[RequestOutput]:
-        """Continues a reserved request whose prompt KV has fully arrived, with `first` (the SampledToken the
-        prefill replica drew) as its first output token. Returns that token's output (the request may finish on
+    def admit_transferred(self, request_id: str, first: SampledToken) -> list[RequestOutput]:
+        """Continues a reserved request whose prompt KV has fully arrived, with `first` (the token the prefill
+        replica drew) as its first output token. Returns that token's output (the request may finish on
         it). Raises KeyError if the request holds no reservation."""
         update = self.scheduler.admit_transferred(request_id, first)
         output, hit_stop_string = self.outputs.process(update)
@@ -179,15 +182,17 @@ class LLMEngine:
             self.scheduler.finish(update.seq, RequestStatus.FINISHED_STOPPED)
         return [output]
 
-    def call_kv_agents(self, method: str, args_by_rank: Mapping[int, tuple]) -> dict[int, Any]:
-        """Calls method(*args) on the KV transfer agent of each rank in args_by_rank, in that rank's process;
-        returns the results by rank. Raises ValueError if the engine was built without kv_agent, and
-        ReplicaFailedError if a rank fails."""
+    def call_kv_agents(self, fn: Callable[..., T], args_by_rank: Mapping[int, tuple]) -> dict[int, T]:
+        """Runs fn(agent, *args) on the KV transfer agent of each rank in args_by_rank, in that rank's process;
+        returns the results by rank. fn and args must pickle when the ranks are separate processes (a
+        module-level function or an unbound method such as KVTransferAgent.expect). An exception fn raises is
+        raised here. Raises ValueError if the engine was built without kv_agent, and ReplicaFailedError if a
+        rank fails."""
         if not self.has_kv_agents:
             raise ValueError("this engine was built without a KV transfer agent (LLMEngine(kv_agent=...))")
         if self.local_kv_agent is not None:
-            return {rank: getattr(self.local_kv_agent, method)(*args) for rank, args in args_by_rank.items()}
-        return self.runner.call_agents(method, args_by_rank)
+            return {rank: fn(self.local_kv_agent, *args) for rank, args in args_by_rank.items()}
+        return self.runner.call_agents(fn, args_by_rank)
 
     def abort_request(self, request_id: str) -> list[RequestOutput]:
         """Ends a request now, freeing its blocks; returns its final outputs (empty for an unknown or finished id)."""

@@ -5,7 +5,7 @@ objects (execute: single-request generation, tests) or as a SchedulerOutput (exe
 engine it keeps a mirror of each scheduled sequence (tokens, block table, sampling settings) that the scheduler
 updates with diffs, the split the scheduler/worker boundary keeps when ranks live in other processes.
 
-In a replica of several ranks (engine/parallel/) every rank runs a ModelRunner on the same SchedulerOutput. Only
+In a replica of several ranks (engine/ranks/) every rank runs a ModelRunner on the same SchedulerOutput. Only
 the sampler rank (the last stage's first) computes logits and samples; the others learn the sampled tokens with
 the next step (execute_step's `prev_tokens`). With pipeline stages a step's sequences are cut into micro-batches:
 a stage sends micro-batch i on and starts i + 1 while the next stage works on i.

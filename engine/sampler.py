@@ -17,6 +17,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from tandem.engine.sampled_token import SampledToken
 from tandem.engine.sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
@@ -41,18 +42,6 @@ class SampleRequest:
     step: int
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]
-
-
-@dataclass(frozen=True)
-class SampledToken:
-    """token_id is the chosen token. When params.logprobs is not None, logprob is its log-probability under
-    the model's raw distribution (log_softmax of the unprocessed logits) and top_logprobs holds the
-    params.logprobs most likely (token_id, logprob) pairs of that distribution, highest first. Otherwise
-    logprob is None; top_logprobs is () then and when params.logprobs == 0."""
-
-    token_id: int
-    logprob: float | None
-    top_logprobs: tuple[tuple[int, float], ...]
 
 
 def _splitmix64(x: int) -> int:

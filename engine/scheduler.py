@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from tandem.engine.errors import TandemError
 from tandem.engine.kv_cache_manager import Allocation, KVCacheManager
 from tandem.engine.request import RequestStatus, Sequence, token_stop_status
+from tandem.engine.sampled_token import SampledToken
 from tandem.engine.scheduler_output import (CachedSequenceData, ForkData, NewSequenceData, RunnerOutput,
                                             SchedulerOutput)
 
@@ -54,7 +55,7 @@ class SeqUpdate:
     """One sequence's new token after a step; status is its finished status when this token ended it."""
 
     seq: Sequence
-    sampled: object  # SampledToken
+    sampled: SampledToken
     status: RequestStatus | None
 
 
@@ -139,9 +140,9 @@ class Scheduler:
         self.reserved[seq.seq_id] = seq
         return tuple(self.kv.block_table(seq.seq_id))
 
-    def admit_transferred(self, request_id: str, sampled) -> SeqUpdate:
+    def admit_transferred(self, request_id: str, sampled: SampledToken) -> SeqUpdate:
         """Starts a reserved sequence whose prompt KV has arrived: all prompt tokens count as computed (its full
-        blocks enter the prefix cache) and `sampled` (a SampledToken from the prefill replica) is its first
+        blocks enter the prefix cache) and `sampled` (the token the prefill replica drew) is its first
         output token. Returns that token's update; the sequence may finish on it (stop token, max_tokens=1).
         Raises KeyError if the request holds no reservation."""
         ids = self._by_request.get(request_id, ())

@@ -9,12 +9,10 @@ token, and sample each fork's child from its parent's logits.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Mapping
+from typing import Mapping
 
+from tandem.engine.sampled_token import SampledToken
 from tandem.engine.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from tandem.engine.sampler import SampledToken
 
 
 @dataclass(frozen=True)
@@ -75,4 +73,4 @@ class SchedulerOutput:
 class RunnerOutput:
     """The token sampled for each sequence that reached its last token this step (fork children included)."""
 
-    sampled: Mapping[str, "SampledToken"] = field(default_factory=dict)
+    sampled: Mapping[str, SampledToken] = field(default_factory=dict)

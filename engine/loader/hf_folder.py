@@ -1,4 +1,5 @@
-"""Hugging Face folders: `config.json`, one or many `*.safetensors`, `tokenizer.json` and its config."""
+"""Hugging Face folders: one or many `*.safetensors` read as float32 tensors. The config and tokenizer are read
+by hf_metadata.py."""
 
 from __future__ import annotations
 
@@ -7,14 +8,16 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from tandem.engine.config import model_config_from_hf, read_json_file
 from tandem.engine.errors import ModelLoadError
 from tandem.engine.loader.checkpoint import Checkpoint
+from tandem.engine.loader.hf_metadata import hf_model_info
 from tandem.engine.loader.progress import progress_bar
-from tandem.engine.tokenizer import Tokenizer
+from tandem.engine.model_config import read_json_file
 
 
-def _shard_files(folder: Path) -> list[Path]:
+def shard_files(folder: Path) -> list[Path]:
+    """The folder's safetensors files, from model.safetensors.index.json when present. Raises ModelLoadError
+    if a listed shard is missing or there is none."""
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         names = sorted(set(read_json_file(index).get("weight_map", {}).values()))
@@ -28,31 +31,21 @@ def _shard_files(folder: Path) -> list[Path]:
     return files
 
 
-def load_hf_folder(folder: Path, *, progress: bool = True, weights: bool = True) -> Checkpoint:
-    config_path = folder / "config.json"
-    if not config_path.is_file():
-        raise ModelLoadError(f"{folder}: config.json is missing; is this a Hugging Face model folder?")
-    raw = read_json_file(config_path)
-    generation = folder / "generation_config.json"
-    if generation.is_file() and "eos_token_id" in (gen := read_json_file(generation)):
-        raw = raw | {"eos_token_id": gen["eos_token_id"]}
-    config = model_config_from_hf(raw)
-    tokenizer = Tokenizer.from_folder(folder, eos_token_ids=config.eos_token_ids)
-
-    tensors: dict[str, torch.Tensor] = {}
-    shards = _shard_files(folder)
-    if not weights:
-        return Checkpoint(config=config, weights=tensors, tokenizer=tokenizer, source=folder)
+def load_hf_folder(folder: Path, *, progress: bool = True) -> Checkpoint:
+    """Config, tokenizer and every tensor of a Hugging Face folder. Raises ModelLoadError naming the file."""
+    info = hf_model_info(folder)
     handles = []
+    shards = shard_files(folder)
     for shard in shards:
         try:
             handles.append(safe_open(str(shard), framework="pt"))
         except (SafetensorError, OSError) as e:
             raise ModelLoadError(f"{shard}: cannot be read as safetensors (truncated or corrupt?): {e}") from None
     keys = [(h, k, s) for h, s in zip(handles, shards) for k in h.keys()]
+    tensors: dict[str, torch.Tensor] = {}
     for handle, key, shard in progress_bar(keys, len(keys), f"loading {folder.name}", progress):
         try:
             tensors[key] = handle.get_tensor(key).to(torch.float32)
         except (SafetensorError, OSError, RuntimeError) as e:
             raise ModelLoadError(f"{shard}: tensor {key!r} cannot be read: {e}") from None
-    return Checkpoint(config=config, weights=tensors, tokenizer=tokenizer, source=folder)
+    return Checkpoint(config=info.config, weights=tensors, tokenizer=info.tokenizer, source=folder)

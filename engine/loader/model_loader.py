@@ -1,4 +1,5 @@
-"""From a path to a runnable model: read the checkpoint, then repack it for the device."""
+"""From a path to a runnable model: read the checkpoint (the loader its format needs), then repack it for the
+device."""
 
 from __future__ import annotations
 
@@ -8,12 +9,39 @@ from pathlib import Path
 
 import torch
 
-from tandem.engine.config import ModelConfig
 from tandem.engine.cpu_features import CpuFeatures, cpu_features
-from tandem.engine.loader.checkpoint import load_checkpoint
+from tandem.engine.errors import ModelLoadError
+from tandem.engine.loader.checkpoint import Checkpoint
+from tandem.engine.loader.gguf_file import load_gguf
+from tandem.engine.loader.hf_folder import load_hf_folder, shard_files
+from tandem.engine.loader.model_info import load_model_info, resolve_model_path
+from tandem.engine.model_config import ModelConfig
 from tandem.engine.models import LlamaModel, build_model
 from tandem.engine.models.linear import KERNELS, choose_kernel
 from tandem.engine.tokenizer import Tokenizer
+
+
+def load_checkpoint(path: str | Path | None = None, *, progress: bool = True, packed: bool = False,
+                    weights: bool = True) -> Checkpoint:
+    """Reads config, weights and tokenizer from `path` (a HF folder or a .gguf file; None: the embedded model).
+
+    packed: keep a GGUF file's Q4_0/Q4_1 projection weights as 4-bit Int4Weight values.
+    weights: False reads only the config and tokenizer (load_model_info; weights is {}), for a driver whose
+    ranks load their own shards; a folder's safetensors files must still all be there.
+    Raises ModelLoadError with a message naming the path and the problem.
+    """
+    source = resolve_model_path(path)
+    if source.is_dir() and packed:
+        raise ModelLoadError(f"{source}: packed 4-bit weights come from GGUF Q4_0/Q4_1 files; "
+                             "a Hugging Face folder has none (drop --weights packed)")
+    if not weights:
+        info = load_model_info(source)
+        if source.is_dir():
+            shard_files(source)  # the ranks will read them: a missing shard is reported here, not by a rank
+        return Checkpoint(config=info.config, weights={}, tokenizer=info.tokenizer, source=info.source)
+    if source.is_dir():
+        return load_hf_folder(source, progress=progress)
+    return load_gguf(source, progress=progress, packed=packed)
 
 
 @dataclass

@@ -25,13 +25,13 @@ def write_synthetic_model(kind: str, folder: str | Path, *, seed: int = 0) -> Pa
     import torch
     from safetensors.torch import save_file
 
-    from tandem.engine.config import model_config_from_hf
-    from tandem.engine.loader import load_model
+    from tandem.engine.loader.model_info import load_model_info
+    from tandem.engine.model_config import model_config_from_hf
     from tandem.engine.models.llama import expected_shapes
 
     if kind not in SYNTHETIC:
         raise ValueError(f"unknown synthetic model {kind!r}; known: {', '.join(SYNTHETIC)}")
-    tokenizer = load_model(None, weights=False, progress=False).tokenizer
+    tokenizer = load_model_info(None).tokenizer
     eos = tokenizer.eos_token_ids[0] if tokenizer.eos_token_ids else 0
     bos = tokenizer.backend.token_to_id(tokenizer.bos_token) if tokenizer.bos_token else eos
     config = SYNTHETIC[kind] | {"vocab_size": tokenizer.vocab_size, "bos_token_id": bos, "eos_token_id": eos}

@@ -17,10 +17,10 @@ import torch
 import torch.nn.functional as F
 
 from tandem.engine.attention import AttentionMetadata, TorchAttentionBackend
-from tandem.engine.config import ModelConfig
 from tandem.engine.cpu_features import FEATURES, CpuFeatures, cpu_features
 from tandem.engine.errors import ModelLoadError
 from tandem.engine.kv_cache import PagedKVCache
+from tandem.engine.model_config import ModelConfig
 from tandem.engine.models.int4 import Int4Linear, Int4Weight
 from tandem.engine.models.linear import Linear
 from tandem.engine.models.mlp import GatedMLP

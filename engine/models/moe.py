@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from tandem.engine.config import MoEConfig
+from tandem.engine.model_config import MoEConfig
 from tandem.engine.models.mlp import GatedMLP
 from tandem.engine.parallel.layout import split_evenly
 

@@ -1,4 +1,5 @@
-"""One replica across several processes: the layout (who holds what), the groups that talk, the workers."""
+"""One replica across several processes: the layout (who holds what) and the groups that talk. The processes
+themselves (driver and ranks) live in engine/ranks/."""
 
 from tandem.engine.parallel.layout import ParallelConfig, RankShard, ReplicaLayout, split_evenly
 

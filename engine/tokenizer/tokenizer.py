@@ -8,8 +8,8 @@ from typing import Any, Mapping, Sequence
 import tokenizers
 from tokenizers.decoders import DecodeStream
 
-from tandem.engine.config import read_json_file
 from tandem.engine.errors import ModelLoadError
+from tandem.engine.model_config import read_json_file
 from tandem.engine.tokenizer.chat_template import ChatTemplateError, render_chat
 
 

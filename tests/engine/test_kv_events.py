@@ -178,7 +178,7 @@ def test_concurrent_appends_and_reads_never_skip_or_reorder_events():
 
 class Poller:
     """What the router's KV feed does with one replica: read from where it is, resynchronize from a snapshot of
-    the cache when read() says the place is gone (as engine/replica_server.py answers)."""
+    the cache when read() says the place is gone (as replica/shell.py answers)."""
 
     def __init__(self, log: KVEventLog, hashes, name: str = "r0", limit: int = 5):
         self.log, self.hashes, self.name, self.limit = log, hashes, name, limit

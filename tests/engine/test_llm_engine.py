@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections import defaultdict
 
 import pytest
@@ -12,6 +13,7 @@ from tandem.engine.llm_engine import LLMEngine, RequestRejectedError
 from tandem.engine.sampling_params import SamplingParams
 
 from tests.engine.engine_helpers import Completion, collect, run_all
+from tests.engine.probe_agent import ProbeAgent
 
 TEXTS = [
     "Once upon a time", "The capital of France is", "def fibonacci(n):", "Water boils at",
@@ -121,3 +123,15 @@ def test_admission_control_rejects_at_once_and_serves_the_rest(embedded):
     with pytest.raises(ValueError, match="stop_token_ids"):
         engine.add_request("bad-stop", [1], greedy(4, stop_token_ids=[10**6]))
     assert run_all(engine)[("ok", 0)].finish_reason == "length"
+
+
+def test_kv_agent_is_called_by_reference_in_one_process(embedded):
+    with LLMEngine(embedded, EngineConfig(num_kv_blocks=16, max_model_len=1024), kv_agent=ProbeAgent) as engine:
+        shape = tuple(engine.runner.kv_cache.data.shape)
+        assert engine.call_kv_agents(ProbeAgent.where, {0: ("tag",)}) == {0: (0, os.getpid(), shape, "tag")}
+        with pytest.raises(LookupError, match="rank 0 refuses"):
+            engine.call_kv_agents(ProbeAgent.refuse, {0: ()})
+    assert engine.local_kv_agent.closed
+    with LLMEngine(embedded, EngineConfig(num_kv_blocks=16, max_model_len=1024)) as plain:
+        with pytest.raises(ValueError, match="without a KV transfer agent"):
+            plain.call_kv_agents(ProbeAgent.where, {0: ("tag",)})

@@ -4,6 +4,8 @@ dies fails the replica fast instead of hanging it."""
 
 from __future__ import annotations
 
+import os
+import pickle
 import time
 
 import pytest
@@ -16,6 +18,7 @@ from tandem.engine.loader import load_model
 from tandem.engine.parallel import ParallelConfig
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.scheduler_output import CachedSequenceData, SchedulerOutput
+from tests.engine.probe_agent import ProbeAgent
 from tests.engine.tiny_models import write_tiny_model
 from tests.reference import hf_greedy
 
@@ -141,6 +144,25 @@ def test_a_killed_rank_fails_the_replica_fast_with_its_name(embedded_prompts):
             engine.step()
     finally:
         engine.shutdown()
+
+
+def test_kv_agents_run_a_callable_in_each_rank_process():
+    meta = load_model(weights=False, progress=False)
+    with LLMEngine(meta, CONFIG, parallel=ParallelConfig(tp=2), kv_agent=ProbeAgent) as engine:
+        where = engine.call_kv_agents(ProbeAgent.where, {0: ("first",), 1: ("second",)})
+        shapes = [s.kv_cache_shape for s in engine.runner.rank_stats()]
+        assert [(rank, shape, tag) for rank, _, shape, tag in (where[0], where[1])] == [
+            (0, shapes[0], "first"), (1, shapes[1], "second")]
+        assert len({where[0][1], where[1][1], os.getpid()}) == 3, "each agent lives in its own rank's process"
+        with pytest.raises(LookupError, match="rank 1 refuses"):  # the agent's error, not a failed replica
+            engine.call_kv_agents(ProbeAgent.refuse, {1: ()})
+
+        def local(agent):
+            return agent.rank
+
+        with pytest.raises((pickle.PicklingError, AttributeError)):  # refused before any rank is asked
+            engine.call_kv_agents(local, {0: (), 1: ()})
+        assert engine.call_kv_agents(ProbeAgent.where, {1: ("again",)})[1][3] == "again", "the ranks live on"
 
 
 def test_an_error_on_a_rank_reaches_the_driver_with_its_traceback(embedded_prompts):

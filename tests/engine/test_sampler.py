@@ -8,7 +8,8 @@ from collections import Counter
 import pytest
 import torch
 
-from tandem.engine.sampler import SampleRequest, SampledToken, apply_penalties, sample_batch
+from tandem.engine.sampled_token import SampledToken
+from tandem.engine.sampler import SampleRequest, apply_penalties, sample_batch
 from tandem.engine.sampling_params import SamplingParams
 
 # Probabilities 0.5, 0.3, 0.15, 0.05 at temperature 1.

@@ -9,7 +9,7 @@ import pytest
 import sentencepiece as spm
 from gguf import GGUFReader, GGUFWriter
 
-from tandem.engine.loader.gguf_file import _metadata
+from tandem.engine.loader.gguf_metadata import _metadata
 from tandem.engine.tokenizer.gguf_vocab import tokenizer_from_gguf
 from tests.engine.test_tokenizer import BASE, CORPUS
 

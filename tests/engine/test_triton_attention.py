@@ -186,7 +186,7 @@ def test_fused_rms_norm_with_residual_add(dtype, with_residual):
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_rotary_in_place_matches_the_model_tables(head_dim):
     from tandem.engine.attention.triton_norm import rotary_
-    from tandem.engine.config import RopeConfig
+    from tandem.engine.model_config import RopeConfig
     from tandem.engine.models.rope import RotaryEmbedding
 
     rope = RotaryEmbedding(RopeConfig(rope_type="llama3", factor=8.0, original_max_position_embeddings=64),

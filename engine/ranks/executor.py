@@ -13,13 +13,16 @@ import pickle
 import socket
 import time
 from multiprocessing.connection import Connection, wait
+from typing import Callable, Mapping, TypeVar
 
 from tandem.engine.errors import ReplicaFailedError
 from tandem.engine.parallel.layout import ReplicaLayout
-from tandem.engine.parallel.worker import RankStats, WorkerSpec, run_worker
+from tandem.engine.ranks.worker import RankStats, WorkerSpec, run_worker
 from tandem.engine.scheduler_output import RunnerOutput, SchedulerOutput
 
 __all__ = ["MultiprocExecutor", "ReplicaFailedError", "free_port"]
+
+T = TypeVar("T")
 
 
 def free_port() -> int:
@@ -110,17 +113,21 @@ class MultiprocExecutor:
         self._prev_tokens = {seq_id: token.token_id for seq_id, token in result.sampled.items()}
         return result
 
-    def call_agents(self, method: str, args_by_rank: dict[int, tuple]) -> dict[int, object]:
-        """Calls method(*args) on the KV transfer agent of each named rank, in its process; results by rank.
-        A rank's exception fails the replica (ReplicaFailedError), as in a step."""
+    def call_agents(self, fn: Callable[..., T], args_by_rank: Mapping[int, tuple]) -> dict[int, T]:
+        """Runs fn(agent, *args) on the KV transfer agent of each named rank, in its process; results by rank.
+        fn and args must pickle (fn: a module-level function or an unbound method, pickled by qualified name);
+        one that does not raises before any rank is asked. An exception fn raises on a rank is raised here (the
+        first by rank) and the rank lives on; a rank that dies fails the replica (ReplicaFailedError)."""
         if self._dead:
             raise ReplicaFailedError("the replica has been shut down")
-        for rank, args in args_by_rank.items():
+        payloads = {rank: pickle.dumps(("agent", fn, args), protocol=pickle.HIGHEST_PROTOCOL)
+                    for rank, args in args_by_rank.items()}
+        for rank, payload in payloads.items():
             try:
-                self._conns[rank].send_bytes(pickle.dumps(("agent", method, args), protocol=pickle.HIGHEST_PROTOCOL))
+                self._conns[rank].send_bytes(payload)
             except (BrokenPipeError, ConnectionResetError, EOFError):
                 self._fail(f"{self._describe(rank)} is gone (its pipe is closed)")
-        answers = self._collect(list(args_by_rank), "agent", time.monotonic() + self.step_timeout_s)
+        answers = self._collect(list(payloads), "agent", time.monotonic() + self.step_timeout_s)
         for rank, (how, value) in sorted(answers.items()):
             if how == "raised":
                 raise value

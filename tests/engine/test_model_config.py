@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tandem.engine.config import model_config_from_hf
 from tandem.engine.errors import ModelLoadError, UnsupportedModelError
+from tandem.engine.model_config import model_config_from_hf
 
 BASE = {"architectures": ["LlamaForCausalLM"], "vocab_size": 100, "hidden_size": 64, "intermediate_size": 128,
         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}

@@ -1,10 +1,12 @@
 """One rank of a replica, in its own process: loads its shard, holds its share of the KV cache, runs steps.
 
-The driver (engine/parallel/executor.py) sends each message to every rank over a pipe: ("step", prev_tokens,
-SchedulerOutput) pickled once, ("stats",) or ("stop",); and ("agent", method, args) to the ranks it names, which
-call their KV transfer agent and answer with the result. The sampler rank answers each step with its
-RunnerOutput; every rank answers "stats". A rank that fails sends ("error", text) and exits, which the driver
-sees at once. Later issues start the same `run_worker` inside Ray actors.
+The driver (engine/ranks/executor.py) sends each message to every rank over a pipe: ("step", prev_tokens,
+SchedulerOutput) pickled once, ("stats",) or ("stop",); and ("agent", fn, args) to the ranks it names, which
+run fn(agent, *args) on their KV transfer agent and answer with the result. fn is a picklable callable (a
+module-level function, or an unbound method such as KVTransferAgent.expect, which pickles by its qualified
+name), never a method name. The sampler rank answers each step with its RunnerOutput; every rank answers
+"stats". A rank that fails sends ("error", text) and exits, which the driver sees at once. Later issues start
+the same `run_worker` inside Ray actors.
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ def run_worker(rank: int, spec: WorkerSpec, conn: Connection) -> None:
 
         from tandem.engine.attention.triton_backend import select_backend
         from tandem.engine.kv_cache import KVCacheSpec, PagedKVCache
-        from tandem.engine.loader.checkpoint import load_checkpoint
+        from tandem.engine.loader.model_loader import load_checkpoint
         from tandem.engine.model_runner import ModelRunner
         from tandem.engine.models import build_model
         from tandem.engine.parallel.comm import ParallelComm
@@ -101,9 +103,9 @@ def run_worker(rank: int, spec: WorkerSpec, conn: Connection) -> None:
                     runner.times.steps, runner.times.forward, runner.times.num_steps, dict(comm.seconds),
                     model.expert_load())))
             elif kind == "agent":
-                _, method, args = message
+                _, fn, args = message
                 try:  # the agent's own errors (bad descriptor, ...) go back to the caller; the rank lives on
-                    conn.send(("agent", ("ok", getattr(agent, method)(*args))))
+                    conn.send(("agent", ("ok", fn(agent, *args))))
                 except Exception as e:
                     conn.send(("agent", ("raised", e)))
             elif kind == "stop":
