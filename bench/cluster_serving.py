@@ -50,7 +50,7 @@ def bench_cluster(name: str, requests: int, tokens: int) -> dict:
     import ray
 
     from tandem.cluster import launcher
-    from tandem.cluster.manifest import load_manifest
+    from tandem.cluster.manifest_yaml import load_manifest
     from tandem.router.client import TandemClient
 
     manifest = load_manifest(MANIFESTS / name)

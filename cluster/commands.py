@@ -10,8 +10,8 @@ import sys
 
 
 def validate(args: argparse.Namespace) -> int:
-    from tandem.cluster.manifest import ManifestInvalid
     from tandem.cluster.manifest_checks import validate_file
+    from tandem.cluster.manifest_yaml import ManifestInvalid
 
     try:
         manifest = validate_file(args.manifest, check_ports=not args.no_port_check)
@@ -30,8 +30,8 @@ def validate(args: argparse.Namespace) -> int:
 
 def up(args: argparse.Namespace) -> int:
     from tandem.cluster import launcher
-    from tandem.cluster.manifest import ManifestInvalid
     from tandem.cluster.manifest_checks import validate_file
+    from tandem.cluster.manifest_yaml import ManifestInvalid
 
     try:
         manifest = validate_file(args.manifest)

@@ -10,8 +10,8 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from tandem.cluster.manifest import (COLOCATED_HAS_PREFILL, MODE_NEEDS_PREFILL, ApiKey, Manifest, ManifestError,
-                                     ManifestInvalid, line_map, manifest_from, read_text, read_yaml)
+from tandem.cluster.manifest import COLOCATED_HAS_PREFILL, MODE_NEEDS_PREFILL, ApiKey, Manifest
+from tandem.cluster.manifest_yaml import ManifestError, ManifestInvalid, line_map, manifest_from, read_text, read_yaml
 from tandem.engine.errors import ModelLoadError
 
 

@@ -5,11 +5,14 @@
   GET  /health    200 while the decode pool has a replica, else 503 (no key needed)
   GET  /metrics   Prometheus exposition (no key needed)
 
-Bodies are translated by openai_protocol.py into the gRPC API's GenerateRequest and validated by the same code,
-so both APIs accept and refuse the same requests; a failure's gRPC status name becomes an HTTP status and an
-OpenAI error body (openai_protocol.http_status_for). A streamed request's first output is awaited before the
-response starts, so that every failure before the first token gets its proper HTTP status; one after that ends
-the stream with an error event. A client that disconnects cancels its request on every replica.
+Bodies are parsed by openai_bodies.py, translated by openai_requests.py into the gRPC API's GenerateRequest and
+validated by the same code, so both APIs accept and refuse the same requests; replies are built by
+openai_responses.py. A failure's gRPC status name becomes an HTTP status and an OpenAI error body
+(openai_errors.http_status_for). OpenAIRoutes holds one handler per route; build_app registers them.
+
+A streamed request's first output is awaited before the response starts, so that every failure before the first
+token gets its proper HTTP status; one after that ends the stream with an error event. A client that disconnects
+cancels its request on every replica.
 """
 
 from __future__ import annotations
@@ -20,17 +23,19 @@ import secrets
 import socket
 import time
 from functools import lru_cache
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable, Literal
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from tandem.proto.v1 import tandem_pb2 as pb
 from tandem.router.auth import Unauthenticated
-from tandem.router.openai_protocol import (ChatCompletionRequest, CompletionRequest, OpenAIError, ResponseBuilder,
-                                           chat_request, completion_requests, http_status_for, models_body,
-                                           parse_body)
+from tandem.router.openai_bodies import ChatCompletionRequest, CompletionRequest, RequestBody, parse_body
+from tandem.router.openai_errors import OpenAIError, http_status_for
+from tandem.router.openai_requests import chat_request, completion_requests
+from tandem.router.openai_responses import ResponseBuilder, models_body
 from tandem.router.request_parsing import InvalidRequest, ParsedRequest
 from tandem.router.serving import RequestCancelled, Serving, Step, error_code
 
@@ -44,11 +49,6 @@ def openai_error(error: BaseException) -> OpenAIError:
     code, message = error_code(error)
     status, kind = http_status_for(code)
     return OpenAIError(status, message, kind, code="model_not_found" if code == "NOT_FOUND" else code.lower())
-
-
-def _error_response(error: OpenAIError) -> JSONResponse:
-    headers = {"WWW-Authenticate": "Bearer"} if error.status == 401 else None
-    return JSONResponse(error.body(), status_code=error.status, headers=headers)
 
 
 class _Merged:
@@ -107,73 +107,105 @@ async def _cancel_on_disconnect(request: Request, merged: _Merged) -> None:
     merged.cancel()
 
 
-def build_app(serving: Serving) -> FastAPI:
-    app = FastAPI(title="tandem", docs_url=None, redoc_url=None, openapi_url=None)
-    model = serving.model
-    created = int(time.time())
+async def _error_reply(request: Request, error: OpenAIError) -> JSONResponse:
+    """The app's handler of OpenAIError: OpenAI's error body with the error's HTTP status."""
+    headers = {"WWW-Authenticate": "Bearer"} if error.status == 401 else None
+    return JSONResponse(error.body(), status_code=error.status, headers=headers)
 
-    @lru_cache(maxsize=65536)
-    def token_text(token_id: int) -> str:
-        return model.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    @app.exception_handler(OpenAIError)
-    async def _openai_error(request: Request, error: OpenAIError) -> JSONResponse:
-        return _error_response(error)
+async def _events(builder: ResponseBuilder, merged: _Merged, first: tuple[int, Step] | None,
+                  n: int) -> AsyncIterator[str]:
+    """A streamed reply's server-sent events, from the first step (awaited already) to "[DONE]"."""
+    try:
+        step = first
+        while step is not None:
+            for chunk in builder.chunks(step[1].progress.outputs, step[0] * n):
+                yield f"data: {json.dumps(chunk)}\n\n"
+            step = await merged.next()
+        if builder.include_usage:
+            yield f"data: {json.dumps(builder.usage_chunk(*merged.usage()))}\n\n"
+    except Exception as e:  # after the first token: the status is sent already; say it in the stream
+        yield f"data: {json.dumps(openai_error(e).body())}\n\n"
+    finally:
+        merged.cancel()  # a client that went away cancels here too
+    yield "data: [DONE]\n\n"
 
-    def tenant(request: Request) -> str | None:
-        try:
-            return serving.authenticate(request.headers.get("authorization"), "http")
-        except Unauthenticated as e:
-            raise openai_error(e) from None
 
-    async def parse(cls, request: Request):
-        """The body as cls; a malformed one is counted and raised as OpenAIError."""
-        try:
-            return parse_body(cls, json.loads(await request.body()))
-        except (OpenAIError, ValueError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
-            serving.refused("http", "INVALID_ARGUMENT")
-            if isinstance(e, OpenAIError):
-                raise
-            raise OpenAIError(400, f"the request body is not valid JSON: {e}") from None
+class OpenAIRoutes:
+    """The HTTP API's route handlers over one Serving, one method per route (build_app registers them). A
+    handler raises OpenAIError for a failed request; the app turns it into OpenAI's error reply."""
 
-    @app.get("/health")
-    async def health() -> JSONResponse:
-        driver = serving.driver
+    def __init__(self, serving: Serving):
+        self.serving = serving
+        self.model = serving.model
+        self.created = int(time.time())  # the /v1/models creation time: when the front door started
+        self.token_text = lru_cache(maxsize=65536)(self._decode)
+
+    def _decode(self, token_id: int) -> str:
+        return self.model.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    async def health(self) -> JSONResponse:
+        """GET /health: 200 while the decode pool has a replica, else 503."""
+        driver = self.serving.driver
         ready = bool(driver.decode)
         return JSONResponse({"status": "ok" if ready else "unavailable",
                              "replicas": {"prefill": len(driver.prefill), "decode": len(driver.decode)}},
                             status_code=200 if ready else 503)
 
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(serving.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+    async def metrics(self) -> Response:
+        """GET /metrics: the Prometheus exposition."""
+        return Response(self.serving.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
-    async def models(request: Request) -> JSONResponse:
-        tenant(request)
-        return JSONResponse(models_body(model.model_id, created, model.max_model_len))
+    async def models(self, request: Request) -> JSONResponse:
+        """GET /v1/models: the one model the cluster serves."""
+        self._tenant(request)
+        return JSONResponse(models_body(self.model.model_id, self.created, self.model.max_model_len))
 
-    def endpoint(kind: str, body_cls, id_prefix: str, to_requests):
-        async def handle(request: Request) -> Response:
-            arrival = time.monotonic()
-            who = tenant(request)
-            body = await parse(body_cls, request)
-            response_id = f"{id_prefix}-{secrets.token_hex(12)}"
-            return await serve(request, kind, body, to_requests(body, response_id), who, arrival, response_id)
-        return handle
+    async def chat_completions(self, request: Request) -> Response:
+        """POST /v1/chat/completions."""
+        return await self._complete(request, "chat", ChatCompletionRequest, "chatcmpl",
+                                    lambda body, rid: [chat_request(body, rid)])
 
-    app.post("/v1/chat/completions")(endpoint("chat", ChatCompletionRequest, "chatcmpl",
-                                              lambda body, rid: [chat_request(body, rid)]))
-    app.post("/v1/completions")(endpoint("completion", CompletionRequest, "cmpl", completion_requests))
+    async def completions(self, request: Request) -> Response:
+        """POST /v1/completions: one gRPC request per prompt of a batched body."""
+        return await self._complete(request, "completion", CompletionRequest, "cmpl", completion_requests)
 
-    async def serve(request: Request, kind: str, body, requests, who: str | None, arrival: float,
-                    response_id: str) -> Response:
+    def _tenant(self, request: Request) -> str | None:
+        try:
+            return self.serving.authenticate(request.headers.get("authorization"), "http")
+        except Unauthenticated as e:
+            raise openai_error(e) from None
+
+    async def _parse(self, cls: type[RequestBody], request: Request) -> RequestBody:
+        """The body as cls; a malformed one is counted and raised as OpenAIError."""
+        try:
+            return parse_body(cls, json.loads(await request.body()))
+        except (OpenAIError, ValueError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+            self.serving.refused("http", "INVALID_ARGUMENT")
+            if isinstance(e, OpenAIError):
+                raise
+            raise OpenAIError(400, f"the request body is not valid JSON: {e}") from None
+
+    async def _complete(self, request: Request, kind: Literal["chat", "completion"], body_cls: type[RequestBody],
+                        id_prefix: str, to_requests: Callable[[RequestBody, str], list[pb.GenerateRequest]],
+                        ) -> Response:
+        """Authenticates, parses the body, and serves its gRPC requests (to_requests(body, response_id))."""
+        arrival = time.monotonic()
+        who = self._tenant(request)
+        body = await self._parse(body_cls, request)
+        response_id = f"{id_prefix}-{secrets.token_hex(12)}"
+        return await self._serve(request, kind, body, to_requests(body, response_id), who, arrival, response_id)
+
+    async def _serve(self, request: Request, kind: Literal["chat", "completion"],
+                     body: ChatCompletionRequest | CompletionRequest, requests: list[pb.GenerateRequest],
+                     who: str | None, arrival: float, response_id: str) -> Response:
+        serving = self.serving
         try:
             parsed = [serving.parse(r, who, "http") for r in requests]
         except InvalidRequest as e:
             raise openai_error(e) from None
         n = parsed[0].params.n
-        builder = ResponseBuilder(kind, response_id, model.model_id, int(time.time()), token_text,
+        builder = ResponseBuilder(kind, response_id, self.model.model_id, int(time.time()), self.token_text,
                                   n=n * len(parsed), logprobs=parsed[0].params.logprobs is not None,
                                   include_usage=body.include_usage)
         merged = _Merged(serving, parsed, arrival)
@@ -195,24 +227,20 @@ def build_app(serving: Serving) -> FastAPI:
             raise
         finally:
             watcher.cancel()
-        return StreamingResponse(stream(builder, merged, first, n), media_type="text/event-stream",
+        return StreamingResponse(_events(builder, merged, first, n), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-    async def stream(builder: ResponseBuilder, merged: _Merged, first, n: int) -> AsyncIterator[str]:
-        try:
-            step = first
-            while step is not None:
-                for chunk in builder.chunks(step[1].progress.outputs, step[0] * n):
-                    yield f"data: {json.dumps(chunk)}\n\n"
-                step = await merged.next()
-            if builder.include_usage:
-                yield f"data: {json.dumps(builder.usage_chunk(*merged.usage()))}\n\n"
-        except Exception as e:  # after the first token: the status is sent already; say it in the stream
-            yield f"data: {json.dumps(openai_error(e).body())}\n\n"
-        finally:
-            merged.cancel()  # a client that went away cancels here too
-        yield "data: [DONE]\n\n"
 
+def build_app(serving: Serving) -> FastAPI:
+    """The FastAPI app of the OpenAI-compatible API over serving."""
+    app = FastAPI(title="tandem", docs_url=None, redoc_url=None, openapi_url=None)
+    routes = OpenAIRoutes(serving)
+    app.exception_handler(OpenAIError)(_error_reply)
+    app.get("/health")(routes.health)
+    app.get("/metrics")(routes.metrics)
+    app.get("/v1/models")(routes.models)
+    app.post("/v1/chat/completions")(routes.chat_completions)
+    app.post("/v1/completions")(routes.completions)
     return app
 
 

@@ -13,7 +13,8 @@ import ray
 from ray.cluster_utils import Cluster
 
 from tandem.cluster import launcher
-from tandem.cluster.manifest import Manifest, load_manifest
+from tandem.cluster.manifest import Manifest
+from tandem.cluster.manifest_yaml import load_manifest
 
 MANIFESTS = Path(__file__).resolve().parents[2] / "deploy" / "manifests"
 QUESTIONS = ["What is the capital of France?", "Name three colors.", "Write a haiku about the sea.",

@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 
 from tandem.cluster.cli import main
-from tandem.cluster.manifest import ManifestInvalid, parse_bytes
+from tandem.cluster.manifest import parse_bytes
 from tandem.cluster.manifest_checks import validate_file
+from tandem.cluster.manifest_yaml import ManifestInvalid
 
 MANIFESTS = Path(__file__).resolve().parents[2] / "deploy" / "manifests"
 

@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from tandem.cluster.manifest import ApiKey, AuthSettings, ManifestInvalid, line_map, parse_manifest, read_yaml
+from tandem.cluster.manifest import ApiKey, AuthSettings
 from tandem.cluster.manifest_checks import check_manifest, validate_file
+from tandem.cluster.manifest_yaml import ManifestInvalid, line_map, parse_manifest, read_yaml
 from tandem.engine.prefix_cache import block_hashes
 from tandem.router.auth import Authenticator, Unauthenticated, cache_salt_for
 

@@ -1,0 +1,216 @@
+"""The bodies of OpenAI's /v1/chat/completions and /v1/completions as pydantic models (ChatCompletionRequest,
+CompletionRequest), and parse_body, which validates a decoded or raw JSON body into one of them or raises the
+OpenAIError (400) a client of OpenAI's API would get.
+
+Bodies take OpenAI's fields plus the vLLM extensions ignore_eos, top_k, min_p, repetition_penalty, stop_token_ids
+and priority, and tandem's session_id. Fields OpenAI defines that tandem cannot honour are refused ("X is not
+supported by tandem") unless they hold their default value; any other unknown field is refused with OpenAI's
+wording. Only types are checked here: numeric ranges are the server's to validate, like every sampling parameter.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, ClassVar, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic_core import PydanticCustomError
+
+from tandem.router.openai_errors import OpenAIError
+from tandem.router.request_parsing import CHAT_ROLES
+
+Int32 = Annotated[int, Field(ge=-2**31, le=2**31 - 1)]  # the proto's integer widths: larger values cannot be sent
+Int64 = Annotated[int, Field(ge=-2**63, le=2**63 - 1)]
+
+
+def _invalid(kind: str, message: str, **ctx) -> PydanticCustomError:
+    return PydanticCustomError(kind, "{message}", {"message": message, **ctx})
+
+
+class _Body(BaseModel):
+    """Strict JSON types (no "1" for 1, no NaN), unknown fields refused. UNSUPPORTED: the fields OpenAI defines
+    that tandem cannot honour, each with the values that ask for nothing (the defaults); they are dropped."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+    UNSUPPORTED: ClassVar[dict[str, tuple]] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        for name, defaults in cls.UNSUPPORTED.items():
+            if name in data and not any(data[name] == d and type(data[name]) is type(d) for d in defaults):
+                raise _invalid("unsupported", f"{name} is not supported by tandem", name=name)
+        return {k: v for k, v in data.items() if k not in cls.UNSUPPORTED}
+
+
+class StreamOptions(_Body):
+    include_usage: bool | None = None
+    include_obfuscation: bool | None = None  # accepted; tandem sends no obfuscation padding either way
+
+
+class ChatMessage(_Body):
+    """content: a string, or a list of {"type": "text", "text": ...} parts, joined with "\\n" (as vLLM does);
+    null only in assistant messages. name is accepted and has no effect."""
+
+    UNSUPPORTED = {"tool_calls": (None, []), "tool_call_id": (None,), "function_call": (None,), "audio": (None,),
+                   "refusal": (None,)}
+    role: str
+    content: str | None = Field(default=None, validate_default=True)
+    name: str | None = None
+
+    @field_validator("role")
+    @classmethod
+    def _known_role(cls, role: str) -> str:
+        if role not in CHAT_ROLES:
+            raise _invalid("role", f"{role!r} is not one of {', '.join(sorted(CHAT_ROLES))}")
+        return role
+
+    @field_validator("content", mode="plain")
+    @classmethod
+    def _content_text(cls, content: Any, info: ValidationInfo) -> str | None:
+        if content is None and info.data.get("role", "assistant") != "assistant":
+            raise _invalid("content", "required (it may be null only in assistant messages)")
+        if content is None or isinstance(content, str):
+            return content
+        if not isinstance(content, list):
+            raise _invalid("content", "must be a string or a list of content parts")
+        for j, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text":
+                raise _invalid("content", f"part {j} has type {kind!r}, which is not supported by tandem "
+                                          "(only 'text' parts are)")
+            if not isinstance(part.get("text"), str):
+                raise _invalid("content", f"part {j} has no string 'text'")
+        return "\n".join(part["text"] for part in content)
+
+
+class _Request(_Body):
+    """The fields both endpoints share. user is accepted and has no effect; priority: lower runs first."""
+
+    model: str
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    n: Int32 | None = None
+    max_tokens: Int32 | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: Int64 | None = None
+    stop: str | list[str] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    user: str | None = None
+    ignore_eos: bool | None = None
+    top_k: Int32 | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    stop_token_ids: list[Int32] | None = None
+    priority: Int32 | None = None
+    session_id: str | None = None
+
+    @field_validator("stop", mode="plain")
+    @classmethod
+    def _stop_strings(cls, stop: Any) -> str | list[str] | None:
+        if stop is None or isinstance(stop, str) or (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
+            return stop
+        raise _invalid("stop", "must be a string or a list of strings")
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self):
+        if self.stream_options is not None and not self.stream:
+            raise _invalid("combination", "The 'stream_options' parameter is only allowed when 'stream' is enabled.",
+                           param="stream_options")
+        return self
+
+    @property
+    def include_usage(self) -> bool:
+        """Whether a streamed reply ends with a usage chunk (stream_options.include_usage)."""
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
+class ChatCompletionRequest(_Request):
+    UNSUPPORTED = {"tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
+                   "function_call": (None, "none"), "parallel_tool_calls": (None, True),
+                   "response_format": (None, {"type": "text"}), "logit_bias": (None, {}), "audio": (None,),
+                   "modalities": (None, ["text"]), "prediction": (None,)}
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: Int32 | None = None  # wins over max_tokens
+    logprobs: bool | None = None
+    top_logprobs: Int32 | None = None
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self):
+        if self.top_logprobs is not None and not self.logprobs:
+            raise _invalid("combination", "top_logprobs requires logprobs to be true", param="top_logprobs")
+        return self
+
+
+class CompletionRequest(_Request):
+    """prompt: a string, a list of strings, a list of token ids, or a list of lists of token ids. logprobs: the
+    chosen token's logprob plus this many alternatives. best_of may only be 1 or n (tandem returns every sample)."""
+
+    UNSUPPORTED = {"logit_bias": (None, {}), "echo": (None, False), "suffix": (None, "")}
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: Int32 | None = None
+    best_of: Int32 | None = None
+
+    @model_validator(mode="after")
+    def _best_of_is_n(self):
+        if self.best_of not in (None, 1, self.n or 1):
+            raise _invalid("combination", "best_of is not supported by tandem (other than 1 or n)", param="best_of")
+        return self
+
+    @field_validator("prompt", mode="plain")
+    @classmethod
+    def _prompt_shape(cls, prompt: Any) -> str | list:
+        def token_ids(x: Any) -> bool:
+            return isinstance(x, list) and all(type(t) is int and 0 <= t < 2**31 for t in x)
+
+        if prompt == []:
+            raise _invalid("prompt", "must not be an empty list")
+        if isinstance(prompt, str) or token_ids(prompt) or (isinstance(prompt, list) and (
+                all(isinstance(p, str) for p in prompt) or all(token_ids(p) for p in prompt))):
+            return prompt
+        raise _invalid("prompt", "must be a string, a list of strings, a list of token ids (non-negative "
+                       "integers) or a list of lists of token ids")
+
+
+RequestBody = TypeVar("RequestBody", ChatCompletionRequest, CompletionRequest)
+
+
+def _path(loc: tuple) -> str:
+    path = ""
+    for part in loc:
+        path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
+    return path
+
+
+def _openai_error(e: ValidationError) -> OpenAIError:
+    err = sorted(e.errors(), key=lambda err: err["type"] != "extra_forbidden")[0]  # unknown fields first
+    path, ctx = _path(err["loc"]), err.get("ctx") or {}
+    if err["type"] == "extra_forbidden":
+        return OpenAIError(400, f"Unrecognized request argument supplied: {path}", param=path)
+    if err["type"] == "unsupported":
+        param = f"{path}.{ctx['name']}" if path else ctx["name"]
+        return OpenAIError(400, f"{param} is not supported by tandem", param=param)
+    if err["type"] == "combination":
+        return OpenAIError(400, err["msg"], param=ctx["param"])
+    return OpenAIError(400, f"{path}: {err['msg']}" if path else err["msg"], param=path or None)
+
+
+def parse_body(model_cls: type[RequestBody], data: Any) -> RequestBody:
+    """data: the decoded JSON body, or the raw body as bytes. Raises OpenAIError (400, invalid_request_error) when
+    it is not a JSON object or any field is unknown, unsupported or of the wrong type; param names the first bad
+    field (e.g. "messages[1].content")."""
+    if isinstance(data, (bytes, bytearray)):
+        try:
+            data = json.loads(data)
+        except ValueError:
+            raise OpenAIError(400, "the request body is not valid JSON") from None
+    if not isinstance(data, dict):
+        raise OpenAIError(400, "the request body must be a JSON object")
+    try:
+        return model_cls.model_validate(data)
+    except ValidationError as e:
+        raise _openai_error(e) from None
