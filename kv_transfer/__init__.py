@@ -7,6 +7,7 @@
 - agent.py: one per rank, beside its KV store: sends as layers are computed, receives, verifies, writes;
   rank_transfer.py: what it tracks of each transfer.
 - agent_factory.py: builds a rank's agent inside the rank's process (LLMEngine(kv_agent=...)).
+- replica_agents.py: the typed facade the driver calls every rank's agent through (expect, arm, poll, abort, release).
 - connector.py: the per-request state machines of a replica (decode: reserve/admit; prefill: submit) and
   the disaggregated lifecycle, step by step.
 """

@@ -1,7 +1,7 @@
 """The per-request transfer state machines of a replica, on the decode and on the prefill side.
 
 They live where the replica's scheduler lives (the engine's driver) and reach the replica's ranks' agents
-through LLMEngine.call_kv_agents; nothing here blocks on the network, and poll() is meant to be called between
+through ReplicaAgents (replica_agents.py); nothing here blocks on the network, and poll() is meant to be called between
 engine steps. One request, disaggregated:
 
   1. decode:  DecodeConnector.reserve() holds blocks for the prompt (engine.reserve_for_transfer), registers
@@ -31,10 +31,11 @@ from typing import Callable, Sequence
 
 from tandem.engine.llm_engine import LLMEngine
 from tandem.engine.output_processor import RequestOutput
-from tandem.engine.sampler import SampledToken
+from tandem.engine.sampled_token import SampledToken
 from tandem.engine.sampling_params import SamplingParams
 from tandem.kv_transfer.config import TransferConfig
 from tandem.kv_transfer.descriptor import KVFormat, RankStatus, TransferDescriptor, TransferState
+from tandem.kv_transfer.replica_agents import ReplicaAgents
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,7 @@ class _Entry:
 class _Connector:
     def __init__(self, engine: LLMEngine, clock: Callable[[], float]):
         self.engine = engine
+        self.agents = ReplicaAgents(engine)
         self.clock = clock
         self.ranks = range(engine.layout.world_size)
         self._entries: dict[str, _Entry] = {}
@@ -87,15 +89,12 @@ class _Connector:
         """Requests whose transfer has not ended (or, on the decode side, ended DONE and is not admitted yet)."""
         return len(self._entries)
 
-    def _call(self, method: str, *args) -> dict:
-        return self.engine.call_kv_agents(method, {rank: args for rank in self.ranks})
-
     def poll(self) -> list[TransferEvent]:
         """State changes since the last poll. Cleans up transfers that ended badly (see the module docstring)."""
         if not self._entries:
             return []
         ids = [e.transfer_id for e in self._entries.values()]
-        by_rank = self._call("poll", ids)
+        by_rank = self.agents.poll(ids)
         events, now = [], self.clock()
         for request_id, entry in list(self._entries.items()):
             state, error = combine([by_rank[r].get(entry.transfer_id) for r in self.ranks])
@@ -103,14 +102,14 @@ class _Connector:
             if not state.terminal or (state is TransferState.DONE and not self._release_when_done):
                 if now > entry.deadline:
                     state, error = TransferState.EXPIRED, f"the lease ran out with the transfer {state.value}"
-                    self._call("abort", entry.transfer_id, error, True)
+                    self.agents.abort(entry.transfer_id, error, expired=True)
             if state is not entry.state:
                 entry.state = state
                 events.append(TransferEvent(request_id, state, error))
             if state.terminal and state is not TransferState.DONE:
                 self._end(request_id, error or state.value)
             elif state is TransferState.DONE and self._release_when_done:
-                self._call("release", self._entries.pop(request_id).transfer_id)
+                self.agents.release(self._entries.pop(request_id).transfer_id)
         return events
 
     _release_when_done = False
@@ -119,12 +118,12 @@ class _Connector:
         """Ends the request's transfer on every rank (ABORTED; the peer side learns it) and drops the request
         from this engine, freeing its blocks. No-op for an unknown request."""
         if request_id in self._entries:
-            self._call("abort", self._entries[request_id].transfer_id, reason)
+            self.agents.abort(self._entries[request_id].transfer_id, reason)
             self._end(request_id, reason)
 
     def _end(self, request_id: str, reason: str) -> None:
         entry = self._entries.pop(request_id)
-        self._call("release", entry.transfer_id)  # aborts first where it still runs: no more writes after this
+        self.agents.release(entry.transfer_id)  # aborts first where it still runs: no more writes after this
         self.engine.abort_request(request_id)
 
     def _new_transfer_id(self, request_id: str) -> str:
@@ -137,8 +136,7 @@ class DecodeConnector(_Connector):
         """engine must have been built with kv_agent=AgentFactory(...)."""
         super().__init__(engine, clock)
         self.config = config
-        found = self._call("listen_address")
-        self.addresses = tuple(found[rank] for rank in self.ranks)
+        self.addresses = self.agents.listen_addresses()
         spec = engine.kv_cache_spec
         self.kv_format = KVFormat(spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.block_size,
                                   str(spec.dtype).removeprefix("torch."))
@@ -156,16 +154,16 @@ class DecodeConnector(_Connector):
         transfer_id = self._new_transfer_id(request_id)
         deadline = self.clock() + (lease_s if lease_s is not None else self.config.lease_s)
         try:
-            self._call("expect", transfer_id, blocks, deadline)
+            self.agents.expect(transfer_id, blocks, deadline)
         except BaseException:
-            self._call("release", transfer_id)
+            self.agents.release(transfer_id)
             self.engine.abort_request(request_id)
             raise
         self._entries[request_id] = _Entry(transfer_id, deadline)
         return TransferDescriptor(transfer_id, self.engine.layout, self.addresses, blocks, len(prompt_token_ids),
                                   self.kv_format, deadline)
 
-    def admit(self, request_id: str, first_token) -> list[RequestOutput]:
+    def admit(self, request_id: str, first_token: SampledToken) -> list[RequestOutput]:
         """Starts a request whose KV has arrived (state DONE, as poll reported) with first_token, the prefill
         side's SampledToken. Returns that token's output. Raises ValueError in any other state."""
         entry = self._entries.get(request_id)
@@ -173,7 +171,7 @@ class DecodeConnector(_Connector):
             state = entry.state.value if entry else "unknown"
             raise ValueError(f"request {request_id!r} cannot be admitted: its KV transfer is {state}, not done")
         del self._entries[request_id]
-        self._call("release", entry.transfer_id)
+        self.agents.release(entry.transfer_id)
         return self.engine.admit_transferred(request_id, first_token)
 
 
@@ -188,12 +186,12 @@ class PrefillConnector(_Connector):
         as it is computed. Raises ValueError (bad request, KV formats differ, layouts of different models)."""
         if len(prompt_token_ids) != descriptor.num_tokens:
             raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens, the descriptor {descriptor.num_tokens}")
-        self._call("arm", descriptor, f"{request_id}#0")
+        self.agents.arm(descriptor, f"{request_id}#0")
         try:
             self.engine.add_request(request_id, prompt_token_ids, dataclasses.replace(params, max_tokens=1),
                                     priority=priority, cache_salt=cache_salt)
         except BaseException:
-            self._call("release", descriptor.transfer_id)
+            self.agents.release(descriptor.transfer_id)
             raise
         self._entries[request_id] = _Entry(descriptor.transfer_id, descriptor.deadline)
 

@@ -13,22 +13,11 @@ from dataclasses import dataclass
 from typing import Callable
 
 from tandem.engine.async_engine import AsyncEngine
-from tandem.engine.errors import TandemError
 from tandem.kv_transfer.connector import DecodeConnector, PrefillConnector, TransferEvent
 from tandem.kv_transfer.descriptor import TransferState
 
 OUTCOME_TTL_S = 300.0  # an outcome nobody came for (its router went away) is forgotten after this long
 
-
-class TransferFailedError(TandemError, RuntimeError):
-    """A request's KV transfer ended FAILED, EXPIRED or ABORTED; its blocks are free on this side."""
-
-    def __init__(self, request_id: str, state: TransferState, error: str | None):
-        self.request_id, self.state, self.error = request_id, state, error
-        super().__init__(f"KV transfer of request {request_id!r} {state.value}: {error or 'no detail'}")
-
-    def __reduce__(self):  # crosses process boundaries (Ray) with its fields
-        return type(self), (self.request_id, self.state, self.error)
 
 
 @dataclass

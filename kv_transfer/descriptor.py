@@ -1,11 +1,13 @@
-"""The types both sides of a transfer share: its states, the KV format, and the descriptor the decode side
-hands out when it reserves blocks (the prefill side pushes into it)."""
+"""The types both sides of a transfer share: its states, the KV format, the descriptor the decode side hands out
+when it reserves blocks (the prefill side pushes into it), and the error a replica raises when a transfer ends
+badly. Plain Python: the router imports these without the model runtime."""
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
 
+from tandem.engine.errors import TandemError
 from tandem.engine.parallel.layout import ReplicaLayout
 
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -77,3 +79,15 @@ class RankStatus:
     state: TransferState
     nbytes: int = 0
     error: str | None = None
+
+
+class TransferFailedError(TandemError, RuntimeError):
+    """A request's KV transfer ended FAILED, EXPIRED or ABORTED; its blocks are free on the side that raised it.
+    Raised by PrefillReplicaAPI.prefill and DecodeReplicaAPI.decode (replica/contract.py)."""
+
+    def __init__(self, request_id: str, state: TransferState, error: str | None):
+        self.request_id, self.state, self.error = request_id, state, error
+        super().__init__(f"KV transfer of request {request_id!r} {state.value}: {error or 'no detail'}")
+
+    def __reduce__(self):  # crosses process boundaries (Ray) with its fields
+        return type(self), (self.request_id, self.state, self.error)

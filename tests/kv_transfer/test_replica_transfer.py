@@ -17,6 +17,7 @@ from tandem.kv_transfer.agent_factory import AgentFactory
 from tandem.kv_transfer.config import TransferConfig
 from tandem.kv_transfer.connector import DecodeConnector, PrefillConnector, first_token_of
 from tandem.kv_transfer.descriptor import TransferState
+from tandem.kv_transfer.replica_agents import ReplicaAgents
 from tests.engine.tiny_models import write_tiny_model
 from tests.kv_transfer.kv_helpers import wait_until
 
@@ -55,7 +56,7 @@ def whole_kv(engine: LLMEngine, transfer_blocks: dict[int, tuple[int, ...]]) -> 
     """The replica's KV of the given blocks (per rank: the blocks that rank read or wrote), assembled from
     every rank's share into [layers, 2, blocks, KV heads, block_size, head_dim]."""
     layout, spec = engine.layout, engine.kv_cache_spec
-    shares = engine.call_kv_agents("read_kv", {r: (blocks,) for r, blocks in transfer_blocks.items()})
+    shares = ReplicaAgents(engine).read_kv(transfer_blocks)
     nb = len(next(iter(transfer_blocks.values())))
     out = np.full((layout.num_layers, 2, nb, layout.num_kv_heads, spec.block_size, spec.head_dim), np.nan,
                   dtype=np.float32)
@@ -88,8 +89,7 @@ def test_prefill_and_decode_replicas_of_different_layouts(models, embedded, mode
         while prefill.has_unfinished_requests():
             for out in prefill.step():
                 first[out.request_id] = first_token_of(out)
-        sources = {i: prefill.call_kv_agents("source_blocks", {r: (d.transfer_id,) for r in range(
-            prefill.layout.world_size)}) for i, d in enumerate(descs)}
+        sources = {i: pc.agents.source_blocks(d.transfer_id) for i, d in enumerate(descs)}
 
         def all_done():
             pc.poll()
