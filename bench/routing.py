@@ -2,7 +2,7 @@
 
 Part 1, policies. The router's real request driver, routing, prefix index and KV feed (polling every 50 ms, as
 in a cluster) drive --prefill 4 prefill replicas and 4 decode replicas of the mock engine
-(tests/router/fake_replicas.py). A mock prefill replica computes one prompt at a time and takes
+(router/mock_replicas.py). A mock prefill replica computes one prompt at a time and takes
 --prefill-us microseconds per uncached prompt token; its prefix cache holds --cache-blocks blocks (LRU, the
 engine's hashing, real KV events). By default the per-token cost is measured first on the real embedded model in
 this process (one prefill of a --system-tokens-long prompt, 2 torch threads), so the simulated replicas
@@ -29,16 +29,13 @@ import json
 import random
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.router.fake_replicas
-
-from tandem.engine.sampling_params import SamplingParams  # noqa: E402
-from tandem.router.lifecycle import DriverSettings, Replica, RequestDriver  # noqa: E402
-from tandem.router.policy import ReplicaLoad, RoutingWeights  # noqa: E402
-from tandem.router.request_parsing import ParsedRequest  # noqa: E402
-from tandem.router.routing import Routing, RoutingSettings  # noqa: E402
-from tests.router.fake_replicas import FakeDecode, FakeHandle, FakePrefill  # noqa: E402
+from tandem.engine.sampling_params import SamplingParams
+from tandem.router.lifecycle import DriverSettings, Replica, RequestDriver
+from tandem.router.mock_replicas import MockDecode, MockPrefill
+from tandem.router.policy import ReplicaLoad, RoutingWeights
+from tandem.router.request_parsing import ParsedRequest
+from tandem.router.routing import Routing, RoutingSettings
 
 POLICIES = ("cache_aware", "least_loaded", "round_robin")
 
@@ -87,11 +84,11 @@ def workload(args) -> list[tuple[int, tuple[int, ...]]]:
 
 
 async def run_policy(policy: str, requests, args, per_token_s: float) -> dict:
-    prefill = [FakePrefill(f"prefill-{i}", per_token_s=per_token_s, blocks=args.cache_blocks)
+    prefill = [MockPrefill(f"prefill-{i}", per_token_s=per_token_s, blocks=args.cache_blocks)
                for i in range(args.prefill)]
-    decode = [FakeDecode(f"decode-{i}", step_s=args.decode_ms / 1000) for i in range(args.prefill)]
-    driver = RequestDriver([Replica(p.name, "prefill", FakeHandle(p)) for p in prefill],
-                           [Replica(d.name, "decode", FakeHandle(d)) for d in decode],
+    decode = [MockDecode(f"decode-{i}", step_s=args.decode_ms / 1000) for i in range(args.prefill)]
+    driver = RequestDriver([Replica(p.name, "prefill", p) for p in prefill],
+                           [Replica(d.name, "decode", d) for d in decode],
                            DriverSettings(routing=RoutingSettings(policy=policy, weights=weights(args))),
                            block_size=16)
     feed = asyncio.create_task(driver.feed.run(driver.replicas, 0.05))

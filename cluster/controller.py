@@ -11,15 +11,20 @@ log() for the launcher to print.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
+from dataclasses import dataclass
+from typing import Any
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from tandem.cluster.manifest import Manifest
-from tandem.cluster.replica_specs import ReplicaPlan, absolute_model, replica_plans, transfer_config
+from tandem.cluster.replica_plans import ReplicaPlan, absolute_model, replica_plans, transfer_config
+from tandem.replica.contract import DecodeReplicaAPI, PrefillReplicaAPI, ReadyReplica, ReplicaInfo
+from tandem.replica.remote import remote_replica
 from tandem.router.lifecycle import DriverSettings
 from tandem.router.policy import RoutingWeights
 from tandem.router.routing import RoutingSettings
@@ -44,6 +49,26 @@ def controller_name(cluster_name: str) -> str:
     return f"{cluster_name}-controller"
 
 
+@dataclass
+class ReplicaEntry:
+    """One replica the controller started: its plan, placement group, Ray actor (None while placing) and the
+    typed view of that actor (replica/remote.py), and its info once ready."""
+
+    plan: ReplicaPlan
+    pg: Any  # ray.util.placement_group.PlacementGroup
+    actor: Any = None  # the replica's Ray actor handle
+    api: PrefillReplicaAPI | DecodeReplicaAPI | None = None
+    info: ReplicaInfo | None = None
+
+    @property
+    def name(self) -> str:
+        return self.plan.name
+
+    @property
+    def pool(self) -> str:
+        return self.plan.pool
+
+
 class Controller:
     def __init__(self, manifest: Manifest, *, placement_timeout_s: float = 120.0, ready_timeout_s: float = 600.0,
                  started_ray: bool = False):
@@ -51,7 +76,7 @@ class Controller:
         self.placement_timeout_s = placement_timeout_s
         self.ready_timeout_s = ready_timeout_s
         self.started_ray = started_ray  # `tandem down` stops the local Ray it started
-        self.replicas: list[dict] = []  # {name, pool, handle, pg, info}
+        self.replicas: list[ReplicaEntry] = []
         self.router = None
         self.endpoint: str | None = None
         self.http_endpoint: str | None = None
@@ -91,8 +116,7 @@ class Controller:
 
     async def _place(self, plan: ReplicaPlan) -> None:
         pg = placement_group(list(plan.bundles), strategy="STRICT_PACK", name=f"{self.manifest.name}-{plan.name}")
-        entry = {"name": plan.name, "pool": plan.pool, "plan": plan, "pg": pg, "handle": None, "info": {}}
-        self.replicas.append(entry)
+        self.replicas.append(ReplicaEntry(plan, pg))
         self._say(f"{plan.name}: placing {len(plan.bundles)} rank(s) x {plan.bundles[0]} on one node")
         try:
             await asyncio.wait_for(pg.ready(), self.placement_timeout_s)
@@ -102,28 +126,28 @@ class Controller:
                 f"within {self.placement_timeout_s:g} s; the cluster has {ray.available_resources()} available. "
                 f"Add nodes with these resources or lower pools.{plan.pool}.resources") from None
 
-    async def _start_replica(self, entry: dict) -> None:
+    async def _start_replica(self, entry: ReplicaEntry) -> None:
         from tandem.decode_worker.replica import DecodeReplica
         from tandem.prefill_worker.replica import PrefillReplica
 
-        plan: ReplicaPlan = entry["plan"]
+        plan = entry.plan
         colocated = self.manifest.mode == "colocated"
         cls = PrefillReplica if plan.pool == "prefill" else DecodeReplica
         transfer = None if colocated else transfer_config(self.manifest)
-        strategy = PlacementGroupSchedulingStrategy(entry["pg"], placement_group_bundle_index=0)
+        strategy = PlacementGroupSchedulingStrategy(entry.pg, placement_group_bundle_index=0)
         actor = ray.remote(cls).options(
             name=f"{self.manifest.name}-{plan.name}", namespace=self.manifest.ray.namespace, num_cpus=0,
             max_concurrency=1000, scheduling_strategy=strategy,
         ).remote(plan.name, plan.spec, transfer)
-        entry["handle"] = actor
+        entry.actor, entry.api = actor, remote_replica(plan.pool, actor)
         try:
-            entry["info"] = await asyncio.wait_for(actor.ready.remote(), self.ready_timeout_s)
+            entry.info = await asyncio.wait_for(entry.api.ready(), self.ready_timeout_s)
         except asyncio.TimeoutError:
             raise RuntimeError(f"{plan.name} did not become ready within {self.ready_timeout_s:g} s") from None
         except ray.exceptions.RayActorError as e:
             raise RuntimeError(f"{plan.name} failed to start: {_cause(e)}") from None
-        self._say(f"{plan.name} ready on node {entry['info']['node']}: {entry['info']['kv_blocks_total']} KV blocks; "
-                  + "; ".join(entry["info"]["layout"]))
+        self._say(f"{plan.name} ready on node {entry.info.node}: {entry.info.kv_blocks_total} KV blocks; "
+                  + "; ".join(entry.info.layout))
 
     async def _start_router(self) -> None:
         from tandem.router.router_actor import RouterActor
@@ -135,11 +159,10 @@ class Controller:
             max_concurrency=10000,  # on the controller's node, which is the node `tandem up` ran on
             scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False),
         ).remote(absolute_model(self.manifest), settings)
-        handles = [{"name": r["name"], "pool": r["pool"], "handle": r["handle"], "info": r["info"]}
-                   for r in self.replicas]
+        ready = [ReadyReplica(r.name, r.pool, r.api, r.info) for r in self.replicas]
         listen = self.manifest.listen
         try:
-            endpoints = await self.router.start.remote(handles, listen.grpc, listen.http,
+            endpoints = await self.router.start.remote(ready, listen.grpc, listen.http,
                                                        self.manifest.auth.resolve() or None)
         except ray.exceptions.RayError as e:
             raise RuntimeError(f"the router failed to start: {_cause(e)}") from None
@@ -157,7 +180,7 @@ class Controller:
         router = {"state": "absent"}
         if self.router is not None:
             try:
-                router = await asyncio.wait_for(self.router.stats.remote(), STATS_TIMEOUT_S)
+                router = dataclasses.asdict(await asyncio.wait_for(self.router.stats.remote(), STATS_TIMEOUT_S))
             except (asyncio.TimeoutError, ray.exceptions.RayError) as e:
                 router = {"state": "unreachable", "error": str(_cause(e))}
         pools = {}
@@ -170,22 +193,23 @@ class Controller:
                 "pools": pools,
                 "replicas": replicas, "router": router}
 
-    async def _replica_status(self, entry: dict) -> dict:
-        base = {"name": entry["name"], "pool": entry["pool"], "node": entry["info"].get("node"),
-                "node_id": entry["info"].get("node_id"),
-                "ranks": entry["info"].get("layout", [])}
-        if entry["handle"] is None:
+    async def _replica_status(self, entry: ReplicaEntry) -> dict:
+        info = entry.info
+        base = {"name": entry.name, "pool": entry.pool, "node": info.node if info else None,
+                "node_id": info.node_id if info else None, "ranks": list(info.layout) if info else []}
+        if entry.api is None:
             return base | {"state": "placing"}
         try:
-            stats = await asyncio.wait_for(entry["handle"].stats.remote(), STATS_TIMEOUT_S)
+            stats = await asyncio.wait_for(entry.api.stats(), STATS_TIMEOUT_S)
         except asyncio.TimeoutError:
             return base | {"state": "unresponsive"}
         except ray.exceptions.RayError as e:
             return base | {"state": "dead", "error": str(_cause(e))}
-        return base | stats
+        return base | dataclasses.asdict(stats)
 
-    async def replica_handles(self) -> dict:
-        return {r["name"]: r["handle"] for r in self.replicas}
+    async def replica_handles(self) -> dict[str, Any]:
+        """Each replica's Ray actor handle by name (for tests and operators' scripts)."""
+        return {r.name: r.actor for r in self.replicas}
 
     # -- stop ------------------------------------------------------------------------------------------
 
@@ -200,15 +224,15 @@ class Controller:
                 _log.warning("router stop: %r", e)
             ray.kill(self.router)
             self.router = None
-        async def stop(entry: dict) -> None:
-            if entry["handle"] is not None:
+        async def stop(entry: ReplicaEntry) -> None:
+            if entry.actor is not None:
                 try:
-                    await asyncio.wait_for(entry["handle"].shutdown.remote(), 30)
+                    await asyncio.wait_for(entry.api.shutdown(), 30)
                 except Exception as e:
-                    _log.warning("%s shutdown: %r", entry["name"], e)
-                ray.kill(entry["handle"])
-                entry["handle"] = None
-            remove_placement_group(entry["pg"])
+                    _log.warning("%s shutdown: %r", entry.name, e)
+                ray.kill(entry.actor)
+                entry.actor = entry.api = None
+            remove_placement_group(entry.pg)
         await asyncio.gather(*(stop(r) for r in self.replicas))
         self.replicas = []
         self.state = "stopped"

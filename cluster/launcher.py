@@ -18,7 +18,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from tandem.cluster.controller import Controller, controller_name
 from tandem.cluster.manifest import Manifest
-from tandem.cluster.replica_specs import resources_needed
+from tandem.cluster.replica_plans import resources_needed
 
 
 class ClusterNotFound(RuntimeError):

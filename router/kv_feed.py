@@ -1,5 +1,5 @@
-"""Keeps the router's prefix indexes and load counters fed: polls every replica's kv_events() (its KV event log
-and last load counters) and applies the answers.
+"""Keeps the router's prefix indexes and load counters fed: polls every replica's kv_events()
+(ReplicaAPI.kv_events: its KV event log and free KV blocks) and applies the answers.
 
 Each replica has a cursor: the epoch of its event log and the sequence number expected next. An answer whose
 batch does not start at the cursor is a gap (a lost answer, a log that moved on): the cursor is cleared and the
@@ -18,11 +18,15 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 from tandem.engine.kv_events import KVEventBatch, KVSnapshot
+from tandem.replica.contract import KVEventsReply
 from tandem.router.kv_index import PrefixIndex
 from tandem.router.policy import ReplicaLoad
+
+if TYPE_CHECKING:  # lifecycle.py imports this module
+    from tandem.router.lifecycle import Replica
 
 _log = logging.getLogger(__name__)
 
@@ -55,10 +59,10 @@ class KVFeed:
         self.cursors: dict[str, FeedCursor] = {}
         self.counters = FeedCounters()
 
-    def apply(self, pool: str, load: ReplicaLoad, reply: dict) -> None:
+    def apply(self, pool: str, load: ReplicaLoad, reply: KVEventsReply) -> None:
         """Applies one kv_events() answer from the replica whose load record is `load`."""
         cursor = self.cursors.setdefault(load.name, FeedCursor())
-        batch = reply["events"]
+        batch = reply.events
         index = self.indexes[pool]
         if isinstance(batch, KVSnapshot):
             index.apply_snapshot(load.name, batch.block_hashes)
@@ -76,36 +80,38 @@ class KVFeed:
                 self.counters.batches += 1
                 self.counters.events += len(batch.events)
                 cursor.quiet = cursor.quiet + 1 if not batch.events else 0
-        load.kv_blocks_free = (reply.get("load") or {}).get("kv_blocks_free", load.kv_blocks_free)
+        else:
+            raise TypeError(f"replica {load.name} answered kv_events with a {type(batch).__name__}")
+        load.kv_blocks_free = reply.kv_blocks_free
 
     def forget(self, name: str) -> None:
         self.cursors.pop(name, None)
 
-    async def poll(self, replicas: Iterable[tuple[str, ReplicaLoad, Any]], interval_s: float = 0.0) -> None:
-        """One round: asks every (pool, load, handle) for its events concurrently and applies the answers; a
-        quiet replica is skipped until its backoff (in units of interval_s) has passed."""
+    async def poll(self, replicas: Iterable[Replica], interval_s: float = 0.0) -> None:
+        """One round: asks every replica for its events concurrently and applies the answers; a quiet replica is
+        skipped until its backoff (in units of interval_s) has passed."""
         now = self.clock()
         due = []
-        for pool, load, handle in replicas:
-            cursor = self.cursors.setdefault(load.name, FeedCursor())
-            if load.in_flight or now >= cursor.next_poll:
+        for replica in replicas:
+            cursor = self.cursors.setdefault(replica.name, FeedCursor())
+            if replica.load.in_flight or now >= cursor.next_poll:
                 cursor.next_poll = now + interval_s * min(2 ** cursor.quiet, MAX_BACKOFF)
-                due.append((pool, load, handle))
+                due.append(replica)
 
-        async def ask(pool: str, load: ReplicaLoad, handle: Any) -> None:
-            cursor = self.cursors[load.name]
+        async def ask(replica: Replica) -> None:
+            cursor = self.cursors[replica.name]
             try:
-                reply = await handle.kv_events.remote(cursor.epoch, cursor.next_seq)
+                reply = await replica.api.kv_events(cursor.epoch, cursor.next_seq)
             except Exception as e:  # a dead replica is noticed by the requests it serves
                 self.counters.poll_failures += 1
-                _log.debug("kv_events of %s failed: %r", load.name, e)
+                _log.debug("kv_events of %s failed: %r", replica.name, e)
                 return
-            self.apply(pool, load, reply)
+            self.apply(replica.pool, replica.load, reply)
 
-        await asyncio.gather(*(ask(*r) for r in due))
+        await asyncio.gather(*(ask(r) for r in due))
 
-    async def run(self, replicas: Callable[[], Iterable[tuple[str, ReplicaLoad, Any]]], interval_s: float) -> None:
-        """Polls every interval_s until cancelled. replicas() gives the current (pool, load, handle) triples."""
+    async def run(self, replicas: Callable[[], Iterable[Replica]], interval_s: float) -> None:
+        """Polls every interval_s until cancelled. replicas() gives the replicas routed to now."""
         while True:
             try:
                 await self.poll(replicas(), interval_s)

@@ -20,7 +20,11 @@
 
 Colocated mode, n > 1, conditional disaggregation and that fallback take the local path (L): one decode
 replica's generate() prefills and decodes, streaming the same way. Every call carries the tenant's cache salt.
-The KV feed (kv_feed.py) polls every replica's KV events and load beside all this, off the request path."""
+The KV feed (kv_feed.py) polls every replica's KV events and load beside all this, off the request path.
+
+Each step is one call on a replica's contract (replica/contract.py): step 1 DecodeReplicaAPI.reserve, step 2
+PrefillReplicaAPI.prefill, step 3 DecodeReplicaAPI.decode, step L DecodeReplicaAPI.generate, step 4
+ReplicaAPI.abort. In a cluster replica/remote.py makes each a Ray call; in tests router/mock_replicas.py answers."""
 
 from __future__ import annotations
 
@@ -29,10 +33,11 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import AsyncIterator, Awaitable, Generic, TypeVar
 
 from tandem.engine.output_processor import RequestOutput
-from tandem.kv_transfer.connector_loop import TransferFailedError
+from tandem.kv_transfer.descriptor import TransferDescriptor, TransferFailedError
+from tandem.replica.contract import DecodeReplicaAPI, PrefillReplicaAPI, ReplicaInfo
 from tandem.router.kv_feed import KVFeed
 from tandem.router.policy import ReplicaLoad
 from tandem.router.request_parsing import ParsedRequest
@@ -40,6 +45,8 @@ from tandem.router.routing import PREFILL_POOL, RoutePlan, Routing, RoutingSetti
 
 _log = logging.getLogger(__name__)
 RETRY_INTERVAL_S = 0.02
+API = TypeVar("API", PrefillReplicaAPI, DecodeReplicaAPI)
+T = TypeVar("T")
 
 
 class NoCapacityError(RuntimeError):
@@ -58,19 +65,20 @@ def is_replica_death(error: BaseException) -> bool:
     """Whether error says the replica's actor is gone (Ray's RayActorError and its subclasses)."""
     try:
         from ray.exceptions import RayActorError
-    except ImportError:  # the driver also runs over mock handles without Ray
+    except ImportError:  # the driver also runs over mock replicas without Ray
         return False
     return isinstance(error, RayActorError)
 
 
 @dataclass
-class Replica:
-    """A replica as the router sees it: its Ray actor handle, static info, and the router's load counters."""
+class Replica(Generic[API]):
+    """A replica as the router sees it: the contract it answers (PrefillReplicaAPI or DecodeReplicaAPI), its
+    static info (None: not known, e.g. a test's mock), and the router's load counters for it."""
 
     name: str
     pool: str
-    handle: Any
-    info: dict = field(default_factory=dict)
+    api: API
+    info: ReplicaInfo | None = None
     load: ReplicaLoad = None
 
     def __post_init__(self) -> None:
@@ -100,14 +108,14 @@ class Progress:
 
 
 class RequestDriver:
-    def __init__(self, prefill: list[Replica], decode: list[Replica], settings: DriverSettings, *,
-                 block_size: int | None = None):
+    def __init__(self, prefill: list[Replica[PrefillReplicaAPI]], decode: list[Replica[DecodeReplicaAPI]],
+                 settings: DriverSettings, *, block_size: int | None = None):
         """block_size: the replicas' KV block size in tokens (None: read from their info, else 16)."""
         self.prefill = prefill
         self.decode = decode
         self.settings = settings
         if block_size is None:
-            block_size = next((r.info["block_size"] for r in prefill + decode if "block_size" in r.info), 16)
+            block_size = next((r.info.block_size for r in prefill + decode if r.info is not None), 16)
         self.routing = Routing(settings.routing, block_size)
         self.feed = KVFeed(self.routing.indexes)
         self.num_queued = 0
@@ -119,9 +127,9 @@ class RequestDriver:
         """Requests whose transfer failed and that the decode replica prefilled instead."""
         return self.routing.decisions[("decode_replica", "transfer_failed")]
 
-    def replicas(self) -> list[tuple[str, ReplicaLoad, Any]]:
-        """(pool, load, handle) of every replica routed to (what the KV feed polls)."""
-        return [(r.pool, r.load, r.handle) for r in self.prefill + self.decode]
+    def replicas(self) -> list[Replica]:
+        """Every replica routed to (what the KV feed polls)."""
+        return self.prefill + self.decode
 
     def remove(self, name: str) -> bool:
         """Stops routing to a replica (dead, or leaving its pool) and forgets what the index held for it.
@@ -141,7 +149,10 @@ class RequestDriver:
         self._replicas[replica.name] = replica
         (self.prefill if replica.pool == "prefill" else self.decode).append(replica)
 
-    def _replica(self, load: ReplicaLoad) -> Replica:
+    def _prefill(self, load: ReplicaLoad) -> Replica[PrefillReplicaAPI]:
+        return self._replicas[load.name]
+
+    def _decode(self, load: ReplicaLoad) -> Replica[DecodeReplicaAPI]:
         return self._replicas[load.name]
 
     async def run(self, request: ParsedRequest) -> AsyncIterator[Progress]:
@@ -156,7 +167,7 @@ class RequestDriver:
         touched: list[tuple[Replica, str]] = []  # (replica, the request's id there)
         try:
             if plan.prefill is None:
-                replica = self._replica(next(plan.decode))
+                replica = self._decode(next(plan.decode))
                 self.routing.record(plan, prefill=None, decode=replica.name, session=request.session_id)
                 async for progress in self._local(request, replica, plan.reason, touched):
                     yield progress
@@ -168,25 +179,26 @@ class RequestDriver:
                 replica.load.in_flight -= 1
             await asyncio.shield(self._abort_everywhere(request.request_id, touched))
 
-    async def _call(self, replica: Replica, ref):
+    async def _call(self, replica: Replica, call: Awaitable[T]) -> T:
         """Awaits a call on replica; if the replica died, stops routing to it and raises ReplicaLostError."""
         try:
-            return await ref
+            return await call
         except Exception as e:
             self._check_death(replica, e)
             raise
 
-    async def _items(self, replica: Replica, stream) -> AsyncIterator[list[RequestOutput]]:
+    async def _items(self, replica: Replica, stream: AsyncIterator[list[RequestOutput]]
+                     ) -> AsyncIterator[list[RequestOutput]]:
         """The items of a streaming call on replica, with the replica's death handled as in _call."""
         while True:
             try:
-                ref = await stream.__anext__()
+                item = await stream.__anext__()
             except StopAsyncIteration:
                 return
             except Exception as e:
                 self._check_death(replica, e)
                 raise
-            yield await self._call(replica, ref)
+            yield item
 
     def _check_death(self, replica: Replica, error: Exception) -> None:
         if not is_replica_death(error):
@@ -198,12 +210,10 @@ class RequestDriver:
 
     async def _abort_everywhere(self, request_id: str, touched: list[tuple[Replica, str]]) -> None:
         """Tells every replica the request touched to drop it (a no-op where it finished)."""
-        calls = [(replica, replica.handle.abort.remote(rid)) for replica, rid in touched]
-        for replica, call in calls:
-            try:
-                await call
-            except Exception as e:  # a dead replica holds nothing any more
-                _log.warning("abort of %s on %s failed: %r", request_id, replica.name, e)
+        results = await asyncio.gather(*(replica.api.abort(rid) for replica, rid in touched), return_exceptions=True)
+        for (replica, _), result in zip(touched, results):
+            if isinstance(result, BaseException):  # a dead replica holds nothing any more
+                _log.warning("abort of %s on %s failed: %r", request_id, replica.name, result)
 
     @staticmethod
     def _use(replica: Replica, request_id: str, touched: list[tuple[Replica, str]]) -> None:
@@ -211,15 +221,16 @@ class RequestDriver:
         touched.append((replica, request_id))
 
     async def _reserve(self, request: ParsedRequest, plan: RoutePlan,
-                       touched: list[tuple[Replica, str]]) -> tuple[Replica, Any, float]:
+                       touched: list[tuple[Replica, str]]
+                       ) -> tuple[Replica[DecodeReplicaAPI], TransferDescriptor, float]:
         start = time.monotonic()
         queued = False
         order = plan.decode
         try:
             while True:
                 for load in order:
-                    replica = self._replica(load)
-                    descriptor = await self._call(replica, replica.handle.reserve.remote(
+                    replica = self._decode(load)
+                    descriptor = await self._call(replica, replica.api.reserve(
                         request.request_id, request.prompt_token_ids, request.params, priority=request.priority,
                         cache_salt=request.cache_salt))
                     if descriptor is not None:
@@ -246,7 +257,7 @@ class RequestDriver:
 
     async def _disaggregated(self, request: ParsedRequest, plan: RoutePlan,
                              touched: list[tuple[Replica, str]]) -> AsyncIterator[Progress]:
-        prefill = self._replica(plan.prefill)
+        prefill = self._prefill(plan.prefill)
         # Counted as queued on the prefill replica from the decision on, so that a burst of requests spreads
         # by load before any of them reaches it.
         prefill.load.queued_prefill_tokens += plan.uncached_tokens
@@ -256,13 +267,12 @@ class RequestDriver:
             self.routing.record(plan, prefill=prefill.name, decode=decode.name, session=request.session_id)
             self._use(prefill, request.request_id, touched)
             start = time.monotonic()
-            result = await self._call(prefill, prefill.handle.prefill.remote(
+            result = await self._call(prefill, prefill.api.prefill(
                 request.request_id, request.prompt_token_ids, request.params, descriptor,
                 priority=request.priority, cache_salt=request.cache_salt))
             prefill.load.queued_prefill_tokens -= queued
             queued = 0
-            stream = decode.handle.decode.options(num_returns="streaming").remote(request.request_id,
-                                                                                   result.first_token)
+            stream = decode.api.decode(request.request_id, result.first_token)
             first = True
             async for outputs in self._items(decode, stream):
                 if first:
@@ -282,14 +292,14 @@ class RequestDriver:
         finally:
             prefill.load.queued_prefill_tokens -= queued
 
-    async def _local(self, request: ParsedRequest, replica: Replica, reason: str,
+    async def _local(self, request: ParsedRequest, replica: Replica[DecodeReplicaAPI], reason: str,
                      touched: list[tuple[Replica, str]], *, local_id: str | None = None) -> AsyncIterator[Progress]:
         """The decode replica prefills and decodes. local_id: the id on the replica when it differs (a retry
         runs under its own id: the failed reservation's may still be winding down there)."""
         rid = local_id or request.request_id
         start = time.monotonic()
         self._use(replica, rid, touched)
-        stream = replica.handle.generate.options(num_returns="streaming").remote(
+        stream = replica.api.generate(
             rid, request.prompt_token_ids, request.params, priority=request.priority, cache_salt=request.cache_salt)
         first = True
         async for outputs in self._items(replica, stream):

@@ -1,13 +1,17 @@
 """The router process: a Ray actor that serves the gRPC API and the OpenAI-compatible HTTP API, and drives every
 request across the replicas the control plane hands it. The actor runs on Ray's asyncio loop; so do both
-servers, every request and the KV feed that keeps the routing index current."""
+servers, every request and the KV feed that keeps the routing index current. It reads the model's tokenizer and
+config without its weights and without torch (engine/loader/model_info.py): the router never runs the model."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from tandem.engine.loader.model_info import load_model_info
+from tandem.replica.contract import DecodeReplicaAPI, PrefillReplicaAPI, ReadyReplica
 from tandem.router.auth import Authenticator
 from tandem.router.lifecycle import DriverSettings, Replica, RequestDriver
 from tandem.router.request_parsing import ModelFacts
@@ -23,13 +27,32 @@ def model_id_for(model_path: str | None) -> str:
     return name.removesuffix(".gguf").split(".Q")[0] if name.endswith(".gguf") else name
 
 
+@dataclass(frozen=True)
+class RouterStats:
+    """What the router reports to the control plane (`tandem status`). state: "starting" until start() returned
+    (the other fields are then empty), then "serving". Requests are counts; prefill_decisions counts prompts by
+    "where/reason" (routing.py); kv_feed: the KV feed's counters; in_flight: requests in flight per replica."""
+
+    state: str
+    endpoint: str | None = None
+    http_endpoint: str | None = None
+    policy: str = ""
+    active_requests: int = 0
+    queued_requests: int = 0
+    finished_requests: int = 0
+    failed_requests: int = 0
+    transfer_fallbacks: int = 0
+    replicas_lost: list[str] = field(default_factory=list)
+    prefill_decisions: dict[str, int] = field(default_factory=dict)
+    kv_feed: dict[str, int] = field(default_factory=dict)
+    in_flight: dict[str, int] = field(default_factory=dict)
+
+
 class RouterActor:
     def __init__(self, model_path: str | None, settings: DriverSettings):
-        from tandem.engine.loader import load_model
-
-        loaded = load_model(model_path, weights=False, progress=False)
-        self.tokenizer = loaded.tokenizer
-        self.config = loaded.config
+        model = load_model_info(model_path)
+        self.tokenizer = model.tokenizer
+        self.config = model.config
         self.model_path = model_path
         self.settings = settings
         self.serving = None
@@ -38,17 +61,19 @@ class RouterActor:
         self.endpoints: dict[str, str | None] = {"grpc": None, "http": None}
         self._feed_task: asyncio.Task | None = None
 
-    async def start(self, replicas: list[dict], grpc_address: str, http_address: str | None = None,
+    async def start(self, replicas: list[ReadyReplica], grpc_address: str, http_address: str | None = None,
                     api_keys: dict[str, str] | None = None) -> dict[str, str | None]:
-        """replicas: {name, pool, handle, info} per ready replica. api_keys: key -> tenant (None: no auth).
-        Starts serving; returns {"grpc": HOST:PORT, "http": HOST:PORT or None}."""
+        """replicas: every ready replica of both pools. api_keys: key -> tenant (None: no auth). Starts serving;
+        returns {"grpc": HOST:PORT, "http": HOST:PORT or None}."""
         from tandem.router.grpc_service import TandemServicer, start_grpc_server
         from tandem.router.http_service import build_app, start_http_server
         from tandem.router.serving import Serving
 
-        prefill = [Replica(r["name"], "prefill", r["handle"], r["info"]) for r in replicas if r["pool"] == "prefill"]
-        decode = [Replica(r["name"], "decode", r["handle"], r["info"]) for r in replicas if r["pool"] == "decode"]
-        limit = min(r.info["max_model_len"] for r in prefill + decode)
+        prefill: list[Replica[PrefillReplicaAPI]] = [Replica(r.name, r.pool, r.api, r.info) for r in replicas
+                                                     if r.pool == "prefill"]
+        decode: list[Replica[DecodeReplicaAPI]] = [Replica(r.name, r.pool, r.api, r.info) for r in replicas
+                                                   if r.pool == "decode"]
+        limit = min(r.info.max_model_len for r in prefill + decode)
         facts = ModelFacts(model_id_for(self.model_path), self.tokenizer, self.config.vocab_size, limit)
         driver = RequestDriver(prefill, decode, self.settings)
         self.serving = Serving(driver, facts, self.settings.mode, auth=Authenticator(api_keys))
@@ -61,20 +86,20 @@ class RouterActor:
             self.endpoints["http"] = f"{http_address.rpartition(':')[0]}:{port}"
         return dict(self.endpoints)
 
-    async def stats(self) -> dict:
+    async def stats(self) -> RouterStats:
         serving = self.serving
         if serving is None:
-            return {"state": "starting"}
+            return RouterStats("starting")
         driver = serving.driver
-        return {"state": "serving", "endpoint": self.endpoints["grpc"], "http_endpoint": self.endpoints["http"],
-                "policy": self.settings.routing.policy, "active_requests": len(serving.active),
-                "queued_requests": driver.num_queued, "finished_requests": serving.num_finished,
-                "failed_requests": serving.num_failed, "transfer_fallbacks": driver.num_fallbacks,
-                "replicas_lost": list(driver.lost),
-                "prefill_decisions": {f"{where}/{reason}": n
-                                      for (where, reason), n in driver.routing.decisions.items()},
-                "kv_feed": vars(driver.feed.counters),
-                "in_flight": {r.name: r.load.in_flight for r in driver.prefill + driver.decode}}
+        return RouterStats(
+            "serving", endpoint=self.endpoints["grpc"], http_endpoint=self.endpoints["http"],
+            policy=self.settings.routing.policy, active_requests=len(serving.active),
+            queued_requests=driver.num_queued, finished_requests=serving.num_finished,
+            failed_requests=serving.num_failed, transfer_fallbacks=driver.num_fallbacks,
+            replicas_lost=list(driver.lost),
+            prefill_decisions={f"{where}/{reason}": n for (where, reason), n in driver.routing.decisions.items()},
+            kv_feed=dict(vars(driver.feed.counters)),
+            in_flight={r.name: r.load.in_flight for r in driver.replicas()})
 
     async def stop(self, grace_s: float = 2.0) -> None:
         if self._feed_task is not None:

@@ -36,8 +36,52 @@ def test_engine_policy_code_never_imports_torch():
     import sys
 
     policy = ["block_pool", "prefix_cache", "kv_cache_manager", "kv_events", "request", "scheduler",
-              "scheduler_output", "sampling_params", "stop_strings", "engine_config"]
+              "scheduler_output", "sampled_token", "sampling_params", "stop_strings", "engine_config"]
     code = ("import sys\n" + "".join(f"import tandem.engine.{m}\n" for m in policy)
             + "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+# DESIGN.md section 1, with replica/ (the shell, spec and router/replica contract the two worker roles share)
+# between the workers and kv_transfer: each folder may import only these tandem folders besides itself.
+LAYERS = {
+    "proto": set(),
+    "engine": set(),
+    "kv_transfer": {"engine"},
+    "replica": {"kv_transfer", "engine", "proto"},
+    "prefill_worker": {"replica", "kv_transfer", "engine", "proto"},
+    "decode_worker": {"replica", "kv_transfer", "engine", "proto"},
+    "router": {"replica", "kv_transfer", "engine", "proto"},
+    "cluster": {"router", "prefill_worker", "decode_worker", "replica", "kv_transfer", "engine", "proto"},
+}
+# What the router takes from the layers below it: types and the torch-free loader, never a runtime module.
+ROUTER_MAY_IMPORT = ("tandem.replica.contract", "tandem.replica.remote", "tandem.kv_transfer.descriptor",
+                     "tandem.engine.", "tandem.proto.")
+
+
+def _tandem_imports(folder: str) -> list[tuple[str, str]]:
+    """(file, imported tandem module) for every import in folder, including those inside functions."""
+    import ast
+
+    found = []
+    for path in sorted((ROOT / folder).rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
+            found += [(str(path.relative_to(ROOT)), n) for n in names if n.startswith("tandem.")]
+    return found
+
+
+def test_folders_import_only_the_layers_below_them():
+    wrong = [(f, m) for folder, allowed in LAYERS.items() for f, m in _tandem_imports(folder)
+             if m.split(".")[1] not in allowed | {folder}]
+    assert not wrong, f"imports against DESIGN.md's layers: {wrong}"
+
+
+def test_the_router_imports_contracts_and_types_only():
+    engine_runtime = ("tandem.engine.llm_engine", "tandem.engine.async_engine", "tandem.engine.model_runner",
+                      "tandem.engine.models", "tandem.engine.ranks", "tandem.engine.loader.model_loader")
+    wrong = [(f, m) for f, m in _tandem_imports("router") if m.split(".")[1] != "router"
+             and (not m.startswith(ROUTER_MAY_IMPORT) or m.startswith(engine_runtime))]
+    assert not wrong, f"the router imports runtime modules: {wrong}"

@@ -21,7 +21,7 @@ from tandem.router.http_service import build_app, start_http_server
 from tandem.router.lifecycle import DriverSettings, Replica, RequestDriver
 from tandem.router.request_parsing import ModelFacts
 from tandem.router.serving import Serving
-from tests.router.fake_replicas import DyingDecode, FakeDecode, FakeHandle, FakePrefill, token_for
+from tandem.router.mock_replicas import DyingDecode, MockDecode, MockPrefill, token_for
 
 MODEL = "SmolLM2-135M-Instruct"
 KEYS = {"sk-acme-0123456789": "acme", "sk-beta-0123456789": "beta"}
@@ -40,8 +40,8 @@ class Server:
         self.thread.start()
 
         async def boot():
-            driver = RequestDriver([Replica(p.name, "prefill", FakeHandle(p)) for p in self.prefill],
-                                   [Replica(d.name, "decode", FakeHandle(d)) for d in self.decode], settings)
+            driver = RequestDriver([Replica(p.name, "prefill", p) for p in self.prefill],
+                                   [Replica(d.name, "decode", d) for d in self.decode], settings)
             self.serving = Serving(driver, facts, settings.mode, auth=Authenticator(keys))
             return await start_http_server(build_app(self.serving), "127.0.0.1:0")
 
@@ -71,7 +71,7 @@ def embedded():
 
 @pytest.fixture
 def server():
-    s = Server([FakeDecode("decode-0")], [FakePrefill("prefill-0")])
+    s = Server([MockDecode("decode-0")], [MockPrefill("prefill-0")])
     yield s
     s.close()
 
@@ -146,7 +146,7 @@ def test_malformed_json_is_a_400(server):
 
 
 def test_no_room_is_429_and_no_replica_is_503():
-    full = Server([FakeDecode("decode-0", room=[False] * 10_000)], [FakePrefill("prefill-0")],
+    full = Server([MockDecode("decode-0", room=[False] * 10_000)], [MockPrefill("prefill-0")],
                   DriverSettings(queue_timeout_s=0.05))
     try:
         with pytest.raises(openai.RateLimitError, match="no decode replica had room"):
@@ -161,7 +161,7 @@ def test_no_room_is_429_and_no_replica_is_503():
 
 
 def test_api_keys_gate_the_api_but_not_health_and_metrics():
-    s = Server([FakeDecode("decode-0")], [FakePrefill("prefill-0")], keys=KEYS)
+    s = Server([MockDecode("decode-0")], [MockPrefill("prefill-0")], keys=KEYS)
     try:
         with pytest.raises(openai.AuthenticationError, match="invalid API key") as caught:
             s.client("sk-wrong-0123456789").models.list()
@@ -180,8 +180,8 @@ def test_api_keys_gate_the_api_but_not_health_and_metrics():
 
 
 def test_tenants_get_their_own_prefix_cache():
-    prefill = FakePrefill("prefill-0")
-    s = Server([FakeDecode("decode-0")], [prefill], keys=KEYS)
+    prefill = MockPrefill("prefill-0")
+    s = Server([MockDecode("decode-0")], [prefill], keys=KEYS)
     try:
         prompt = "word " * 80  # several full blocks
         usage = []
@@ -194,8 +194,8 @@ def test_tenants_get_their_own_prefix_cache():
 
 
 def test_a_client_that_goes_away_aborts_its_request_on_the_replicas():
-    decode = FakeDecode("decode-0", step_s=0.05)
-    s = Server([decode], [FakePrefill("prefill-0")])
+    decode = MockDecode("decode-0", step_s=0.05)
+    s = Server([decode], [MockPrefill("prefill-0")])
     try:
         with httpx.stream("POST", f"{s.url}/v1/completions", timeout=30,
                           json={"model": MODEL, "prompt": "Hi", "max_tokens": 200, "stream": True}) as response:
@@ -211,8 +211,8 @@ def test_a_client_that_goes_away_aborts_its_request_on_the_replicas():
 
 
 def test_a_non_streaming_client_that_goes_away_aborts_its_request_too():
-    decode = FakeDecode("decode-0", step_s=0.05)
-    s = Server([decode], [FakePrefill("prefill-0")])
+    decode = MockDecode("decode-0", step_s=0.05)
+    s = Server([decode], [MockPrefill("prefill-0")])
     try:
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(f"{s.url}/v1/completions", timeout=0.5,
@@ -228,7 +228,7 @@ def test_a_non_streaming_client_that_goes_away_aborts_its_request_too():
 
 
 def test_an_error_after_the_first_token_ends_the_stream_with_an_error_event():
-    s = Server([DyingDecode("decode-0", after=2)], [FakePrefill("prefill-0")])
+    s = Server([DyingDecode("decode-0", after=2)], [MockPrefill("prefill-0")])
     try:
         stream = s.client().completions.create(model=MODEL, prompt="Hi", max_tokens=10, stream=True)
         with pytest.raises(openai.APIError, match="died"):

@@ -14,7 +14,7 @@ from tandem.kv_transfer.descriptor import TransferState
 from tandem.router.grpc_service import status_for
 from tandem.router.lifecycle import DriverSettings, NoCapacityError, NoReplicaError, Replica, RequestDriver
 from tandem.router.request_parsing import InvalidRequest, ParsedRequest
-from tests.router.fake_replicas import FakeDecode, FakeHandle, FakePrefill, token_for
+from tandem.router.mock_replicas import MockDecode, MockPrefill, token_for
 
 PROMPT = (5, 6, 7, 8)
 
@@ -24,8 +24,8 @@ def request(request_id="r1", max_tokens=5, n=1) -> ParsedRequest:
 
 
 def driver(prefill, decode, **settings) -> RequestDriver:
-    return RequestDriver([Replica(p.name, "prefill", FakeHandle(p)) for p in prefill],
-                         [Replica(d.name, "decode", FakeHandle(d)) for d in decode], DriverSettings(**settings))
+    return RequestDriver([Replica(p.name, "prefill", p) for p in prefill],
+                         [Replica(d.name, "decode", d) for d in decode], DriverSettings(**settings))
 
 
 async def collect(d: RequestDriver, req: ParsedRequest):
@@ -37,7 +37,7 @@ def tokens_of(progress) -> list[int]:
 
 
 def test_disaggregated_request_runs_reserve_prefill_decode():
-    prefill, decode = FakePrefill("prefill-0"), FakeDecode("decode-0")
+    prefill, decode = MockPrefill("prefill-0"), MockDecode("decode-0")
     progress = asyncio.run(collect(driver([prefill], [decode]), request()))
     assert tokens_of(progress) == [token_for(PROMPT, i) for i in range(5)]
     assert (progress[0].prefill_replica, progress[0].decode_replica) == ("prefill-0", "decode-0")
@@ -49,8 +49,8 @@ def test_disaggregated_request_runs_reserve_prefill_decode():
 
 
 def test_a_request_waits_for_room_then_runs():
-    decode = FakeDecode("decode-0", room=[False, False, False])
-    d = driver([FakePrefill("prefill-0")], [decode], queue_timeout_s=5.0)
+    decode = MockDecode("decode-0", room=[False, False, False])
+    d = driver([MockPrefill("prefill-0")], [decode], queue_timeout_s=5.0)
     progress = asyncio.run(collect(d, request()))
     assert len(tokens_of(progress)) == 5
     assert progress[0].queue_s > 0
@@ -58,8 +58,8 @@ def test_a_request_waits_for_room_then_runs():
 
 
 def test_no_room_within_the_queue_timeout_is_resource_exhausted():
-    decode = FakeDecode("decode-0", room=[False] * 1000)
-    d = driver([FakePrefill("prefill-0")], [decode], queue_timeout_s=0.1)
+    decode = MockDecode("decode-0", room=[False] * 1000)
+    d = driver([MockPrefill("prefill-0")], [decode], queue_timeout_s=0.1)
     with pytest.raises(NoCapacityError, match="within 0.1 s") as failure:
         asyncio.run(collect(d, request()))
     assert status_for(failure.value)[0] is grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -67,22 +67,22 @@ def test_no_room_within_the_queue_timeout_is_resource_exhausted():
 
 
 def test_a_full_queue_refuses_at_once():
-    decode = FakeDecode("decode-0", room=[False] * 1000)
-    d = driver([FakePrefill("prefill-0")], [decode], max_queued_requests=0, queue_timeout_s=30)
+    decode = MockDecode("decode-0", room=[False] * 1000)
+    d = driver([MockPrefill("prefill-0")], [decode], max_queued_requests=0, queue_timeout_s=30)
     with pytest.raises(NoCapacityError, match="already queued"):
         asyncio.run(asyncio.wait_for(collect(d, request()), 5))
 
 
 def test_a_replica_without_room_is_tried_after_the_others():
-    full, free = FakeDecode("decode-0", room=[False] * 1000), FakeDecode("decode-1")
-    d = driver([FakePrefill("prefill-0")], [full, free])
+    full, free = MockDecode("decode-0", room=[False] * 1000), MockDecode("decode-1")
+    d = driver([MockPrefill("prefill-0")], [full, free])
     for i in range(3):
         progress = asyncio.run(collect(d, request(f"r{i}")))
         assert progress[0].decode_replica == "decode-1"
 
 
 def test_a_failed_transfer_falls_back_to_prefilling_on_a_decode_replica():
-    prefill, decode = FakePrefill("prefill-0", fail=TransferState.FAILED), FakeDecode("decode-0")
+    prefill, decode = MockPrefill("prefill-0", fail=TransferState.FAILED), MockDecode("decode-0")
     d = driver([prefill], [decode])
     progress = asyncio.run(collect(d, request()))
     assert tokens_of(progress) == [token_for(PROMPT, i) for i in range(5)]
@@ -92,7 +92,7 @@ def test_a_failed_transfer_falls_back_to_prefilling_on_a_decode_replica():
 
 
 def test_n_above_one_and_colocated_mode_prefill_on_the_decode_replica():
-    prefill, decode = FakePrefill("prefill-0"), FakeDecode("decode-0")
+    prefill, decode = MockPrefill("prefill-0"), MockDecode("decode-0")
     progress = asyncio.run(collect(driver([prefill], [decode]), request(n=2)))
     assert len(tokens_of(progress)) == 2 * 5 and prefill.prefilled == []  # two samples of 5 tokens
     assert progress[0].prefill_route == "n_gt_1"
@@ -102,7 +102,7 @@ def test_n_above_one_and_colocated_mode_prefill_on_the_decode_replica():
 
 
 def test_cancelling_mid_stream_aborts_on_every_replica_touched():
-    prefill, decode = FakePrefill("prefill-0"), FakeDecode("decode-0", step_s=0.05)
+    prefill, decode = MockPrefill("prefill-0"), MockDecode("decode-0", step_s=0.05)
     d = driver([prefill], [decode])
 
     async def cancel_after_two():
@@ -128,7 +128,7 @@ def test_cancelling_mid_stream_aborts_on_every_replica_touched():
 
 def test_an_empty_pool_is_unavailable():
     with pytest.raises(NoReplicaError) as failure:
-        asyncio.run(collect(driver([FakePrefill("p")], []), request()))
+        asyncio.run(collect(driver([MockPrefill("p")], []), request()))
     assert status_for(failure.value)[0] is grpc.StatusCode.UNAVAILABLE
 
 
@@ -144,8 +144,8 @@ def test_status_codes_for_each_failure():
 
 
 def test_cancelling_a_queued_request_leaves_the_queue_and_holds_nothing():
-    decode = FakeDecode("decode-0", room=[False] * 1000)
-    prefill = FakePrefill("prefill-0")
+    decode = MockDecode("decode-0", room=[False] * 1000)
+    prefill = MockPrefill("prefill-0")
     d = driver([prefill], [decode], queue_timeout_s=30)
 
     async def cancel_while_queued():
@@ -164,10 +164,10 @@ def test_cancelling_a_queued_request_leaves_the_queue_and_holds_nothing():
 
 def test_a_replica_that_dies_mid_stream_is_unavailable_and_no_longer_routed_to():
     from tandem.router.lifecycle import ReplicaLostError
-    from tests.router.fake_replicas import DyingDecode
+    from tandem.router.mock_replicas import DyingDecode
 
-    dying, healthy = DyingDecode("decode-0", after=2), FakeDecode("decode-1")
-    d = driver([FakePrefill("prefill-0")], [dying, healthy])
+    dying, healthy = DyingDecode("decode-0", after=2), MockDecode("decode-1")
+    d = driver([MockPrefill("prefill-0")], [dying, healthy])
     seen = []
 
     async def run():
@@ -183,9 +183,9 @@ def test_a_replica_that_dies_mid_stream_is_unavailable_and_no_longer_routed_to()
 
 
 def test_a_replica_found_dead_while_reserving_leaves_the_pool():
-    from tests.router.fake_replicas import DyingDecode
+    from tandem.router.mock_replicas import DyingDecode
 
-    d = driver([FakePrefill("prefill-0")], [DyingDecode("decode-0", after=-1)])
+    d = driver([MockPrefill("prefill-0")], [DyingDecode("decode-0", after=-1)])
     with pytest.raises(Exception, match="decode-0 died"):
         asyncio.run(collect(d, request()))
     with pytest.raises(NoReplicaError):

@@ -1,4 +1,4 @@
-"""Routing over the mock engine (tests/router/fake_replicas.py) with 3-4 replicas per pool: the real request
+"""Routing over the mock engine (router/mock_replicas.py) with 3-4 replicas per pool: the real request
 driver, routing, prefix index and KV feed, with replicas whose prefix caches hash and publish events as the
 engine's do. The feed is polled by hand between requests, so every test is deterministic."""
 
@@ -15,7 +15,7 @@ from tandem.router.auth import cache_salt_for
 from tandem.router.lifecycle import DriverSettings, Replica, RequestDriver
 from tandem.router.request_parsing import ParsedRequest
 from tandem.router.routing import RoutingSettings
-from tests.router.fake_replicas import FakeDecode, FakeHandle, FakePrefill
+from tandem.router.mock_replicas import MockDecode, MockPrefill
 
 SYSTEM = {g: tuple(range(1000 * g, 1000 * g + 160)) for g in range(4)}  # 4 system prompts of 10 blocks
 
@@ -26,8 +26,8 @@ def prompt(group: int, i: int) -> tuple[int, ...]:
 
 def make(prefill, decode, **routing) -> RequestDriver:
     settings = DriverSettings(routing=RoutingSettings(**routing))
-    return RequestDriver([Replica(p.name, "prefill", FakeHandle(p)) for p in prefill],
-                         [Replica(d.name, "decode", FakeHandle(d)) for d in decode], settings, block_size=16)
+    return RequestDriver([Replica(p.name, "prefill", p) for p in prefill],
+                         [Replica(d.name, "decode", d) for d in decode], settings, block_size=16)
 
 
 async def send(d: RequestDriver, request_id: str, tokens, *, tenant=None, session="", max_tokens=2):
@@ -41,8 +41,8 @@ def where(progress) -> tuple[str, str, str]:
 
 
 def pools(n_prefill=3, n_decode=3, **kwargs):
-    return ([FakePrefill(f"prefill-{i}", **kwargs) for i in range(n_prefill)],
-            [FakeDecode(f"decode-{i}") for i in range(n_decode)])
+    return ([MockPrefill(f"prefill-{i}", **kwargs) for i in range(n_prefill)],
+            [MockDecode(f"decode-{i}") for i in range(n_decode)])
 
 
 def test_a_shared_prefix_lands_on_the_replica_that_holds_it():

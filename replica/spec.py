@@ -1,5 +1,5 @@
 """What one engine replica is (model, precision, engine limits, parallel split) as a picklable value, and how it
-is built: the prefill and decode workers each build theirs from a ReplicaSpec the control plane sends them."""
+is built: the replica shell (replica/shell.py) builds its engine from the ReplicaSpec the control plane sends."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
-"""A mock engine behind Ray-like actor handles (STYLE.md): deterministic tokens, a configurable step latency and
-a prefix cache that hashes and publishes KV events exactly as the engine's does, so the router's request driver
-and routing run their real code paths (route, reserve, prefill, decode, fallback, abort, KV feed) in
-milliseconds without Ray or a model. `handle.method.remote(...)` returns an awaitable, and with
-`.options(num_returns="streaming")` an async iterator of awaitables, as Ray's handles do.
+"""Mock replicas (STYLE.md's mock engine): deterministic tokens, a configurable step latency and a prefix cache
+that hashes and publishes KV events exactly as the engine's does, behind the same Protocols the real replicas
+answer (replica/contract.py's PrefillReplicaAPI and DecodeReplicaAPI). The router's request driver and routing
+run their real code paths (route, reserve, prefill, decode, fallback, abort, KV feed) over them in milliseconds
+without Ray or a model: the router tests and bench/routing.py use them.
 
 A prefill replica computes one prompt at a time, taking step_s + per_token_s per uncached prompt token: the
 cost model bench/routing.py measures routing policies against."""
@@ -10,44 +10,26 @@ cost model bench/routing.py measures routing policies against."""
 from __future__ import annotations
 
 import asyncio
+import os
 import random
+import time
 from collections import OrderedDict
+from typing import AsyncIterator, Sequence
 
 from tandem.engine.kv_events import BlockRemoved, BlockStored, KVEventLog, KVSnapshot
 from tandem.engine.output_processor import RequestOutput, TokenLogprob
+from tandem.engine.parallel.layout import ParallelConfig, ReplicaLayout
 from tandem.engine.prefix_cache import block_hashes
-from tandem.engine.sampler import SampledToken
-from tandem.kv_transfer.connector_loop import TransferFailedError
-from tandem.kv_transfer.descriptor import TransferState
-from tandem.prefill_worker.replica import PrefillResult
+from tandem.engine.sampled_token import SampledToken
+from tandem.engine.sampling_params import SamplingParams
+from tandem.kv_transfer.descriptor import KVFormat, TransferDescriptor, TransferFailedError, TransferState
+from tandem.replica.contract import KVEventsReply, PrefillResult, ReplicaInfo, ReplicaStats
 
-
-class _Method:
-    def __init__(self, fn, streaming: bool = False):
-        self.fn, self.streaming = fn, streaming
-
-    def options(self, num_returns=None):
-        return _Method(self.fn, num_returns == "streaming")
-
-    def remote(self, *args, **kwargs):
-        if not self.streaming:
-            return self.fn(*args, **kwargs)
-
-        async def refs():
-            async for item in self.fn(*args, **kwargs):
-                future = asyncio.get_running_loop().create_future()
-                future.set_result(item)
-                yield future
-
-        return refs()
-
-
-class FakeHandle:
-    def __init__(self, replica):
-        self.replica = replica
-
-    def __getattr__(self, name):
-        return _Method(getattr(self.replica, name))
+BLOCK_SIZE = 16
+# What a mock decode replica's descriptors describe: one rank holding a one-layer model.
+_LAYOUT = ReplicaLayout.build(ParallelConfig(), num_layers=1, num_heads=1, num_kv_heads=1)
+_KV = KVFormat(num_layers=1, num_kv_heads=1, head_dim=1, block_size=BLOCK_SIZE, dtype="float32")
+LEASE_S = 30.0
 
 
 class MockKVCache:
@@ -89,14 +71,14 @@ class MockKVCache:
             self._publish(BlockRemoved(tuple(evicted)))
         return hit * self.block_size
 
-    def kv_events(self, epoch, since, load: dict) -> dict:
+    def kv_events(self, epoch, since, kv_blocks_free: int) -> KVEventsReply:
         batch = self.log.read(epoch, since)
         if batch is None:
             batch = KVSnapshot(self.log.epoch, self.log.next_seq, tuple(self.blocks))
         elif self.skip_next and batch.events:
             self.skip_next = False
             batch = type(batch)(batch.epoch, batch.first_seq + 1, batch.events[1:])
-        return {"events": batch, "load": load}
+        return KVEventsReply(batch, kv_blocks_free)
 
 
 def token_for(prompt: tuple[int, ...], i: int) -> int:
@@ -112,35 +94,87 @@ def _output(request_id, prompt, tokens, i0, finished, cached=0, index=0, logprob
                          "length" if finished else None, len(prompt), cached, finished)
 
 
-class FakeDecode:
+class _MockReplica:
+    """What both mock roles answer besides their own calls (ReplicaAPI)."""
+
+    pool = ""
+
+    def __init__(self, name: str, blocks: int, lose_events: float):
+        self.name = name
+        self.cache = MockKVCache(blocks, BLOCK_SIZE, lose_events=lose_events)
+        self.aborted: list[str] = []
+        self.running = 0
+
+    async def ready(self) -> ReplicaInfo:
+        return ReplicaInfo(name=self.name, pool=self.pool, pid=os.getpid(), node="127.0.0.1", node_id=None,
+                           layout=tuple(_LAYOUT.describe()), world_size=1, max_model_len=8192,
+                           block_size=BLOCK_SIZE, kv_blocks_total=self.cache.capacity)
+
+    def _blocks_in_use(self) -> int:
+        return 0
+
+    async def stats(self) -> ReplicaStats:
+        in_use = self._blocks_in_use()
+        return ReplicaStats(name=self.name, pool=self.pool, state="ready", running=self.running, waiting=0,
+                            waiting_for_kv=0, kv_blocks_total=self.cache.capacity, kv_blocks_in_use=in_use,
+                            kv_blocks_cached=len(self.cache.blocks), kv_usage=in_use / self.cache.capacity,
+                            prefix_hit_rate=0.0, num_preemptions=0, num_steps=0)
+
+    async def kv_events(self, epoch: str | None, since: int) -> KVEventsReply:
+        return self.cache.kv_events(epoch, since, self.cache.capacity - self._blocks_in_use())
+
+    async def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+    async def check_integrity(self) -> None:
+        if self.running < 0:
+            raise ValueError(f"{self.name}: {self.running} requests running")
+
+    async def shutdown(self) -> None:
+        pass
+
+
+class MockDecode(_MockReplica):
+    """DecodeReplicaAPI."""
+
+    pool = "decode"
+
     def __init__(self, name: str, *, room: list[bool] | None = None, step_s: float = 0.0, blocks: int = 4096,
                  per_token_s: float = 0.0, lose_events: float = 0.0):
         """room: reserve() answers from this list in turn (True: a descriptor, False: no room), then True.
         per_token_s: what generate() spends per uncached prompt token before its first output."""
-        self.name, self.room, self.step_s, self.per_token_s = name, list(room or []), step_s, per_token_s
-        self.cache = MockKVCache(blocks, lose_events=lose_events)
-        self.aborted: list[str] = []
+        super().__init__(name, blocks, lose_events)
+        self.room, self.step_s, self.per_token_s = list(room or []), step_s, per_token_s
         self.reservations: dict[str, tuple] = {}
         self.served: list[str] = []  # request ids admitted here (reserved or generated)
         self.salts: list[str | None] = []
-        self.running = 0
 
-    async def reserve(self, request_id, prompt, params, priority=0, cache_salt=None):
+    def _blocks_in_use(self) -> int:
+        return min(self.cache.capacity, self.running * 4)
+
+    async def reserve(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *, priority: int = 0,
+                      cache_salt: str | None = None) -> TransferDescriptor | None:
+        prompt = tuple(prompt_token_ids)
         if self.room and not self.room.pop(0):
             return None
         self.reservations[request_id] = (tuple(prompt), params, cache_salt)
         self.served.append(request_id)
         self.salts.append(cache_salt)
-        return {"transfer_id": f"{request_id}/0"}
+        blocks = tuple(range(-(-len(prompt) // BLOCK_SIZE)))
+        return TransferDescriptor(f"{request_id}/0", _LAYOUT, ("mock://" + self.name,), blocks, len(prompt), _KV,
+                                  time.time() + LEASE_S)
 
-    async def decode(self, request_id, first: SampledToken):
+    async def decode(self, request_id: str, first_token: SampledToken) -> AsyncIterator[list[RequestOutput]]:
+        first = first_token
         prompt, params, salt = self.reservations.pop(request_id)
         self.cache.store(prompt, salt)  # the transferred blocks enter this replica's prefix cache
         tokens = [first.token_id] + [token_for(prompt, i) for i in range(1, params.max_tokens)]
         async for batch in self._stream(request_id, prompt, tokens, logprobs=params.logprobs):
             yield batch
 
-    async def generate(self, request_id, prompt, params, priority=0, cache_salt=None):
+    async def generate(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *, priority: int = 0,
+                       cache_salt: str | None = None) -> AsyncIterator[list[RequestOutput]]:
+        prompt = tuple(prompt_token_ids)
         self.served.append(request_id)
         self.salts.append(cache_salt)
         cached = self.cache.store(tuple(prompt), cache_salt)
@@ -161,25 +195,28 @@ class FakeDecode:
         finally:
             self.running -= 1
 
-    async def abort(self, request_id):
-        self.aborted.append(request_id)
+    async def abort(self, request_id: str) -> None:
+        await super().abort(request_id)
         self.reservations.pop(request_id, None)
 
-    async def kv_events(self, epoch, since):
-        return self.cache.kv_events(epoch, since, {"kv_blocks_free": self.cache.capacity - self.running * 4})
 
+class MockPrefill(_MockReplica):
+    """PrefillReplicaAPI."""
 
-class FakePrefill:
+    pool = "prefill"
+
     def __init__(self, name: str, *, fail: TransferState | None = None, step_s: float = 0.0,
                  per_token_s: float = 0.0, blocks: int = 4096, lose_events: float = 0.0):
-        self.name, self.fail, self.step_s, self.per_token_s = name, fail, step_s, per_token_s
-        self.cache = MockKVCache(blocks, lose_events=lose_events)
-        self.aborted: list[str] = []
+        super().__init__(name, blocks, lose_events)
+        self.fail, self.step_s, self.per_token_s = fail, step_s, per_token_s
         self.prefilled: list[str] = []
         self.cached_tokens: dict[str, int] = {}  # request id -> prompt tokens its prefill found cached
         self._compute = asyncio.Lock()  # one prompt at a time, like one accelerator
 
-    async def prefill(self, request_id, prompt, params, descriptor, priority=0, cache_salt=None):
+    async def prefill(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
+                      descriptor: TransferDescriptor, *, priority: int = 0,
+                      cache_salt: str | None = None) -> PrefillResult:
+        prompt = tuple(prompt_token_ids)
         async with self._compute:
             _, hit = self.cache.lookup(tuple(prompt), cache_salt)
             await asyncio.sleep(self.step_s + self.per_token_s * (len(prompt) - hit * self.cache.block_size))
@@ -190,14 +227,8 @@ class FakePrefill:
             raise TransferFailedError(request_id, self.fail, "the peer went away")
         return PrefillResult(SampledToken(token_for(tuple(prompt), 0), None, ()), len(prompt), cached)
 
-    async def abort(self, request_id):
-        self.aborted.append(request_id)
 
-    async def kv_events(self, epoch, since):
-        return self.cache.kv_events(epoch, since, {"kv_blocks_free": self.cache.capacity})
-
-
-class DyingDecode(FakeDecode):
+class DyingDecode(MockDecode):
     """Dies (as Ray reports a dead actor) after streaming `after` outputs of a request."""
 
     def __init__(self, name: str, after: int):
@@ -212,12 +243,14 @@ class DyingDecode(FakeDecode):
                 raise RayActorError()
             yield batch
 
-    async def reserve(self, request_id, prompt, params, priority=0, cache_salt=None):
+    async def reserve(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *, priority: int = 0,
+                      cache_salt: str | None = None) -> TransferDescriptor | None:
+        prompt = tuple(prompt_token_ids)
         if self.after < 0:
             from ray.exceptions import RayActorError
 
             raise RayActorError()
-        return await super().reserve(request_id, prompt, params, priority, cache_salt)
+        return await super().reserve(request_id, prompt, params, priority=priority, cache_salt=cache_salt)
 
 
 async def _enumerate(items):

@@ -9,8 +9,8 @@ from pathlib import Path
 from tandem.cluster.manifest import Manifest, Pool
 from tandem.engine.engine_config import EngineConfig
 from tandem.engine.parallel.layout import ParallelConfig
-from tandem.engine.replica_spec import ReplicaSpec
 from tandem.kv_transfer.config import DEFAULT_UCX_ENV, TransferConfig
+from tandem.replica.spec import ReplicaSpec
 
 
 @dataclass(frozen=True)

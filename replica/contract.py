@@ -1,0 +1,144 @@
+"""The contract between the router (and the control plane) and the replicas: what each replica offers, as
+Protocols, and every value that crosses that line, as frozen dataclasses. Plain Python: the router imports this
+without the model runtime.
+
+The worker actors implement the Protocols (prefill_worker/replica.py, decode_worker/replica.py); the router
+calls them through replica/remote.py, which puts a Ray actor handle behind the same Protocol, and tests and
+bench/routing.py through the mock replicas of router/mock_replicas.py. A method that streams yields lists of
+RequestOutput: everything the engine produced since the last item, so one message per engine step at most.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import AsyncIterator, Protocol, Sequence, Union
+
+from tandem.engine.kv_events import KVEventBatch, KVSnapshot
+from tandem.engine.output_processor import RequestOutput
+from tandem.engine.sampled_token import SampledToken
+from tandem.engine.sampling_params import SamplingParams
+from tandem.kv_transfer.descriptor import TransferDescriptor
+
+POOLS = ("prefill", "decode")
+
+
+class RequestAbortedError(RuntimeError):
+    """The request was aborted before this call reached the replica (calls and aborts race across processes)."""
+
+
+@dataclass(frozen=True)
+class ReplicaInfo:
+    """Static facts about a started replica, for the router and the control plane. node: the address other
+    nodes reach it at; node_id: Ray's node id (None outside Ray); layout: one line per rank; kv_addresses: a
+    decode replica's KV agent addresses, one per rank (empty elsewhere)."""
+
+    name: str
+    pool: str
+    pid: int
+    node: str
+    node_id: str | None
+    layout: tuple[str, ...]
+    world_size: int
+    max_model_len: int
+    block_size: int  # tokens per KV block
+    kv_blocks_total: int
+    kv_addresses: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class ReplicaStats:
+    """A replica's counters, read between engine steps. state: "ready", or "failed" once its engine died (the
+    counters are then its last ones). Requests and blocks are counts; kv_usage and prefix_hit_rate fractions."""
+
+    name: str
+    pool: str
+    state: str
+    running: int
+    waiting: int
+    waiting_for_kv: int
+    kv_blocks_total: int
+    kv_blocks_in_use: int
+    kv_blocks_cached: int
+    kv_usage: float
+    prefix_hit_rate: float
+    num_preemptions: int
+    num_steps: int
+
+
+@dataclass(frozen=True)
+class KVEventsReply:
+    """One answer to kv_events(): the replica's KV events from the asked position on (a KVEventBatch), or a
+    snapshot of its prefix cache (a KVSnapshot) when those are gone, plus its free KV blocks after its last step."""
+
+    events: Union[KVEventBatch, KVSnapshot]
+    kv_blocks_free: int
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    """What a prefill replica answers once the decode replica holds the prompt's KV: the first token (for
+    DecodeReplicaAPI.decode) and how many prompt tokens came from its prefix cache."""
+
+    first_token: SampledToken
+    num_prompt_tokens: int
+    num_cached_tokens: int
+
+
+class ReplicaAPI(Protocol):
+    """What every replica answers, prefill or decode."""
+
+    async def ready(self) -> ReplicaInfo:
+        """Returns once the replica's engine (and every rank) is up."""
+
+    async def stats(self) -> ReplicaStats: ...
+
+    async def kv_events(self, epoch: str | None, since: int) -> KVEventsReply:
+        """The KV events from `since` on in the log of `epoch` (epoch None, an epoch that is not the log's, or
+        events the log no longer keeps: a snapshot). Raises ValueError if the replica publishes no events."""
+
+    async def abort(self, request_id: str) -> None:
+        """Ends the request wherever it is here and frees its blocks; a later call for the same id is refused
+        (RequestAbortedError). Unknown ids are remembered, not an error."""
+
+    async def check_integrity(self) -> None:
+        """Raises ValueError if the replica's KV bookkeeping or any rank's KV agent is inconsistent."""
+
+    async def shutdown(self) -> None:
+        """Stops the engine and its ranks."""
+
+
+class PrefillReplicaAPI(ReplicaAPI, Protocol):
+    async def prefill(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
+                      descriptor: TransferDescriptor, *, priority: int = 0,
+                      cache_salt: str | None = None) -> PrefillResult:
+        """Computes the prompt (reusing this replica's prefix cache; cache_salt: the tenant's salt), pushes its
+        KV layer by layer into the decode replica's reservation and returns once every destination rank has
+        acknowledged it. Raises ValueError for a request it cannot serve, TransferFailedError if the KV did not
+        arrive (nothing is held here then), RequestAbortedError after abort()."""
+
+
+class DecodeReplicaAPI(ReplicaAPI, Protocol):
+    async def reserve(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *,
+                      priority: int = 0, cache_salt: str | None = None) -> TransferDescriptor | None:
+        """Holds KV blocks for the prompt and returns where the prefill replica pushes it; None when there is
+        no room now (nothing held: try another replica or later). Raises ValueError for a request it cannot
+        serve or on a colocated replica (it takes no transfers)."""
+
+    def decode(self, request_id: str, first_token: SampledToken) -> AsyncIterator[list[RequestOutput]]:
+        """Waits for the reserved request's KV, continues it from first_token and streams its outputs (the
+        first carries first_token). Raises TransferFailedError if the transfer ended badly (blocks are free)."""
+
+    def generate(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *,
+                 priority: int = 0, cache_salt: str | None = None) -> AsyncIterator[list[RequestOutput]]:
+        """Prefills and decodes the request here (colocated mode, n > 1, conditional disaggregation, or after a
+        failed transfer) and streams its outputs."""
+
+
+@dataclass(frozen=True)
+class ReadyReplica:
+    """A started replica as the control plane hands it to the router: its API and its info."""
+
+    name: str
+    pool: str  # one of POOLS
+    api: PrefillReplicaAPI | DecodeReplicaAPI
+    info: ReplicaInfo

@@ -1,0 +1,145 @@
+"""What every serving replica (prefill or decode worker) is around its engine: it builds the engine from its
+ReplicaSpec with a KV transfer agent on every rank, plugs its role's connector into the engine thread, runs the
+engine behind an AsyncEngine, and answers the calls every replica answers (contract.py's ReplicaAPI: ready,
+stats, kv_events, abort, check_integrity, shutdown). It remembers recently aborted request ids, so that a call
+arriving after its abort (calls and aborts may race across processes) is refused instead of holding blocks
+nobody frees. The role's own calls live in prefill_worker/replica.py and decode_worker/replica.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from typing import Callable, ClassVar
+
+from tandem.engine.async_engine import AsyncEngine
+from tandem.engine.kv_events import KVEventBatch, KVEventLog, KVSnapshot
+from tandem.engine.llm_engine import LLMEngine
+from tandem.kv_transfer.agent_factory import AgentFactory
+from tandem.kv_transfer.config import TransferConfig
+from tandem.kv_transfer.connector import DecodeConnector, PrefillConnector, TransferEvent
+from tandem.kv_transfer.connector_loop import ConnectorLoop
+from tandem.replica.contract import KVEventsReply, ReplicaInfo, ReplicaStats, RequestAbortedError
+from tandem.replica.spec import ReplicaSpec
+
+ABORT_MEMORY_S = 120.0
+
+
+def _ray_if_running():
+    """The ray module when this process is connected to a Ray cluster, else None."""
+    try:
+        import ray
+    except ImportError:
+        return None
+    return ray if ray.is_initialized() else None
+
+
+def node_id() -> str | None:
+    """Ray's id of this process's node (None outside Ray)."""
+    ray = _ray_if_running()
+    return ray.get_runtime_context().get_node_id() if ray else None
+
+
+def node_address() -> str:
+    """The address other nodes reach this process's node at: Ray's node IP inside a Ray worker, else loopback."""
+    ray = _ray_if_running()
+    return ray.util.get_node_ip_address() if ray else "127.0.0.1"
+
+
+class ReplicaShell:
+    """The base of the prefill and decode replica actors. A subclass names its pool and builds its connector."""
+
+    pool: ClassVar[str]
+
+    def __init__(self, name: str, spec: ReplicaSpec, transfer: TransferConfig | None, *,
+                 clock: Callable[[], float] = time.monotonic):
+        """transfer None: no KV agents and no connector (a colocated decode replica). transfer.host "": this
+        node's address. Raises ModelLoadError / ValueError / ReplicaFailedError if the engine cannot start."""
+        if transfer is not None and not transfer.host:
+            transfer = transfer.on_host(node_address())
+        self.name = name
+        self.clock = clock
+        self.events = KVEventLog()
+        self.engine = spec.build(kv_agent=AgentFactory(transfer) if transfer is not None else None,
+                                 event_sink=self.events)
+        self.connector = self._connect(self.engine, transfer) if transfer is not None else None
+        self.transfers = ConnectorLoop(self.connector, on_failed=self._transfer_failed) if self.connector else None
+        self.server = AsyncEngine(self.engine, tick=self.transfers.tick if self.transfers else None)
+        self.server.start()
+        self._aborted: dict[str, float] = {}
+
+    def _connect(self, engine: LLMEngine, transfer: TransferConfig) -> PrefillConnector | DecodeConnector:
+        """The role's connector (called once, before the engine thread starts)."""
+        raise NotImplementedError
+
+    def _transfer_failed(self, event: TransferEvent) -> None:
+        """Engine thread: a transfer ended badly (the connector already freed its blocks). Default: nothing."""
+
+    # -- what every replica answers (contract.ReplicaAPI) ----------------------------------------------------
+
+    async def ready(self) -> ReplicaInfo:
+        engine = self.engine
+        addresses = self.connector.addresses if isinstance(self.connector, DecodeConnector) else ()
+        return ReplicaInfo(name=self.name, pool=self.pool, pid=os.getpid(), node=node_address(), node_id=node_id(),
+                           layout=tuple(engine.layout.describe()), world_size=engine.layout.world_size,
+                           max_model_len=engine.max_model_len, block_size=engine.config.block_size,
+                           kv_blocks_total=engine.kv_cache_spec.num_blocks, kv_addresses=tuple(addresses))
+
+    async def stats(self) -> ReplicaStats:
+        """Counters read on the engine thread between steps (exact, at the cost of waiting for a running step);
+        a failed engine reports its last counters with state "failed"."""
+        s = await self.server.call(lambda engine: engine.stats()) if self.server.alive else self.server.stats()
+        return ReplicaStats(name=self.name, pool=self.pool, state="ready" if self.server.alive else "failed",
+                            running=s.num_running, waiting=s.num_waiting, waiting_for_kv=s.num_waiting_for_kv,
+                            kv_blocks_total=s.num_blocks_total, kv_blocks_in_use=s.num_blocks_in_use,
+                            kv_blocks_cached=s.num_blocks_cached, kv_usage=s.kv_usage,
+                            prefix_hit_rate=s.prefix_hit_rate, num_preemptions=s.num_preemptions,
+                            num_steps=s.num_steps)
+
+    async def kv_events(self, epoch: str | None, since: int) -> KVEventsReply:
+        """The KV events from `since` on in the log of `epoch`, or a snapshot of the prefix cache (taken on the
+        engine thread) when those are gone or the epoch is not the log's (a restart; epoch None asks for one),
+        and the free KV blocks after the engine's last step."""
+        batch: KVEventBatch | KVSnapshot | None = self.events.read(epoch, since)
+        if batch is None:
+            log = self.events
+            batch = await self.server.call(lambda engine: KVSnapshot(log.epoch, log.next_seq,
+                                                                     engine.cached_block_hashes()))
+        s = self.server.stats()
+        return KVEventsReply(batch, s.num_blocks_total - s.num_blocks_in_use)
+
+    async def abort(self, request_id: str) -> None:
+        """Ends the request wherever it is here (reserved, transferring, computing, decoding) and frees its
+        blocks; a later call for the same id is refused. Unknown ids are remembered, not an error."""
+        self._mark_aborted(request_id)
+        if self.transfers is not None:
+            await self.server.call(lambda _e: self.transfers.forget(request_id))
+        await self.server.abort(request_id)
+
+    async def check_integrity(self) -> None:
+        """Raises ValueError if the replica's KV bookkeeping, or any rank's KV transfer agent, is inconsistent
+        (runs on the engine thread)."""
+        def check(engine: LLMEngine) -> None:
+            engine.check_integrity()
+            if self.connector is not None:
+                self.connector.agents.check_integrity()
+
+        await self.server.call(check)
+
+    async def shutdown(self) -> None:
+        await self.server.stop()
+        await asyncio.to_thread(self.engine.shutdown)
+
+    # -- for the roles -----------------------------------------------------------------------------------
+
+    def _mark_aborted(self, request_id: str) -> None:
+        now = self.clock()
+        self._aborted[request_id] = now
+        for rid in [r for r, t in self._aborted.items() if t < now - ABORT_MEMORY_S]:
+            del self._aborted[rid]
+
+    def _check_not_aborted(self, request_id: str) -> None:
+        """Raises RequestAbortedError if abort() was called for request_id (within ABORT_MEMORY_S)."""
+        if request_id in self._aborted:
+            raise RequestAbortedError(f"request {request_id!r} was aborted")

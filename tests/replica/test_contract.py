@@ -1,0 +1,97 @@
+"""The router/replica contract (replica/contract.py) holds on every side: the worker actors, the Ray adapters the
+router and controller call them through, and the mock replicas all offer each Protocol method with the same
+parameters and the same sync/async/streaming kind, and the router's side of it imports no torch."""
+
+from __future__ import annotations
+
+import inspect
+import subprocess
+import sys
+import typing
+
+import pytest
+
+from tandem.replica import contract
+from tandem.replica.remote import RemoteDecodeReplica, RemotePrefillReplica, remote_replica
+from tandem.router.mock_replicas import MockDecode, MockPrefill
+
+
+def _protocol_methods(protocol) -> dict[str, typing.Callable]:
+    names = {n for klass in protocol.__mro__ if klass not in (object, typing.Protocol, typing.Generic)
+             for n, v in vars(klass).items() if callable(v) and not n.startswith("_")}
+    return {n: getattr(protocol, n) for n in sorted(names)}
+
+
+def _kind(fn) -> str:
+    if inspect.isasyncgenfunction(fn):
+        return "stream"
+    if inspect.iscoroutinefunction(fn):
+        return "async"
+    return "sync"
+
+
+def _params(fn) -> list[tuple[str, object]]:
+    return [(p.name, p.kind) for p in inspect.signature(fn).parameters.values()]
+
+
+def _implementations():
+    from tandem.decode_worker.replica import DecodeReplica
+    from tandem.prefill_worker.replica import PrefillReplica
+
+    return [(contract.PrefillReplicaAPI, PrefillReplica), (contract.PrefillReplicaAPI, RemotePrefillReplica),
+            (contract.PrefillReplicaAPI, MockPrefill), (contract.DecodeReplicaAPI, DecodeReplica),
+            (contract.DecodeReplicaAPI, RemoteDecodeReplica), (contract.DecodeReplicaAPI, MockDecode)]
+
+
+@pytest.mark.parametrize("protocol,implementation", _implementations(),
+                         ids=lambda x: getattr(x, "__name__", str(x)))
+def test_every_side_offers_the_protocol(protocol, implementation):
+    for name, declared in _protocol_methods(protocol).items():
+        offered = getattr(implementation, name, None)
+        assert offered is not None, f"{implementation.__name__} lacks {name}"
+        assert _params(offered) == _params(declared), f"{implementation.__name__}.{name} takes other parameters"
+        # A stream is declared as a plain def returning an AsyncIterator; the actors and mocks are async
+        # generators, and the Ray adapter returns one.
+        if "AsyncIterator" in str(inspect.signature(declared).return_annotation):
+            assert _kind(offered) in ("stream", "sync"), f"{implementation.__name__}.{name} must stream"
+        else:
+            assert _kind(offered) == "async", f"{implementation.__name__}.{name} must be a coroutine"
+
+
+def test_the_protocols_cover_what_the_router_calls():
+    assert set(_protocol_methods(contract.PrefillReplicaAPI)) == {
+        "ready", "stats", "kv_events", "abort", "check_integrity", "shutdown", "prefill"}
+    assert set(_protocol_methods(contract.DecodeReplicaAPI)) == {
+        "ready", "stats", "kv_events", "abort", "check_integrity", "shutdown", "reserve", "decode", "generate"}
+
+
+def test_remote_replica_picks_the_pools_adapter():
+    assert isinstance(remote_replica("prefill", object()), RemotePrefillReplica)
+    assert isinstance(remote_replica("decode", object()), RemoteDecodeReplica)
+    with pytest.raises(ValueError, match="unknown pool 'router'"):
+        remote_replica("router", object())
+
+
+def test_values_crossing_the_seam_are_frozen_dataclasses():
+    import dataclasses
+
+    for value in (contract.ReplicaInfo, contract.ReplicaStats, contract.KVEventsReply, contract.PrefillResult,
+                  contract.ReadyReplica):
+        assert dataclasses.is_dataclass(value) and value.__dataclass_params__.frozen, value.__name__
+
+
+def test_the_router_imports_no_torch():
+    """DESIGN.md: the router needs the tokenizer and the model's config, never the runtime; it reads them with the
+    torch-free loader."""
+    modules = ["tandem.router.serving", "tandem.router.lifecycle", "tandem.router.http_service",
+               "tandem.router.grpc_service", "tandem.router.router_actor", "tandem.router.mock_replicas",
+               "tandem.replica.contract", "tandem.replica.remote"]
+    code = ("import sys\n" + "".join(f"import {m}\n" for m in modules)
+            + "from tandem.router.router_actor import RouterActor\n"
+            + "from tandem.router.lifecycle import DriverSettings\n"
+            + "actor = RouterActor(None, DriverSettings())\n"
+            + "assert actor.config.vocab_size == actor.tokenizer.vocab_size, actor.config\n"
+            + "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "[]"
