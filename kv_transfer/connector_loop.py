@@ -27,7 +27,8 @@ class _Waiter:
 
 
 class ConnectorLoop:
-    def __init__(self, connector: DecodeConnector | PrefillConnector, *, on_failed: Callable[[TransferEvent], None] | None = None,
+    def __init__(self, connector: DecodeConnector | PrefillConnector, *,
+                 on_failed: Callable[[TransferEvent], None] | None = None,
                  clock: Callable[[], float] = time.monotonic):
         """on_failed: called on the engine thread for every transfer that ends badly (e.g. to end a stream)."""
         self.connector = connector

@@ -152,8 +152,8 @@ class MockDecode(_MockReplica):
     def _blocks_in_use(self) -> int:
         return min(self.cache.capacity, self.running * 4)
 
-    async def reserve(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *, priority: int = 0,
-                      cache_salt: str | None = None) -> TransferDescriptor | None:
+    async def reserve(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *,
+                      priority: int = 0, cache_salt: str | None = None) -> TransferDescriptor | None:
         prompt = tuple(prompt_token_ids)
         if self.room and not self.room.pop(0):
             return None
@@ -172,8 +172,8 @@ class MockDecode(_MockReplica):
         async for batch in self._stream(request_id, prompt, tokens, logprobs=params.logprobs):
             yield batch
 
-    async def generate(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *, priority: int = 0,
-                       cache_salt: str | None = None) -> AsyncIterator[list[RequestOutput]]:
+    async def generate(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *,
+                       priority: int = 0, cache_salt: str | None = None) -> AsyncIterator[list[RequestOutput]]:
         prompt = tuple(prompt_token_ids)
         self.served.append(request_id)
         self.salts.append(cache_salt)
@@ -243,8 +243,8 @@ class DyingDecode(MockDecode):
                 raise RayActorError()
             yield batch
 
-    async def reserve(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *, priority: int = 0,
-                      cache_salt: str | None = None) -> TransferDescriptor | None:
+    async def reserve(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *,
+                      priority: int = 0, cache_salt: str | None = None) -> TransferDescriptor | None:
         prompt = tuple(prompt_token_ids)
         if self.after < 0:
             from ray.exceptions import RayActorError

@@ -127,28 +127,12 @@ def test_moe_split_gives_one_process_and_transformers_tokens(kind, parallel, moe
             assert sum(sum(stats[r].expert_load.values()) for r in ranks) == computed * moe.top_k * sparse
 
 
-def test_a_killed_rank_fails_the_replica_fast_with_its_name(embedded_prompts):
+def test_kv_agents_answer_in_each_rank_process_and_a_killed_rank_fails_the_replica_fast(embedded_prompts):
+    """One tp=2 replica (ranks are slow to start) for two checks: call_kv_agents runs a callable on each rank's
+    agent in that rank's process; then a killed rank fails the replica fast, naming the rank."""
     meta = load_model(weights=False, progress=False)
-    engine = LLMEngine(meta, CONFIG, parallel=ParallelConfig(tp=2, collective_timeout_s=30))
+    engine = LLMEngine(meta, CONFIG, parallel=ParallelConfig(tp=2, collective_timeout_s=30), kv_agent=ProbeAgent)
     try:
-        engine.add_request("a", embedded_prompts[0], SamplingParams(max_tokens=50, temperature=0))
-        engine.step()
-        engine.runner.kill_rank(1)
-        start = time.monotonic()
-        with pytest.raises(ReplicaFailedError, match=r"rank 1 \(stage 0, ep 0, tp 1\)"):
-            for _ in range(50):
-                engine.step()
-        assert time.monotonic() - start < 10, "a dead rank must not wait out the collective timeout"
-        assert not any(p.is_alive() for p in engine.runner._procs), "the surviving ranks must be stopped"
-        with pytest.raises(ReplicaFailedError, match="shut down"):
-            engine.step()
-    finally:
-        engine.shutdown()
-
-
-def test_kv_agents_run_a_callable_in_each_rank_process():
-    meta = load_model(weights=False, progress=False)
-    with LLMEngine(meta, CONFIG, parallel=ParallelConfig(tp=2), kv_agent=ProbeAgent) as engine:
         where = engine.call_kv_agents(ProbeAgent.where, {0: ("first",), 1: ("second",)})
         shapes = [s.kv_cache_shape for s in engine.runner.rank_stats()]
         assert [(rank, shape, tag) for rank, _, shape, tag in (where[0], where[1])] == [
@@ -163,6 +147,20 @@ def test_kv_agents_run_a_callable_in_each_rank_process():
         with pytest.raises((pickle.PicklingError, AttributeError)):  # refused before any rank is asked
             engine.call_kv_agents(local, {0: (), 1: ()})
         assert engine.call_kv_agents(ProbeAgent.where, {1: ("again",)})[1][3] == "again", "the ranks live on"
+
+        engine.add_request("a", embedded_prompts[0], SamplingParams(max_tokens=50, temperature=0))
+        engine.step()
+        engine.runner.kill_rank(1)
+        start = time.monotonic()
+        with pytest.raises(ReplicaFailedError, match=r"rank 1 \(stage 0, ep 0, tp 1\)"):
+            for _ in range(50):
+                engine.step()
+        assert time.monotonic() - start < 10, "a dead rank must not wait out the collective timeout"
+        assert not any(p.is_alive() for p in engine.runner._procs), "the surviving ranks must be stopped"
+        with pytest.raises(ReplicaFailedError, match="shut down"):
+            engine.step()
+    finally:
+        engine.shutdown()
 
 
 def test_an_error_on_a_rank_reaches_the_driver_with_its_traceback(embedded_prompts):

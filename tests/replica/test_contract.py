@@ -31,12 +31,18 @@ def _kind(fn) -> str:
 
 
 def _params(fn) -> list[tuple[str, object]]:
-    return [(p.name, p.kind) for p in inspect.signature(fn).parameters.values()]
+    """Ray's tracing adds a keyword-only _ray_trace_ctx to the methods of a class once ray.remote() saw it."""
+    return [(p.name, p.kind) for p in inspect.signature(fn).parameters.values() if p.name != "_ray_trace_ctx"]
 
 
 def _implementations():
+    import ray
+
     from tandem.decode_worker.replica import DecodeReplica
     from tandem.prefill_worker.replica import PrefillReplica
+
+    for actor_class in (PrefillReplica, DecodeReplica):  # as the controller starts them (Ray wraps the methods)
+        ray.remote(actor_class)
 
     return [(contract.PrefillReplicaAPI, PrefillReplica), (contract.PrefillReplicaAPI, RemotePrefillReplica),
             (contract.PrefillReplicaAPI, MockPrefill), (contract.DecodeReplicaAPI, DecodeReplica),
