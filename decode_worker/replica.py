@@ -14,15 +14,16 @@ engine step at most crosses to the router, however many tokens it carries.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import AsyncIterator, Sequence
 
-from tandem.engine.llm_engine import LLMEngine
 from tandem.engine.output_processor import RequestOutput
 from tandem.engine.sampled_token import SampledToken
 from tandem.engine.sampling_params import SamplingParams
 from tandem.kv_transfer.config import TransferConfig
 from tandem.kv_transfer.connector import DecodeConnector
 from tandem.kv_transfer.descriptor import TransferDescriptor, TransferFailedError, TransferState
+from tandem.replica.contract import ReplicaInfo
 from tandem.replica.shell import ReplicaShell
 from tandem.replica.spec import ReplicaSpec
 
@@ -34,10 +35,12 @@ class DecodeReplica(ReplicaShell):
     def __init__(self, name: str, spec: ReplicaSpec, transfer: TransferConfig | None):
         """transfer None: a colocated replica (no KV agents; reserve/decode are refused). transfer.host "": this
         node's address."""
-        super().__init__(name, spec, transfer)
+        super().__init__(name, spec, transfer, DecodeConnector)
 
-    def _connect(self, engine: LLMEngine, transfer: TransferConfig) -> DecodeConnector:
-        return DecodeConnector(engine, transfer)
+    async def ready(self) -> ReplicaInfo:
+        """The shell's info with this replica's KV agent addresses (none when colocated)."""
+        info = await super().ready()
+        return dataclasses.replace(info, kv_addresses=self.connector.addresses if self.connector else ())
 
     async def reserve(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *,
                       priority: int = 0, cache_salt: str | None = None) -> TransferDescriptor | None:

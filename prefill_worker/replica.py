@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from tandem.engine.llm_engine import LLMEngine
 from tandem.engine.sampling_params import SamplingParams
 from tandem.kv_transfer.config import TransferConfig
 from tandem.kv_transfer.connector import PrefillConnector, TransferEvent, first_token_of
@@ -27,10 +26,7 @@ class PrefillReplica(ReplicaShell):
         """transfer.host "": this node's address."""
         if transfer is None:
             raise ValueError(f"prefill replica {name} needs a transfer config: it only serves disaggregated prompts")
-        super().__init__(name, spec, transfer)
-
-    def _connect(self, engine: LLMEngine, transfer: TransferConfig) -> PrefillConnector:
-        return PrefillConnector(engine)
+        super().__init__(name, spec, transfer, lambda engine, _transfer: PrefillConnector(engine))
 
     def _transfer_failed(self, event: TransferEvent) -> None:
         """Engine thread: the connector already aborted the request in the engine; wake its prefill() call."""

@@ -47,15 +47,20 @@ def node_address() -> str:
     return ray.util.get_node_ip_address() if ray else "127.0.0.1"
 
 
+Connect = Callable[[LLMEngine, TransferConfig], PrefillConnector | DecodeConnector]
+
+
 class ReplicaShell:
-    """The base of the prefill and decode replica actors. A subclass names its pool and builds its connector."""
+    """The base of the prefill and decode replica actors: a subclass names its pool and passes how its role's
+    connector is built."""
 
     pool: ClassVar[str]
 
-    def __init__(self, name: str, spec: ReplicaSpec, transfer: TransferConfig | None, *,
+    def __init__(self, name: str, spec: ReplicaSpec, transfer: TransferConfig | None, connect: Connect, *,
                  clock: Callable[[], float] = time.monotonic):
         """transfer None: no KV agents and no connector (a colocated decode replica). transfer.host "": this
-        node's address. Raises ModelLoadError / ValueError / ReplicaFailedError if the engine cannot start."""
+        node's address. connect(engine, transfer): the role's connector, built once before the engine thread
+        starts. Raises ModelLoadError / ValueError / ReplicaFailedError if the engine cannot start."""
         if transfer is not None and not transfer.host:
             transfer = transfer.on_host(node_address())
         self.name = name
@@ -63,15 +68,11 @@ class ReplicaShell:
         self.events = KVEventLog()
         self.engine = spec.build(kv_agent=AgentFactory(transfer) if transfer is not None else None,
                                  event_sink=self.events)
-        self.connector = self._connect(self.engine, transfer) if transfer is not None else None
+        self.connector = connect(self.engine, transfer) if transfer is not None else None
         self.transfers = ConnectorLoop(self.connector, on_failed=self._transfer_failed) if self.connector else None
         self.server = AsyncEngine(self.engine, tick=self.transfers.tick if self.transfers else None)
         self.server.start()
         self._aborted: dict[str, float] = {}
-
-    def _connect(self, engine: LLMEngine, transfer: TransferConfig) -> PrefillConnector | DecodeConnector:
-        """The role's connector (called once, before the engine thread starts)."""
-        raise NotImplementedError
 
     def _transfer_failed(self, event: TransferEvent) -> None:
         """Engine thread: a transfer ended badly (the connector already freed its blocks). Default: nothing."""
@@ -80,11 +81,10 @@ class ReplicaShell:
 
     async def ready(self) -> ReplicaInfo:
         engine = self.engine
-        addresses = self.connector.addresses if isinstance(self.connector, DecodeConnector) else ()
         return ReplicaInfo(name=self.name, pool=self.pool, pid=os.getpid(), node=node_address(), node_id=node_id(),
                            layout=tuple(engine.layout.describe()), world_size=engine.layout.world_size,
                            max_model_len=engine.max_model_len, block_size=engine.config.block_size,
-                           kv_blocks_total=engine.kv_cache_spec.num_blocks, kv_addresses=tuple(addresses))
+                           kv_blocks_total=engine.kv_cache_spec.num_blocks)
 
     async def stats(self) -> ReplicaStats:
         """Counters read on the engine thread between steps (exact, at the cost of waiting for a running step);
