@@ -13,6 +13,7 @@ from tandem.engine.tokenizer import Tokenizer
 if TYPE_CHECKING:
     import torch
 
+    from tandem.engine.loader.lazy_tensor import LazyTensor
     from tandem.engine.models.int4 import Int4Weight
 
 
@@ -28,11 +29,13 @@ class ModelInfo:
 
 @dataclass
 class Checkpoint:
-    """A model on the CPU, with Hugging Face tensor names, before it is placed and repacked. Weights are float32
-    tensors, or Int4Weight for 4-bit GGUF projections loaded with packed=True; empty when only the config and
-    tokenizer were read (load_checkpoint(weights=False))."""
+    """A model with Hugging Face tensor names, before it is placed and repacked. The loaders give LazyTensor
+    values (read on demand, only the slice a rank needs, straight into its device and dtype; they keep the
+    files open), or Int4Weight for 4-bit GGUF projections loaded with packed=True, already in memory; callers
+    may put float32 tensors in their place. Empty when only the config and tokenizer were read
+    (load_checkpoint(weights=False))."""
 
     config: ModelConfig
-    weights: dict[str, torch.Tensor | Int4Weight]
+    weights: dict[str, torch.Tensor | Int4Weight | LazyTensor]
     tokenizer: Tokenizer
     source: Path

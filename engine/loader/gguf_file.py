@@ -1,5 +1,6 @@
-"""GGUF files (llama.cpp): tensors dequantized to float32 (or kept 4-bit) under Hugging Face names. The metadata
-(config and tokenizer) is read by gguf_metadata.py.
+"""GGUF files (llama.cpp): tensors under Hugging Face names, each a LazyTensor that dequantizes just that tensor
+from the memory-mapped file when a rank reads it (or, packed, Q4_0/Q4_1 projections kept 4-bit, read at load).
+The metadata (config and tokenizer) is read by gguf_metadata.py.
 
 llama.cpp stores Q and K of Llama-architecture models with their rows permuted for its interleaved RoPE;
 `_unpermute` undoes that so the weights match the Hugging Face layout (half-split RoPE).
@@ -8,16 +9,18 @@ llama.cpp stores Q and K of Llama-architecture models with their rows permuted f
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType
+from gguf import GGMLQuantizationType, ReaderTensor
 from gguf.quants import dequantize
 
 from tandem.engine.errors import UnsupportedModelError
 from tandem.engine.loader.checkpoint import Checkpoint
 from tandem.engine.loader.gguf_metadata import QK_ROWS_PERMUTED, gguf_model_info, open_gguf
+from tandem.engine.loader.lazy_tensor import LazyTensor
 from tandem.engine.loader.progress import progress_bar
 from tandem.engine.models.int4 import Int4Weight
 
@@ -61,41 +64,65 @@ def _unpack_q4(data: np.ndarray, qtype: GGMLQuantizationType, rows: int) -> Int4
     return Int4Weight(torch.from_numpy(codes), torch.from_numpy(d), torch.from_numpy(m))
 
 
-def _permute_rows(weight: torch.Tensor | Int4Weight, n_head: int) -> torch.Tensor | Int4Weight:
-    if isinstance(weight, Int4Weight):
-        return Int4Weight(*(torch.from_numpy(_unpermute(t.numpy(), n_head)) for t in
-                            (weight.codes, weight.scale, weight.offset)))
-    return torch.from_numpy(_unpermute(weight.numpy(), n_head))
+def _permute_rows(weight: Int4Weight, n_head: int) -> Int4Weight:
+    return Int4Weight(*(torch.from_numpy(_unpermute(t.numpy(), n_head)) for t in
+                        (weight.codes, weight.scale, weight.offset)))
+
+
+@dataclass(frozen=True)
+class _GGUFTensor:
+    """LazyTensor's fetch for one tensor: dequantizes it from the reader's memory map (only the rows asked for
+    when its rows are stored in order), un-permutes Q/K rows over `heads` (None: not permuted), then slices."""
+
+    file: Path
+    tensor: ReaderTensor  # its data is a view of the file's memory map
+    shape: tuple[int, ...]
+    heads: int | None
+
+    def __call__(self, rows: slice, columns: slice | None) -> torch.Tensor:
+        data, shape = self.tensor.data, self.shape
+        # Each stored row (quantized: a run of whole blocks) is one row of the tensor, so a rank's rows can be
+        # cut out before dequantizing; permuted Q/K rows are un-permuted over the whole tensor first.
+        if self.heads is None and len(shape) == 2:
+            data, shape, rows = data[rows], (rows.stop - rows.start, shape[1]), slice(None)
+        qtype = GGMLQuantizationType(self.tensor.tensor_type)
+        try:
+            array = dequantize(data, qtype).astype(np.float32, copy=False).reshape(shape)
+        except (NotImplementedError, ValueError, KeyError) as e:
+            raise UnsupportedModelError(f"{self.file}: tensor {self.tensor.name!r} of type {qtype.name} cannot be "
+                                        f"dequantized by the gguf package ({e})") from None
+        if self.heads is not None:
+            array = _unpermute(array, self.heads)
+        array = array[rows] if columns is None else array[rows, columns]
+        if not array.flags.writeable:  # F32 data is the read-only memory map itself (torch.from_numpy warns)
+            array = array.copy()
+        return torch.from_numpy(array)
 
 
 def load_gguf(path: Path, *, progress: bool = True, packed: bool = False) -> Checkpoint:
-    """Config, tokenizer and every tensor of a GGUF file. packed: keep Q4_0/Q4_1 projection weights as
-    Int4Weight (4-bit codes) instead of dequantizing them. Raises ModelLoadError / UnsupportedModelError."""
+    """Config, tokenizer and every tensor of a GGUF file, as LazyTensor values (dequantized when read).
+    packed: keep Q4_0/Q4_1 projection weights as Int4Weight (4-bit codes, read here) instead. Raises
+    ModelLoadError / UnsupportedModelError (for a tensor type the gguf package cannot dequantize: when the
+    tensor is read)."""
     reader = open_gguf(path)
     info = gguf_model_info(reader, path)
     config = info.config
     permuted = config.architecture in QK_ROWS_PERMUTED
-    tensors: dict[str, torch.Tensor | Int4Weight] = {}
-    for t in progress_bar(reader.tensors, len(reader.tensors), f"loading {path.name}", progress):
+    tensors: dict[str, LazyTensor | Int4Weight] = {}
+    for t in progress_bar(reader.tensors, len(reader.tensors), f"indexing {path.name}", progress):
         hf = _hf_name(t.name)
         if hf is None:
             continue
         qtype = GGMLQuantizationType(t.tensor_type)
         shape = tuple(int(d) for d in reversed(t.shape))
-        if packed and qtype in _Q4_HEADER and hf.endswith("_proj.weight"):
-            weight: torch.Tensor | Int4Weight = _unpack_q4(t.data, qtype, shape[0])
-        else:
-            try:
-                array = dequantize(t.data, qtype).astype(np.float32, copy=False).reshape(shape)
-            except (NotImplementedError, ValueError, KeyError) as e:
-                raise UnsupportedModelError(f"{path}: tensor {t.name!r} of type {qtype.name} cannot be "
-                                            f"dequantized by the gguf package ({e})") from None
-            if not array.flags.writeable:  # F32 tensors come straight from the read-only memory map
-                array = array.copy()
-            weight = torch.from_numpy(np.ascontiguousarray(array))
+        heads = None
         if permuted and hf.endswith(("q_proj.weight", "q_proj.bias")):
-            weight = _permute_rows(weight, config.num_heads)
+            heads = config.num_heads
         elif permuted and hf.endswith(("k_proj.weight", "k_proj.bias")):
-            weight = _permute_rows(weight, config.num_kv_heads)
-        tensors[hf] = weight
+            heads = config.num_kv_heads
+        if packed and qtype in _Q4_HEADER and hf.endswith("_proj.weight"):
+            weight = _unpack_q4(t.data, qtype, shape[0])
+            tensors[hf] = weight if heads is None else _permute_rows(weight, heads)
+        else:
+            tensors[hf] = LazyTensor(shape, t.name, _GGUFTensor(path, t, shape, heads))
     return Checkpoint(config=config, weights=tensors, tokenizer=info.tokenizer, source=path)

@@ -1,9 +1,12 @@
-"""Hugging Face folders: one or many `*.safetensors` read as float32 tensors. The config and tokenizer are read
-by hf_metadata.py."""
+"""Hugging Face folders: one or many `*.safetensors`, indexed without reading their data. Each tensor is a
+LazyTensor that reads just the slice a rank asks for, in the file's dtype (safetensors' `get_slice`). The
+config and tokenizer are read by hf_metadata.py."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -11,8 +14,11 @@ from safetensors import SafetensorError, safe_open
 from tandem.engine.errors import ModelLoadError
 from tandem.engine.loader.checkpoint import Checkpoint
 from tandem.engine.loader.hf_metadata import hf_model_info
+from tandem.engine.loader.lazy_tensor import LazyTensor
 from tandem.engine.loader.progress import progress_bar
 from tandem.engine.model_config import read_json_file
+
+_READ_ERRORS = (SafetensorError, OSError, RuntimeError, ValueError)
 
 
 def shard_files(folder: Path) -> list[Path]:
@@ -31,8 +37,27 @@ def shard_files(folder: Path) -> list[Path]:
     return files
 
 
+@dataclass(frozen=True)
+class _SafetensorsSlice:
+    """LazyTensor's fetch for one tensor of one file. Holds the file's safe_open handle (a memory map), so the
+    file stays open as long as a LazyTensor of it lives."""
+
+    handle: Any  # safetensors' safe_open
+    file: Path
+    key: str
+
+    def __call__(self, rows: slice, columns: slice | None) -> torch.Tensor:
+        try:
+            view = self.handle.get_slice(self.key)
+            return view[rows] if columns is None else view[rows, columns]
+        except _READ_ERRORS as e:
+            raise ModelLoadError(f"{self.file}: tensor {self.key!r} cannot be read: {e}") from None
+
+
 def load_hf_folder(folder: Path, *, progress: bool = True) -> Checkpoint:
-    """Config, tokenizer and every tensor of a Hugging Face folder. Raises ModelLoadError naming the file."""
+    """Config, tokenizer and every tensor of a Hugging Face folder, as LazyTensor values (only the files'
+    headers are read here). Raises ModelLoadError naming the file: here for a file that is not safetensors,
+    and when a tensor is read for one whose data cannot be read."""
     info = hf_model_info(folder)
     handles = []
     shards = shard_files(folder)
@@ -42,10 +67,11 @@ def load_hf_folder(folder: Path, *, progress: bool = True) -> Checkpoint:
         except (SafetensorError, OSError) as e:
             raise ModelLoadError(f"{shard}: cannot be read as safetensors (truncated or corrupt?): {e}") from None
     keys = [(h, k, s) for h, s in zip(handles, shards) for k in h.keys()]
-    tensors: dict[str, torch.Tensor] = {}
-    for handle, key, shard in progress_bar(keys, len(keys), f"loading {folder.name}", progress):
+    tensors: dict[str, LazyTensor] = {}
+    for handle, key, shard in progress_bar(keys, len(keys), f"indexing {folder.name}", progress):
         try:
-            tensors[key] = handle.get_tensor(key).to(torch.float32)
-        except (SafetensorError, OSError, RuntimeError) as e:
+            shape = tuple(handle.get_slice(key).get_shape())
+        except _READ_ERRORS as e:
             raise ModelLoadError(f"{shard}: tensor {key!r} cannot be read: {e}") from None
+        tensors[key] = LazyTensor(shape, key, _SafetensorsSlice(handle, shard, key))
     return Checkpoint(config=info.config, weights=tensors, tokenizer=info.tokenizer, source=folder)

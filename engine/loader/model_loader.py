@@ -23,12 +23,14 @@ from tandem.engine.tokenizer import Tokenizer
 
 def load_checkpoint(path: str | Path | None = None, *, progress: bool = True, packed: bool = False,
                     weights: bool = True) -> Checkpoint:
-    """Reads config, weights and tokenizer from `path` (a HF folder or a .gguf file; None: the embedded model).
+    """Reads config and tokenizer from `path` (a HF folder or a .gguf file; None: the embedded model), and
+    indexes its weights: LazyTensor values that build_model reads, each rank only its own shard's slices.
 
     packed: keep a GGUF file's Q4_0/Q4_1 projection weights as 4-bit Int4Weight values.
     weights: False reads only the config and tokenizer (load_model_info; weights is {}), for a driver whose
     ranks load their own shards; a folder's safetensors files must still all be there.
-    Raises ModelLoadError with a message naming the path and the problem.
+    Raises ModelLoadError with a message naming the path and the problem (for a tensor whose data cannot be
+    read: when it is read).
     """
     source = resolve_model_path(path)
     if source.is_dir() and packed:

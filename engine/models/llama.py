@@ -1,9 +1,10 @@
 """The Llama family (Llama 2/3, Mistral, Qwen2/3, SmolLM2) and its MoE variants (Mixtral, Qwen2/3-MoE): GQA/MQA,
 RMSNorm, SwiGLU or routed experts, RoPE, optional biases and per-head query/key norms.
 
-Weights arrive as a Hugging Face-named state dict (both loaders produce one) and are repacked for fast batch-1
-decode: Q/K/V fused into one projection and gate/up into another, each in the layout `Linear` picks for the
-device and dtype.
+Weights arrive as a Hugging Face-named dict (both loaders produce one, of lazily read tensors: each rank reads
+only its own rows and columns, straight into its device and dtype) and are repacked for fast batch-1 decode:
+Q/K/V fused into one projection and gate/up into another, each in the layout `Linear` picks for the device and
+dtype.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +33,36 @@ if TYPE_CHECKING:
     from tandem.engine.parallel.comm import ParallelComm
 
 _log = logging.getLogger(__name__)
+
+
+class LazyWeight(Protocol):
+    """A checkpoint tensor read on demand (engine/loader/lazy_tensor.py's LazyTensor; named here by what it
+    offers, since models/ sits below loader/): its whole shape without reading data, and a read of some of its
+    rows (dim 0) or columns (dim 1), None meaning all, as a new tensor of `dtype` on `device`."""
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+
+    def read(self, rows: range | None = None, columns: range | None = None, *, dtype: torch.dtype,
+             device: torch.device | str) -> torch.Tensor: ...
+
+
+Weight = torch.Tensor | Int4Weight | LazyWeight
+
+
+def read_weight(weight: Weight, rows: range | None = None, columns: range | None = None, *, dtype: torch.dtype,
+                device: torch.device) -> torch.Tensor:
+    """The rows and columns asked for (None: all) of a checkpoint value, as `dtype` on `device`. A LazyWeight
+    reads only that slice from its file; an Int4Weight is expanded (float32) before it is sliced."""
+    if not isinstance(weight, (torch.Tensor, Int4Weight)):
+        return weight.read(rows, columns, dtype=dtype, device=device)
+    if isinstance(weight, Int4Weight):
+        weight = weight.dequantize()
+    if rows is not None:
+        weight = weight[rows.start:rows.stop]
+    if columns is not None:
+        weight = weight[:, columns.start:columns.stop]
+    return weight.to(device=device, dtype=dtype)
 
 
 def expert_names(config: ModelConfig, layer: int, expert: int | None) -> tuple[str, str, str]:
@@ -99,8 +130,9 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def check_weights(config: ModelConfig, weights: dict[str, torch.Tensor | Int4Weight], source: str) -> None:
-    """Raises ModelLoadError naming the first missing tensor or the first whose shape disagrees with the config."""
+def check_weights(config: ModelConfig, weights: dict[str, Weight], source: str) -> None:
+    """Raises ModelLoadError naming the first missing tensor or the first whose shape disagrees with the config.
+    Reads shapes only, never a LazyWeight's data."""
     for name, shape in expected_shapes(config).items():
         if name not in weights:
             raise ModelLoadError(f"{source}: tensor {name!r} is missing (the config needs it)")
@@ -125,10 +157,6 @@ class _Layer:
     k_norm: torch.Tensor | None = None
 
 
-def _rows(w, r: range | None):
-    return w if r is None else w[r.start:r.stop]
-
-
 class LlamaModel:
     """A decoder whose attention reads and writes K/V through block tables into a PagedKVCache.
 
@@ -137,10 +165,12 @@ class LlamaModel:
     group and dispatches tokens over the EP group. Without one it is the whole model.
     """
 
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor | Int4Weight], *, dtype: torch.dtype = torch.float32,
+    def __init__(self, config: ModelConfig, weights: dict[str, Weight], *, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu", max_positions: int | None = None, source: str = "weights",
                  shard: RankShard | None = None, comm: ParallelComm | None = None, cpu: CpuFeatures | None = None):
-        """Consumes `weights` (entries are popped to keep peak memory low). Int4Weight entries stay packed when
+        """Consumes `weights`: the entries this rank holds are popped (to keep peak memory low) and read, a
+        LazyWeight only for the rows or columns of this rank's shard, straight into `dtype` on `device`; other
+        stages' layers and other EP indices' experts stay in the dict, unread. Int4Weight entries stay packed when
         every part of a fused projection is packed, the rank holds the whole projection and the CPU runs the int4
         kernel (otherwise they are expanded to bfloat16, with a warning). cpu: what the CPU runs, for the kernel
         choice (default: this process's probe; ignored off the CPU). Raises ModelLoadError on bad shapes,
@@ -161,7 +191,7 @@ class LlamaModel:
         tp = 1 if comm is None else comm.tp_size
 
         def take(name: str) -> torch.Tensor:
-            return weights.pop(name).to(device=self.device, dtype=dtype)
+            return read_weight(weights.pop(name), dtype=dtype, device=self.device)
 
         packed = [n for n, w in weights.items() if isinstance(w, Int4Weight)]
         if packed and dtype != torch.bfloat16:
@@ -175,20 +205,20 @@ class LlamaModel:
 
         def linear(names: list[str], rows: list[range | None] | None = None, columns: range | None = None
                    ) -> Linear | Int4Linear:
-            """One projection from the concatenated [out, in] weights of `names`: of each, the output rows in
-            `rows` (column parallel) or the input columns in `columns` (row parallel: the bias, a term of the
-            sum, stays on TP rank 0 only)."""
+            """One projection from the concatenated [out, in] weights of `names`: of each, only the output rows
+            in `rows` (column parallel) or the input columns in `columns` (row parallel: the bias, a term of the
+            sum, stays on TP rank 0 only) are read."""
             rows = rows or [None] * len(names)
             parts = [weights.pop(f"{n}.weight") for n in names]
-            biases = [_rows(weights.pop(f"{n}.bias"), r) for n, r in zip(names, rows) if f"{n}.bias" in weights]
-            bias = torch.cat(biases) if biases and (columns is None or shard.tp_index == 0) else None
+            biases = [(weights.pop(f"{n}.bias"), r) for n, r in zip(names, rows) if f"{n}.bias" in weights]
+            bias = None
+            if biases and (columns is None or shard.tp_index == 0):
+                bias = torch.cat([read_weight(b, r, dtype=dtype, device=self.device) for b, r in biases])
             whole = all(r is None for r in rows) and columns is None
             if keep_packed and whole and all(isinstance(p, Int4Weight) for p in parts):
                 return Int4Linear(Int4Weight.cat(parts), bias, device=self.device)
-            dense = [_rows(p.dequantize() if isinstance(p, Int4Weight) else p, r) for p, r in zip(parts, rows)]
-            weight = torch.cat(dense)
-            if columns is not None:
-                weight = weight[:, columns.start:columns.stop]
+            weight = torch.cat([read_weight(p, r, columns, dtype=dtype, device=self.device)
+                                for p, r in zip(parts, rows)])
             return Linear(weight, bias, dtype=dtype, device=self.device, cpu=self.cpu)
 
         def mlp(names: tuple[str, str, str], size: int) -> GatedMLP:
@@ -354,7 +384,7 @@ class LlamaModel:
         return self.lm_head(hidden).float()
 
 
-def build_model(config: ModelConfig, weights: dict[str, torch.Tensor], **kwargs) -> LlamaModel:
+def build_model(config: ModelConfig, weights: dict[str, Weight], **kwargs) -> LlamaModel:
     """Instantiates the model class for config.architecture (every supported one is Llama-shaped, the MoE ones
     with MoEBlock MLPs)."""
     return LlamaModel(config, weights, **kwargs)
