@@ -5,6 +5,10 @@ Decode (paged, split-K): batch x context tokens of KV read once; floor = KV byte
 matmul rate (a large bf16 matmul on CUDA, fp32 on the CPU). Each kernel's time is the median of --rounds after a
 warm-up; the reference is TorchAttentionBackend on the same inputs.
 
+The JSON's headline numbers: decode_fraction_of_bandwidth (KV bytes read per second over the copy bandwidth) and
+prefill_fraction_of_matmul (attention FLOP/s over the matmul rate), against TARGETS; targets_met says whether
+each reaches its target (null under the interpreter, whose times say nothing about speed).
+
     .venv/bin/python bench/attention_kernels.py                    # CUDA: batch 64 x 4k decode, 8k prefill
     TRITON_INTERPRET=1 .venv/bin/python bench/attention_kernels.py --small   # CPU: the interpreter, tiny shapes
 
@@ -21,6 +25,8 @@ import statistics
 import time
 
 import torch
+
+TARGETS = {"decode": 0.70, "prefill": 0.50}  # fractions of the bandwidth and matmul floors on a GPU
 
 
 def timed(fn, rounds: int, device: torch.device) -> float:
@@ -88,7 +94,7 @@ def main() -> None:
     batch, context, prefill = (64, 4096, 8192) if not args.small else (2, 256, 128)
     rounds = args.rounds if not args.small else 1
     triton_backend, torch_backend = TritonAttentionBackend(), TorchAttentionBackend()
-    results = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu (Triton interpreter)",
+    results = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (Triton interpreter)",
                "interpreted": interpreted, "dtype": str(dtype).removeprefix("torch.")}
 
     bw = bandwidth(device, rounds)
@@ -110,8 +116,17 @@ def main() -> None:
     results["prefill"] = {"tokens": prefill, "flops": flops, "matmul_tflops": rate / 1e12, "triton_s": t_triton,
                           "torch_s": t_torch, "speedup_vs_torch": t_torch / t_triton,
                           "fraction_of_matmul_rate": flops / t_triton / rate}
+    fractions = {"decode": results["decode"]["fraction_of_bandwidth"],
+                 "prefill": results["prefill"]["fraction_of_matmul_rate"]}
+    results["decode_fraction_of_bandwidth"] = fractions["decode"]
+    results["prefill_fraction_of_matmul"] = fractions["prefill"]
+    results["targets"] = TARGETS
+    results["targets_met"] = {name: None if interpreted else fractions[name] >= TARGETS[name] for name in TARGETS}
     for name in ("decode", "prefill"):
         print(f"{name}: {results[name]}", flush=True)
+    for name, target in TARGETS.items():
+        verdict = "n/a, interpreted" if interpreted else ("met" if results["targets_met"][name] else "missed")
+        print(f"{name}: {fractions[name]:.3f} of its floor, target {target:.2f}: {verdict}", flush=True)
     print(json.dumps(results))
 
 

@@ -2,15 +2,24 @@
 batches on the split-K paged decode kernel (triton_decode.py) and every other batch (prefill chunks, with any
 decodes mixed in as one-token chunks) on the paged prefill kernel (triton_prefill.py). Both read K/V straight
 from the engine's paged cache through the block tables; the new tokens' K/V are scattered into it first, as the
-reference does."""
+reference does.
+
+select_backend builds the backend a replica runs: choose_backend holds the decision (auto is Triton on CUDA and
+the reference elsewhere, and a failing Triton import is an error, never a silent fallback), and the choice is
+logged once as "attention backend: <name> (<reason>)"."""
 
 from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
 
 import torch
 
 from tandem.engine.attention.metadata import AttentionMetadata
 from tandem.engine.engine_config import ATTENTION_BACKENDS
 from tandem.engine.attention.torch_ref import TorchAttentionBackend
+
+logger = logging.getLogger(__name__)
 
 
 class TritonAttentionBackend(TorchAttentionBackend):
@@ -36,16 +45,64 @@ class TritonAttentionBackend(TorchAttentionBackend):
         return out.reshape(q.shape[0], -1)
 
 
-def select_backend(name: str, device: torch.device) -> TorchAttentionBackend:
-    """name: "torch" (the reference), "triton", or "auto" (Triton on CUDA when Triton is installed, the torch
-    reference otherwise). Raises ValueError for an unknown name or "triton" without Triton installed."""
+@dataclass(frozen=True)
+class BackendChoice:
+    """Which attention backend runs and why. name: "torch" or "triton"; reason: what decided it, for the log
+    ("cuda", "cpu device", "attention_backend: torch", ...)."""
+
+    name: str
+    reason: str
+
+    def summary(self) -> str:
+        """e.g. "triton (cuda)": what a replica reports for each rank."""
+        return f"{self.name} ({self.reason})"
+
+    def describe(self) -> str:
+        """The line select_backend logs, e.g. "attention backend: triton (cuda)"."""
+        return f"attention backend: {self.summary()}"
+
+
+def choose_backend(name: str, device_type: str, triton_import_error: str | None) -> BackendChoice:
+    """The decision alone, without importing Triton. name: one of ATTENTION_BACKENDS; device_type: "cuda", "cpu",
+    ...; triton_import_error: the text of the ImportError that importing the Triton kernels raised, or None when
+    they import (or were not tried).
+
+    "torch" is the reference anywhere. "auto" is Triton on CUDA and the reference elsewhere. "triton" is Triton on
+    any device (off CUDA the kernels need Triton's interpreter, TRITON_INTERPRET=1, as the tests run them).
+    Raises ValueError for an unknown name, and whenever Triton would be chosen but failed to import: a broken
+    install is reported, never replaced by the slower reference."""
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"attention backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {name!r}")
-    if name == "torch" or (name == "auto" and device.type != "cuda"):
-        return TorchAttentionBackend()
+    if name == "torch":
+        return BackendChoice("torch", "attention_backend: torch")
+    if name == "auto" and device_type != "cuda":
+        return BackendChoice("torch", f"{device_type} device")
+    if triton_import_error is not None:
+        raise ValueError(f"attention_backend {name!r} on a {device_type} device needs Triton, which failed to "
+                         f"import: {triton_import_error}. Install it (pip install triton), or set "
+                         f"attention_backend: torch to run the reference backend")
+    return BackendChoice("triton", "cuda" if device_type == "cuda" else f"{device_type} device, Triton interpreter")
+
+
+def _triton_import_error() -> str | None:
+    """Imports the Triton kernels; returns the ImportError's text, or None when they import."""
     try:
-        return TritonAttentionBackend()
+        from tandem.engine.attention import triton_decode, triton_norm, triton_prefill  # noqa: F401
     except ImportError as e:
-        if name == "auto":
-            return TorchAttentionBackend()
-        raise ValueError(f"the triton attention backend needs the triton package ({e})") from None
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def select_backend(name: str, device: torch.device, *, log: bool = True) -> TorchAttentionBackend:
+    """Builds the attention backend that choose_backend picks for name on device; Triton is imported only when
+    it would be chosen. The returned backend carries the decision as `.choice` (a BackendChoice). With log, logs
+    choice.describe() once at INFO (callers pass log=False on all ranks but one, so a replica logs it once).
+    Raises ValueError as choose_backend does: an unknown name, or Triton chosen but not importable."""
+    choice = choose_backend(name, device.type, None)
+    if choice.name == "triton":
+        choice = choose_backend(name, device.type, _triton_import_error())
+    backend = TritonAttentionBackend() if choice.name == "triton" else TorchAttentionBackend()
+    backend.choice = choice
+    if log:
+        logger.info(choice.describe())
+    return backend

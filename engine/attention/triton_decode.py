@@ -7,6 +7,9 @@ whole group of query heads is computed together, so each K/V tile is loaded once
 split leaves a partial softmax (running max m, sum l) and an unnormalised output; a second kernel combines the
 splits. Splits let a few long sequences use the whole device; with many sequences one split each suffices.
 
+Tiles are upcast to float32 and multiplied by tl.dot at the input precision dot_precision() picks from the dtype
+(passed as the DOT_PRECISION constexpr; the prefill kernel uses the same helper).
+
 Triton is imported here only; the engine imports this module only when the Triton backend is chosen. On the CPU
 the kernels run under TRITON_INTERPRET=1 (tests), which must be set before this module is imported.
 """
@@ -18,6 +21,26 @@ import triton
 import triton.language as tl
 
 MIN_DOT = 16  # tl.dot needs at least 16 rows: a KV head's query group is padded up to this
+TENSOR_CORE_PRECISION = "tf32"  # Triton's own default for float32 tl.dot on NVIDIA tensor cores
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """tl.dot input_precision for attention over q and a cache of this dtype (the kernels pass
+    torch.promote_types(q.dtype, kv.dtype)). They upcast tiles to float32 before tl.dot, so this decides how
+    float32 products are done:
+
+    float32: "ieee", true float32 products. Triton's GPU default (TF32) keeps 10 mantissa bits and puts float32
+    results off the reference by ~1e-3; the interpreter always multiplies in float32 whatever the precision, so
+    only a GPU shows the difference.
+    bfloat16, float16: TENSOR_CORE_PRECISION. Their values are exact in TF32, so Q.K^T loses nothing on the
+    tensor cores; only P (the softmax weights) is cut to 10 mantissa bits, well inside 16-bit tolerance.
+
+    Raises ValueError for any other dtype."""
+    if dtype == torch.float32:
+        return "ieee"
+    if dtype in (torch.bfloat16, torch.float16):
+        return TENSOR_CORE_PRECISION
+    raise ValueError(f"the Triton attention kernels take float32, bfloat16 or float16 tensors, got {dtype}")
 
 
 @triton.jit
@@ -28,7 +51,7 @@ def _split_kernel(q_ptr, kv_ptr, tables_ptr, lens_ptr, part_out_ptr, part_m_ptr,
                   stride_tab,
                   num_splits, blocks_per_split,
                   GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  BLOCK_SIZE: tl.constexpr, HAS_WINDOW: tl.constexpr):
+                  BLOCK_SIZE: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -55,7 +78,7 @@ def _split_kernel(q_ptr, kv_ptr, tables_ptr, lens_ptr, part_out_ptr, part_m_ptr,
         offsets = slots[:, None] * stride_kv_s + dims[None, :]
         k = tl.load(base + offsets).to(tl.float32)                      # [BLOCK_SIZE, HEAD_DIM]
         v = tl.load(base + stride_kv_kv + offsets).to(tl.float32)
-        scores = tl.dot(q, tl.trans(k)) * scale                          # [GROUP_PAD, BLOCK_SIZE]
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [GROUP_PAD, BLOCK_SIZE]
         pos = j * BLOCK_SIZE + slots
         visible = pos <= query_pos
         if HAS_WINDOW:
@@ -66,7 +89,7 @@ def _split_kernel(q_ptr, kv_ptr, tables_ptr, lens_ptr, part_out_ptr, part_m_ptr,
         p = tl.exp(scores - m_safe[:, None])
         alpha = tl.exp(m - m_safe)
         l = l * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p, v)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
         m = m_new
 
     part = (seq * tl.num_programs(1) + kv_head) * num_splits + split
@@ -125,8 +148,8 @@ def paged_decode_attention(q: torch.Tensor, kv: torch.Tensor, block_tables: torc
                            scale: float, window: int | None = None, num_splits: int | None = None) -> torch.Tensor:
     """q: [B, Hq, D], one query token per sequence (at position seq_lens[b] - 1); kv: one layer's cache
     [2, num_blocks, Hk, block_size, D]; block_tables: [B, max_blocks] int; seq_lens: [B] int (>= 1). Returns
-    [B, Hq, D] in q's dtype. D and block_size must be powers of two; Hq a multiple of Hk. Raises ValueError
-    otherwise."""
+    [B, Hq, D] in q's dtype. D and block_size must be powers of two; Hq a multiple of Hk; q and kv float32,
+    bfloat16 or float16. Raises ValueError otherwise."""
     b = q.shape[0]
     hq, hk, d, block_size = check_paged_shapes(q, kv)
     group = hq // hk
@@ -143,7 +166,8 @@ def paged_decode_attention(q: torch.Tensor, kv: torch.Tensor, block_tables: torc
         q, kv, tables, lens, part_out, part_m, part_l, scale, window or 0,
         q.stride(0), q.stride(1), kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3), tables.stride(0),
         splits, blocks_per_split,
-        GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=d, BLOCK_SIZE=block_size, HAS_WINDOW=window is not None)
+        GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=d, BLOCK_SIZE=block_size, HAS_WINDOW=window is not None,
+        DOT_PRECISION=dot_precision(torch.promote_types(q.dtype, kv.dtype)))
     out = torch.empty_like(q)
     _combine_kernel[(b, hq)](part_out, part_m, part_l, out, out.stride(0), out.stride(1), splits,
                              GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=d,

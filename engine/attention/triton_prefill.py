@@ -5,7 +5,8 @@ chunk is one token.
 
 The new tokens' K/V must already be in the cache (the backend writes them first). A program handles one tile of
 BLOCK_M query tokens of one sequence and one query head; it walks the sequence's KV blocks up to the tile's last
-position with an online softmax, in fp32.
+position with an online softmax, in fp32, its tl.dot at the input precision dot_precision() picks (see
+triton_decode.py).
 
 Triton is imported here only; on the CPU the kernel runs under TRITON_INTERPRET=1 (set before import).
 """
@@ -16,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tandem.engine.attention.triton_decode import check_paged_shapes
+from tandem.engine.attention.triton_decode import check_paged_shapes, dot_precision
 
 BLOCK_M = 16
 
@@ -28,7 +29,7 @@ def _prefill_kernel(q_ptr, kv_ptr, out_ptr, tables_ptr, starts_ptr, lens_ptr,
                     stride_kv_kv, stride_kv_b, stride_kv_h, stride_kv_s,
                     stride_tab,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
-                    HAS_WINDOW: tl.constexpr):
+                    HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr):
     seq = tl.program_id(0)
     head = tl.program_id(1)
     tile = tl.program_id(2)
@@ -58,7 +59,7 @@ def _prefill_kernel(q_ptr, kv_ptr, out_ptr, tables_ptr, starts_ptr, lens_ptr,
             offsets = slots[:, None] * stride_kv_s + dims[None, :]
             k = tl.load(base + offsets).to(tl.float32)
             v = tl.load(base + stride_kv_kv + offsets).to(tl.float32)
-            scores = tl.dot(q, tl.trans(k)) * scale  # [BLOCK_M, BLOCK_SIZE]
+            scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [BLOCK_M, BLOCK_SIZE]
             key_pos = j * BLOCK_SIZE + slots
             visible = key_pos[None, :] <= query_pos[:, None]
             if HAS_WINDOW:
@@ -69,7 +70,7 @@ def _prefill_kernel(q_ptr, kv_ptr, out_ptr, tables_ptr, starts_ptr, lens_ptr,
             p = tl.exp(scores - m_safe[:, None])
             alpha = tl.exp(m - m_safe)
             l = l * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p, v)
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
             m = m_new
         out = acc / tl.where(l == 0.0, 1.0, l)[:, None]
         tl.store(out_ptr + (start + rows[:, None]) * stride_o_t + head * stride_o_h + dims[None, :],
@@ -82,7 +83,8 @@ def paged_prefill_attention(q: torch.Tensor, kv: torch.Tensor, block_tables: tor
     """q: [T, Hq, D], the batch's new tokens concatenated (sequence i owns rows query_start_loc[i]:[i+1], at
     positions seq_lens[i] - query_len .. seq_lens[i] - 1); kv: one layer's cache [2, num_blocks, Hk, block_size,
     D] already holding the new tokens' K/V; block_tables: [B, max_blocks]. Returns [T, Hq, D] in q's dtype.
-    Raises ValueError for shapes the kernel does not take (D and block_size must be powers of two)."""
+    Raises ValueError for shapes or dtypes the kernel does not take (D and block_size must be powers of two; q
+    and kv float32, bfloat16 or float16)."""
     hq, hk, d, block_size = check_paged_shapes(q, kv)
     b = block_tables.shape[0]
     out = torch.empty_like(q)
@@ -92,5 +94,6 @@ def paged_prefill_attention(q: torch.Tensor, kv: torch.Tensor, block_tables: tor
         q, kv, out, tables, starts, lens, scale, window or 0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3), tables.stride(0),
-        GROUP=hq // hk, HEAD_DIM=d, BLOCK_SIZE=block_size, BLOCK_M=BLOCK_M, HAS_WINDOW=window is not None)
+        GROUP=hq // hk, HEAD_DIM=d, BLOCK_SIZE=block_size, BLOCK_M=BLOCK_M, HAS_WINDOW=window is not None,
+        DOT_PRECISION=dot_precision(torch.promote_types(q.dtype, kv.dtype)))
     return out
