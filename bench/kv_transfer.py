@@ -10,12 +10,18 @@ same run (np.copyto, request-sized chunks into a buffer far larger than the cach
 transfer rate / memcpy rate. A second peer, the bare transport (16 MiB tagged messages between two processes,
 nothing gathered, checked or scattered), shows what the agents' own work costs.
 
+--device cuda puts both agents' KV stores on the GPU (the agents pick their path: pinned host staging, or
+device-side slots where UCX moves device memory between processes; reported as "path"). The memcpy peer is then
+replaced by two GPU peers on the same bytes in the same run: a device-to-device copy (torch copy_ on the GPU)
+and a device-to-host copy into pinned memory, request-sized chunks each.
+
 Layer-wise pipelining: the sender runs the embedded model's prefill of a --prefill-tokens prompt in one step
 with the agent sending each layer as soon as it is computed; exposed = time from the end of that step to the
 receiver's acknowledgement. The same bytes are then sent again with no compute (standalone transfer time).
 Hidden share = 1 - exposed / standalone.
 
     .venv/bin/python bench/kv_transfer.py [--requests 1 16 256] [--tokens 512] [--prefill-tokens 2048] [--rounds 3]
+                                          [--device cpu|cuda]
 
 The last line of output is one JSON object with every number.
 """
@@ -36,12 +42,12 @@ def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def make_store(num_blocks: int, fill: bool):
+def make_store(num_blocks: int, fill: bool, device: str):
     import torch
 
     from tandem.engine.kv_cache import KVCacheSpec, PagedKVCache
 
-    cache = PagedKVCache(KVCacheSpec(LAYERS, num_blocks, BLOCK, KV_HEADS, HEAD_DIM, torch.float32))
+    cache = PagedKVCache(KVCacheSpec(LAYERS, num_blocks, BLOCK, KV_HEADS, HEAD_DIM, torch.float32), device)
     if fill:
         cache.data.normal_()
     else:
@@ -50,15 +56,15 @@ def make_store(num_blocks: int, fill: bool):
 
 
 def make_agent(cache, config):
+    """A UCX agent over cache, built as engines build theirs (the UCX transport knows the store's GPU)."""
     from tandem.engine.parallel.layout import ParallelConfig, ReplicaLayout
-    from tandem.kv_transfer.agent import KVTransferAgent
-    from tandem.kv_transfer.ucx_transport import UCXTransport
+    from tandem.kv_transfer.agent_factory import AgentFactory
 
     layout = ReplicaLayout.build(ParallelConfig(), num_layers=LAYERS, num_heads=9, num_kv_heads=KV_HEADS)
-    return KVTransferAgent(cache, layout, 0, UCXTransport(config.host, 0, config.ucx_env), config), layout
+    return AgentFactory(config)(0, layout, cache), layout
 
 
-def receiver(conn, max_blocks: int) -> None:
+def receiver(conn, max_blocks: int, device: str) -> None:
     """Reserves what the sender asks for, answers with descriptors; ends on ("stop",)."""
     import torch
 
@@ -67,7 +73,7 @@ def receiver(conn, max_blocks: int) -> None:
 
     torch.set_num_threads(1)
     config = TransferConfig(staging_bytes=256 << 20)
-    cache = make_store(max_blocks, fill=False)
+    cache = make_store(max_blocks, fill=False, device=device)
     agent, layout = make_agent(cache, config)
     kv = KVFormat(LAYERS, KV_HEADS, HEAD_DIM, BLOCK, "float32")
     conn.send(("ready", agent.address))
@@ -86,6 +92,8 @@ def receiver(conn, max_blocks: int) -> None:
                 descs.append(TransferDescriptor(transfer_id, layout, (agent.address,), tuple(blocks), tokens, kv,
                                                 deadline))
             conn.send(("descs", descs))
+        elif message[0] == "path":
+            conn.send(("path", agent.stats().path))
         elif message[0] == "release":
             for transfer_id in message[1]:
                 agent.release(transfer_id)
@@ -126,6 +134,30 @@ def memcpy_rate(nbytes: int, chunk: int, rounds: int) -> float:
             np.copyto(ring[j * chunk:(j + 1) * chunk], src)
         best = max(best, nbytes / (time.perf_counter() - start) / 1e9)
     return best
+
+
+def cuda_copy_rates(nbytes: int, chunk: int, rounds: int) -> tuple[float, float]:
+    """GB/s of torch copy_ on the GPU moving nbytes in chunk-sized copies into a ring of at least 1 GiB:
+    (device to device, device to pinned host)."""
+    import torch
+
+    src = torch.randint(0, 255, (chunk,), dtype=torch.uint8, device="cuda")
+    slots = max(1, (1 << 30) // chunk)
+    rates = []
+    for ring in (torch.empty(slots * chunk, dtype=torch.uint8, device="cuda"),
+                 torch.empty(slots * chunk, dtype=torch.uint8, pin_memory=True)):
+        ring.fill_(1)  # touch every page now, not inside the measurement
+        best = 0.0
+        for _ in range(rounds):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for i in range(max(1, nbytes // chunk)):
+                j = i % slots
+                ring[j * chunk:(j + 1) * chunk].copy_(src, non_blocking=True)
+            torch.cuda.synchronize()
+            best = max(best, max(1, nbytes // chunk) * chunk / (time.perf_counter() - start) / 1e9)
+        rates.append(best)
+    return rates[0], rates[1]
 
 
 def _raw_receiver(conn, chunk: int, count: int) -> None:
@@ -174,7 +206,7 @@ def raw_ucx_rate(nbytes: int, chunk: int) -> float:
     return nbytes / elapsed / 1e9
 
 
-def batched(agent, conn, requests: int, tokens: int, rounds: int, src_blocks: list[int]) -> dict:
+def batched(agent, conn, requests: int, tokens: int, rounds: int, src_blocks: list[int], device: str) -> dict:
     per = -(-tokens // BLOCK)
     payload = LAYERS * KV_HEADS * per * 2 * BLOCK * HEAD_DIM * 4
     rates, latencies = [], []
@@ -196,21 +228,28 @@ def batched(agent, conn, requests: int, tokens: int, rounds: int, src_blocks: li
             agent.release(transfer_id)
         conn.send(("release", ids))
         conn.recv()
-    copy = memcpy_rate(requests * payload, payload, rounds)
     raw = raw_ucx_rate(min(requests, 64) * payload, 16 << 20)
     rate = statistics.median(rates)
-    result = {"requests": requests, "tokens": tokens, "bytes_per_request": payload,
-              "transfer_GBps": round(rate, 3), "memcpy_GBps": round(copy, 3), "ratio": round(rate / copy, 3),
-              "raw_ucx_GBps": round(raw, 3), "ratio_to_raw_ucx": round(rate / raw, 3),
-              "latency_ms_p50": round(1e3 * statistics.median(latencies), 2),
-              "latency_ms_max": round(1e3 * max(latencies), 2), "rates_GBps": [round(x, 3) for x in rates]}
-    log(f"{requests:4d} x {tokens} tokens: {rate:.2f} GB/s vs memcpy {copy:.2f} GB/s (ratio {rate / copy:.2f}), "
-        f"bare UCX {raw:.2f} GB/s (ratio {rate / raw:.2f}), "
-        f"latency p50 {result['latency_ms_p50']} ms, max {result['latency_ms_max']} ms")
+    result = {"requests": requests, "tokens": tokens, "bytes_per_request": payload, "transfer_GBps": round(rate, 3)}
+    if device == "cuda":
+        d2d, d2h = cuda_copy_rates(requests * payload, payload, rounds)
+        result.update({"d2d_GBps": round(d2d, 3), "ratio_to_d2d": round(rate / d2d, 3),
+                       "d2h_pinned_GBps": round(d2h, 3), "ratio_to_d2h": round(rate / d2h, 3)})
+        peers = f"GPU copy {d2d:.2f} GB/s (ratio {rate / d2d:.3f}), to pinned host {d2h:.2f} GB/s " \
+                f"(ratio {rate / d2h:.2f})"
+    else:
+        copy = memcpy_rate(requests * payload, payload, rounds)
+        result.update({"memcpy_GBps": round(copy, 3), "ratio": round(rate / copy, 3)})
+        peers = f"memcpy {copy:.2f} GB/s (ratio {rate / copy:.2f})"
+    result.update({"raw_ucx_GBps": round(raw, 3), "ratio_to_raw_ucx": round(rate / raw, 3),
+                   "latency_ms_p50": round(1e3 * statistics.median(latencies), 2),
+                   "latency_ms_max": round(1e3 * max(latencies), 2), "rates_GBps": [round(x, 3) for x in rates]})
+    log(f"{requests:4d} x {tokens} tokens: {rate:.2f} GB/s vs {peers}, bare UCX {raw:.2f} GB/s "
+        f"(ratio {rate / raw:.2f}), latency p50 {result['latency_ms_p50']} ms, max {result['latency_ms_max']} ms")
     return result
 
 
-def pipelining(conn, prefill_tokens: int, rounds: int) -> dict:
+def pipelining(conn, prefill_tokens: int, rounds: int, device: str) -> dict:
     """The embedded model's prefill with layer-wise sends vs the same transfer alone (see the docstring)."""
     import torch
 
@@ -223,8 +262,9 @@ def pipelining(conn, prefill_tokens: int, rounds: int) -> dict:
 
     torch.set_num_threads(1)  # the receiver process and the UCX threads get the other core
     config = TransferConfig(layer_group=1, staging_bytes=256 << 20)
-    engine = LLMEngine(load_model(progress=False), EngineConfig(num_kv_blocks=4 * (prefill_tokens // BLOCK + 2),
-                                                                max_num_batched_tokens=prefill_tokens),
+    engine = LLMEngine(load_model(progress=False, device=device),
+                       EngineConfig(num_kv_blocks=4 * (prefill_tokens // BLOCK + 2),
+                                    max_num_batched_tokens=prefill_tokens),
                        kv_agent=AgentFactory(config))
     agent = engine.local_kv_agent
     per = -(-prefill_tokens // BLOCK)
@@ -267,15 +307,18 @@ def sender(conn, address: str, args) -> None:
 
     torch.set_num_threads(1)
     per = -(-args.tokens // BLOCK)
-    cache = make_store(per, fill=True)
+    cache = make_store(per, fill=True, device=args.device)
     agent, _ = make_agent(cache, TransferConfig(staging_bytes=256 << 20))
-    results = {"batched": [batched(agent, conn, n, args.tokens, args.rounds, list(range(per)))
+    conn.send(("path",))
+    paths = {"sender": agent.stats().path, "receiver": conn.recv()[1]}
+    log(f"KV stores on {args.device}; transfer paths: {paths}")
+    results = {"batched": [batched(agent, conn, n, args.tokens, args.rounds, list(range(per)), args.device)
                            for n in args.requests]}
     agent.close()
     if args.prefill_tokens:
-        results["pipelining"] = pipelining(conn, args.prefill_tokens, args.rounds)
+        results["pipelining"] = pipelining(conn, args.prefill_tokens, args.rounds, args.device)
     conn.send(("stop",))
-    print(json.dumps({"peer_address": address, **results}), flush=True)
+    print(json.dumps({"peer_address": address, "device": args.device, "paths": paths, **results}), flush=True)
 
 
 def main() -> None:
@@ -284,13 +327,21 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=512)
     parser.add_argument("--prefill-tokens", type=int, default=2048, help="0 skips the pipelining measurement")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="where both agents' KV stores live (cuda: the GPU, compared with GPU copies)")
     args = parser.parse_args()
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():  # checked here: the processes below would fail one by one
+            parser.error(f"--device cuda needs a CUDA GPU, and this torch ({torch.__version__}) sees none "
+                         f"(torch.cuda.is_available() is False); run with --device cpu")
     ctx = get_context("spawn")
     to_receiver, receiver_end = ctx.Pipe()
     max_blocks = max(max(args.requests) * -(-args.tokens // BLOCK), 2 * -(-args.prefill_tokens // BLOCK))
     log(f"receiver store: {max_blocks} blocks ({max_blocks * LAYERS * 2 * BLOCK * KV_HEADS * HEAD_DIM * 4 / 2**30:.1f} "
         f"GiB); sender in this process")
-    proc = ctx.Process(target=receiver, args=(receiver_end, max_blocks), daemon=True)
+    proc = ctx.Process(target=receiver, args=(receiver_end, max_blocks, args.device), daemon=True)
     proc.start()
     _, address = to_receiver.recv()
     sender(to_receiver, address, args)

@@ -4,6 +4,7 @@
 - wire.py: tags, the data header, acknowledgements, xxh3 checksums.
 - transport.py: the contract; ucx_transport.py (ucxx) and fake_transport.py (in-process) implement it.
 - staging.py: the reusable buffer messages in flight live in.
+- device_copy.py: every copy between a rank's KV store (CPU or CUDA) and message slots (KVCopier).
 - agent.py: one per rank, beside its KV store: sends as layers are computed, receives, verifies, writes;
   rank_transfer.py: what it tracks of each transfer.
 - agent_factory.py: builds a rank's agent inside the rank's process (LLMEngine(kv_agent=...)).

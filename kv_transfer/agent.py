@@ -12,9 +12,15 @@ on them.
 Sending (prefill rank): arm() computes the plan's messages for this rank. The model runner calls
 on_layers_done() after each layer; every message whose last layer that is leaves at once (gathered from the
 KV store into a staging slot, checksummed, sent without blocking), so sending overlaps the next layers'
-compute. send_all() sends everything at once (KV already computed). The transfer is DONE when every
-destination rank it feeds has acknowledged; a failed send, a negative acknowledgement or the lease passing
-end it otherwise, and its destination ranks are told (ABORT).
+compute. send_all() sends everything at once (KV already computed). Within one call the copy of message i+1
+is started before message i is checksummed and sent (on a GPU the two overlap; on the CPU the copy is
+synchronous). The transfer is DONE when every destination rank it feeds has acknowledged; a failed send, a
+negative acknowledgement or the lease passing end it otherwise, and its destination ranks are told (ABORT).
+
+Devices: the KV store lives on the CPU or a CUDA device; a KVCopier (device_copy.py) does every copy between it
+and the staging slots, so this file is the same for both. The path, chosen once: "staged" (host slots, pinned
+beside a CUDA store) or "direct" (device-side slots the transport sends and receives as they are; their host
+mirror carries the header and the checksum). See TransferConfig.kv_path; stats() reports it.
 
 Threads: the driver's calls (expect, arm, abort, poll, release) and the runner's hook take the agent's lock
 for bookkeeping only; copies and checksums run outside it, except the copy into KV blocks, which holds the lock
@@ -23,18 +29,19 @@ so that abort() returning means no more writes into those blocks.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
 import numpy as np
-import torch
 
 from tandem.engine.kv_cache import PagedKVCache
 from tandem.engine.parallel.layout import ReplicaLayout
 from tandem.kv_transfer.config import TransferConfig
 from tandem.kv_transfer.descriptor import KVFormat, RankStatus, TransferDescriptor, TransferState
+from tandem.kv_transfer.device_copy import KVCopier, PendingCopy
 from tandem.kv_transfer.plan import Message, plan_messages, plan_pieces
 from tandem.kv_transfer.rank_transfer import STATE_FOR, STATUS_FOR, Inbound, Outbound
 from tandem.kv_transfer.staging import Slot, StagingPool
@@ -43,6 +50,9 @@ from tandem.kv_transfer.wire import (HEADER_BYTES, KIND_MASK, STATUS_BYTES, Data
                                      make_tag, pack_status, split_tag, transfer_key, unpack_status)
 
 ORPHAN_GRACE_S = 5.0
+_log = logging.getLogger(__name__)
+
+
 @dataclass(frozen=True)
 class AgentStats:
     num_inbound: int
@@ -50,6 +60,17 @@ class AgentStats:
     staging_in_use: int
     staging_free_bytes: int
     one_off_buffers: int  # sends that found the staging buffer full
+    device: str  # where the KV store lives: "cpu", "cuda:0", ...
+    path: str  # "staged" (host staging slots) | "direct" (device-side slots handed to the transport)
+
+
+@dataclass
+class _Gathered:
+    """A message whose copy into its staging slot has started (not necessarily finished)."""
+
+    message: Message
+    slot: Slot
+    copy: PendingCopy
 
 
 class KVTransferAgent:
@@ -71,7 +92,10 @@ class KVTransferAgent:
                                str(spec.dtype).removeprefix("torch."))
         if len(transport.address.encode()) > 64:
             raise ValueError(f"transfer address {transport.address!r} is longer than the 64 bytes a header holds")
-        self.staging = StagingPool(config.staging_bytes)
+        self.copier = KVCopier(kv_cache.data, self.layers, self.kv_heads)
+        self.path = self._choose_path(config.kv_path)
+        self.staging = StagingPool(config.staging_bytes, self.copier.host_buffer,
+                                   self.copier.device_buffer if self.path == "direct" else None)
         self.one_off_buffers = 0
         self._lock = threading.RLock()
         self._in: dict[int, Inbound] = {}
@@ -90,11 +114,27 @@ class KVTransferAgent:
     def address(self) -> str:
         return self.transport.address
 
+    def _choose_path(self, wanted: str) -> str:
+        """"staged" or "direct" for config.kv_path `wanted` (see TransferConfig), logged once. Raises
+        ValueError for "direct" beside a CUDA store when the transport cannot move device memory."""
+        device = self.copier.device
+        carriers = self.transport.device_transports if self.copier.on_cuda else ()
+        if wanted == "direct" and self.copier.on_cuda and not carriers:
+            raise ValueError(f"kv_path='direct' needs a transport that moves CUDA memory between processes; "
+                             f"this one reports none (UCX: no cuda_ipc, no RDMA with GPUDirect here). "
+                             f"Use kv_path='staged' or 'auto'")
+        path = "direct" if wanted == "direct" or (wanted == "auto" and carriers) else "staged"
+        _log.info("rank %d: KV store on %s, %s transfers (device transports: %s)", self.rank, device, path,
+                  ", ".join(carriers) or "none")
+        return path
+
     # -- receiving side ------------------------------------------------------------------------------------
 
     def expect(self, transfer_id: str, block_ids: Sequence[int], deadline: float) -> None:
         """Registers destination blocks (block ids of this rank's store, in token order) for a transfer.
-        Raises ValueError for a transfer id already held."""
+        Raises ValueError for a transfer id already held or block ids that repeat."""
+        if len(set(block_ids)) != len(block_ids):
+            raise ValueError(f"transfer {transfer_id!r}: destination block ids repeat: {list(block_ids)}")
         key = transfer_key(transfer_id)
         with self._lock:
             if key in self._in or key in self._out:
@@ -147,44 +187,84 @@ class KVTransferAgent:
         self._send_messages(out, [m for m in out.messages if m.index not in out.sent], block_ids)
 
     def _send_messages(self, out: Outbound, messages: list[Message], block_ids: Sequence[int]) -> None:
-        desc = out.descriptor
-        key = transfer_key(desc.transfer_id)
-        per = self.format.bytes_per_block_layer_head
+        """Gathers and sends messages in order, one copy ahead: message i+1's copy is started before message
+        i is checksummed and sent. Stops at a terminal state or a release; a copy started and not sent gives
+        its slot back."""
         out.source_blocks = tuple(block_ids)
-        for m in messages:
+        ahead: _Gathered | None = None
+        try:
+            for m in messages:
+                if out.state.terminal:
+                    break
+                current, ahead = ahead, self._gather(m, block_ids)
+                if current is not None and not self._post(out, current):
+                    break
+            else:
+                if ahead is not None:
+                    current, ahead = ahead, None
+                    self._post(out, current)
+        finally:
+            if ahead is not None:
+                self._drop(ahead)
+
+    def _gather(self, m: Message, block_ids: Sequence[int]) -> _Gathered:
+        """Takes a slot for m and starts copying m's slice of the KV store into it."""
+        slot = self._slot(HEADER_BYTES + m.nbytes(self.format.bytes_per_block_layer_head))
+        rows = [block_ids[b] for b in m.blocks]
+        device_payload = None if slot.device is None else slot.device[HEADER_BYTES:]
+        try:
+            copy = self.copier.gather_into(slot.view[HEADER_BYTES:], m.layers, m.kv_heads, rows, device_payload)
+        except BaseException:
+            with self._lock:
+                self.staging.release(slot)
+            raise
+        return _Gathered(m, slot, copy)
+
+    def _post(self, out: Outbound, g: _Gathered) -> bool:
+        """Waits for g's copy, checksums it and sends it. False (and nothing sent, or the send left to finish
+        as an orphan) once the transfer has ended or was released."""
+        try:
+            g.copy.wait()
             if out.state.terminal:
-                return
-            nbytes = m.nbytes(per)
-            slot = self._slot(HEADER_BYTES + nbytes)
-            payload = slot.view[HEADER_BYTES:]
-            shape = (len(m.layers), 2, len(m.blocks), len(m.kv_heads), self.format.block_size, self.format.head_dim)
-            target = torch.from_numpy(payload).view(self.kv.data.dtype).view(shape)
-            rows = torch.tensor([block_ids[b] for b in m.blocks], dtype=torch.int64)
-            l0, h0 = m.layers.start - self.layers.start, m.kv_heads.start - self.kv_heads.start
-            source = self.kv.data[l0:l0 + len(m.layers), :, :, h0:h0 + len(m.kv_heads)]
-            torch.index_select(source, 2, rows, out=target)
+                self._drop(g)
+                return False
+            m, slot = g.message, g.slot
+            key = transfer_key(out.descriptor.transfer_id)
+            nbytes = m.nbytes(self.format.bytes_per_block_layer_head)
             tag = make_tag(key, Kind.DATA, m.index)
             header = DataHeader(m.index, out.counts[m.dst_rank], self.rank, m.layers, m.kv_heads, m.blocks, nbytes,
-                                checksum(payload, tag), self.address)
+                                checksum(slot.view[HEADER_BYTES:], tag), self.address)
             slot.view[:HEADER_BYTES] = np.frombuffer(header.pack(), dtype=np.uint8)
-            peer = desc.addresses[m.dst_rank]
-            handle = self.transport.send(peer, tag, slot.view)
-            with self._lock:
-                if self._out.get(key) is not out:  # released while this message was gathered
-                    self._orphans.append((handle, slot, peer, time.monotonic()))
-                    return
-                out.sent.add(m.index)
-                out.pending.append((handle, slot, peer))
-                out.nbytes += nbytes
-                if out.state is TransferState.RESERVED:
-                    out.state = TransferState.TRANSFERRING
+            if slot.device is not None:
+                self.copier.to_device(slot.view[:HEADER_BYTES], slot.device[:HEADER_BYTES])
+            peer = out.descriptor.addresses[m.dst_rank]
+            handle = self.transport.send(peer, tag, slot.wire)
+        except BaseException:
+            self._drop(g)
+            raise
+        with self._lock:
+            if self._out.get(key) is not out:  # released while this message was gathered
+                self._orphans.append((handle, slot, peer, time.monotonic()))
+                return False
+            out.sent.add(m.index)
+            out.pending.append((handle, slot, peer))
+            out.nbytes += nbytes
+            if out.state is TransferState.RESERVED:
+                out.state = TransferState.TRANSFERRING
+        return True
+
+    def _drop(self, g: _Gathered) -> None:
+        """Gives back the slot of a message that will not be sent, once its copy no longer writes into it."""
+        g.copy.wait()
+        with self._lock:
+            self.staging.release(g.slot)
 
     def _slot(self, nbytes: int) -> Slot:
         with self._lock:
             slot = self.staging.acquire(nbytes)
             if slot is None:
                 self.one_off_buffers += 1
-                slot = Slot(-1, nbytes, np.empty(nbytes, dtype=np.uint8))
+                slot = self.staging.one_off(nbytes)
             return slot
 
     # -- both sides ----------------------------------------------------------------------------------------
@@ -232,14 +312,14 @@ class KVTransferAgent:
             return out.source_blocks if out else ()
 
     def read_kv(self, block_ids: Sequence[int]) -> np.ndarray:
-        """A copy of this rank's K/V of block_ids: [layers, 2, blocks, KV heads, block_size, head_dim] (tests)."""
-        rows = torch.tensor(list(block_ids), dtype=torch.int64)
-        return self.kv.data.index_select(2, rows).float().numpy()
+        """A float32 host copy of this rank's K/V of block_ids: [layers, 2, blocks, KV heads, block_size,
+        head_dim] (tests)."""
+        return self.copier.read(block_ids)
 
     def stats(self) -> AgentStats:
         with self._lock:
             return AgentStats(len(self._in), len(self._out), self.staging.num_in_use, self.staging.free_bytes,
-                              self.one_off_buffers)
+                              self.one_off_buffers, str(self.copier.device), self.path)
 
     def check_integrity(self) -> None:
         """Raises ValueError if a staging slot is held with nothing in flight."""
@@ -261,6 +341,11 @@ class KVTransferAgent:
     # -- the pump ------------------------------------------------------------------------------------------
 
     def _run(self) -> None:
+        try:
+            self.copier.bind_thread()  # this thread posts receives into device-side slots
+        except Exception as e:  # such receives then fail (and end their transfers) instead of the pump
+            _log.warning("rank %d: could not make %s current on the transfer thread: %s", self.rank,
+                         self.copier.device, e)
         while not self._stop.is_set():
             busy = False
             try:
@@ -297,7 +382,7 @@ class KVTransferAgent:
                     inbound.state = TransferState.TRANSFERRING
             else:
                 slot = Slot(-1, probe.length, np.empty(probe.length, dtype=np.uint8))  # drained, then answered
-            self._receiving.append((self.transport.receive(probe, slot.view), slot, probe.tag))
+            self._receiving.append((self.transport.receive(probe, slot.wire), slot, probe.tag))
             taken = True
         return taken
 
@@ -319,6 +404,8 @@ class KVTransferAgent:
             if inbound is not None and inbound.end(TransferState.FAILED, f"receive failed: {error}"):
                 self._notify_senders(key, inbound)
             return
+        if slot.device is not None:  # a device-side slot: its header and checksum are read from a host copy
+            self.copier.to_host(slot.device, slot.view)
         try:
             header = DataHeader.unpack(slot.view)
         except ValueError as e:
@@ -341,12 +428,9 @@ class KVTransferAgent:
             inbound.end(TransferState.FAILED, problem[1])
             self._notify_senders(key, inbound, problem[0])
             return
-        shape = (len(header.layers), 2, len(header.blocks), len(header.kv_heads), self.format.block_size,
-                 self.format.head_dim)
-        data = torch.from_numpy(payload).view(self.kv.data.dtype).view(shape)
-        rows = torch.tensor([inbound.block_ids[b] for b in header.blocks], dtype=torch.int64)
-        l0, h0 = header.layers.start - self.layers.start, header.kv_heads.start - self.kv_heads.start
-        self.kv.data[l0:l0 + len(header.layers), :, :, h0:h0 + len(header.kv_heads)].index_copy_(2, rows, data)
+        source = payload if slot.device is None else slot.device[HEADER_BYTES:HEADER_BYTES + header.payload_bytes]
+        self.copier.scatter_from(source, header.layers, header.kv_heads,
+                                 [inbound.block_ids[b] for b in header.blocks])
         inbound.arrived.add(index)
         inbound.nbytes += header.payload_bytes
         inbound.expected = header.msgs_for_dst

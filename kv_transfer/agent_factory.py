@@ -30,5 +30,7 @@ class AgentFactory:
             from tandem.kv_transfer.ucx_transport import UCXTransport
 
             port = self.config.port + rank if self.config.port else 0  # one listener per rank
-            transport = UCXTransport(self.config.host, port, self.config.ucx_env)
+            device = kv_cache.data.device
+            transport = UCXTransport(self.config.host, port, self.config.ucx_env,
+                                     cuda_device=device.index if device.type == "cuda" else None)
         return KVTransferAgent(kv_cache, layout, rank, transport, self.config)

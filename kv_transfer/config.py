@@ -22,7 +22,15 @@ class TransferConfig:
     max_message_bytes caps a message (larger pieces go as runs of blocks). staging_bytes: each agent's
     reusable buffer for messages in flight (registered once); a message that finds it full waits (receiving)
     or takes a one-off buffer (sending, counted in stats). lease_s: how long a reservation waits for its data.
-    tombstone_s: how long a finished transfer is remembered, to answer late messages with its outcome."""
+    tombstone_s: how long a finished transfer is remembered, to answer late messages with its outcome.
+    kv_path: how message bytes leave and reach a KV store. "staged": through host staging (pinned beside a CUDA
+    store; the copies to and from the device run on the agent's own CUDA streams). "direct": through
+    device-side staging slots the transport sends and receives as they are (needs a transport that moves CUDA
+    memory itself; beside a CPU store the slots are torch host tensors, which runs this path without a GPU).
+    "auto": direct when the store is on a CUDA device and the transport reports a transport that moves
+    device memory between processes (UCX: cuda_ipc, or RDMA with GPUDirect), else staged. Direct staging
+    takes staging_bytes of device memory and as much pinned host memory (the header and checksum are
+    computed on a host copy)."""
 
     transport: str = "ucx"  # "ucx" | "fake" (in-process, tests)
     host: str = "127.0.0.1"
@@ -33,6 +41,7 @@ class TransferConfig:
     lease_s: float = 30.0
     tombstone_s: float = 120.0
     idle_poll_s: float = 0.002
+    kv_path: str = "auto"  # "auto" | "staged" | "direct"
     ucx_env: dict[str, str] = field(default_factory=lambda: dict(DEFAULT_UCX_ENV))
 
     def on_host(self, host: str) -> TransferConfig:
@@ -42,6 +51,8 @@ class TransferConfig:
     def __post_init__(self) -> None:
         if self.transport not in ("ucx", "fake"):
             raise ValueError(f"transport must be 'ucx' or 'fake', got {self.transport!r}")
+        if self.kv_path not in ("auto", "staged", "direct"):
+            raise ValueError(f"kv_path must be 'auto', 'staged' or 'direct', got {self.kv_path!r}")
         if self.layer_group < 1:
             raise ValueError(f"layer_group must be at least 1, got {self.layer_group}")
         if self.max_message_bytes < 4096:

@@ -47,6 +47,10 @@ class FakeTransport:
     def address(self) -> str:
         return self._address
 
+    @property
+    def device_transports(self) -> tuple[str, ...]:
+        return ()  # host memory only: bytes are copied with numpy
+
     def _deliver(self, tag: int, data: bytes) -> bool:
         with self._lock:
             if self._closed:
@@ -58,7 +62,7 @@ class FakeTransport:
         if self._closed:
             raise TransportError("the transport is closed")
         target = self._fabric.lookup(peer)
-        if target is None or not target._deliver(tag, bytes(memoryview(buffer))):
+        if target is None or not target._deliver(tag, np.asarray(buffer).tobytes()):
             return Completed(f"cannot send to {peer}: connection refused (no transport listens there)")
         return Completed()
 
@@ -79,7 +83,7 @@ class FakeTransport:
                 return Completed(f"message with tag {probe.tag:#x} vanished between probe and receive")
         if len(buffer) < len(data):
             return Completed(f"buffer of {len(buffer)} bytes is too small for a {len(data)}-byte message")
-        buffer[:len(data)] = np.frombuffer(data, dtype=np.uint8)
+        np.asarray(buffer)[:len(data)] = np.frombuffer(data, dtype=np.uint8)
         return Completed()
 
     def forget_peer(self, peer: str) -> None:

@@ -1,30 +1,47 @@
 """One reusable buffer per agent for messages in flight, carved first-fit into 64-byte-aligned slots.
 
 Allocated (and, by UCX, registered) once and reused, instead of a fresh buffer per message. Plain Python
-bookkeeping over offsets; the bytes are one numpy array.
+bookkeeping over offsets; the bytes are one host array (numpy; pinned memory beside a CUDA KV store) and, for
+transports that send device memory themselves, a device buffer of the same size carved at the same offsets
+(the host bytes then mirror a message for its header and checksum). The allocators come from the caller.
 """
 
 from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
 _ALIGN = 64
 
 
+def _numpy_bytes(nbytes: int) -> np.ndarray:
+    return np.empty(nbytes, dtype=np.uint8)
+
+
 @dataclass(frozen=True)
 class Slot:
     offset: int
     size: int
-    view: np.ndarray  # uint8, the slot's bytes (or a one-off buffer when offset < 0)
+    view: np.ndarray  # uint8, the slot's host bytes (or a one-off buffer when offset < 0)
+    device: object = None  # the slot's bytes on the device (a uint8 torch tensor) when the pool has them
+
+    @property
+    def wire(self):
+        """What the transport sends from or receives into: the device bytes when there are any."""
+        return self.view if self.device is None else self.device
 
 
 class StagingPool:
-    def __init__(self, nbytes: int):
+    def __init__(self, nbytes: int, host: Callable[[int], np.ndarray] = _numpy_bytes,
+                 device: Callable[[int], object] | None = None):
+        """host(n) / device(n) allocate n bytes (uint8, sliceable); without device, slots are host bytes only."""
         self.capacity = nbytes
-        self.buffer = np.empty(nbytes, dtype=np.uint8)
+        self._host, self._device = host, device
+        self.buffer = host(nbytes)
+        self.device_buffer = device(nbytes) if device is not None else None
         self._free: list[tuple[int, int]] = [(0, nbytes)]  # (offset, size), sorted by offset
         self.num_in_use = 0
 
@@ -38,8 +55,14 @@ class StagingPool:
                 else:
                     self._free[i] = (offset + size, free - size)
                 self.num_in_use += 1
-                return Slot(offset, size, self.buffer[offset:offset + nbytes])
+                on_device = None if self.device_buffer is None else self.device_buffer[offset:offset + nbytes]
+                return Slot(offset, size, self.buffer[offset:offset + nbytes], on_device)
         return None
+
+    def one_off(self, nbytes: int) -> Slot:
+        """A slot outside the pool (offset -1), with the pool's kinds of memory: for a message that found the
+        pool full. Releasing it just drops it."""
+        return Slot(-1, nbytes, self._host(nbytes), None if self._device is None else self._device(nbytes))
 
     def release(self, slot: Slot) -> None:
         """Returns a slot (one-off buffers, offset < 0, are simply dropped). Adjacent free runs merge."""

@@ -11,6 +11,9 @@ Rules every transport keeps:
   - a failed connection is forgotten: the next send to that peer connects anew.
   - probe() looks at the oldest arrived message whose tag matches (tag & mask) without taking it; receive()
     takes exactly that message into a buffer of at least its length.
+  - buffers are uint8 and contiguous: host memory (a numpy array, or anything numpy views without a copy,
+    such as a torch CPU tensor), or, only where device_transports is not empty, CUDA device memory (an object
+    with __cuda_array_interface__, such as a torch CUDA tensor), whose producer has finished writing it.
 """
 
 from __future__ import annotations
@@ -60,8 +63,13 @@ class Transport(Protocol):
     def address(self) -> str:
         """Where peers reach this transport: "host:port"."""
 
+    @property
+    def device_transports(self) -> tuple[str, ...]:
+        """The underlying transports that move CUDA device buffers between processes without staging them
+        through host memory (UCX: cuda_ipc, RDMA with GPUDirect); empty: pass host buffers only."""
+
     def send(self, peer: str, tag: int, buffer: np.ndarray) -> Handle:
-        """Sends buffer (uint8, contiguous; untouched until the handle is done) to the transport at peer."""
+        """Sends buffer (see the rules above; untouched until the handle is done) to the transport at peer."""
 
     def probe(self, tag: int, mask: int) -> Probe | None:
         """The oldest arrived message with (message tag & mask) == (tag & mask), or None."""

@@ -5,11 +5,18 @@ UCX picks the wire itself: TCP (or shared memory) between CPU hosts, RDMA and CU
 TCP its default 8 KB segments cap loopback at about 0.6 GB/s; TransferConfig sets 1 MiB segments (measured:
 about 2.8 GB/s cross-process on the 2-core CI machine, docs/BENCHMARKS.md). UCX reads its settings from the
 environment when the context is created, so they are set here, from the config, just before that.
+
+CUDA memory: the ucxx wheel's UCX is built with CUDA support, but moves device buffers only where it found a
+GPU and reports a CUDA transport for it (cuda_copy, cuda_ipc, gdr_copy; RDMA transports carry device memory
+with GPUDirect RDMA). cuda_transports() reads that off the UCX context's resource list; a transport passes
+device buffers on only when device_transports (those that move them between processes) is not empty.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import re
 import socket
 import threading
 from dataclasses import dataclass
@@ -61,6 +68,73 @@ def _check_listening(host: str, port: int, timeout_s: float = 2.0) -> None:
         pass
 
 
+# "#      resource 6  :  md 5  dev 4  flags -- cuda_ipc/cuda" in ucp_context_print_info's output
+_RESOURCE = re.compile(r"^#\s*resource\s+\d+\s*:.*\s(\S+)/(\S+)\s*$", re.MULTILINE)
+_CUDA_TLS = ("cuda_copy", "cuda_ipc", "gdr_copy")
+_RDMA_TL_PREFIXES = ("rc_", "dc_", "ud_")  # rc_verbs, rc_mlx5, dc_mlx5, ud_verbs, ud_mlx5
+# The GPUDirect RDMA kernel modules, where UCX's InfiniBand memory domain looks for them (nv_peer_mem, the
+# older out-of-tree module, and nvidia-peermem, shipped with the driver). DMA-BUF registration is not checked.
+_PEER_MEMORY = ("/sys/kernel/mm/memory_peers/nv_mem/version", "/sys/module/nvidia_peermem/version")
+_log = logging.getLogger(__name__)
+
+
+def gpudirect_rdma() -> bool:
+    """Whether this host's kernel lets RDMA NICs read and write GPU memory (a GPUDirect RDMA module is loaded)."""
+    return any(os.path.exists(path) for path in _PEER_MEMORY)
+
+
+def cuda_transports(context_info: str | None = None, *, gpudirect: bool | None = None) -> tuple[str, ...]:
+    """The UCX transports that carry CUDA device memory, in UCX's order: cuda_copy (device <-> host inside a
+    process: UCX stages device buffers through host memory itself), cuda_ipc (between processes on one host,
+    over NVLink or PCIe), gdr_copy (small copies through a CPU mapping of GPU memory), and the RDMA transports
+    (rc_*, dc_*, ud_*) when GPUDirect RDMA is loaded. Empty where UCX found no GPU (this build without a
+    device), was built without CUDA, or UCX_TLS leaves the CUDA transports out.
+
+    context_info: a UCX context's ucp_context_print_info text (UCXContext.info); None creates a context (with
+    the UCX_* environment as it is now) just to read it. gpudirect: None checks this host (gpudirect_rdma())."""
+    if context_info is None:
+        import ucxx._lib.libucxx as ucx
+
+        context_info = ucx.UCXContext(feature_flags=(ucx.Feature.TAG,)).info
+    rdma = gpudirect_rdma() if gpudirect is None else gpudirect
+    found: list[str] = []
+    for tl, _device in _RESOURCE.findall(context_info):
+        if tl in found:
+            continue
+        if tl in _CUDA_TLS or (rdma and tl.startswith(_RDMA_TL_PREFIXES)):
+            found.append(tl)
+    return tuple(found)
+
+
+def between_processes(transports: tuple[str, ...]) -> tuple[str, ...]:
+    """Those of cuda_transports() that move device memory from one process to another without a host bounce:
+    cuda_copy and gdr_copy alone only copy within a process (UCX would stage device buffers through host
+    memory, as the agent's own staged path does, with its checksum overlapped)."""
+    return tuple(t for t in transports if t not in ("cuda_copy", "gdr_copy"))
+
+
+def _bind_cuda_device(index: int) -> None:
+    """Runs first on UCX's progress thread: makes the device's primary CUDA context current there, for the
+    copies UCX's CUDA transports run on that thread (as ucxx's own benchmarks do before CUDA transfers)."""
+    try:
+        import torch
+
+        torch.cuda.set_device(index)
+        torch.cuda.synchronize(index)  # a runtime call on this thread binds the device's primary context to it
+    except Exception as e:  # UCX's thread must not die of it; transfers of device memory then fail visibly
+        _log.warning("could not make CUDA device %d current on the UCX progress thread: %s", index, e)
+
+
+def _ucx_array(buffer):
+    """ucxx takes host memory through the buffer protocol and device memory through __cuda_array_interface__;
+    a torch CPU tensor offers neither, and numpy views it without a copy."""
+    from ucxx._lib.arr import Array
+
+    if isinstance(buffer, np.ndarray) or hasattr(buffer, "__cuda_array_interface__"):
+        return Array(buffer)
+    return Array(np.asarray(buffer))
+
+
 def split_address(address: str) -> tuple[str, int]:
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit():
@@ -69,9 +143,12 @@ def split_address(address: str) -> tuple[str, int]:
 
 
 class UCXTransport:
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, ucx_env: dict[str, str] | None = None):
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, ucx_env: dict[str, str] | None = None,
+                 cuda_device: int | None = None):
         """Listens on port (0: any free one) and advertises host:port. ucx_env: UCX_* settings applied before
-        the UCX context is created (setdefault: what the operator exported wins). Raises TransportError."""
+        the UCX context is created (setdefault: what the operator exported wins). cuda_device: the index of the
+        GPU whose memory this transport may be handed (its context is made current on UCX's progress thread).
+        Raises TransportError."""
         for name, value in (ucx_env or {}).items():
             os.environ.setdefault(name, value)
         import ucxx._lib.libucxx as ucx
@@ -87,7 +164,10 @@ class UCXTransport:
         self._closed = False
         try:
             self._context = ucx.UCXContext(feature_flags=(ucx.Feature.TAG, ucx.Feature.WAKEUP))
+            self._cuda_transports = cuda_transports(self._context.info)
             self._worker = ucx.UCXWorker(self._context)
+            if cuda_device is not None:
+                self._worker.set_progress_thread_start_callback(_bind_cuda_device, cb_args=(cuda_device,))
             self._worker.start_progress_thread(polling_mode=False)
             self._listener = ucx.UCXListener.create(worker=self._worker, port=port, cb_func=self._accept)
         except Exception as e:
@@ -102,6 +182,15 @@ class UCXTransport:
     @property
     def address(self) -> str:
         return self._address
+
+    @property
+    def cuda_transports(self) -> tuple[str, ...]:
+        """cuda_transports() of this transport's UCX context."""
+        return self._cuda_transports
+
+    @property
+    def device_transports(self) -> tuple[str, ...]:
+        return between_processes(self._cuda_transports)
 
     def _endpoint(self, peer: str):
         with self._ucx_lock:
@@ -119,14 +208,12 @@ class UCXTransport:
             return ep
 
     def send(self, peer: str, tag: int, buffer: np.ndarray):
-        from ucxx._lib.arr import Array
-
         try:
             with self._ucx_lock:
                 ep = self._endpoint(peer)
                 if not ep.alive:  # UCX spins forever in a send on an endpoint that has already failed
                     raise ConnectionError("the connection failed")
-                handle = _Handle(ep.tag_send(Array(buffer), self._ucx.UCXXTag(tag)), buffer)
+                handle = _Handle(ep.tag_send(_ucx_array(buffer), self._ucx.UCXXTag(tag)), buffer)
                 self._in_flight[peer] = [h for h in self._in_flight.get(peer, ()) if not h.done()] + [handle]
             return handle
         except TransportError:
@@ -144,13 +231,11 @@ class UCXTransport:
         return Probe(int(getattr(tag, "value", tag)), result.length)
 
     def receive(self, probe: Probe, buffer: np.ndarray):
-        from ucxx._lib.arr import Array
-
         with self._ucx_lock:
             taken = self._worker.tag_probe(self._ucx.UCXXTag(probe.tag), self._ucx.UCXXTagMaskFull, remove=True)
             if not taken.matched:
                 return Completed(f"message with tag {probe.tag:#x} vanished between probe and receive")
-            return _Handle(self._worker.tag_recv_with_handle(Array(buffer[:taken.length]), taken), buffer)
+            return _Handle(self._worker.tag_recv_with_handle(_ucx_array(buffer[:taken.length]), taken), buffer)
 
     def forget_peer(self, peer: str) -> None:
         with self._ucx_lock:

@@ -36,6 +36,10 @@ class FaultyTransport:
     def address(self) -> str:
         return self.inner.address
 
+    @property
+    def device_transports(self) -> tuple[str, ...]:
+        return self.inner.device_transports
+
     def send(self, peer, tag, buffer):
         kind = split_tag(tag)[1]
         if kind is Kind.ACK and self.swallow_acks:

@@ -1,9 +1,11 @@
-"""Shared pieces of the KV transfer tests: replicas of agents over random KV, transports by name, waiting."""
+"""Shared pieces of the KV transfer tests: replicas of agents over random KV, transports by name, waiting, and
+one-rank sides in their own processes (ProcessSide, SideProcess)."""
 
 from __future__ import annotations
 
 import socket
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -97,3 +99,130 @@ def layout_of(parallel: ParallelConfig, *, num_layers: int, num_heads: int, num_
               num_experts: int = 0) -> ReplicaLayout:
     return ReplicaLayout.build(parallel, num_layers=num_layers, num_heads=num_heads, num_kv_heads=num_kv_heads,
                                num_experts=num_experts)
+
+
+# -- one single-rank replica's agent in a child process: its KV store on "cpu" or "cuda" ---------------------
+# The test process never touches CUDA; each side initialises it in its own spawned process, as ranks do.
+
+@dataclass(frozen=True)
+class ProcessSide:
+    """What a child side builds: a KV store of random bytes (seeded) on `device`, one UCX agent over it."""
+
+    device: str  # "cpu" | "cuda"
+    kv_path: str = "auto"
+    dtype: str = "bfloat16"
+    seed: int = 0
+    num_layers: int = 4
+    num_kv_heads: int = 2
+    num_blocks: int = 16
+    block_size: int = 16
+    head_dim: int = 64
+    max_message_bytes: int = 64 << 10
+    staging_bytes: int = 128 << 10  # room for one message at a time: the pipeline's second copy takes a one-off
+
+    def layout(self) -> ReplicaLayout:
+        return ReplicaLayout.build(ParallelConfig(), num_layers=self.num_layers, num_heads=2 * self.num_kv_heads,
+                                   num_kv_heads=self.num_kv_heads)
+
+    def format(self) -> KVFormat:
+        return KVFormat(self.num_layers, self.num_kv_heads, self.head_dim, self.block_size, self.dtype)
+
+
+def run_side(conn, side: ProcessSide) -> None:
+    """The child: answers the parent's commands (see SideProcess) until ("stop",). An exception is sent back
+    as ("error", traceback) instead of leaving the parent waiting."""
+    import traceback
+
+    try:
+        from tandem.kv_transfer.agent_factory import AgentFactory
+
+        torch.set_num_threads(1)
+        cache = PagedKVCache(KVCacheSpec(side.num_layers, side.num_blocks, side.block_size, side.num_kv_heads,
+                                         side.head_dim, getattr(torch, side.dtype)), side.device)
+        gen = torch.Generator().manual_seed(side.seed)
+        flat = cache.data.view(-1).view(torch.uint8)
+        flat.copy_(torch.randint(0, 256, flat.shape, dtype=torch.uint8, generator=gen).to(cache.data.device))
+        config = TransferConfig(max_message_bytes=side.max_message_bytes, staging_bytes=side.staging_bytes,
+                                kv_path=side.kv_path)
+        agent = AgentFactory(config)(0, side.layout(), cache)
+        conn.send(("ready", agent.address, agent.stats(), agent.transport.cuda_transports))
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+        return
+    while True:
+        command, *args = conn.recv()
+        try:
+            if command == "stop":
+                agent.close()
+                conn.send(("stopped",))
+                return
+            if command == "expect":  # transfer id, block ids, deadline
+                agent.expect(*args)
+                conn.send(("ok",))
+            elif command == "send_all":  # descriptor, source blocks
+                desc, blocks = args
+                agent.arm(desc)
+                agent.send_all(desc.transfer_id, blocks)
+                conn.send(("ok",))
+            elif command == "layer_by_layer":  # descriptor, source blocks: as a runner reports computed layers
+                desc, blocks = args
+                agent.arm(desc, seq_id="seq#0")
+                for layer in range(side.num_layers):
+                    agent.on_layers_done(layer, {"seq#0": tuple(blocks)})
+                conn.send(("ok",))
+            elif command == "wait":  # transfer id: until it ended here
+                transfer_id = args[0]
+                wait_until(lambda: agent.poll([transfer_id])[transfer_id].state.terminal, timeout_s=60,
+                           what=f"{transfer_id} to end")
+                conn.send(("ended", agent.poll([transfer_id])[transfer_id]))
+            elif command == "bytes":  # the whole store's raw bytes [layers, 2, blocks, KV heads, bytes]
+                raw = cache.data.cpu().contiguous().view(-1).view(torch.uint8).numpy()
+                conn.send(("bytes", raw.reshape(side.num_layers, 2, side.num_blocks, side.num_kv_heads, -1)))
+            elif command == "release":  # transfer id: forgotten, every staging slot back
+                agent.release(args[0])
+                wait_until(lambda: agent.stats().staging_in_use == 0, what="staging slots back")
+                agent.check_integrity()
+                conn.send(("released", agent.stats()))
+            else:
+                raise ValueError(f"unknown command {command!r}")
+        except BaseException:
+            conn.send(("error", traceback.format_exc()))
+
+
+class SideProcess:
+    """The parent's handle on a run_side child (spawned: CUDA starts fresh in it)."""
+
+    def __init__(self, side: ProcessSide, timeout_s: float = 120.0):
+        import multiprocessing
+
+        self.timeout_s = timeout_s
+        ctx = multiprocessing.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=run_side, args=(child, side), daemon=True)
+        self.proc.start()
+        child.close()
+        _, self.address, self.stats, self.cuda_transports = self._reply("ready")
+
+    def _reply(self, expected: str) -> tuple:
+        if not self.conn.poll(self.timeout_s):
+            raise AssertionError(f"no {expected!r} from the side process within {self.timeout_s} s")
+        reply = self.conn.recv()
+        if reply[0] == "error":
+            raise AssertionError(f"the side process failed:\n{reply[1]}")
+        assert reply[0] == expected, reply
+        return reply
+
+    def ask(self, expected: str, *command) -> tuple:
+        self.conn.send(command)
+        return self._reply(expected)
+
+    def close(self) -> None:
+        try:
+            if self.proc.is_alive():
+                self.ask("stopped", "stop")
+        except (AssertionError, OSError, EOFError):
+            pass
+        self.proc.join(timeout=10)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(timeout=10)

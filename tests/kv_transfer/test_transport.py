@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from tandem.kv_transfer.fake_transport import Fabric
 from tandem.kv_transfer.wire import KIND_MASK, Kind, make_tag
@@ -84,3 +85,31 @@ def test_a_forgotten_connection_reconnects_on_the_next_send(pair):
         wait_until(handle.done, what="the send")
         assert handle.error() is None
         a.forget_peer(b.address)
+
+
+def test_torch_host_tensors_are_sent_and_received_as_their_bytes(pair):
+    """The agent's direct path hands the transport torch tensors (host ones beside a CPU store)."""
+    _, _, a, b = pair
+    data = torch.arange(1 << 18, dtype=torch.int32).view(torch.uint8)  # 1 MiB: rendezvous-sized on UCX
+    sent = a.send(b.address, make_tag(9, Kind.DATA, 2), data)
+    probe = None
+
+    def arrived():
+        nonlocal probe
+        probe = b.probe(make_tag(0, Kind.DATA, 0), KIND_MASK)
+        return probe is not None
+
+    wait_until(arrived, what="the message")
+    into = torch.zeros(probe.length + 64, dtype=torch.uint8)
+    got = b.receive(probe, into)
+    wait_until(lambda: got.done() and sent.done(), what="the transfer")
+    assert got.error() is None and sent.error() is None
+    assert torch.equal(into[:probe.length], data) and not into[probe.length:].any()
+
+
+def test_transports_say_whether_they_move_device_memory(pair):
+    _, _, a, b = pair
+    for transport in (a, b):
+        assert isinstance(transport.device_transports, tuple)
+        if not torch.cuda.is_available():
+            assert transport.device_transports == ()  # without a GPU: host buffers only

@@ -1,0 +1,196 @@
+"""Copies between a rank's paged KV store and message bytes, on whatever device the store lives on.
+
+A payload is the slice a plan Message names, [layers, K|V, blocks, KV heads, block_size, head_dim] in the
+store's dtype, as raw bytes; gather and scatter move bytes, never values (a NaN's bits arrive as they left).
+
+Beside a CPU store every copy is synchronous: gather is one index_select into the host slot, scatter one
+index_copy_ out of it (what the agent did before the copier existed).
+
+Beside a CUDA store the copier owns two streams, one per side:
+  - send stream (the caller's thread: the runner's layer hook or the driver): gather_into queues index_select
+    after the work already queued on the caller's current stream (the layers just computed), then a
+    non_blocking copy into the pinned host slot, and records an event. The returned PendingCopy's wait() blocks
+    on that event, so the agent can start message i+1's copy before it checksums and sends message i.
+  - receive stream (the agent's pump thread): scatter_from copies a host payload to the device (non_blocking,
+    from pinned memory) and index_copy_s it into the blocks; it returns only once the stream is synchronised,
+    so a block is never reported complete before its bytes are in place.
+Host staging memory comes from host_buffer (pinned beside a CUDA store: asynchronous copies need page-locked
+memory); device-side staging slots, for transports that send device memory themselves, from device_buffer.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import torch
+
+
+class PendingCopy:
+    """A copy the copier started. wait() returns once its bytes are in place (at once for a CPU store); until
+    then the buffers it reads or writes must stay untouched."""
+
+    __slots__ = ("_event", "_keep")
+
+    def __init__(self, event: torch.cuda.Event | None = None, keep: tuple = ()):
+        self._event = event
+        self._keep = keep  # the temporaries the queued copy uses, held until it has run
+
+    def wait(self) -> None:
+        if self._event is not None:
+            self._event.synchronize()
+            self._event = None
+        self._keep = ()
+
+
+class KVCopier:
+    def __init__(self, data: torch.Tensor, layers: range, kv_heads: range):
+        """data: a rank's KV store [layers, 2, blocks, KV heads, block_size, head_dim] holding the global layers
+        `layers` and KV heads `kv_heads`. Payloads name global layers and heads; block ids are this store's."""
+        if data.dim() != 6 or data.shape[0] != len(layers) or data.shape[3] != len(kv_heads):
+            raise ValueError(f"a KV store of shape {tuple(data.shape)} does not hold {len(layers)} layers x "
+                             f"{len(kv_heads)} KV heads as [layers, 2, blocks, KV heads, block_size, head_dim]")
+        self.data = data
+        self.layers, self.kv_heads = layers, kv_heads
+        self.device = data.device
+        self.on_cuda = data.device.type == "cuda"
+        self._send_stream = torch.cuda.Stream(self.device) if self.on_cuda else None
+        self._receive_stream = torch.cuda.Stream(self.device) if self.on_cuda else None
+
+    # -- buffers -------------------------------------------------------------------------------------------
+
+    def host_buffer(self, nbytes: int) -> np.ndarray:
+        """nbytes of host memory for staging (uint8): pinned beside a CUDA store, plain numpy beside a CPU one."""
+        if self.on_cuda:
+            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).numpy()  # the array keeps it alive
+        return np.empty(nbytes, dtype=np.uint8)
+
+    def device_buffer(self, nbytes: int) -> torch.Tensor:
+        """nbytes (uint8) on the store's device: a device-side staging buffer (a host tensor beside a CPU store)."""
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+    # -- copies --------------------------------------------------------------------------------------------
+
+    def gather_into(self, payload: np.ndarray, layers: range, kv_heads: range, block_ids: Sequence[int],
+                    device_payload: torch.Tensor | None = None) -> PendingCopy:
+        """Starts copying the K/V of block_ids (in payload order; repeats allowed) for the global layers x
+        kv_heads into payload (host bytes of exactly that slice). With device_payload (bytes on the store's
+        device: a device-side staging slot) the slice is gathered there and payload gets a copy of it, for the
+        checksum. Call wait() on the result before reading payload or handing device_payload on. Raises
+        ValueError for a slice this store does not hold, a payload of another size, or a block id out of range."""
+        host = torch.from_numpy(payload)
+        source = self._region(layers, kv_heads)
+        ids = self._check_blocks(block_ids)
+        if not self.on_cuda:
+            rows = self._rows(ids)
+            into = host if device_payload is None else device_payload
+            torch.index_select(source, 2, rows, out=self._shaped(into, layers, kv_heads, len(ids)))
+            if device_payload is not None:
+                host.copy_(device_payload)
+            return PendingCopy()
+        stream = self._send_stream
+        stream.wait_stream(torch.cuda.current_stream(self.device))  # the writes of these layers come first
+        with torch.cuda.stream(stream):
+            rows = self._rows(ids)
+            if device_payload is None:
+                self._shaped(host, layers, kv_heads, len(ids))  # checks the size before anything is queued
+                gathered = torch.index_select(source, 2, rows).view(-1).view(torch.uint8)
+            else:
+                torch.index_select(source, 2, rows, out=self._shaped(device_payload, layers, kv_heads, len(ids)))
+                gathered = device_payload
+            host.copy_(gathered, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(stream)
+        return PendingCopy(done, (rows, gathered, host))
+
+    def scatter_from(self, payload: np.ndarray | torch.Tensor, layers: range, kv_heads: range,
+                     block_ids: Sequence[int]) -> None:
+        """Writes payload (the bytes of the slice global layers x kv_heads x block_ids: host bytes, or bytes on
+        the store's device) into block_ids (this store's ids, in payload order). Returns once the blocks hold
+        the bytes. Raises ValueError for a slice this store does not hold, a payload of another size, or block
+        ids that repeat (which copy would win is undefined on a GPU) or are out of range."""
+        ids = self._check_blocks(block_ids)
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"destination block ids repeat: {list(ids)}")
+        source = torch.from_numpy(payload) if isinstance(payload, np.ndarray) else payload
+        target = self._region(layers, kv_heads)
+        if not self.on_cuda:
+            target.index_copy_(2, self._rows(ids), self._shaped(source, layers, kv_heads, len(ids)))
+            return
+        self._shaped(source, layers, kv_heads, len(ids))  # checks the size before anything is queued
+        # After whatever this thread queued on the device before (a reused block's last reads, say).
+        self._receive_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._receive_stream):
+            rows = self._rows(ids)
+            data = source if source.device == self.device else source.to(self.device, non_blocking=True)
+            target.index_copy_(2, rows, self._shaped(data, layers, kv_heads, len(ids)))
+        self._receive_stream.synchronize()
+
+    def to_host(self, source: torch.Tensor, host: np.ndarray) -> None:
+        """Copies device bytes into host bytes of the same length (a received device-side slot, to read its
+        header and checksum it); returns when done. Receiving side (the pump's thread, its stream)."""
+        self._copy(torch.from_numpy(host), source, self._receive_stream)
+
+    def to_device(self, host: np.ndarray, target: torch.Tensor) -> None:
+        """Copies host bytes into device bytes of the same length (a message header into a device-side slot);
+        returns when done. Sending side (the caller's thread, the send stream)."""
+        self._copy(target, torch.from_numpy(host), self._send_stream)
+
+    def read(self, block_ids: Sequence[int]) -> np.ndarray:
+        """A float32 host copy of block_ids' K/V: [layers, 2, blocks, KV heads, block_size, head_dim]."""
+        rows = self._rows(self._check_blocks(block_ids))
+        return self.data.index_select(2, rows).float().cpu().numpy()
+
+    def bind_thread(self) -> None:
+        """Makes the store's GPU current on the calling thread with its primary CUDA context bound, for a
+        thread that hands device memory to a transport before it runs any copy (UCX's CUDA transports work in
+        the context current on the posting thread). Nothing beside a CPU store."""
+        if self.on_cuda:
+            torch.cuda.set_device(self.device)
+            torch.cuda.synchronize(self.device)  # a runtime call: binds the primary context to this thread
+
+    # -- helpers -------------------------------------------------------------------------------------------
+
+    def _rows(self, ids: list[int]) -> torch.Tensor:
+        """ids as an int64 index on the store's device, on the current stream. On a GPU it goes up from pinned
+        memory without blocking: a copy from pageable memory would wait for everything queued on the stream."""
+        rows = torch.tensor(ids, dtype=torch.int64)
+        return rows if not self.on_cuda else rows.pin_memory().to(self.device, non_blocking=True)
+
+    def _copy(self, target: torch.Tensor, source: torch.Tensor, stream: torch.cuda.Stream | None) -> None:
+        if target.numel() != source.numel():
+            raise ValueError(f"copy of {source.numel()} bytes into {target.numel()}")
+        if stream is None:
+            target.copy_(source)
+            return
+        with torch.cuda.stream(stream):
+            target.copy_(source, non_blocking=True)
+        stream.synchronize()
+
+    def _region(self, layers: range, kv_heads: range) -> torch.Tensor:
+        if not (self.layers.start <= layers.start < layers.stop <= self.layers.stop and
+                self.kv_heads.start <= kv_heads.start < kv_heads.stop <= self.kv_heads.stop):
+            raise ValueError(f"layers {layers.start}-{layers.stop - 1} x KV heads {kv_heads.start}-"
+                             f"{kv_heads.stop - 1} are not all in this store (layers {self.layers.start}-"
+                             f"{self.layers.stop - 1}, KV heads {self.kv_heads.start}-{self.kv_heads.stop - 1})")
+        l0, h0 = layers.start - self.layers.start, kv_heads.start - self.kv_heads.start
+        return self.data[l0:l0 + len(layers), :, :, h0:h0 + len(kv_heads)]
+
+    def _check_blocks(self, block_ids: Sequence[int]) -> list[int]:
+        """The ids as a list; out-of-range ids raise here (on a GPU they would fail inside a kernel, which
+        poisons the whole CUDA context)."""
+        ids = [int(b) for b in block_ids]
+        num_blocks = self.data.shape[2]
+        if not ids or min(ids) < 0 or max(ids) >= num_blocks:
+            raise ValueError(f"block ids {ids[:8]}{'...' if len(ids) > 8 else ''} are not a non-empty list of "
+                             f"blocks of a store of {num_blocks}")
+        return ids
+
+    def _shaped(self, buffer: torch.Tensor, layers: range, kv_heads: range, num_blocks: int) -> torch.Tensor:
+        """buffer (uint8, contiguous) viewed as the slice [layers, 2, blocks, KV heads, block_size, head_dim]."""
+        _, _, _, _, block_size, head_dim = self.data.shape
+        shape = (len(layers), 2, num_blocks, len(kv_heads), block_size, head_dim)
+        nbytes = int(np.prod(shape)) * self.data.element_size()
+        if buffer.numel() != nbytes:
+            raise ValueError(f"a payload of {buffer.numel()} bytes for a slice of {nbytes}")
+        return buffer.view(self.data.dtype).view(shape)
