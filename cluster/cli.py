@@ -34,8 +34,12 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
                    help="stop before this text (repeatable); the stop text is not printed")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
     p.add_argument("--seed", type=int, default=None, help="seed for sampling (same seed, same output)")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                   help="auto (default): CUDA when this process sees a GPU, else the CPU; with --tp/--pp/--ep "
+                        "rank r takes GPU r")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
-                   help="compute precision (default: float32; bfloat16 with --weights packed)")
+                   help="compute precision (default: bfloat16 on CUDA, float32 on the CPU; bfloat16 with "
+                        "--weights packed)")
     p.add_argument("--weights", choices=["dense", "packed"], default="dense",
                    help="dense: expand every weight to --dtype; packed: keep a GGUF file's Q4_0/Q4_1 weights "
                         "4-bit on the CPU (bfloat16 compute, ~4x less weight memory)")
@@ -58,6 +62,7 @@ def _generate(args: argparse.Namespace) -> int:
         return generate_remote(args)
     import torch
 
+    from tandem.engine.device import resolve_device
     from tandem.engine.generator import Generator
     from tandem.engine.loader import load_model
     from tandem.engine.parallel import ParallelConfig
@@ -70,15 +75,19 @@ def _generate(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     packed = args.weights == "packed"
-    dtype = args.dtype or ("bfloat16" if packed else "float32")
+    if packed and args.device == "cuda":
+        raise ValueError("--weights packed runs on the CPU (torch's int4 CPU kernel); drop it or use --device cpu")
+    choice = resolve_device("cpu" if packed else args.device, args.dtype or ("bfloat16" if packed else None),
+                            None, torch.cuda.device_count(), f"torch {torch.__version__}")
+    dtype = choice.dtype
     if packed and dtype != "bfloat16":
         raise ValueError("--weights packed computes in bfloat16; drop --dtype or pass --dtype bfloat16")
     parallel = ParallelConfig(tp=args.tp, pp=args.pp, ep=args.ep)
     if packed and parallel.world_size > 1:
         raise ValueError("--weights packed runs in one process; drop it to split the model with --tp/--pp/--ep")
     # A replica over several processes: the ranks load their own shards, this process only the tokenizer.
-    loaded = load_model(args.model, dtype=getattr(torch, dtype), progress=sys.stderr.isatty(), packed=packed,
-                        weights=parallel.world_size == 1)
+    loaded = load_model(args.model, dtype=getattr(torch, dtype), device=choice.device, progress=sys.stderr.isatty(),
+                        packed=packed, weights=parallel.world_size == 1)
     tokenizer = loaded.tokenizer
     if args.chat is not None:
         prompt_ids = tokenizer.encode_chat([{"role": "user", "content": args.chat}])
@@ -90,7 +99,8 @@ def _generate(args: argparse.Namespace) -> int:
     context = loaded.config.max_position_embeddings
     with Generator(loaded, max_model_len=needed if needed <= context else context, parallel=parallel) as generator:
         if args.verbose:
-            print("\n".join(loaded.describe_kernels() + generator.engine.layout.describe()), file=sys.stderr)
+            print("\n".join([f"device: {choice.describe()}"] + loaded.describe_kernels()
+                            + generator.engine.layout.describe()), file=sys.stderr)
         return _run(generator, prompt_ids, params, args.json)
 
 

@@ -109,9 +109,10 @@ def status(args: argparse.Namespace) -> int:
               if "kv_blocks_total" in r else "")
         queues = (f"running {r['running']}, waiting {r['waiting']}, waiting for KV {r['waiting_for_kv']}"
                   if "running" in r else r.get("error", ""))
-        print(f"    {r['name']:<12} {r['state']:<12} node {r.get('node')}  {queues}  {kv}")
-        for rank in r.get("ranks", []):
-            print(f"      {rank}")
+        print(f"    {r['name']:<12} {r['state']:<12} node {r.get('node')} ({r.get('device')})  {queues}  {kv}")
+        gpus = {p["rank"]: p["visible_gpus"] for p in r.get("rank_placements", []) if p.get("visible_gpus")}
+        for i, rank in enumerate(r.get("ranks", [])):
+            print(f"      {rank}" + (f", GPU {gpus[i]}" if i in gpus else ""))
     router = report["router"]
     print(f"  router: {router.get('state')}, active {router.get('active_requests', 0)}, queued "
           f"{router.get('queued_requests', 0)}, finished {router.get('finished_requests', 0)}, failed "

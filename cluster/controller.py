@@ -2,8 +2,9 @@
 the router of a manifest. `tandem up` creates it and calls start(); `tandem status` and `tandem down` find it by
 name (`<manifest name>-controller` in the manifest's namespace) from any process connected to the Ray cluster.
 
-start() places one placement group per replica (one bundle per rank, STRICT_PACK: a replica's ranks share a
-node), starts the replica actor inside it (it spawns its ranks as child processes on that node), waits until
+start() places one placement group per replica (one bundle holding every rank's resources, so a replica's ranks
+share a node), starts the replica actor inside it holding the bundle's GPUs (it spawns its ranks as child
+processes on that node and gives each its share of those GPUs as CUDA_VISIBLE_DEVICES), waits until
 every replica has loaded its model, then starts the router with their handles. Progress lines accumulate in
 log() for the launcher to print.
 """
@@ -115,7 +116,7 @@ class Controller:
         return {"grpc": self.endpoint, "http": self.http_endpoint}
 
     async def _place(self, plan: ReplicaPlan) -> None:
-        pg = placement_group(list(plan.bundles), strategy="STRICT_PACK", name=f"{self.manifest.name}-{plan.name}")
+        pg = placement_group([plan.bundle], strategy="STRICT_PACK", name=f"{self.manifest.name}-{plan.name}")
         self.replicas.append(ReplicaEntry(plan, pg))
         self._say(f"{plan.name}: placing {len(plan.bundles)} rank(s) x {plan.bundles[0]} on one node")
         try:
@@ -135,9 +136,10 @@ class Controller:
         cls = PrefillReplica if plan.pool == "prefill" else DecodeReplica
         transfer = None if colocated else transfer_config(self.manifest)
         strategy = PlacementGroupSchedulingStrategy(entry.pg, placement_group_bundle_index=0)
+        # The actor holds the bundle's GPUs (Ray tells it their IDs) and hands each rank its share.
         actor = ray.remote(cls).options(
             name=f"{self.manifest.name}-{plan.name}", namespace=self.manifest.ray.namespace, num_cpus=0,
-            max_concurrency=1000, scheduling_strategy=strategy,
+            num_gpus=plan.bundle.get("GPU", 0), max_concurrency=1000, scheduling_strategy=strategy,
         ).remote(plan.name, plan.spec, transfer)
         entry.actor, entry.api = actor, remote_replica(plan.pool, actor)
         try:
@@ -146,7 +148,10 @@ class Controller:
             raise RuntimeError(f"{plan.name} did not become ready within {self.ready_timeout_s:g} s") from None
         except ray.exceptions.RayActorError as e:
             raise RuntimeError(f"{plan.name} failed to start: {_cause(e)}") from None
-        self._say(f"{plan.name} ready on node {entry.info.node}: {entry.info.kv_blocks_total} KV blocks; "
+        gpus = [r.visible_gpus for r in entry.info.ranks if r.visible_gpus]
+        attention = entry.info.ranks[0].attention if entry.info.ranks else "?"
+        self._say(f"{plan.name} ready on node {entry.info.node} ({entry.info.device}, attention {attention}"
+                  + (f", GPUs {' | '.join(gpus)}" if gpus else "") + f"): {entry.info.kv_blocks_total} KV blocks; "
                   + "; ".join(entry.info.layout))
 
     async def _start_router(self) -> None:
@@ -196,7 +201,9 @@ class Controller:
     async def _replica_status(self, entry: ReplicaEntry) -> dict:
         info = entry.info
         base = {"name": entry.name, "pool": entry.pool, "node": info.node if info else None,
-                "node_id": info.node_id if info else None, "ranks": list(info.layout) if info else []}
+                "node_id": info.node_id if info else None, "ranks": list(info.layout) if info else [],
+                "device": info.device if info else None,
+                "rank_placements": [dataclasses.asdict(r) for r in info.ranks] if info else []}
         if entry.api is None:
             return base | {"state": "placing"}
         try:

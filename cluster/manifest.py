@@ -10,7 +10,8 @@ YAML.
         parallelism: {tp: 2, pp: 1, ep: 1}
         resources: {cpus: 0.5, gpus: 0, custom: {prefill: 1}}    # per rank
         replicas: {min: 1, max: 1, initial: 1}
-        engine: {block_size: 16, kv_cache_bytes: 256MiB, max_num_batched_tokens: 2048, max_num_seqs: 64}
+        engine: {block_size: 16, kv_cache_bytes: 256MiB, max_num_batched_tokens: 2048, max_num_seqs: 64,
+                 device: auto, dtype: null}   # auto: CUDA when the ranks ask for GPUs; null: bfloat16 on CUDA
       decode: ...
     router:
       policy: cache_aware           # or least_loaded, round_robin, random
@@ -40,6 +41,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from tandem.engine.device import default_dtype, planned_device
 
 _UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
 
@@ -114,7 +117,8 @@ class EngineLimits(_Strict):
     max_num_seqs: int = Field(64, ge=1)
     max_model_len: int | None = Field(None, ge=1)
     enable_prefix_caching: bool = True
-    dtype: Literal["float32", "bfloat16"] = "float32"
+    device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: CUDA when Ray gave the rank a GPU (resources.gpus)
+    dtype: Literal["float32", "bfloat16"] | None = None  # None: bfloat16 on CUDA, float32 on the CPU
     attention_backend: Literal["auto", "torch", "triton"] = "auto"  # auto: Triton on CUDA, torch elsewhere
 
     @field_validator("kv_cache_bytes", mode="before")
@@ -141,6 +145,15 @@ class Pool(_Strict):
     resources: Resources = Resources()
     replicas: Replicas = Replicas()
     engine: EngineLimits = EngineLimits()
+
+    @property
+    def device(self) -> str:
+        """The device the pool's ranks compute on, as the manifest says (engine/device.py planned_device)."""
+        return planned_device(self.engine.device, self.resources.gpus)
+
+    @property
+    def dtype(self) -> str:
+        return self.engine.dtype or default_dtype(self.device)
 
 
 class Pools(_Strict):

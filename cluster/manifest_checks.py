@@ -12,6 +12,7 @@ from pydantic import ValidationError
 
 from tandem.cluster.manifest import COLOCATED_HAS_PREFILL, MODE_NEEDS_PREFILL, ApiKey, Manifest
 from tandem.cluster.manifest_yaml import ManifestError, ManifestInvalid, line_map, manifest_from, read_text, read_yaml
+from tandem.engine.device import DEVICES, default_dtype, planned_device
 from tandem.engine.errors import ModelLoadError
 
 
@@ -49,6 +50,45 @@ def _int(value, default: int = 1) -> int | None:
     if value is None:
         return default
     return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _gpus_and_device(pool: dict) -> tuple[float | None, str | None]:
+    """A pool's per-rank GPUs and its engine.device as written (None where the type is wrong: pydantic says so)."""
+    gpus = _get(pool, "resources", "gpus", default=0)
+    device = _get(pool, "engine", "device", default="auto")
+    ok_gpus = isinstance(gpus, (int, float)) and not isinstance(gpus, bool) and gpus >= 0
+    return (gpus if ok_gpus else None), (device if device in DEVICES else None)
+
+
+def _planned_dtype(pool: dict) -> str | None:
+    gpus, device = _gpus_and_device(pool)
+    dtype = _get(pool, "engine", "dtype")
+    if dtype is not None or gpus is None or device is None:
+        return dtype
+    return default_dtype(planned_device(device, gpus))
+
+
+def _device_errors(name: str, pool: dict) -> list[ManifestError]:
+    """A pool's devices against the GPUs its ranks ask Ray for: CUDA needs a GPU per rank, and a replica split
+    over several ranks needs whole GPUs (NCCL runs one rank per GPU)."""
+    gpus, device = _gpus_and_device(pool)
+    split = [_int(_get(pool, "parallelism", k)) for k in ("tp", "pp", "ep")]
+    if gpus is None or device is None or None in split:
+        return []
+    world_size = split[0] * split[1] * split[2]
+    errors = []
+    if device == "cuda" and gpus == 0:
+        errors.append(ManifestError(f"pools.{name}.engine.device", "device: cuda, but the pool's ranks ask for no GPU",
+                                    f"give each rank a GPU (pools.{name}.resources.gpus: 1), or set device: cpu"))
+    if world_size > 1 and 0 < gpus < 1:
+        errors.append(ManifestError(
+            f"pools.{name}.resources.gpus", f"{gpus:g} of a GPU per rank, but a replica of this pool has "
+                                            f"{world_size} ranks, which NCCL runs one per GPU",
+            "give each rank a whole GPU (gpus: 1), or run the replica as one rank (tp, pp and ep 1) to share a GPU"))
+    if gpus > 1 and gpus != int(gpus):
+        errors.append(ManifestError(f"pools.{name}.resources.gpus", f"{gpus:g} GPUs per rank",
+                                    "Ray hands out fractions below 1 or whole GPUs: use 0.5, 1, 2, ..."))
+    return errors
 
 
 def _model_errors(model) -> tuple[list[ManifestError], object]:
@@ -103,14 +143,19 @@ def check_manifest(data: dict, lines: dict[tuple, int] | None = None, *,
         errors.append(ManifestError("mode", MODE_NEEDS_PREFILL))
     if mode == "colocated" and "prefill" in pools:
         errors.append(ManifestError("mode", COLOCATED_HAS_PREFILL))
+    for name in pools:
+        errors += _device_errors(name, _get(data, "pools", name))
     if mode == "disaggregated" and len(pools) == 2:
-        for field, default in (("block_size", 16), ("dtype", "float32")):
-            prefill = _get(data, "pools", "prefill", "engine", field, default=default)
-            decode = _get(data, "pools", "decode", "engine", field, default=default)
+        kv_formats = {name: {"block_size": _get(data, "pools", name, "engine", "block_size", default=16),
+                             "dtype": _planned_dtype(_get(data, "pools", name))} for name in pools}
+        for field in ("block_size", "dtype"):
+            prefill, decode = kv_formats["prefill"][field], kv_formats["decode"][field]
             if prefill != decode:
+                hint = "KV blocks are copied as they are: both pools must agree"
+                if field == "dtype":
+                    hint += " (dtype defaults to bfloat16 on CUDA and float32 on the CPU: set it on both pools)"
                 errors.append(ManifestError(
-                    f"pools.decode.engine.{field}", f"differs from the prefill pool's ({prefill} vs {decode})",
-                    "KV blocks are copied as they are: both pools must agree"))
+                    f"pools.decode.engine.{field}", f"differs from the prefill pool's ({prefill} vs {decode})", hint))
     addresses = {"grpc": _get(data, "listen", "grpc", default="127.0.0.1:50051"), "http": _get(data, "listen", "http")}
     for field, address in addresses.items():
         if check_ports and isinstance(address, str) and (problem := listen_problem(address, field)) is not None:

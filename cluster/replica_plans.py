@@ -18,7 +18,18 @@ class ReplicaPlan:
     name: str  # "prefill-0", "decode-1", ...
     pool: str
     spec: ReplicaSpec
-    bundles: tuple[dict[str, float], ...]  # one per rank, packed on one node
+    bundles: tuple[dict[str, float], ...]  # what each rank asks Ray for
+
+    @property
+    def bundle(self) -> dict[str, float]:
+        """The replica's one placement-group bundle: every rank's resources together, so that its ranks land on
+        one node and the replica actor holds all their GPUs (it hands each rank its share, engine/device.py
+        split_gpu_ids)."""
+        total: dict[str, float] = {}
+        for bundle in self.bundles:
+            for key, value in bundle.items():
+                total[key] = total.get(key, 0.0) + value
+        return total
 
 
 def absolute_model(manifest: Manifest) -> str | None:
@@ -35,7 +46,7 @@ def replica_spec(manifest: Manifest, pool: Pool) -> ReplicaSpec:
                           attention_backend=e.attention_backend)
     p = pool.parallelism
     threads = max(1, round(pool.resources.cpus * p.world_size))
-    return ReplicaSpec(model=absolute_model(manifest), dtype=e.dtype, engine=engine,
+    return ReplicaSpec(model=absolute_model(manifest), device=e.device, dtype=e.dtype, engine=engine,
                        parallel=ParallelConfig(tp=p.tp, pp=p.pp, ep=p.ep), threads=threads)
 
 

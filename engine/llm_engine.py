@@ -21,12 +21,14 @@ from its first token.
 
 from __future__ import annotations
 
+import os
 import secrets
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence as Seq, TypeVar
 
 import torch
 
+from tandem.engine.device import RankPlacement
 from tandem.engine.engine_config import EngineConfig, available_memory_bytes
 from tandem.engine.errors import ReplicaFailedError
 from tandem.engine.kv_cache import KVCacheSpec, PagedKVCache
@@ -56,9 +58,11 @@ class EngineStats(SchedulerStats):
 class LLMEngine:
     def __init__(self, loaded: LoadedModel, config: EngineConfig = EngineConfig(), *,
                  event_sink: KVEventSink = discard_events, parallel: ParallelConfig = ParallelConfig(),
-                 kv_agent: KVAgentFactory | None = None):
-        """loaded.model may be None (weights=False) when parallel spans more than one rank. Raises ValueError
-        for a split the model cannot take, ReplicaFailedError if a rank fails to start."""
+                 kv_agent: KVAgentFactory | None = None, rank_gpus: Seq[str] | None = None):
+        """loaded.model may be None (weights=False) when parallel spans more than one rank. rank_gpus: each
+        rank's CUDA_VISIBLE_DEVICES (None: the ranks inherit this process's and rank r takes cuda:r). Raises
+        ValueError for a split the model cannot take or a KV budget that buys no block, ReplicaFailedError if a
+        rank fails to start."""
         self.loaded = loaded
         self.config = config
         self.tokenizer = loaded.tokenizer
@@ -76,42 +80,50 @@ class LLMEngine:
         largest = max(shares, key=lambda s: len(s.layers) * len(s.kv_heads))
         probe = KVCacheSpec(len(largest.layers), 1, config.block_size, len(largest.kv_heads), model_config.head_dim,
                             loaded.dtype)
-        # CPU ranks of a spawned replica share this host's memory; GPU ranks each have their own device.
-        ranks_here = self.layout.world_size if device.type == "cpu" else 1
-        num_blocks = config.num_blocks(probe.bytes_per_block, available_memory_bytes(device) // ranks_here,
-                                       device.type == "cuda")
-        self.kv_cache_spec = KVCacheSpec(model_config.num_layers, num_blocks, config.block_size,
-                                         model_config.num_kv_heads, model_config.head_dim, loaded.dtype)
+
+        def blocks_for(free_bytes: int) -> int:
+            return config.num_blocks(probe.bytes_per_block, free_bytes, device.type == "cuda")
+
         if self.layout.world_size == 1:
             if loaded.model is None:
                 raise ValueError("a single-process engine needs the model's weights (load_model(weights=True))")
             from tandem.engine.attention.triton_backend import select_backend
 
+            num_blocks = blocks_for(available_memory_bytes(device))  # after the weights were loaded
             loaded.model.attention = select_backend(config.attention_backend, device)
-            self.runner = ModelRunner(loaded.model, PagedKVCache(self.kv_cache_spec, device))
+            self.runner = ModelRunner(loaded.model, PagedKVCache(self._kv_spec(num_blocks), device))
             # This process's KV transfer agent (None without kv_agent, or when the ranks hold their own).
             self.local_kv_agent = kv_agent(0, self.layout, self.runner.kv_cache) if kv_agent else None
             self.runner.layer_observer = self.local_kv_agent
+            self.rank_placements = (RankPlacement(0, os.getpid(), str(device), os.environ.get("CUDA_VISIBLE_DEVICES"),
+                                                  loaded.model.attention.choice.summary()),)
         else:
             from tandem.engine.ranks.executor import MultiprocExecutor, free_port
             from tandem.engine.ranks.worker import WorkerSpec
 
+            # Each rank measures its device's free memory once its shard is loaded (this process never touches
+            # CUDA) and the smallest answer sizes every rank's cache; CPU ranks share this host, so they split it.
+            share = 1 if device.type == "cuda" else self.layout.world_size
             threads = max(1, torch.get_num_threads() // self.layout.world_size)
             for attempt in range(STARTUP_PORT_ATTEMPTS):
                 # free_port() may be taken by another process before rank 0 binds it: then try another port.
                 try:
                     self.runner = MultiprocExecutor(WorkerSpec(
                         model_path=str(loaded.source), dtype=str(loaded.dtype).removeprefix("torch."),
-                        device=str(device), layout=self.layout, num_kv_blocks=num_blocks, block_size=config.block_size,
+                        device=str(device), layout=self.layout, block_size=config.block_size,
                         max_positions=model_config.max_position_embeddings,
                         init_method=f"tcp://127.0.0.1:{free_port()}", timeout_s=parallel.collective_timeout_s,
                         threads=threads, micro_batches=parallel.num_micro_batches, kv_agent=kv_agent,
-                        attention_backend=config.attention_backend))
+                        attention_backend=config.attention_backend, visible_gpus=rank_gpus),
+                        kv_blocks=lambda free: blocks_for(free // share))
                     break
                 except ReplicaFailedError as e:
                     if "EADDRINUSE" not in str(e) or attempt == STARTUP_PORT_ATTEMPTS - 1:
                         raise
+            num_blocks = self.runner.num_kv_blocks
             self.local_kv_agent = None
+            self.rank_placements = tuple(self.runner.placements)
+        self.kv_cache_spec = self._kv_spec(num_blocks)
         self.has_kv_agents = kv_agent is not None
         self.kv_manager = KVCacheManager(num_blocks, config.block_size,
                                          enable_prefix_caching=config.enable_prefix_caching, event_sink=event_sink)
@@ -197,6 +209,12 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> list[RequestOutput]:
         """Ends a request now, freeing its blocks; returns its final outputs (empty for an unknown or finished id)."""
         return self.outputs.aborted(self.scheduler.abort_request(request_id))
+
+    def _kv_spec(self, num_blocks: int) -> KVCacheSpec:
+        """The whole replica's KV cache (every layer and KV head; each rank holds its share)."""
+        c = self.loaded.config
+        return KVCacheSpec(c.num_layers, num_blocks, self.config.block_size, c.num_kv_heads, c.head_dim,
+                           self.loaded.dtype)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import AsyncIterator, Protocol, Sequence, Union
 
+from tandem.engine.device import RankPlacement
 from tandem.engine.kv_events import KVEventBatch, KVSnapshot
 from tandem.engine.output_processor import RequestOutput
 from tandem.engine.sampled_token import SampledToken
@@ -30,7 +31,8 @@ class RequestAbortedError(RuntimeError):
 class ReplicaInfo:
     """Static facts about a started replica, for the router and the control plane. node: the address other
     nodes reach it at; node_id: Ray's node id (None outside Ray); layout: one line per rank; kv_addresses: a
-    decode replica's KV agent addresses, one per rank (empty elsewhere)."""
+    decode replica's KV agent addresses, one per rank (empty elsewhere); device: what the ranks compute on
+    (engine/device.py DeviceChoice.describe()); ranks: where each rank runs, as it reports itself."""
 
     name: str
     pool: str
@@ -43,6 +45,8 @@ class ReplicaInfo:
     block_size: int  # tokens per KV block
     kv_blocks_total: int
     kv_addresses: tuple[str, ...] = ()
+    device: str = "cpu"
+    ranks: tuple[RankPlacement, ...] = ()
 
 
 @dataclass(frozen=True)

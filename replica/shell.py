@@ -84,7 +84,9 @@ class ReplicaShell:
         return ReplicaInfo(name=self.name, pool=self.pool, pid=os.getpid(), node=node_address(), node_id=node_id(),
                            layout=tuple(engine.layout.describe()), world_size=engine.layout.world_size,
                            max_model_len=engine.max_model_len, block_size=engine.config.block_size,
-                           kv_blocks_total=engine.kv_cache_spec.num_blocks)
+                           kv_blocks_total=engine.kv_cache_spec.num_blocks,
+                           device=f"{engine.loaded.device.type} {str(engine.loaded.dtype).removeprefix('torch.')}",
+                           ranks=engine.rank_placements)
 
     async def stats(self) -> ReplicaStats:
         """Counters read on the engine thread between steps (exact, at the cost of waiting for a running step);

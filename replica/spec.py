@@ -1,38 +1,74 @@
-"""What one engine replica is (model, precision, engine limits, parallel split) as a picklable value, and how it
-is built: the replica shell (replica/shell.py) builds its engine from the ReplicaSpec the control plane sends."""
+"""What one engine replica is (model, device and precision, engine limits, parallel split) as a picklable value,
+and how it is built: the replica shell (replica/shell.py) builds its engine from the ReplicaSpec the control plane
+sends."""
 
 from __future__ import annotations
 
+import logging
+import os
 from dataclasses import dataclass, field
 
+from tandem.engine.device import DeviceChoice, resolve_device, split_gpu_ids
 from tandem.engine.engine_config import EngineConfig
 from tandem.engine.parallel.layout import ParallelConfig
+
+_log = logging.getLogger(__name__)
+
+
+def ray_gpu_ids() -> list[str] | None:
+    """The GPU IDs Ray assigned to this process (its actor's num_gpus), None outside a Ray worker."""
+    try:
+        import ray
+    except ImportError:
+        return None
+    if not ray.is_initialized():
+        return None
+    return [str(i) for i in ray.get_gpu_ids()]
 
 
 @dataclass(frozen=True)
 class ReplicaSpec:
-    """model: a Hugging Face folder or .gguf path (None: the embedded model). threads: torch CPU threads for the
-    whole replica (split over its ranks)."""
+    """model: a Hugging Face folder or .gguf path (None: the embedded model). device: engine/device.py DEVICES
+    (auto: CUDA when Ray gave the replica GPUs); dtype None: the device's default. threads: torch CPU threads for
+    the whole replica (split over its ranks)."""
 
     model: str | None = None
-    dtype: str = "float32"
+    device: str = "auto"
+    dtype: str | None = None
     engine: EngineConfig = field(default_factory=EngineConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     threads: int = 1
 
-    def build(self, kv_agent=None, event_sink=None):
-        """Loads the model (only its config and tokenizer when the ranks load their own shards) and returns a
-        running LLMEngine publishing its KV events to event_sink (None: nowhere). Raises ModelLoadError /
-        ValueError / ReplicaFailedError like LLMEngine."""
+    def choose_device(self, gpu_ids: list[str] | None) -> DeviceChoice:
+        """This replica's device and dtype, given the GPU IDs Ray assigned it (None outside Ray). Raises
+        ValueError when CUDA is asked for or implied and cannot be had."""
         import torch
 
+        return resolve_device(self.device, self.dtype, gpu_ids, torch.cuda.device_count(),
+                              f"torch {torch.__version__}")
+
+    def build(self, kv_agent=None, event_sink=None):
+        """Loads the model (only its config and tokenizer when the ranks load their own shards) onto the chosen
+        device and returns a running LLMEngine publishing its KV events to event_sink (None: nowhere). A replica
+        of several ranks gives each rank its share of the GPUs Ray assigned it (CUDA_VISIBLE_DEVICES). Raises
+        ModelLoadError / ValueError / ReplicaFailedError like LLMEngine."""
+        import torch
+
+        from tandem.engine.kv_events import discard_events
         from tandem.engine.llm_engine import LLMEngine
         from tandem.engine.loader import load_model
 
         torch.set_num_threads(max(1, self.threads))
-        loaded = load_model(self.model, dtype=getattr(torch, self.dtype), progress=False,
-                            weights=self.parallel.world_size == 1)
-        from tandem.engine.kv_events import discard_events
-
+        gpu_ids = ray_gpu_ids()
+        world_size = self.parallel.world_size
+        # Several ranks: each child process sees only its share. One rank: this process already sees only the
+        # replica's GPUs (Ray set CUDA_VISIBLE_DEVICES for the actor).
+        rank_gpus = split_gpu_ids(gpu_ids, world_size) if gpu_ids is not None and world_size > 1 else None
+        choice = self.choose_device(gpu_ids if rank_gpus is None else [g for g in rank_gpus[0].split(",") if g])
+        _log.info("replica device: %s%s", choice.describe(),
+                  f"; ranks' GPUs {list(rank_gpus)}" if rank_gpus else
+                  f"; CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')}" if gpu_ids else "")
+        loaded = load_model(self.model, dtype=getattr(torch, choice.dtype), device=choice.device, progress=False,
+                            weights=world_size == 1)
         return LLMEngine(loaded, self.engine, parallel=self.parallel, kv_agent=kv_agent,
-                         event_sink=event_sink or discard_events)
+                         event_sink=event_sink or discard_events, rank_gpus=rank_gpus)

@@ -15,6 +15,7 @@ import time
 from multiprocessing.connection import Connection, wait
 from typing import Callable, Mapping, TypeVar
 
+from tandem.engine.device import RankPlacement
 from tandem.engine.errors import ReplicaFailedError
 from tandem.engine.parallel.layout import ReplicaLayout
 from tandem.engine.ranks.worker import RankStats, WorkerSpec, run_worker
@@ -32,9 +33,11 @@ def free_port() -> int:
 
 
 class MultiprocExecutor:
-    def __init__(self, spec: WorkerSpec, *, startup_timeout_s: float = 600.0):
-        """Spawns spec.layout.world_size ranks and waits until every one has loaded its shard. Raises
-        ReplicaFailedError (and stops the others) if any rank fails to start."""
+    def __init__(self, spec: WorkerSpec, kv_blocks: Callable[[int], int], *, startup_timeout_s: float = 600.0):
+        """Spawns spec.layout.world_size ranks and waits until every one has loaded its shard and allocated its
+        KV cache: each rank reports its device's free memory once its shard is loaded, and kv_blocks(the
+        smallest of those, bytes) sets every rank's block count (num_kv_blocks). Raises ReplicaFailedError (and
+        stops the others) if any rank fails to start, ValueError (the ranks stopped) if kv_blocks does."""
         import torch.multiprocessing as mp
 
         self.layout: ReplicaLayout = spec.layout
@@ -52,7 +55,17 @@ class MultiprocExecutor:
             child.close()
             self._conns.append(parent)
             self._procs.append(proc)
-        self._collect(list(range(self.layout.world_size)), "ready", time.monotonic() + startup_timeout_s)
+        ranks = list(range(self.layout.world_size))
+        deadline = time.monotonic() + startup_timeout_s
+        free = self._collect(ranks, "memory", deadline)
+        try:
+            self.num_kv_blocks = kv_blocks(min(free.values()))
+        except ValueError:
+            self.shutdown(graceful=False)
+            raise
+        self._broadcast(("allocate", self.num_kv_blocks))
+        placements = self._collect(ranks, "ready", deadline)
+        self.placements: list[RankPlacement] = [placements[r] for r in ranks]
 
     def _describe(self, rank: int) -> str:
         stage, ep, tp = self.layout.coords(rank)

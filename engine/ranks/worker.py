@@ -1,5 +1,8 @@
 """One rank of a replica, in its own process: loads its shard, holds its share of the KV cache, runs steps.
 
+Start-up: the rank takes the GPUs the driver names for it (CUDA_VISIBLE_DEVICES, before CUDA starts), loads its
+shard onto its device, answers ("memory", its device's free bytes) and waits for ("allocate", blocks): the
+driver sizes every rank's KV cache from the smallest answer. Then it sends ("ready", RankPlacement).
 The driver (engine/ranks/executor.py) sends each message to every rank over a pipe: ("step", prev_tokens,
 SchedulerOutput) pickled once, ("stats",) or ("stop",); and ("agent", fn, args) to the ranks it names, which
 run fn(agent, *args) on their KV transfer agent and answer with the result. fn is a picklable callable (a
@@ -11,11 +14,13 @@ the same `run_worker` inside Ray actors.
 
 from __future__ import annotations
 
+import os
 import pickle
 import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
+from tandem.engine.device import RankPlacement
 from tandem.engine.parallel.layout import ReplicaLayout
 
 
@@ -27,7 +32,6 @@ class WorkerSpec:
     dtype: str  # "float32" | "bfloat16"
     device: str
     layout: ReplicaLayout
-    num_kv_blocks: int
     block_size: int
     max_positions: int
     init_method: str  # torch.distributed rendezvous, e.g. tcp://127.0.0.1:PORT
@@ -36,6 +40,7 @@ class WorkerSpec:
     micro_batches: int
     kv_agent: object = None  # a picklable factory (rank, layout, kv_cache) -> KV transfer agent (kv_transfer/)
     attention_backend: str = "auto"  # engine_config.ATTENTION_BACKENDS
+    visible_gpus: tuple[str, ...] | None = None  # each rank's CUDA_VISIBLE_DEVICES (None: inherit; rank r: cuda:r)
 
 
 @dataclass(frozen=True)
@@ -57,9 +62,12 @@ def run_worker(rank: int, spec: WorkerSpec, conn: Connection) -> None:
     """The rank's whole life. Returns on ("stop",) or after reporting an error."""
     comm = agent = None
     try:
+        if spec.visible_gpus is not None:  # before torch starts CUDA, which reads it once
+            os.environ["CUDA_VISIBLE_DEVICES"] = spec.visible_gpus[rank]
         import torch
 
         from tandem.engine.attention.triton_backend import select_backend
+        from tandem.engine.engine_config import available_memory_bytes
         from tandem.engine.kv_cache import KVCacheSpec, PagedKVCache
         from tandem.engine.loader.model_loader import load_checkpoint
         from tandem.engine.model_runner import ModelRunner
@@ -69,8 +77,9 @@ def run_worker(rank: int, spec: WorkerSpec, conn: Connection) -> None:
         torch.set_num_threads(spec.threads)
         layout = spec.layout
         device = spec.device
-        if torch.device(device).type == "cuda" and torch.device(device).index is None:  # one GPU per rank
-            device = f"cuda:{rank % torch.cuda.device_count()}"
+        if torch.device(device).type == "cuda" and torch.device(device).index is None:
+            # One GPU per rank: the only one it sees, or (no list from the driver) the rank-th of this host's.
+            device = "cuda:0" if spec.visible_gpus is not None else f"cuda:{rank % torch.cuda.device_count()}"
             torch.cuda.set_device(device)
         comm = ParallelComm(layout, rank, init_method=spec.init_method, timeout_s=spec.timeout_s, device=device)
         shard = layout.shard(rank)
@@ -79,15 +88,20 @@ def run_worker(rank: int, spec: WorkerSpec, conn: Connection) -> None:
         model = build_model(checkpoint.config, checkpoint.weights, dtype=dtype, device=device,
                             max_positions=spec.max_positions, source=str(checkpoint.source), shard=shard, comm=comm)
         del checkpoint
-        model.attention = select_backend(spec.attention_backend, torch.device(device))
+        model.attention = select_backend(spec.attention_backend, torch.device(device), log=rank == 0)  # once
         config = model.config
-        kv_spec = KVCacheSpec(len(shard.layers), spec.num_kv_blocks, spec.block_size, len(shard.kv_heads),
+        conn.send(("memory", available_memory_bytes(device)))
+        kind, num_blocks = pickle.loads(conn.recv_bytes())
+        if kind != "allocate":
+            raise ValueError(f"expected the KV cache's size, got {kind!r}")
+        kv_spec = KVCacheSpec(len(shard.layers), num_blocks, spec.block_size, len(shard.kv_heads),
                               config.head_dim, dtype)
         runner = ModelRunner(model, PagedKVCache(kv_spec, device), comm=comm,
                              samples=rank == layout.sampler_rank, micro_batches=spec.micro_batches)
         if spec.kv_agent is not None:
             agent = runner.layer_observer = spec.kv_agent(rank, layout, runner.kv_cache)
-        conn.send(("ready", rank))
+        conn.send(("ready", RankPlacement(rank, os.getpid(), str(device), os.environ.get("CUDA_VISIBLE_DEVICES"),
+                                          model.attention.choice.summary())))
         while True:
             message = pickle.loads(conn.recv_bytes())
             kind = message[0]

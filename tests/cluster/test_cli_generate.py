@@ -77,11 +77,22 @@ def test_streaming_prints_the_same_text(capsys, embedded, embedded_generator):
     (["--prompt", "x", "--tp", "10"], "more than the model's 9 attention heads"),
     (["--prompt", "x", "--pp", "0"], "pp must be a positive integer"),
     (["--prompt", "x", "--tp", "2", "--weights", "packed"], "runs in one process"),
+    (["--prompt", "x", "--device", "cuda", "--weights", "packed"], "runs on the CPU"),
 ])
 def test_bad_flags_exit_2_with_a_message(capsys, flags, message):
     assert main(["generate", *flags]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_device_cuda_without_cuda_says_what_to_install(capsys):
+    import torch
+
+    assert main(["generate", "--prompt", "x", "--device", "cuda"]) == 2
+    err = capsys.readouterr().err
+    assert f"device: cuda, but torch {torch.__version__} sees no CUDA device" in err
+    assert "install a CUDA build of torch" in err and "Traceback" not in err
 
 
 def test_split_replica_keeps_the_json_contract_and_the_tokens(capsys, embedded, embedded_generator):
@@ -112,8 +123,9 @@ def test_verbose_names_the_probed_cpu_and_each_projections_kernel(capsys):
     from tandem.engine.models.linear import choose_kernel
 
     assert main(["generate", "--json", "--prompt", "Hi", "--max-tokens", "2", "--dtype", "bfloat16",
-                 "--verbose"]) == 0
+                 "--verbose", "--device", "cpu"]) == 0
     err = capsys.readouterr().err
+    assert "device: cpu bfloat16 (device: cpu)" in err
     assert cpu_features().describe() in err
     kernel = choose_kernel(torch.bfloat16, torch.device("cpu"))
     assert f"bfloat16 projections on cpu: 121 x {kernel} (" in err  # 30 layers x 4, and the tied LM head

@@ -331,3 +331,63 @@ def test_the_same_message_at_two_paths_is_reported_twice(tmp_path):
     assert [(e.path, e.line) for e in errors] == [("pools.prefill.engine.block_size", 3),
                                                   ("pools.decode.engine.block_size", 5)]
     assert errors[0].message == errors[1].message == "block_size must be a power of two, got 3"
+
+
+# --- devices ----------------------------------------------------------------------------------------------------
+
+
+def test_cuda_needs_a_gpu_per_rank_and_a_split_replica_needs_whole_gpus(tmp_path):
+    path = _write(tmp_path, """\
+pools:
+  prefill:
+    parallelism: {tp: 2}
+    resources: {gpus: 0.5}
+    engine: {device: cuda}
+  decode:
+    resources: {gpus: 0}
+    engine: {device: cuda, dtype: bfloat16}
+""")
+    errors = {e.path: e for e in _errors(path)}
+    assert set(errors) == {"pools.prefill.resources.gpus", "pools.decode.engine.device"}
+    split = errors["pools.prefill.resources.gpus"]
+    assert split.line == 4 and "0.5 of a GPU per rank" in split.message and "2 ranks" in split.message
+    assert "gpus: 1" in split.hint and "share a GPU" in split.hint
+    no_gpu = errors["pools.decode.engine.device"]
+    assert no_gpu.line == 8 and "ask for no GPU" in no_gpu.message
+    assert "pools.decode.resources.gpus: 1" in no_gpu.hint and "device: cpu" in no_gpu.hint
+
+
+def test_a_single_rank_may_share_a_gpu_and_whole_gpus_are_whole(tmp_path):
+    shared = _write(tmp_path, """\
+pools:
+  prefill: {resources: {gpus: 0.5}, engine: {device: cuda}}
+  decode: {resources: {gpus: 0.5}}
+""", "shared.yaml")
+    assert validate_file(shared, check_ports=False).pools.decode.device == "cuda"  # auto, given a GPU share
+    odd = _write(tmp_path, """\
+pools:
+  prefill: {resources: {gpus: 1.5}}
+  decode: {resources: {gpus: 1.5}}
+""", "odd.yaml")
+    assert {(e.path, e.hint.startswith("Ray hands out fractions below 1 or whole GPUs")) for e in _errors(odd)} == {
+        ("pools.prefill.resources.gpus", True), ("pools.decode.resources.gpus", True)}
+
+
+def test_the_pools_kv_dtypes_must_agree_once_device_defaults_are_applied(tmp_path):
+    # prefill on GPUs defaults to bfloat16, decode on the CPU to float32: their KV blocks would not match
+    path = _write(tmp_path, """\
+pools:
+  prefill: {resources: {gpus: 1}}
+  decode: {resources: {gpus: 0}}
+""")
+    [error] = _errors(path)
+    assert error.path == "pools.decode.engine.dtype"
+    assert "(bfloat16 vs float32)" in error.message and "set it on both pools" in error.hint
+    fixed = _write(tmp_path, """\
+pools:
+  prefill: {resources: {gpus: 1}, engine: {dtype: float32}}
+  decode: {resources: {gpus: 0}}
+""", "fixed.yaml")
+    manifest = validate_file(fixed, check_ports=False)
+    assert (manifest.pools.prefill.device, manifest.pools.prefill.dtype) == ("cuda", "float32")
+    assert (manifest.pools.decode.device, manifest.pools.decode.dtype) == ("cpu", "float32")

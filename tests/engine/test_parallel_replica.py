@@ -4,6 +4,7 @@ dies fails the replica fast instead of hanging it."""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import pickle
 import time
@@ -131,13 +132,19 @@ def test_kv_agents_answer_in_each_rank_process_and_a_killed_rank_fails_the_repli
     """One tp=2 replica (ranks are slow to start) for two checks: call_kv_agents runs a callable on each rank's
     agent in that rank's process; then a killed rank fails the replica fast, naming the rank."""
     meta = load_model(weights=False, progress=False)
-    engine = LLMEngine(meta, CONFIG, parallel=ParallelConfig(tp=2, collective_timeout_s=30), kv_agent=ProbeAgent)
+    # rank_gpus: what a replica actor hands its ranks from the GPU IDs Ray gave it (only bookkeeping on the CPU)
+    engine = LLMEngine(meta, CONFIG, parallel=ParallelConfig(tp=2, collective_timeout_s=30), kv_agent=ProbeAgent,
+                       rank_gpus=("7", "5"))
     try:
         where = engine.call_kv_agents(ProbeAgent.where, {0: ("first",), 1: ("second",)})
         shapes = [s.kv_cache_shape for s in engine.runner.rank_stats()]
         assert [(rank, shape, tag) for rank, _, shape, tag in (where[0], where[1])] == [
             (0, shapes[0], "first"), (1, shapes[1], "second")]
         assert len({where[0][1], where[1][1], os.getpid()}) == 3, "each agent lives in its own rank's process"
+        # each rank reports, from its own process, the GPU it was told to see; the KV size every rank agreed on
+        assert [(p.rank, p.pid, p.device, p.visible_gpus, p.attention) for p in engine.rank_placements] == [
+            (0, where[0][1], "cpu", "7", "torch (cpu device)"), (1, where[1][1], "cpu", "5", "torch (cpu device)")]
+        assert [shape[2] for shape in shapes] == [CONFIG.num_kv_blocks] * 2 == [engine.kv_cache_spec.num_blocks] * 2
         with pytest.raises(LookupError, match="rank 1 refuses"):  # the agent's error, not a failed replica
             engine.call_kv_agents(ProbeAgent.refuse, {1: ()})
 
@@ -194,3 +201,10 @@ def test_async_engine_streams_from_a_split_replica_and_ends_streams_when_a_rank_
                 return streamed
 
         assert asyncio.run(main()) == embedded_reference["0"]
+
+
+def test_a_kv_budget_the_ranks_memory_cannot_buy_stops_the_ranks_with_a_clear_error(tiny_llama):
+    meta = load_model(tiny_llama.source, weights=False, progress=False)
+    with pytest.raises(ValueError, match="holds no block"):
+        LLMEngine(meta, EngineConfig(kv_cache_bytes=1), parallel=ParallelConfig(pp=2))
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith("tandem-rank-")]
