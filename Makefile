@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.tandem-installed
 PROMPT ?= Explain in two sentences why the sky is blue.
 
-.PHONY: setup run test test-avx2 clean
+.PHONY: setup run test test-avx2 test-gpu clean
 
 setup: $(STAMP)
 
@@ -31,6 +31,24 @@ test: setup
 # The suite as an AVX2-only CPU runs it (torch's ATen dispatch and oneDNN capped at AVX2): for AVX-512 machines.
 test-avx2: setup
 	ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 $(PY) -m pytest
+
+# The GPU checks, on a machine with an NVIDIA GPU and a CUDA build of torch in $(VENV): the tests marked gpu, the
+# Triton attention kernels against the memory-bandwidth and matmul floors, and the engine's throughput on CUDA; then
+# one summary (bench/gpu_summary.py) of what each left in $(GPU_RESULTS). Says so and fails before running anything
+# when torch sees no CUDA device. Every step runs even if one before it failed; the summary's exit status says
+# whether all passed.
+GPU_RESULTS := $(VENV)/gpu-results
+NO_INTERPRETER := env -u TRITON_INTERPRET
+
+test-gpu: setup
+	@$(PY) bench/gpu_summary.py --require-gpu
+	@rm -rf $(GPU_RESULTS) && mkdir -p $(GPU_RESULTS)
+	$(NO_INTERPRETER) $(PY) -m pytest -m gpu --junitxml=$(GPU_RESULTS)/pytest.xml; echo $$? > $(GPU_RESULTS)/pytest.rc
+	{ $(NO_INTERPRETER) $(PY) bench/attention_kernels.py 2>&1; echo $$? > $(GPU_RESULTS)/attention_kernels.rc; } \
+		| tee $(GPU_RESULTS)/attention_kernels.log
+	{ $(NO_INTERPRETER) $(PY) bench/engine_throughput.py --device cuda 2>&1; \
+		echo $$? > $(GPU_RESULTS)/engine_throughput.rc; } | tee $(GPU_RESULTS)/engine_throughput.log
+	@$(PY) bench/gpu_summary.py $(GPU_RESULTS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

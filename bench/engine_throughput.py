@@ -10,10 +10,15 @@ Prefix cache: a 500-token system prompt shared by every request. TTFT (add -> fi
 system prompt is cached vs the same request on a cold cache, alternating, median over --ttft-rounds.
 
     .venv/bin/python bench/engine_throughput.py [--concurrency 1,8,32,64] [--tokens 64] [--dtype float32]
+    .venv/bin/python bench/engine_throughput.py --device cuda      # bfloat16 unless --dtype says otherwise
 
 The JSON names the machine, the CPU probe (`cpu`) and the kernels the projections ran on (`tandem_kernels`); a
 dtype this machine cannot run is reported with its error instead of numbers. To measure an AVX2 CPU's paths on
 an AVX-512 machine, run with ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2.
+
+--device cuda runs the engine and the transformers peer on the GPU (both in --dtype, bfloat16 by default there),
+synchronizes the device around every timed span, gives each engine an explicit KV budget (the two engines and the
+peer share the GPU), and names the GPU (`gpu`, torch.cuda.get_device_name) instead of the CPU probe.
 
 The last line of output is one JSON object with every number.
 """
@@ -47,10 +52,20 @@ def prompts(tokenizer, count: int) -> list[list[int]]:
             for i in range(count)]
 
 
-def engine_tokens_per_s(engine, requests: list[list[int]], tokens: int) -> dict:
+CUDA_KV_CACHE_BYTES = 4 << 30  # each engine's on the GPU: without it the first would take 90% of the free memory
+
+
+def sync(device: str) -> None:
+    """Waits for the device's queued work (a no-op on the CPU), so that a timed span ends when its work does."""
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def engine_tokens_per_s(engine, requests: list[list[int]], tokens: int, device: str = "cpu") -> dict:
     from tandem.engine.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
+    sync(device)
     start = time.perf_counter()
     for i, ids in enumerate(requests):
         engine.add_request(f"r{i}-{start}", ids, params)
@@ -59,27 +74,30 @@ def engine_tokens_per_s(engine, requests: list[list[int]], tokens: int) -> dict:
     while engine.has_unfinished_requests():
         generated += sum(len(o.token_ids) for o in engine.step())
         steps += 1
+    sync(device)
     elapsed = time.perf_counter() - start
     if generated != tokens * len(requests):
         raise RuntimeError(f"expected {tokens * len(requests)} tokens, got {generated}")
     return {"tokens_per_s": generated / elapsed, "seconds": elapsed, "steps": steps}
 
 
-def transformers_runner(dtype: torch.dtype):
+def transformers_runner(dtype: torch.dtype, device: str = "cpu"):
     from transformers import AutoModelForCausalLM
 
     from tandem.engine.loader import default_model_path
 
     path = default_model_path()
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype).eval()
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype).to(device).eval()
 
     @torch.inference_mode()
     def run(requests: list[list[int]], tokens: int) -> dict:
+        sync(device)
         start = time.perf_counter()
         for ids in requests:
-            out = model.generate(torch.tensor([ids]), max_new_tokens=tokens, min_new_tokens=tokens,
+            out = model.generate(torch.tensor([ids], device=device), max_new_tokens=tokens, min_new_tokens=tokens,
                                  do_sample=False, pad_token_id=0)
             assert out.shape[1] - len(ids) == tokens
+        sync(device)
         elapsed = time.perf_counter() - start
         return {"tokens_per_s": tokens * len(requests) / elapsed, "seconds": elapsed, "requests": len(requests)}
 
@@ -87,21 +105,23 @@ def transformers_runner(dtype: torch.dtype):
     return run
 
 
-def prefix_ttft(loaded, config_cls, engine_cls, rounds: int) -> dict:
+def prefix_ttft(loaded, config_cls, engine_cls, rounds: int, device: str = "cpu") -> dict:
     """TTFT with the 500-token system prompt cached vs cold (the cache is reset before each cold run)."""
     from tandem.engine.sampling_params import SamplingParams
 
     tok = loaded.tokenizer
     system = tok.encode(SYSTEM_SENTENCE * 20)[:500]
-    engine = engine_cls(loaded, config_cls(max_model_len=2048, max_num_batched_tokens=2048))
+    engine = engine_cls(loaded, config_cls(max_model_len=2048, max_num_batched_tokens=2048, **kv_budget(device)))
     params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
 
     def ttft(i: int) -> float:
         ids = system + tok.encode(f" Question {i}: {QUESTIONS[i % len(QUESTIONS)]}")
+        sync(device)
         start = time.perf_counter()
         engine.add_request(f"ttft{i}", ids, params)
         while not any(o.token_ids for o in engine.step()):
             pass
+        sync(device)
         elapsed = time.perf_counter() - start
         while engine.has_unfinished_requests():
             engine.step()
@@ -119,49 +139,72 @@ def prefix_ttft(loaded, config_cls, engine_cls, rounds: int) -> dict:
             "hit_rate": engine.stats().prefix_hit_rate}
 
 
+def kv_budget(device: str) -> dict:
+    """EngineConfig's KV budget: the default (a fraction of free memory) on the CPU, a fixed one on the GPU."""
+    return {"kv_cache_bytes": CUDA_KV_CACHE_BYTES} if device == "cuda" else {}
+
+
+def device_report(device: str) -> dict:
+    """What the engine ran on: the CPU probe, or the GPU's name (and torch's CUDA version)."""
+    if device == "cuda":
+        return {"gpu": torch.cuda.get_device_name(), "cuda": torch.version.cuda}
+    return {"cpu": cpu_report()}
+
+
 def main() -> None:
+    from tandem.engine.device import default_dtype
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--concurrency", default="1,8,32,64")
     parser.add_argument("--tokens", type=int, default=64)
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
+                        help="default: float32 on the CPU, bfloat16 on CUDA")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--hf-requests", type=int, default=4, help="requests transformers runs one by one")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved measurement rounds (medians reported)")
     parser.add_argument("--ttft-rounds", type=int, default=5)
     args = parser.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        sys.exit(f"engine_throughput.py: --device cuda, but torch {torch.__version__} sees no CUDA device (a CPU "
+                 "build of torch, or no driver); run on a machine with an NVIDIA GPU, or use --device cpu")
+    args.dtype = args.dtype or default_dtype(args.device)
     torch.set_num_threads(args.threads)
-    results = {"machine": machine_line(), "cpu": cpu_report(), "dtype": args.dtype, "threads": args.threads,
-               "tokens": args.tokens, "rounds": args.rounds, "hf_requests": args.hf_requests}
+    results = {"machine": machine_line(), "device": args.device} | device_report(args.device)
+    results |= {"dtype": args.dtype, "threads": args.threads, "tokens": args.tokens, "rounds": args.rounds,
+                "hf_requests": args.hf_requests}
     try:
         results |= measure(args)
     except Exception as e:  # noqa: BLE001 - a dtype this machine cannot run is a result, not a crash
         results["error"] = f"{type(e).__name__}: {e}"
-        print(f"{args.dtype}: cannot run here: {results['error']}", file=sys.stderr)
+        print(f"{args.dtype} on {args.device}: cannot run here: {results['error']}", file=sys.stderr)
     print(json.dumps(results))
 
 
 def measure(args: argparse.Namespace) -> dict:
-    """Every number of the module docstring, for args.dtype."""
+    """Every number of the module docstring, for args.dtype on args.device."""
     from tandem.engine.engine_config import EngineConfig
     from tandem.engine.llm_engine import LLMEngine
     from tandem.engine.loader import load_model
 
     dtype = getattr(torch, args.dtype)
-    loaded = load_model(progress=False, dtype=dtype)
+    device = args.device
+    loaded = load_model(progress=False, dtype=dtype, device=device)
     levels = [int(c) for c in args.concurrency.split(",")]
     requests = prompts(loaded.tokenizer, max(levels))
     engine = LLMEngine(loaded, EngineConfig(max_model_len=2048, max_num_seqs=max(levels),
-                                            max_num_batched_tokens=2048, enable_prefix_caching=False))
+                                            max_num_batched_tokens=2048, enable_prefix_caching=False,
+                                            **kv_budget(device)))
     # Warm-up: the largest level once, so that every KV block the timed runs use has been written before. On
     # a VM the first write to a page costs a host page fault, a one-time cost a long-running server never pays
     # again; the timed runs measure the steady state.
-    engine_tokens_per_s(engine, requests[:max(levels)], args.tokens)
-    hf_run = transformers_runner(dtype)
+    engine_tokens_per_s(engine, requests[:max(levels)], args.tokens, device)
+    hf_run = transformers_runner(dtype, device)
     # This machine's speed drifts (shared host): each round measures every level and the peer back to back, and
     # the reported numbers are medians over rounds (speed-ups: median of the per-round ratios).
     rounds = []
     for r in range(args.rounds):
-        row = {str(level): engine_tokens_per_s(engine, requests[:level], args.tokens) for level in levels}
+        row = {str(level): engine_tokens_per_s(engine, requests[:level], args.tokens, device) for level in levels}
         row["transformers"] = hf_run(requests[:args.hf_requests], args.tokens)
         rounds.append(row)
         print(f"round {r + 1}: " + ", ".join(f"{k}: {v['tokens_per_s']:.1f} tok/s" for k, v in row.items()),
@@ -180,7 +223,7 @@ def measure(args: argparse.Namespace) -> dict:
     print("speed-up vs transformers (median of rounds): " + ", ".join(
         f"{k}: {v:.1f}x" for k, v in results["speedup_vs_transformers"].items()), file=sys.stderr)
     del engine
-    results["prefix_cache"] = prefix = prefix_ttft(loaded, EngineConfig, LLMEngine, args.ttft_rounds)
+    results["prefix_cache"] = prefix = prefix_ttft(loaded, EngineConfig, LLMEngine, args.ttft_rounds, device)
     print(f"500-token system prompt: TTFT cold {prefix['cold_ttft_s'] * 1e3:.0f} ms, cached "
           f"{prefix['cached_ttft_s'] * 1e3:.0f} ms ({prefix['ttft_speedup']:.1f}x)", file=sys.stderr)
     return results

@@ -1,0 +1,160 @@
+"""The one summary `make test-gpu` ends with: what pytest -m gpu and the two GPU benchmarks left in a results
+folder, reduced to their key numbers.
+
+    .venv/bin/python bench/gpu_summary.py --require-gpu        # exit 1, saying why, when torch sees no CUDA device
+    .venv/bin/python bench/gpu_summary.py RESULTS_DIR          # the summary of a run
+
+RESULTS_DIR holds (the Makefile's test-gpu recipe writes them):
+  pytest.xml, pytest.rc                        pytest's JUnit XML report and exit status
+  attention_kernels.log, attention_kernels.rc  bench/attention_kernels.py's output (last line: one JSON object)
+  engine_throughput.log, engine_throughput.rc  bench/engine_throughput.py --device cuda's output (likewise)
+
+Prints a few lines for people, then one JSON object with the same numbers as the last line. Exits 1 if pytest
+failed or any benchmark did not finish with its JSON (or reported an error), else 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+BENCHES = ("attention_kernels", "engine_throughput")
+
+
+def require_gpu() -> int:
+    """0 when torch sees a CUDA device; else prints why not and returns 1."""
+    import torch
+
+    if torch.cuda.is_available():
+        print(f"GPU: {torch.cuda.get_device_name()} ({torch.cuda.device_count()} device(s), torch "
+              f"{torch.__version__}, CUDA {torch.version.cuda})")
+        return 0
+    print(f"make test-gpu: no CUDA GPU here: torch {torch.__version__} sees no CUDA device (a CPU build of torch, "
+          "or no NVIDIA driver). It needs a machine with an NVIDIA GPU and a CUDA build of torch; nothing was run.",
+          file=sys.stderr)
+    return 1
+
+
+def read_rc(path: Path) -> int | None:
+    """The exit status a recipe line saved, None if it never ran."""
+    try:
+        return int(path.read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def pytest_counts(results: Path) -> dict:
+    """passed / failed / errors / skipped from the JUnit report, and pytest's exit status."""
+    counts = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0, "exit": read_rc(results / "pytest.rc")}
+    try:
+        root = ET.parse(results / "pytest.xml").getroot()
+    except (OSError, ET.ParseError) as e:
+        return counts | {"problem": f"no readable pytest report: {e}"}
+    for suite in ([root] if root.tag == "testsuite" else root.iter("testsuite")):
+        tests = int(suite.get("tests", 0))
+        failed, errors, skipped = (int(suite.get(k, 0)) for k in ("failures", "errors", "skipped"))
+        counts["failed"] += failed
+        counts["errors"] += errors
+        counts["skipped"] += skipped
+        counts["passed"] += tests - failed - errors - skipped
+    return counts
+
+
+def last_json(path: Path) -> dict | None:
+    """The last line of a benchmark's output as a JSON object, None if there is none."""
+    try:
+        lines = path.read_text().strip().splitlines()
+    except OSError:
+        return None
+    try:
+        value = json.loads(lines[-1]) if lines else None
+    except json.JSONDecodeError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def attention_numbers(r: dict) -> dict:
+    decode, prefill = r["decode"], r["prefill"]
+    return {"device": r.get("device"), "dtype": r.get("dtype"),
+            "decode_fraction_of_bandwidth": decode["fraction_of_bandwidth"],
+            "decode_bandwidth_gb_s": decode["bandwidth_gb_s"], "decode_speedup_vs_torch": decode["speedup_vs_torch"],
+            "decode_shape": f"{decode['batch']} x {decode['context']}",
+            "prefill_fraction_of_matmul_rate": prefill["fraction_of_matmul_rate"],
+            "prefill_matmul_tflops": prefill["matmul_tflops"], "prefill_speedup_vs_torch": prefill["speedup_vs_torch"],
+            "prefill_tokens": prefill["tokens"]}
+
+
+def throughput_numbers(r: dict) -> dict:
+    levels = r["engine_tokens_per_s"]
+    top = max(levels, key=int)
+    return {"gpu": r.get("gpu"), "dtype": r.get("dtype"), "tokens_per_s": levels,
+            "transformers_tokens_per_s": r["transformers_sequential_tokens_per_s"],
+            "max_concurrency": int(top), "speedup_vs_transformers": r["speedup_vs_transformers"][top],
+            "prefix_ttft_speedup": r["prefix_cache"]["ttft_speedup"]}
+
+
+def bench_result(results: Path, name: str, numbers) -> dict:
+    """{"ok": bool, "exit": rc, ...numbers} or {"ok": False, "problem": why}."""
+    rc = read_rc(results / f"{name}.rc")
+    found = last_json(results / f"{name}.log")
+    if found is None:
+        return {"ok": False, "exit": rc, "problem": f"no JSON result line in {name}.log (exit status {rc})"}
+    if "error" in found:
+        return {"ok": False, "exit": rc, "problem": found["error"]}
+    try:
+        return {"ok": rc == 0, "exit": rc} | numbers(found)
+    except (KeyError, TypeError, ValueError) as e:
+        return {"ok": False, "exit": rc, "problem": f"unexpected JSON in {name}.log: {type(e).__name__}: {e}"}
+
+
+def summarize(results: Path) -> tuple[list[str], dict, bool]:
+    """The summary's lines, its JSON and whether everything passed."""
+    tests = pytest_counts(results)
+    attention = bench_result(results, "attention_kernels", attention_numbers)
+    throughput = bench_result(results, "engine_throughput", throughput_numbers)
+    ok = tests["exit"] == 0 and "problem" not in tests and attention["ok"] and throughput["ok"]
+    lines = [f"== make test-gpu: {'PASSED' if ok else 'FAILED'} =="]
+    line = (f"pytest -m gpu: {tests['passed']} passed, {tests['failed']} failed, {tests['errors']} errors, "
+            f"{tests['skipped']} skipped (exit status {tests['exit']})")
+    lines.append(line + (f"; {tests['problem']}" if "problem" in tests else ""))
+    if "problem" in attention:
+        lines.append(f"attention kernels: FAILED: {attention['problem']}")
+    else:
+        a = attention
+        lines.append(f"attention kernels on {a['device']} ({a['dtype']}): decode {a['decode_shape']} at "
+                     f"{a['decode_fraction_of_bandwidth']:.0%} of memory bandwidth ({a['decode_bandwidth_gb_s']:.0f} "
+                     f"GB/s measured), {a['decode_speedup_vs_torch']:.1f}x torch; prefill {a['prefill_tokens']} "
+                     f"tokens at {a['prefill_fraction_of_matmul_rate']:.0%} of the matmul rate "
+                     f"({a['prefill_matmul_tflops']:.0f} TFLOP/s measured), {a['prefill_speedup_vs_torch']:.1f}x torch")
+    if "problem" in throughput:
+        lines.append(f"engine throughput: FAILED: {throughput['problem']}")
+    else:
+        t = throughput
+        rates = ", ".join(f"{level}: {rate:.0f}" for level, rate in t["tokens_per_s"].items())
+        lines.append(f"engine throughput on {t['gpu']} ({t['dtype']}), tok/s by concurrency: {rates}; "
+                     f"{t['speedup_vs_transformers']:.1f}x transformers sequential "
+                     f"({t['transformers_tokens_per_s']:.0f} tok/s) at {t['max_concurrency']}; cached 500-token "
+                     f"prefix: TTFT {t['prefix_ttft_speedup']:.1f}x faster")
+    return lines, {"ok": ok, "pytest": tests, "attention_kernels": attention, "engine_throughput": throughput}, ok
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("results", nargs="?", type=Path, help="the folder the test-gpu recipe wrote")
+    parser.add_argument("--require-gpu", action="store_true", help="only check that torch sees a CUDA device")
+    args = parser.parse_args()
+    if args.require_gpu:
+        return require_gpu()
+    if args.results is None:
+        parser.error("give the results folder (or --require-gpu)")
+    lines, numbers, ok = summarize(args.results)
+    print("\n".join(lines))
+    print(json.dumps(numbers))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
