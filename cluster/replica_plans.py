@@ -25,11 +25,7 @@ class ReplicaPlan:
         """The replica's one placement-group bundle: every rank's resources together, so that its ranks land on
         one node and the replica actor holds all their GPUs (it hands each rank its share, engine/device.py
         split_gpu_ids)."""
-        total: dict[str, float] = {}
-        for bundle in self.bundles:
-            for key, value in bundle.items():
-                total[key] = total.get(key, 0.0) + value
-        return total
+        return _summed(self.bundles)
 
 
 def absolute_model(manifest: Manifest) -> str | None:
@@ -70,9 +66,13 @@ def transfer_config(manifest: Manifest) -> TransferConfig:
 
 def resources_needed(manifest: Manifest) -> dict[str, float]:
     """Ray resources the initial replicas need in all (for starting a local Ray that can hold them)."""
+    return _summed([plan.bundle for plan in replica_plans(manifest)])
+
+
+def _summed(bundles) -> dict[str, float]:
+    """Ray resources added up by name."""
     total: dict[str, float] = {}
-    for plan in replica_plans(manifest):
-        for bundle in plan.bundles:
-            for key, value in bundle.items():
-                total[key] = total.get(key, 0.0) + value
+    for bundle in bundles:
+        for key, value in bundle.items():
+            total[key] = total.get(key, 0.0) + value
     return total
