@@ -27,6 +27,7 @@ from tandem.cluster.replica_plans import ReplicaPlan, absolute_model, replica_pl
 from tandem.replica.contract import DecodeReplicaAPI, PrefillReplicaAPI, ReadyReplica, ReplicaInfo
 from tandem.replica.remote import remote_replica
 from tandem.router.lifecycle import DriverSettings
+from tandem.router.limits import ServingLimits
 from tandem.router.policy import RoutingWeights
 from tandem.router.routing import RoutingSettings
 
@@ -44,6 +45,12 @@ def driver_settings(manifest: Manifest) -> DriverSettings:
     return DriverSettings(mode=manifest.mode, max_queued_requests=r.max_queued_requests,
                           queue_timeout_s=r.queue_timeout_s, routing=routing,
                           kv_events_interval_s=r.kv_events_interval_s)
+
+
+def serving_limits(manifest: Manifest) -> ServingLimits:
+    """The manifest's request limits, deadline and tenant limits as the router's front doors take them."""
+    return ServingLimits(request_timeout_s=manifest.router.request_timeout_s, limits=manifest.router.limits,
+                         tenants=manifest.auth.tenants, default_tenant=manifest.auth.default_tenant)
 
 
 def controller_name(cluster_name: str) -> str:
@@ -168,7 +175,8 @@ class Controller:
         listen = self.manifest.listen
         try:
             endpoints = await self.router.start.remote(ready, listen.grpc, listen.http,
-                                                       self.manifest.auth.resolve() or None)
+                                                       self.manifest.auth.resolve() or None,
+                                                       limits=serving_limits(self.manifest))
         except ray.exceptions.RayError as e:
             raise RuntimeError(f"the router failed to start: {_cause(e)}") from None
         self.endpoint, self.http_endpoint = endpoints["grpc"], endpoints["http"]

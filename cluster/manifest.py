@@ -4,7 +4,8 @@ YAML.
 
     model: embedded                 # or a Hugging Face folder / .gguf file (relative paths: from where tandem runs)
     mode: disaggregated             # or colocated (the decode pool's replicas prefill for themselves)
-    ray: {address: null}            # "auto" (under `ray up`), "HOST:PORT", or null: local (started if absent)
+    ray: {address: null, host: 127.0.0.1}   # address: "auto" (under `ray up`), "HOST:PORT", or null: local
+                                    # (started if absent, listening on host)
     pools:
       prefill:
         parallelism: {tp: 2, pp: 1, ep: 1}
@@ -22,12 +23,17 @@ YAML.
       session_affinity: false
       max_queued_requests: 256
       queue_timeout_s: 30
+      request_timeout_s: 600        # every request's deadline (a client may ask for less: gRPC deadline, `timeout`)
+      limits: {max_body_bytes: 4MiB, max_n: 8, max_batch_prompts: 32, ...}   # router/limits.py RequestLimits
     transport: {kind: ucx, host: null, lease_s: 30}
     listen: {grpc: 127.0.0.1:50051, http: 127.0.0.1:8000}   # http: null serves gRPC only
     auth:                           # absent or no keys: no authentication
       api_keys:
         - {tenant: acme, key_env: ACME_API_KEY}    # or key: "...", or key_file: path/to/file
-
+      tenants:                      # per tenant (router/limits.py TenantLimits); others get default_tenant
+        acme: {priority: {min: -5, max: 5}, max_requests: 64}
+      default_tenant: {priority: {min: 0, max: 0}, max_requests: null}
+    tls: {cert_file: server.pem, key_file: server.key, client_ca_file: null}   # absent: plaintext
 Structural checks (types, unknown keys, ranges) are pydantic's, in the models below; manifest_yaml.py reads the
 file and reports each error with its YAML path, line and a hint; check_manifest() (manifest_checks.py) adds the
 checks that need the world outside the file (the model's shape, free ports).
@@ -36,30 +42,13 @@ checks that need the world outside the file (the model's shape, free ports).
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from tandem.engine.device import default_dtype, planned_device
-
-_UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
-
-
-def parse_bytes(value: Any) -> int:
-    """An int, or a string like '256MiB' / '1.5 GB'. Raises ValueError naming the accepted units."""
-    if isinstance(value, bool):
-        raise ValueError(f"expected a size in bytes, got {value!r}")
-    if isinstance(value, int):
-        return value
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", str(value))
-    if not match or match.group(2).lower() not in _UNITS:
-        raise ValueError(f"expected a size like 268435456, '256MiB' or '1GB', got {value!r}")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
-
+from tandem.router.limits import RequestLimits, TenantLimits, parse_bytes
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -177,7 +166,9 @@ class RouterSettings(_Strict):
     session id prefer the replicas of the session's last turn, unless those have more than affinity_max_gap
     requests in flight beyond the least busy replica. max_queued_requests: requests waiting for room before new
     ones get RESOURCE_EXHAUSTED; queue_timeout_s: how long one may wait. kv_events_interval_s: how often the
-    router polls every replica's KV events and load."""
+    router polls every replica's KV events and load. request_timeout_s: every request's deadline (a client may
+    ask for less); when it passes the request is aborted everywhere (DEADLINE_EXCEEDED / HTTP 504). limits:
+    what one request may ask for (router/limits.py)."""
 
     policy: Literal["cache_aware", "least_loaded", "round_robin", "random"] = "cache_aware"
     weights: RoutingWeightsSettings = RoutingWeightsSettings()
@@ -188,6 +179,8 @@ class RouterSettings(_Strict):
     max_queued_requests: int = Field(256, ge=0)
     queue_timeout_s: float = Field(30.0, gt=0)
     kv_events_interval_s: float = Field(0.05, gt=0, le=10)
+    request_timeout_s: float = Field(600.0, gt=0)
+    limits: RequestLimits = RequestLimits()
 
 
 class Transport(_Strict):
@@ -263,9 +256,21 @@ class ApiKey(_Strict):
 
 class AuthSettings(_Strict):
     """API keys for both the gRPC and the HTTP API (`authorization: Bearer KEY`). No keys: no authentication.
-    A key's tenant also salts the prefix cache, so tenants never share cached KV blocks."""
+    A key's tenant also salts the prefix cache, so tenants never share cached KV blocks, and scopes request and
+    session ids. tenants: each tenant's priority range and request cap; default_tenant: everyone else's (and
+    every request's when authentication is off)."""
 
     api_keys: list[ApiKey] = Field(default_factory=list)
+    tenants: dict[str, TenantLimits] = Field(default_factory=dict)
+    default_tenant: TenantLimits = TenantLimits()
+
+    @model_validator(mode="after")
+    def _tenants_have_keys(self) -> AuthSettings:
+        named = {entry.tenant for entry in self.api_keys}
+        if unknown := sorted(set(self.tenants) - named):
+            raise ValueError(f"auth.tenants names {', '.join(map(repr, unknown))}, which no api_keys entry "
+                             f"authenticates as")
+        return self
 
     def resolve(self) -> dict[str, str]:
         """key -> tenant. Raises ValueError for a key that cannot be read or is given twice."""
@@ -278,12 +283,35 @@ class AuthSettings(_Strict):
         return keys
 
 
+class TLSSettings(_Strict):
+    """TLS for the gRPC and the HTTP API. cert_file, key_file: the server's PEM certificate (chain) and private
+    key; client_ca_file: when set, clients must present a certificate signed by this CA (mutual TLS)."""
+
+    cert_file: str
+    key_file: str
+    client_ca_file: str | None = None
+
+    def read(self) -> tuple[bytes, bytes, bytes | None]:
+        """(certificate chain, key, client CA or None) as PEM bytes. Raises ValueError naming an unreadable file."""
+        out = []
+        for name in ("cert_file", "key_file", "client_ca_file"):
+            path = getattr(self, name)
+            try:
+                out.append(None if path is None else Path(path).read_bytes())
+            except OSError as e:
+                raise ValueError(f"tls.{name}: cannot read {path}: {e.strerror}") from None
+        return out[0], out[1], out[2]
+
+
 class RaySettings(_Strict):
     """address: null connects to a running local cluster or starts one; 'auto' requires a running cluster
-    (`ray up`); 'HOST:PORT' connects there. namespace: where the cluster's named actors live."""
+    (`ray up`); 'HOST:PORT' connects there. namespace: where the cluster's named actors live. host: the address a
+    local Ray head that `tandem up` starts listens on (Ray has no authentication: anyone who reaches its ports
+    can run code, so the default is loopback; see docs/SECURITY.md before widening it)."""
 
     address: str | None = None
     namespace: str = "tandem"
+    host: str = "127.0.0.1"
 
 
 MODE_NEEDS_PREFILL = "disaggregated mode needs a prefill pool (pools.prefill); or set mode: colocated"
@@ -301,6 +329,7 @@ class Manifest(_Strict):
     transport: Transport = Transport()
     listen: Listen = Listen()
     auth: AuthSettings = AuthSettings()
+    tls: TLSSettings | None = None
 
     @model_validator(mode="after")
     def _pools_for_mode(self) -> Manifest:

@@ -89,11 +89,12 @@ class TandemServicer(pb_grpc.TandemServicer):
                                                       mode=self.serving.mode)])
 
 
-async def start_grpc_server(servicer: TandemServicer, address: str) -> tuple[grpc.aio.Server, int,
-                                                                              health.aio.HealthServicer]:
+async def start_grpc_server(servicer: TandemServicer, address: str, *, max_message_bytes: int = 4 << 20,
+                            ) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
     """Starts the server on address (HOST:PORT; port 0 picks a free one). Returns it, its port and its health
-    servicer (SERVING for "" and tandem.v1.Tandem). Raises RuntimeError if the address cannot be bound."""
-    server = grpc.aio.server()
+    servicer (SERVING for "" and tandem.v1.Tandem). A request message over max_message_bytes is refused by gRPC
+    itself (RESOURCE_EXHAUSTED) before it is parsed. Raises RuntimeError if the address cannot be bound."""
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", max_message_bytes)])
     pb_grpc.add_TandemServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

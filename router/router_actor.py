@@ -14,6 +14,7 @@ from tandem.engine.loader.model_info import load_model_info
 from tandem.replica.contract import DecodeReplicaAPI, PrefillReplicaAPI, ReadyReplica
 from tandem.router.auth import Authenticator
 from tandem.router.lifecycle import DriverSettings, Replica, RequestDriver
+from tandem.router.limits import ServingLimits
 from tandem.router.request_parsing import ModelFacts
 
 _log = logging.getLogger(__name__)
@@ -62,9 +63,11 @@ class RouterActor:
         self._feed_task: asyncio.Task | None = None
 
     async def start(self, replicas: list[ReadyReplica], grpc_address: str, http_address: str | None = None,
-                    api_keys: dict[str, str] | None = None) -> dict[str, str | None]:
-        """replicas: every ready replica of both pools. api_keys: key -> tenant (None: no auth). Starts serving;
-        returns {"grpc": HOST:PORT, "http": HOST:PORT or None}."""
+                    api_keys: dict[str, str] | None = None, *, limits: ServingLimits | None = None,
+                    ) -> dict[str, str | None]:
+        """replicas: every ready replica of both pools. api_keys: key -> tenant (None: no auth). limits: what
+        requests and tenants may ask for (None: the defaults). Starts serving; returns {"grpc": HOST:PORT,
+        "http": HOST:PORT or None}."""
         from tandem.router.grpc_service import TandemServicer, start_grpc_server
         from tandem.router.http_service import build_app, start_http_server
         from tandem.router.serving import Serving
@@ -76,10 +79,12 @@ class RouterActor:
         limit = min(r.info.max_model_len for r in prefill + decode)
         facts = ModelFacts(model_id_for(self.model_path), self.tokenizer, self.config.vocab_size, limit)
         driver = RequestDriver(prefill, decode, self.settings)
-        self.serving = Serving(driver, facts, self.settings.mode, auth=Authenticator(api_keys))
+        limits = limits or ServingLimits()
+        self.serving = Serving(driver, facts, self.settings.mode, auth=Authenticator(api_keys), limits=limits)
         self._feed_task = asyncio.get_running_loop().create_task(
             driver.feed.run(driver.replicas, self.settings.kv_events_interval_s))
-        self.grpc_server, port, _ = await start_grpc_server(TandemServicer(self.serving), grpc_address)
+        self.grpc_server, port, _ = await start_grpc_server(TandemServicer(self.serving), grpc_address,
+                                                            max_message_bytes=limits.limits.max_body_bytes)
         self.endpoints["grpc"] = f"{grpc_address.rpartition(':')[0]}:{port}"
         if http_address is not None:
             self.http_server, port = await start_http_server(build_app(self.serving), http_address)

@@ -14,6 +14,7 @@ from typing import AsyncIterator
 from tandem.proto.v1 import tandem_pb2 as pb
 from tandem.router.accounting import Accounting
 from tandem.router.auth import Authenticator, Unauthenticated, cache_salt_for
+from tandem.router.limits import ServingLimits
 from tandem.router.lifecycle import (NoCapacityError, NoReplicaError, Progress, ReplicaLostError, RequestDriver,
                                      is_replica_death)
 from tandem.router.metrics import RouterMetrics
@@ -55,8 +56,10 @@ class Step:
 
 
 class Serving:
-    def __init__(self, driver: RequestDriver, model: ModelFacts, mode: str, *, auth: Authenticator | None = None):
+    def __init__(self, driver: RequestDriver, model: ModelFacts, mode: str, *, auth: Authenticator | None = None,
+                 limits: ServingLimits | None = None):
         self.driver = driver
+        self.limits = limits or ServingLimits()
         self.model = model
         self.mode = mode
         self.auth = auth or Authenticator()
