@@ -19,6 +19,12 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--target", default=None, metavar="HOST:PORT",
                    help="send the request to a running cluster's gRPC endpoint instead of running the model here "
                         "(its API key, if it needs one, from the TANDEM_API_KEY environment variable)")
+    p.add_argument("--tls-ca", default=None, metavar="FILE",
+                   help="with --target: connect over TLS, trusting this PEM CA (for a self-signed certificate, "
+                        "the certificate itself)")
+    p.add_argument("--tls-cert", default=None, metavar="FILE",
+                   help="with --tls-ca: present this PEM client certificate (clusters with tls.client_ca_file)")
+    p.add_argument("--tls-key", default=None, metavar="FILE", help="the private key of --tls-cert")
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--prompt", help="raw prompt text, tokenized as is")
     what.add_argument("--chat", help="a user message; the model's chat template is applied")
@@ -56,6 +62,8 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
 
 
 def _generate(args: argparse.Namespace) -> int:
+    if args.target is None and (args.tls_ca or args.tls_cert or args.tls_key):
+        raise ValueError("--tls-ca, --tls-cert and --tls-key are for a cluster's endpoint: give --target too")
     if args.target is not None:
         from tandem.cluster.commands import generate_remote
 

@@ -40,18 +40,25 @@ def up(args: argparse.Namespace) -> int:
             print(error.format(e.source), file=sys.stderr)
         return 2
     cluster = launcher.up(manifest, address=args.address, detach=args.detach)
+    tls = manifest.tls
+    tls_flag = "" if tls is None else f" --tls-ca {tls.client_ca}"
     print(f"tandem: cluster {manifest.name!r} is serving", file=sys.stderr)
-    print(f"  gRPC      {cluster.endpoint}   (tandem generate --target {cluster.endpoint} --chat \"Hi\")",
+    print(f"  gRPC      {cluster.endpoint}   (tandem generate --target {cluster.endpoint}{tls_flag} --chat \"Hi\")",
           file=sys.stderr)
     if cluster.http_endpoint:
-        print(f"  HTTP      http://{cluster.http_endpoint}/v1   (OpenAI-compatible; /health, /metrics)",
+        scheme = "http" if tls is None else "https"
+        print(f"  HTTP      {scheme}://{cluster.http_endpoint}/v1   (OpenAI-compatible; /health, /metrics)",
               file=sys.stderr)
     print("  status    tandem status        stop: tandem down" + ("" if args.detach else " or Ctrl-C"),
           file=sys.stderr)
-    if args.ask:
+    if args.ask and tls is not None and tls.client_ca_file is not None:
+        print("tandem: --ask skipped: the cluster requires client certificates (tls.client_ca_file); use tandem "
+              "generate --target ... --tls-ca ... --tls-cert ... --tls-key ...", file=sys.stderr)
+    elif args.ask:
         try:
             keys = manifest.auth.resolve()  # the sample request authenticates as the first tenant
-            _ask(cluster.endpoint, args.ask, args.max_tokens, next(iter(keys), None))
+            _ask(cluster.endpoint, args.ask, args.max_tokens, next(iter(keys), None),
+                 None if tls is None else tls.client_ca)
         except Exception as e:
             print(f"tandem: the sample request failed: {e}", file=sys.stderr)
     if args.detach:
@@ -60,12 +67,13 @@ def up(args: argparse.Namespace) -> int:
     return 0
 
 
-def _ask(target: str, message: str, max_tokens: int, api_key: str | None) -> None:
-    """One chat request through the gRPC client, streamed to stdout, with TTFT and ITL."""
+def _ask(target: str, message: str, max_tokens: int, api_key: str | None, tls_ca: str | None = None) -> None:
+    """One chat request through the gRPC client, streamed to stdout, with TTFT and ITL. tls_ca: connect over
+    TLS trusting this CA file (the certificate must name target's host)."""
     from tandem.router.client import TandemClient, TokenClock
 
     print(f"\n> {message}", flush=True)
-    with TandemClient(target, api_key=api_key) as client:
+    with TandemClient(target, api_key=api_key, tls_ca=tls_ca) as client:
         clock, usage, timings = TokenClock(), None, None
         for chunk in client.stream(chat=[{"role": "user", "content": message}], max_tokens=max_tokens,
                                    temperature=0.0):
@@ -141,8 +149,17 @@ def generate_remote(args: argparse.Namespace) -> int:
                     presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
                     stop=args.stop, ignore_eos=args.ignore_eos, seed=args.seed)
     prompt = {"chat": [{"role": "user", "content": args.chat}]} if args.chat is not None else {"prompt": args.prompt}
+    if (args.tls_cert is None) != (args.tls_key is None):
+        raise ValueError("--tls-cert and --tls-key go together")
+    tls_cert = None if args.tls_cert is None else (args.tls_cert, args.tls_key)
     try:
-        with TandemClient(args.target, api_key=os.environ.get("TANDEM_API_KEY") or None) as client:
+        client = TandemClient(args.target, api_key=os.environ.get("TANDEM_API_KEY") or None, tls_ca=args.tls_ca,
+                              tls_cert=tls_cert)
+    except OSError as e:
+        print(f"tandem: error: cannot read {e.filename}: {e.strerror}", file=sys.stderr)
+        return 2
+    try:
+        with client:
             if args.json:
                 r = client.generate(**prompt, **sampling)
                 print(json.dumps({"text": r.text, "token_ids": r.token_ids.get(0, []),
@@ -162,6 +179,8 @@ def generate_remote(args: argparse.Namespace) -> int:
                     print(f"\n[TTFT {1000 * t.ttft_s:.0f} ms, ITL {1000 * t.mean_itl_s:.1f} ms/token, "
                           f"{chunk.usage.completion_tokens} tokens]", file=sys.stderr)
     except grpc.RpcError as e:
-        print(f"tandem: error: {e.code().name}: {e.details()}", file=sys.stderr)
+        hint = ("\n  (if the cluster serves TLS, give --tls-ca)" if e.code() == grpc.StatusCode.UNAVAILABLE
+                and args.tls_ca is None else "")
+        print(f"tandem: error: {e.code().name}: {e.details()}{hint}", file=sys.stderr)
         return 1
     return 0

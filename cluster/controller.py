@@ -172,18 +172,20 @@ class Controller:
             scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False),
         ).remote(absolute_model(self.manifest), settings)
         ready = [ReadyReplica(r.name, r.pool, r.api, r.info) for r in self.replicas]
-        listen = self.manifest.listen
+        listen, tls = self.manifest.listen, self.manifest.tls
         try:
             endpoints = await self.router.start.remote(ready, listen.grpc, listen.http,
                                                        self.manifest.auth.resolve() or None,
-                                                       limits=serving_limits(self.manifest))
+                                                       limits=serving_limits(self.manifest),
+                                                       tls=None if tls is None else tls.router_config())
         except ray.exceptions.RayError as e:
             raise RuntimeError(f"the router failed to start: {_cause(e)}") from None
         self.endpoint, self.http_endpoint = endpoints["grpc"], endpoints["http"]
         http = f", HTTP on {self.http_endpoint}" if self.http_endpoint else ""
         auth = f", API keys for {len(self.manifest.auth.api_keys)} tenant(s)" if self.manifest.auth.api_keys else ""
+        secure = "" if tls is None else ", mutual TLS" if tls.client_ca_file else ", TLS"
         self._say(f"router serving gRPC on {self.endpoint}{http} ({self.manifest.mode}, policy {router.policy}"
-                  f"{auth})")
+                  f"{auth}{secure})")
 
     # -- status ----------------------------------------------------------------------------------------
 

@@ -33,7 +33,8 @@ YAML.
       tenants:                      # per tenant (router/limits.py TenantLimits); others get default_tenant
         acme: {priority: {min: -5, max: 5}, max_requests: 64}
       default_tenant: {priority: {min: 0, max: 0}, max_requests: null}
-    tls: {cert_file: server.pem, key_file: server.key, client_ca_file: null}   # absent: plaintext
+    tls: {cert_file: server.pem, key_file: server.key, client_ca_file: null,   # absent: plaintext
+          ca_file: null}            # what `tandem up --ask` trusts (default: cert_file, for a self-signed one)
 Structural checks (types, unknown keys, ranges) are pydantic's, in the models below; manifest_yaml.py reads the
 file and reports each error with its YAML path, line and a hint; check_manifest() (manifest_checks.py) adds the
 checks that need the world outside the file (the model's shape, free ports).
@@ -49,6 +50,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from tandem.engine.device import default_dtype, planned_device
 from tandem.router.limits import RequestLimits, TenantLimits, parse_bytes
+from tandem.router.tls import TLSConfig
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -284,23 +286,31 @@ class AuthSettings(_Strict):
 
 
 class TLSSettings(_Strict):
-    """TLS for the gRPC and the HTTP API. cert_file, key_file: the server's PEM certificate (chain) and private
-    key; client_ca_file: when set, clients must present a certificate signed by this CA (mutual TLS)."""
+    """TLS for the gRPC and the HTTP API (both serve TLS only). cert_file, key_file: the router's PEM certificate
+    (chain) and its unencrypted private key; client_ca_file: when set, clients must present a certificate signed
+    by this CA (mutual TLS). ca_file: what `tandem up --ask` trusts when it calls the cluster (default: cert_file,
+    which is right for a self-signed certificate; give the CA that signed cert_file otherwise). Relative paths
+    start where tandem runs and are made absolute here, when the manifest is parsed: the router reads the files
+    on this node, but its working directory need not be this one."""
 
-    cert_file: str
-    key_file: str
-    client_ca_file: str | None = None
+    cert_file: str = Field(min_length=1)
+    key_file: str = Field(min_length=1)
+    client_ca_file: str | None = Field(None, min_length=1)
+    ca_file: str | None = Field(None, min_length=1)
 
-    def read(self) -> tuple[bytes, bytes, bytes | None]:
-        """(certificate chain, key, client CA or None) as PEM bytes. Raises ValueError naming an unreadable file."""
-        out = []
-        for name in ("cert_file", "key_file", "client_ca_file"):
-            path = getattr(self, name)
-            try:
-                out.append(None if path is None else Path(path).read_bytes())
-            except OSError as e:
-                raise ValueError(f"tls.{name}: cannot read {path}: {e.strerror}") from None
-        return out[0], out[1], out[2]
+    @field_validator("cert_file", "key_file", "client_ca_file", "ca_file")
+    @classmethod
+    def _absolute(cls, value: str | None) -> str | None:
+        return None if value is None else str(Path(value).expanduser().resolve())
+
+    def router_config(self) -> TLSConfig:
+        """What the router takes (it reads the files when it starts)."""
+        return TLSConfig(self.cert_file, self.key_file, self.client_ca_file)
+
+    @property
+    def client_ca(self) -> str:
+        """The CA file a client of this cluster trusts."""
+        return self.ca_file or self.cert_file
 
 
 class RaySettings(_Strict):

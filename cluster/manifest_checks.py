@@ -1,6 +1,6 @@
 """The manifest checks that need more than the file: the model's shape against each pool's parallelism, the two
-pools' KV formats, context lengths, and listen ports that are already taken. Used by `tandem validate` and by
-`tandem up` before anything starts."""
+pools' KV formats, context lengths, listen ports that are already taken, and the TLS files. Used by `tandem
+validate` and by `tandem up` before anything starts."""
 
 from __future__ import annotations
 
@@ -10,10 +10,11 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from tandem.cluster.manifest import COLOCATED_HAS_PREFILL, MODE_NEEDS_PREFILL, ApiKey, Manifest
+from tandem.cluster.manifest import COLOCATED_HAS_PREFILL, MODE_NEEDS_PREFILL, ApiKey, Manifest, TLSSettings
 from tandem.cluster.manifest_yaml import ManifestError, ManifestInvalid, line_map, manifest_from, read_text, read_yaml
 from tandem.engine.device import DEVICES, default_dtype, planned_device
 from tandem.engine.errors import ModelLoadError
+from tandem.router.tls import TLSFileError, check_certificates
 
 
 def listen_problem(address: str, field: str = "grpc") -> ManifestError | None:
@@ -108,6 +109,28 @@ def _model_errors(model) -> tuple[list[ManifestError], object]:
         return [ManifestError("model", str(e))], None
 
 
+def _tls_errors(tls) -> list[ManifestError]:
+    """The tls: files that cannot be read or used (the router would fail to start on them), at tls.<field>."""
+    if not isinstance(tls, dict):
+        return []  # absent, or a type error pydantic reports
+    try:
+        settings = TLSSettings.model_validate(tls)
+    except ValidationError:
+        return []  # the schema reports it
+    hint = "the router reads these PEM files on the machine `tandem up` runs on (relative paths start there)"
+    errors = []
+    try:
+        settings.router_config().check()
+    except TLSFileError as e:
+        errors.append(ManifestError(f"tls.{e.field}", str(e), hint))
+    if settings.ca_file is not None:
+        try:
+            check_certificates(settings.ca_file, "ca_file")
+        except TLSFileError as e:
+            errors.append(ManifestError("tls.ca_file", str(e), hint))
+    return errors
+
+
 def check_manifest(data: dict, lines: dict[tuple, int] | None = None, *,
                    check_ports: bool = True) -> list[ManifestError]:
     """The problems a structurally valid manifest can still have, checked on the parsed YAML (so that they are
@@ -175,6 +198,7 @@ def check_manifest(data: dict, lines: dict[tuple, int] | None = None, *,
         except ValueError as e:  # a variable that is not set, a file that cannot be read
             errors.append(ManifestError(f"auth.api_keys.{i}", str(e),
                                         "keys are read by `tandem up`, from its environment and files"))
+    errors += _tls_errors(data.get("tls"))
     for i, e in enumerate(errors):
         # line_map keys list items by their int index ("auth.api_keys.1" -> ("auth", "api_keys", 1))
         parts = tuple(int(p) if p.isdigit() else p for p in e.path.split(".")) if e.path else ()

@@ -148,7 +148,8 @@ class LLMEngine:
         if (bad := next((t for t in prompt_token_ids if not 0 <= t < self.vocab_size), None)) is not None:
             raise ValueError(f"prompt token id {bad} is outside the vocabulary (0..{self.vocab_size - 1})")
         params.check_vocab(self.vocab_size)
-        self.scheduler.check_admissible(len(prompt_token_ids), params.max_tokens)
+        # Before any per-sample work (the seeds below): n is the client's number.
+        self.scheduler.check_admissible(len(prompt_token_ids), params.max_tokens, params.n)
 
     def add_request(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams, *,
                     priority: int = 0, cache_salt: str | None = None) -> None:

@@ -94,8 +94,11 @@ class Scheduler:
 
     # -- requests in and out ---------------------------------------------------------------------------
 
-    def check_admissible(self, num_prompt_tokens: int, max_tokens: int) -> None:
-        """Raises RequestRejectedError if a sequence of this size can never run, however idle the engine."""
+    def check_admissible(self, num_prompt_tokens: int, max_tokens: int, n: int = 1) -> None:
+        """Raises RequestRejectedError if a request of this size (n samples) can never run, however idle the
+        engine. Cheap: callers check before they build anything per sample."""
+        if n > self.config.max_num_seqs:
+            raise RequestRejectedError(f"n={n} samples exceed max_num_seqs ({self.config.max_num_seqs})")
         total = num_prompt_tokens + max_tokens
         if total > self.config.max_model_len:
             raise RequestRejectedError(
@@ -116,10 +119,7 @@ class Scheduler:
     def _check_new(self, seq: Sequence) -> None:
         if seq.request_id in self._by_request:
             raise ValueError(f"request id {seq.request_id!r} is already in use")
-        self.check_admissible(seq.num_prompt_tokens, seq.params.max_tokens)
-        if 1 + len(seq.fork_seeds) > self.config.max_num_seqs:
-            raise RequestRejectedError(f"n={1 + len(seq.fork_seeds)} samples exceed max_num_seqs "
-                                       f"({self.config.max_num_seqs})")
+        self.check_admissible(seq.num_prompt_tokens, seq.params.max_tokens, 1 + len(seq.fork_seeds))
 
     def _track(self, seq: Sequence) -> None:
         self.seqs[seq.seq_id] = seq

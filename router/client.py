@@ -6,6 +6,9 @@
             print(chunk.text, end="", flush=True)
         result = client.generate(prompt="The capital of France is", max_tokens=8, temperature=0)
 
+A cluster with `tls:` in its manifest serves TLS only: TandemClient("HOST:PORT", tls_ca="ca.pem") trusts the CA
+that signed its certificate (for a self-signed one, the certificate itself); the certificate must name HOST.
+
 Errors arrive as grpc.RpcError (e.code(), e.details()).
 """
 
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Iterator, Mapping, Sequence
 
 import grpc
@@ -95,13 +99,33 @@ def build_request(*, prompt: str | None = None, chat: Sequence[Mapping[str, str]
     return request
 
 
+def _pem(source: str | bytes) -> bytes:
+    """PEM bytes as given, or read from the file a str names."""
+    return source if isinstance(source, bytes) else Path(source).expanduser().read_bytes()
+
+
+def channel_credentials(tls_ca: str | bytes,
+                        tls_cert: tuple[str | bytes, str | bytes] | None = None) -> grpc.ChannelCredentials:
+    """TLS credentials trusting tls_ca (a PEM file's path, or PEM bytes); tls_cert: (certificate chain, private
+    key), files or PEM bytes, presented to a cluster that requires client certificates (mutual TLS). Raises
+    OSError for a file that cannot be read."""
+    chain, key = (None, None) if tls_cert is None else (_pem(tls_cert[0]), _pem(tls_cert[1]))
+    return grpc.ssl_channel_credentials(root_certificates=_pem(tls_ca), private_key=key, certificate_chain=chain)
+
+
 class TandemClient:
-    def __init__(self, target: str, *, timeout_s: float | None = None, api_key: str | None = None):
-        """api_key: sent as `authorization: Bearer KEY` on every Tandem call (clusters with API keys on)."""
+    def __init__(self, target: str, *, timeout_s: float | None = None, api_key: str | None = None,
+                 tls_ca: str | bytes | None = None, tls_cert: tuple[str | bytes, str | bytes] | None = None):
+        """api_key: sent as `authorization: Bearer KEY` on every Tandem call (clusters with API keys on). tls_ca:
+        connect over TLS, trusting this CA (a PEM file's path, or PEM bytes); None: plaintext. tls_cert: see
+        channel_credentials (needs tls_ca). Raises OSError for a TLS file that cannot be read."""
+        if tls_cert is not None and tls_ca is None:
+            raise ValueError("tls_cert needs tls_ca: a client certificate is only sent over TLS")
         self.target = target
         self.timeout_s = timeout_s
         self.metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
-        self.channel = grpc.insecure_channel(target)
+        self.channel = (grpc.insecure_channel(target) if tls_ca is None
+                        else grpc.secure_channel(target, channel_credentials(tls_ca, tls_cert)))
         self.stub = pb_grpc.TandemStub(self.channel)
 
     def close(self) -> None:

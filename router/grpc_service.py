@@ -18,6 +18,8 @@ from tandem.proto.v1 import tandem_pb2_grpc as pb_grpc
 from tandem.router.auth import Unauthenticated
 from tandem.router.request_parsing import InvalidRequest
 from tandem.router.serving import Serving, error_code
+from tandem.router.tenant_gate import TooManyRequests
+from tandem.router.tls import TLSConfig, grpc_server_credentials
 
 _log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Tandem"].full_name
@@ -29,8 +31,9 @@ def status_for(error: BaseException) -> tuple[grpc.StatusCode, str]:
     return getattr(grpc.StatusCode, code), message
 
 
-def _response(output: RequestOutput) -> pb.GenerateResponse:
-    response = pb.GenerateResponse(request_id=output.request_id, index=output.index, text=output.text,
+def _response(request_id: str, output: RequestOutput) -> pb.GenerateResponse:
+    """request_id: the client's id (the replicas' id is scoped by tenant)."""
+    response = pb.GenerateResponse(request_id=request_id, index=output.index, text=output.text,
                                    token_ids=list(output.token_ids), finish_reason=output.finish_reason or "")
     for lp in output.logprobs or ():
         response.logprobs.add(token_id=lp.token_id, logprob=lp.logprob,
@@ -46,18 +49,34 @@ class TandemServicer(pb_grpc.TandemServicer):
         metadata = dict(context.invocation_metadata() or ())
         return self.serving.authenticate(metadata.get("authorization"), "grpc")
 
+    async def _refuse(self, context: grpc.aio.ServicerContext, error: Exception) -> None:
+        """Ends the call with error's status (raises); a tenant over its cap also gets gRPC's retry pushback."""
+        if isinstance(error, TooManyRequests):
+            context.set_trailing_metadata((("grpc-retry-pushback-ms", str(error.retry_after_s * 1000)),))
+        await context.abort(*status_for(error))
+
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         arrival = time.monotonic()
         try:
-            parsed = self.serving.parse(request, self._tenant(context), "grpc")
+            tenant = self._tenant(context)
+            admission = self.serving.admit(tenant, 1, "grpc")
         except (InvalidRequest, Unauthenticated) as e:
-            await context.abort(*status_for(e))
+            await self._refuse(context, e)
+        try:
+            parsed = await self.serving.parse(request, tenant, "grpc")
+        except BaseException as e:
+            admission.close()
+            if isinstance(e, InvalidRequest):
+                await self._refuse(context, e)
+            raise
+        remaining = context.time_remaining()  # the client's own gRPC deadline, if it set one
+        deadline = self.serving.deadline(arrival, None if remaining is None else max(remaining, 1e-3))
         code = None
         try:
             first = True
-            async for step in self.serving.run(parsed, arrival, "grpc"):
+            async for step in self.serving.run(parsed, arrival, "grpc", deadline=deadline):
                 for output in step.progress.outputs:
-                    response = _response(output)
+                    response = _response(parsed.request_id, output)
                     if first:
                         response.prefill_replica = step.progress.prefill_replica
                         response.decode_replica = step.progress.decode_replica
@@ -69,15 +88,18 @@ class TandemServicer(pb_grpc.TandemServicer):
                     yield response
         except Exception as e:
             code, message = status_for(e)
+        finally:
+            admission.close()
         if code is not None:
             await context.abort(code, message)
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
+        """Aborts the caller's own request of that id (a request of another tenant is not found)."""
         try:
-            self._tenant(context)
+            tenant = self._tenant(context)
         except Unauthenticated as e:
             await context.abort(*status_for(e))
-        return pb.AbortResponse(found=self.serving.abort(request.request_id))
+        return pb.AbortResponse(found=self.serving.abort(tenant, request.request_id))
 
     async def ListModels(self, request: pb.ListModelsRequest, context) -> pb.ListModelsResponse:
         try:
@@ -90,10 +112,13 @@ class TandemServicer(pb_grpc.TandemServicer):
 
 
 async def start_grpc_server(servicer: TandemServicer, address: str, *, max_message_bytes: int = 4 << 20,
-                            ) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
+                            tls: TLSConfig | None = None) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
     """Starts the server on address (HOST:PORT; port 0 picks a free one). Returns it, its port and its health
     servicer (SERVING for "" and tandem.v1.Tandem). A request message over max_message_bytes is refused by gRPC
-    itself (RESOURCE_EXHAUSTED) before it is parsed. Raises RuntimeError if the address cannot be bound."""
+    itself (RESOURCE_EXHAUSTED) before it is parsed. tls: serve over TLS (None: plaintext); every service,
+    health included, is then TLS-only. Raises RuntimeError if the address cannot be bound, TLSFileError for an
+    unusable TLS file."""
+    credentials = None if tls is None else grpc_server_credentials(tls)
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", max_message_bytes)])
     pb_grpc.add_TandemServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
@@ -101,7 +126,8 @@ async def start_grpc_server(servicer: TandemServicer, address: str, *, max_messa
     reflection.enable_server_reflection(
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
     try:
-        port = server.add_insecure_port(address)
+        port = (server.add_insecure_port(address) if credentials is None
+                else server.add_secure_port(address, credentials))
     except RuntimeError as e:
         raise RuntimeError(f"cannot listen on {address}: {e}") from None
     await server.start()

@@ -32,12 +32,15 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from tandem.proto.v1 import tandem_pb2 as pb
 from tandem.router.auth import Unauthenticated
-from tandem.router.openai_bodies import ChatCompletionRequest, CompletionRequest, RequestBody, parse_body
+from tandem.router.http_limits import parse_limited, read_body
+from tandem.router.openai_bodies import ChatCompletionRequest, CompletionRequest, RequestBody
 from tandem.router.openai_errors import OpenAIError, http_status_for
 from tandem.router.openai_requests import chat_request, completion_requests
 from tandem.router.openai_responses import ResponseBuilder, models_body
 from tandem.router.request_parsing import InvalidRequest, ParsedRequest
 from tandem.router.serving import RequestCancelled, Serving, Step, error_code
+from tandem.router.tenant_gate import Admission, TooManyRequests
+from tandem.router.tls import TLSConfig, uvicorn_ssl_options
 
 _DONE = object()
 
@@ -48,24 +51,29 @@ def openai_error(error: BaseException) -> OpenAIError:
         return error
     code, message = error_code(error)
     status, kind = http_status_for(code)
-    return OpenAIError(status, message, kind, code="model_not_found" if code == "NOT_FOUND" else code.lower())
+    headers = {"Retry-After": str(error.retry_after_s)} if isinstance(error, TooManyRequests) else None
+    return OpenAIError(status, message, kind, code="model_not_found" if code == "NOT_FOUND" else code.lower(),
+                       headers=headers)
 
 
 class _Merged:
     """The steps of one HTTP request's prompts (several for a batched completion), each driven in its own task
     (so an Abort or a gone client cancels exactly that request), merged in arrival order."""
 
-    def __init__(self, serving: Serving, parsed: list[ParsedRequest], arrival: float):
+    def __init__(self, serving: Serving, parsed: list[ParsedRequest], arrival: float, deadline: float,
+                 admission: Admission):
+        """admission: one unit per prompt, given back as each prompt's request ends."""
         self.queue: asyncio.Queue = asyncio.Queue()
         self.left = len(parsed)
-        self.tasks = [asyncio.create_task(self._pump(serving, p, i, arrival)) for i, p in enumerate(parsed)]
+        self.admission = admission
+        self.tasks = [asyncio.create_task(self._pump(serving, p, i, arrival, deadline)) for i, p in enumerate(parsed)]
         self.last: dict[int, Step] = {}
 
-    async def _pump(self, serving: Serving, parsed: ParsedRequest, i: int, arrival: float) -> None:
+    async def _pump(self, serving: Serving, parsed: ParsedRequest, i: int, arrival: float, deadline: float) -> None:
         """Queues each step, then _DONE, the error, or a RequestCancelled when cancel() stopped it."""
         end: object = _DONE
         try:
-            async for step in serving.run(parsed, arrival, "http"):
+            async for step in serving.run(parsed, arrival, "http", deadline=deadline):
                 self.queue.put_nowait((i, step))
         except asyncio.CancelledError:
             end = RequestCancelled(f"request {parsed.request_id!r} was cancelled: the client went away")
@@ -73,6 +81,7 @@ class _Merged:
         except Exception as e:
             end = e
         finally:
+            self.admission.release()
             self.queue.put_nowait((i, end))
 
     async def next(self) -> tuple[int, Step] | None:
@@ -109,7 +118,7 @@ async def _cancel_on_disconnect(request: Request, merged: _Merged) -> None:
 
 async def _error_reply(request: Request, error: OpenAIError) -> JSONResponse:
     """The app's handler of OpenAIError: OpenAI's error body with the error's HTTP status."""
-    headers = {"WWW-Authenticate": "Bearer"} if error.status == 401 else None
+    headers = {"WWW-Authenticate": "Bearer"} if error.status == 401 else error.headers
     return JSONResponse(error.body(), status_code=error.status, headers=headers)
 
 
@@ -177,14 +186,15 @@ class OpenAIRoutes:
             raise openai_error(e) from None
 
     async def _parse(self, cls: type[RequestBody], request: Request) -> RequestBody:
-        """The body as cls; a malformed one is counted and raised as OpenAIError."""
+        """The body as cls, read up to the body limit; a malformed one is counted and raised as OpenAIError
+        (413 for a body over the limit, else 400)."""
+        limits = self.serving.limits.limits
         try:
-            return parse_body(cls, json.loads(await request.body()))
-        except (OpenAIError, ValueError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+            raw = await read_body(request, limits.max_body_bytes)
+            return await self.serving.off_loop(parse_limited, cls, raw, limits)
+        except OpenAIError:
             self.serving.refused("http", "INVALID_ARGUMENT")
-            if isinstance(e, OpenAIError):
-                raise
-            raise OpenAIError(400, f"the request body is not valid JSON: {e}") from None
+            raise
 
     async def _complete(self, request: Request, kind: Literal["chat", "completion"], body_cls: type[RequestBody],
                         id_prefix: str, to_requests: Callable[[RequestBody, str], list[pb.GenerateRequest]],
@@ -194,21 +204,31 @@ class OpenAIRoutes:
         who = self._tenant(request)
         body = await self._parse(body_cls, request)
         response_id = f"{id_prefix}-{secrets.token_hex(12)}"
-        return await self._serve(request, kind, body, to_requests(body, response_id), who, arrival, response_id)
+        requests = to_requests(body, response_id)
+        try:
+            admission = self.serving.admit(who, len(requests), "http")
+        except InvalidRequest as e:
+            raise openai_error(e) from None
+        try:
+            return await self._serve(request, kind, body, requests, who, arrival, response_id, admission)
+        except BaseException:
+            admission.close()  # the requests that did start give theirs back as they end
+            raise
 
     async def _serve(self, request: Request, kind: Literal["chat", "completion"],
                      body: ChatCompletionRequest | CompletionRequest, requests: list[pb.GenerateRequest],
-                     who: str | None, arrival: float, response_id: str) -> Response:
+                     who: str | None, arrival: float, response_id: str, admission: Admission) -> Response:
         serving = self.serving
         try:
-            parsed = [serving.parse(r, who, "http") for r in requests]
+            deadline = serving.deadline(arrival, body.timeout)
+            parsed = await asyncio.gather(*(serving.parse(r, who, "http") for r in requests))
         except InvalidRequest as e:
             raise openai_error(e) from None
         n = parsed[0].params.n
         builder = ResponseBuilder(kind, response_id, self.model.model_id, int(time.time()), self.token_text,
                                   n=n * len(parsed), logprobs=parsed[0].params.logprobs is not None,
                                   include_usage=body.include_usage)
-        merged = _Merged(serving, parsed, arrival)
+        merged = _Merged(serving, parsed, arrival, deadline, admission)
         # Until the response starts, a client that disconnects cancels its request (a stream notices by itself).
         watcher = asyncio.create_task(_cancel_on_disconnect(request, merged))
         try:
@@ -258,9 +278,11 @@ class HttpServer:
             self.task.cancel()
 
 
-async def start_http_server(app: FastAPI, address: str) -> tuple[HttpServer, int]:
-    """Serves app on address (HOST:PORT; port 0 picks a free one). Returns the server and its port. Raises
-    RuntimeError if the address cannot be bound."""
+async def start_http_server(app: FastAPI, address: str, *, tls: TLSConfig | None = None) -> tuple[HttpServer, int]:
+    """Serves app on address (HOST:PORT; port 0 picks a free one). Returns the server and its port. tls: serve
+    https only (None: plain http); /health and /metrics included. Raises RuntimeError if the address cannot be
+    bound, TLSFileError for an unusable TLS file."""
+    ssl_options = {} if tls is None else uvicorn_ssl_options(tls)
     host, _, port = address.rpartition(":")
     host = host.strip("[]")
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
@@ -271,7 +293,8 @@ async def start_http_server(app: FastAPI, address: str) -> tuple[HttpServer, int
         sock.close()
         raise RuntimeError(f"cannot listen on {address}: {e.strerror}") from None
     port = sock.getsockname()[1]
-    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=2)
+    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=2,
+                            **ssl_options)
     server = uvicorn.Server(config)
     task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]))
     while not server.started:

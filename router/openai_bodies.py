@@ -3,7 +3,7 @@ CompletionRequest), and parse_body, which validates a decoded or raw JSON body i
 OpenAIError (400) a client of OpenAI's API would get.
 
 Bodies take OpenAI's fields plus the vLLM extensions ignore_eos, top_k, min_p, repetition_penalty, stop_token_ids
-and priority, and tandem's session_id. Fields OpenAI defines that tandem cannot honour are refused ("X is not
+and priority, and tandem's session_id and timeout (seconds the request may take, within the server's deadline). Fields OpenAI defines that tandem cannot honour are refused ("X is not
 supported by tandem") unless they hold their default value; any other unknown field is refused with OpenAI's
 wording. Only types are checked here: numeric ranges are the server's to validate, like every sampling parameter.
 """
@@ -108,6 +108,7 @@ class _Request(_Body):
     stop_token_ids: list[Int32] | None = None
     priority: Int32 | None = None
     session_id: str | None = None
+    timeout: float | None = Field(None, gt=0)  # seconds; the server's request_timeout_s caps it
 
     @field_validator("stop", mode="plain")
     @classmethod

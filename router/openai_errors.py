@@ -9,9 +9,11 @@ class OpenAIError(Exception):
     """An error reply: HTTP `status` and, from body(), OpenAI's error object."""
 
     def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):
+                 code: str | None = None, headers: dict[str, str] | None = None):
+        """headers: extra reply headers (Retry-After on a 429)."""
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}

@@ -1,6 +1,11 @@
 """A gRPC GenerateRequest turned into what the replicas take (prompt token ids, SamplingParams, priority), with
 every check the router can make before any replica is involved. InvalidRequest carries the gRPC status name and
-a message for the client."""
+a message for the client.
+
+The request limits (router/limits.py RequestLimits) are checked in the cheapest order: sizes the client states
+(n, max_tokens, stop strings, logprobs, messages, prompt characters) before the prompt is tokenized, its tokens
+after. parse_request is pure and blocking (tokenizing, chat templates): the front doors run it off the event
+loop (serving.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +16,7 @@ from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.tokenizer import Tokenizer
 from tandem.engine.tokenizer.chat_template import ChatTemplateError
 from tandem.proto.v1 import tandem_pb2 as pb
+from tandem.router.limits import RequestLimits
 
 DEFAULT_MAX_TOKENS = 256
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
@@ -34,6 +40,7 @@ class ParsedRequest:
     priority: int
     session_id: str = ""
     cache_salt: str | None = None  # the tenant's prefix-cache salt (set by the server after authentication)
+    tenant: str | None = None  # who sent it (None: authentication is off); ids are scoped by it
 
 
 @dataclass(frozen=True)
@@ -46,42 +53,86 @@ class ModelFacts:
     max_model_len: int
 
 
-def _prompt(request: pb.GenerateRequest, model: ModelFacts) -> list[int]:
+def _check_chars(chars: int, limit: int) -> None:
+    if chars > limit:
+        raise InvalidRequest(f"the prompt has {chars} characters; this server takes at most {limit} "
+                             f"(router.limits.max_prompt_chars)")
+
+
+def _prompt(request: pb.GenerateRequest, model: ModelFacts, limits: RequestLimits) -> list[int]:
     kind = request.WhichOneof("prompt")
+    max_tokens = limits.prompt_tokens(model.max_model_len)
     if kind is None:
         raise InvalidRequest("the request has no prompt: set one of text, token_ids or chat")
     if kind == "text":
         if not request.text:
             raise InvalidRequest("the prompt text is empty")
-        return model.tokenizer.encode(request.text)
-    if kind == "token_ids":
+        _check_chars(len(request.text), limits.prompt_chars(model.max_model_len))
+        ids = model.tokenizer.encode(request.text)
+    elif kind == "token_ids":
         ids = list(request.token_ids.ids)
         if not ids:
             raise InvalidRequest("token_ids is empty")
+        if len(ids) > max_tokens:  # before the vocabulary scan
+            raise InvalidRequest(f"the prompt has {len(ids)} tokens; this server takes at most {max_tokens}")
         if (bad := next((t for t in ids if not 0 <= t < model.vocab_size), None)) is not None:
             raise InvalidRequest(f"token id {bad} is outside the vocabulary (0..{model.vocab_size - 1})")
-        return ids
-    messages = list(request.chat.messages)
+    else:
+        ids = _chat_prompt(list(request.chat.messages), model, limits)
+    if len(ids) > max_tokens:
+        raise InvalidRequest(f"the prompt has {len(ids)} tokens; this server takes at most {max_tokens}")
+    return ids
+
+
+def _chat_prompt(messages: list[pb.ChatMessage], model: ModelFacts, limits: RequestLimits) -> list[int]:
     if not messages:
         raise InvalidRequest("chat has no messages")
+    if len(messages) > limits.max_messages:
+        raise InvalidRequest(f"chat has {len(messages)} messages; this server takes at most {limits.max_messages}")
     for i, m in enumerate(messages):
         if m.role not in CHAT_ROLES:
             raise InvalidRequest(f"chat.messages[{i}].role {m.role!r} is not one of {', '.join(sorted(CHAT_ROLES))}")
+    _check_chars(sum(len(m.content) for m in messages), limits.prompt_chars(model.max_model_len))
     try:
         return model.tokenizer.encode_chat([{"role": m.role, "content": m.content} for m in messages])
     except ChatTemplateError as e:
         raise InvalidRequest(f"chat messages cannot be rendered: {e}") from None
 
 
-def parse_request(request: pb.GenerateRequest, model: ModelFacts) -> ParsedRequest:
-    """Raises InvalidRequest for anything the cluster could not serve as asked."""
+def _check_sampling(s: pb.SamplingParams, model: ModelFacts, limits: RequestLimits) -> None:
+    """The sizes a client states, checked before anything is built from them."""
+    if s.HasField("n") and s.n > limits.max_n:
+        raise InvalidRequest(f"n={s.n} is more than this server allows ({limits.max_n})")
+    if s.HasField("max_tokens") and s.max_tokens > (cap := limits.completion_tokens(model.max_model_len)):
+        why = "the maximum context length" if cap == model.max_model_len else "router.limits.max_tokens"
+        raise InvalidRequest(f"max_tokens={s.max_tokens} is more than this server allows: {cap} ({why})")
+    if s.HasField("logprobs") and s.logprobs > limits.max_top_logprobs:
+        raise InvalidRequest(f"logprobs={s.logprobs} asks for more alternatives than this server gives "
+                             f"({limits.max_top_logprobs})")
+    if len(s.stop) > limits.max_stop_strings:
+        raise InvalidRequest(f"{len(s.stop)} stop strings; this server takes at most {limits.max_stop_strings}")
+    if (long := next((x for x in s.stop if len(x) > limits.max_stop_string_chars), None)) is not None:
+        raise InvalidRequest(f"a stop string of {len(long)} characters; this server takes at most "
+                             f"{limits.max_stop_string_chars}")
+    if len(s.stop_token_ids) > limits.max_stop_token_ids:
+        raise InvalidRequest(f"{len(s.stop_token_ids)} stop_token_ids; this server takes at most "
+                             f"{limits.max_stop_token_ids}")
+
+
+def parse_request(request: pb.GenerateRequest, model: ModelFacts,
+                  limits: RequestLimits = RequestLimits()) -> ParsedRequest:
+    """Raises InvalidRequest for anything the cluster could not serve as asked or that exceeds limits. Blocking
+    (tokenizes the prompt): run it off an event loop."""
     if request.model and request.model != model.model_id:
         raise InvalidRequest(f"model {request.model!r} is not served here; this cluster serves {model.model_id!r}",
                              "NOT_FOUND")
-    prompt = _prompt(request, model)
     s = request.sampling
+    _check_sampling(s, model, limits)
+    _check_ids(request)
+    prompt = _prompt(request, model, limits)
     fields = {name: getattr(s, name) for name in _OPTIONAL if s.HasField(name)}
-    fields.setdefault("max_tokens", max(1, min(DEFAULT_MAX_TOKENS, model.max_model_len - len(prompt))))
+    fields.setdefault("max_tokens", max(1, min(DEFAULT_MAX_TOKENS, limits.completion_tokens(model.max_model_len),
+                                               model.max_model_len - len(prompt))))
     try:
         params = SamplingParams(ignore_eos=s.ignore_eos, stop_token_ids=tuple(s.stop_token_ids), stop=tuple(s.stop),
                                 **fields)
@@ -98,8 +149,12 @@ def parse_request(request: pb.GenerateRequest, model: ModelFacts) -> ParsedReque
         # rest, and both must use the same seed for the output to be what one replica would produce.
         params = replace(params, seed=secrets.randbits(62))
     request_id = request.request_id or f"req-{secrets.token_hex(8)}"
-    if len(request_id) > 128 or not request_id.isprintable() or "#" in request_id or "/" in request_id:
+    return ParsedRequest(request_id, tuple(prompt), params, request.priority, request.session_id)
+
+
+def _check_ids(request: pb.GenerateRequest) -> None:
+    rid = request.request_id
+    if len(rid) > 128 or not rid.isprintable() or "#" in rid or "/" in rid:
         raise InvalidRequest("request_id must be at most 128 printable characters without '#' or '/'")
     if len(request.session_id) > 256 or not request.session_id.isprintable():
         raise InvalidRequest("session_id must be at most 256 printable characters")
-    return ParsedRequest(request_id, tuple(prompt), params, request.priority, request.session_id)

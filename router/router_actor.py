@@ -16,6 +16,7 @@ from tandem.router.auth import Authenticator
 from tandem.router.lifecycle import DriverSettings, Replica, RequestDriver
 from tandem.router.limits import ServingLimits
 from tandem.router.request_parsing import ModelFacts
+from tandem.router.tls import TLSConfig
 
 _log = logging.getLogger(__name__)
 
@@ -64,10 +65,10 @@ class RouterActor:
 
     async def start(self, replicas: list[ReadyReplica], grpc_address: str, http_address: str | None = None,
                     api_keys: dict[str, str] | None = None, *, limits: ServingLimits | None = None,
-                    ) -> dict[str, str | None]:
+                    tls: TLSConfig | None = None) -> dict[str, str | None]:
         """replicas: every ready replica of both pools. api_keys: key -> tenant (None: no auth). limits: what
-        requests and tenants may ask for (None: the defaults). Starts serving; returns {"grpc": HOST:PORT,
-        "http": HOST:PORT or None}."""
+        requests and tenants may ask for (None: the defaults). tls: serve both APIs over TLS only (None:
+        plaintext). Starts serving; returns {"grpc": HOST:PORT, "http": HOST:PORT or None}."""
         from tandem.router.grpc_service import TandemServicer, start_grpc_server
         from tandem.router.http_service import build_app, start_http_server
         from tandem.router.serving import Serving
@@ -84,10 +85,11 @@ class RouterActor:
         self._feed_task = asyncio.get_running_loop().create_task(
             driver.feed.run(driver.replicas, self.settings.kv_events_interval_s))
         self.grpc_server, port, _ = await start_grpc_server(TandemServicer(self.serving), grpc_address,
-                                                            max_message_bytes=limits.limits.max_body_bytes)
+                                                            max_message_bytes=limits.limits.max_body_bytes,
+                                                            tls=tls)
         self.endpoints["grpc"] = f"{grpc_address.rpartition(':')[0]}:{port}"
         if http_address is not None:
-            self.http_server, port = await start_http_server(build_app(self.serving), http_address)
+            self.http_server, port = await start_http_server(build_app(self.serving), http_address, tls=tls)
             self.endpoints["http"] = f"{http_address.rpartition(':')[0]}:{port}"
         return dict(self.endpoints)
 

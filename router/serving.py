@@ -1,6 +1,7 @@
 """What the router's two front doors (gRPC in grpc_service.py, OpenAI HTTP in http_service.py) share: one
-request driver, authentication, validation, the registry of running requests (ids are unique across both APIs;
-Abort reaches either), usage and timings, and metrics. Errors are named by gRPC status (error_code); each front
+request driver, authentication, per-tenant admission (tenant_gate.py), validation off the event loop, the
+registry of running requests (ids are scoped by tenant and unique across both APIs; a tenant's Abort reaches
+its own requests of either API and no one else's), deadlines, usage and timings, and metrics. Errors are named by gRPC status (error_code); each front
 door maps those names to its own wire format, so both APIs fail the same way for the same cause."""
 
 from __future__ import annotations
@@ -8,23 +9,30 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable, TypeVar
 
 from tandem.proto.v1 import tandem_pb2 as pb
 from tandem.router.accounting import Accounting
 from tandem.router.auth import Authenticator, Unauthenticated, cache_salt_for
-from tandem.router.limits import ServingLimits
 from tandem.router.lifecycle import (NoCapacityError, NoReplicaError, Progress, ReplicaLostError, RequestDriver,
                                      is_replica_death)
+from tandem.router.limits import ServingLimits
 from tandem.router.metrics import RouterMetrics
 from tandem.router.request_parsing import InvalidRequest, ModelFacts, ParsedRequest, parse_request
+from tandem.router.tenant_gate import Admission, TenantGate, TooManyRequests
 
 _log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class RequestCancelled(Exception):
     """An Abort call cancelled the request (CANCELLED)."""
+
+
+class DeadlineExceeded(Exception):
+    """The request's deadline passed (DEADLINE_EXCEEDED); it was aborted on every replica."""
 
 
 def error_code(error: BaseException) -> tuple[str, str]:
@@ -35,6 +43,8 @@ def error_code(error: BaseException) -> tuple[str, str]:
         return "UNAUTHENTICATED", str(error)
     if isinstance(error, RequestCancelled):
         return "CANCELLED", str(error)
+    if isinstance(error, DeadlineExceeded):
+        return "DEADLINE_EXCEEDED", str(error)
     if isinstance(error, NoCapacityError):
         return "RESOURCE_EXHAUSTED", str(error)
     if isinstance(error, (NoReplicaError, ReplicaLostError)):
@@ -44,6 +54,19 @@ def error_code(error: BaseException) -> tuple[str, str]:
     if isinstance(error, ValueError):  # the engine's own validation (RequestRejectedError is one)
         return "INVALID_ARGUMENT", str(error).splitlines()[-1] if str(error) else repr(error)
     return "INTERNAL", f"internal error: {error!r}"
+
+
+@dataclass(frozen=True)
+class RequestKey:
+    """A running request: ids are the client's choice, so they are scoped by tenant (None: auth is off)."""
+
+    tenant: str | None
+    request_id: str
+
+    @property
+    def replica_id(self) -> str:
+        """The id the replicas know it by, unique across tenants (a client id never holds '/')."""
+        return self.request_id if self.tenant is None else f"{self.tenant}/{self.request_id}"
 
 
 @dataclass
@@ -63,8 +86,11 @@ class Serving:
         self.model = model
         self.mode = mode
         self.auth = auth or Authenticator()
-        self.active: dict[str, asyncio.Task] = {}
-        self._abort_calls: set[str] = set()  # ids whose task an Abort call cancelled (not a gone client)
+        self.gate = TenantGate(self.limits)
+        # Tokenizing and chat templates run here, never on the event loop: a huge prompt delays only itself.
+        self._parser = ThreadPoolExecutor(self.limits.limits.parse_threads, thread_name_prefix="tandem-parse")
+        self.active: dict[RequestKey, asyncio.Task] = {}
+        self._ended_by: dict[RequestKey, str] = {}  # why a task was cancelled: "abort" or "deadline" (else: client)
         self.num_finished = 0
         self.num_failed = 0
         self.metrics = RouterMetrics(driver, lambda: len(self.active))
@@ -77,51 +103,88 @@ class Serving:
             self.metrics.auth_failures.labels(api).inc()
             raise
 
-    def parse(self, request: pb.GenerateRequest, tenant: str | None, api: str) -> ParsedRequest:
-        """Raises InvalidRequest (counted as a failed request of `api`). Session ids are scoped by tenant: two
-        tenants choosing the same id do not share a session."""
+    def admit(self, tenant: str | None, count: int, api: str) -> Admission:
+        """Lets count requests of tenant in before any work is done for them. Raises TooManyRequests (counted)."""
         try:
-            parsed = parse_request(request, self.model)
-            session = f"{tenant}/{parsed.session_id}" if tenant is not None and parsed.session_id else parsed.session_id
-            return replace(parsed, cache_salt=cache_salt_for(tenant), session_id=session)
+            return self.gate.admit(tenant, count)
+        except TooManyRequests as e:
+            self.refused(api, e.code)
+            raise
+
+    async def off_loop(self, fn: Callable[..., T], *args) -> T:
+        """fn(*args) on the router's parse threads (blocking work: tokenizing, JSON, templates)."""
+        return await asyncio.get_running_loop().run_in_executor(self._parser, fn, *args)
+
+    async def parse(self, request: pb.GenerateRequest, tenant: str | None, api: str) -> ParsedRequest:
+        """Parses on the router's parse threads. Raises InvalidRequest (counted as a failed request of `api`).
+        The tenant's priority range clamps the priority; session ids are scoped by tenant: two tenants choosing
+        the same id do not share a session."""
+        try:
+            parsed = await self.off_loop(parse_request, request, self.model, self.limits.limits)
         except InvalidRequest as e:
             self.refused(api, e.code)
             raise
+        session = f"{tenant}/{parsed.session_id}" if tenant is not None and parsed.session_id else parsed.session_id
+        priority = self.limits.tenant(tenant).priority.clamp(parsed.priority)
+        return replace(parsed, cache_salt=cache_salt_for(tenant), session_id=session, priority=priority,
+                       tenant=tenant)
 
     def refused(self, api: str, code: str) -> None:
         """Counts a request refused before it ran (a malformed body, a bad parameter)."""
         self.num_failed += 1
         self.metrics.requests.labels(api, code).inc()
 
-    async def run(self, parsed: ParsedRequest, arrival: float, api: str) -> AsyncIterator[Step]:
-        """Drives one request, yielding each progress. Raises InvalidRequest (ALREADY_EXISTS for an id in use),
-        RequestCancelled after an Abort call, the driver's errors, or CancelledError when the caller went away.
+    def deadline(self, arrival: float, timeout_s: float | None) -> float:
+        """The monotonic time a request that arrived at `arrival` must end by: the manifest's request_timeout_s,
+        or the client's timeout_s when that is sooner. Raises InvalidRequest for a timeout that is not positive."""
+        if timeout_s is not None and not timeout_s > 0:
+            raise InvalidRequest(f"timeout must be a positive number of seconds, got {timeout_s!r}")
+        limit = self.limits.request_timeout_s
+        return arrival + (limit if timeout_s is None else min(limit, timeout_s))
+
+    async def run(self, parsed: ParsedRequest, arrival: float, api: str, *,
+                  deadline: float | None = None) -> AsyncIterator[Step]:
+        """Drives one request, yielding each progress, until its deadline (monotonic; None: the manifest's
+        request_timeout_s from arrival). Raises InvalidRequest (ALREADY_EXISTS for an id the tenant has in use),
+        RequestCancelled after an Abort call, DeadlineExceeded, the driver's errors, or CancelledError when the
+        caller went away; in every case but success the request is aborted on every replica (the driver does).
         Metrics and counters are updated however it ends."""
-        if parsed.request_id in self.active:
+        key = RequestKey(parsed.tenant, parsed.request_id)
+        if key in self.active:
             self.metrics.finished(api, "ALREADY_EXISTS", None, None)
             raise InvalidRequest(f"request id {parsed.request_id!r} is in use", "ALREADY_EXISTS")
-        self.active[parsed.request_id] = asyncio.current_task()
+        task = asyncio.current_task()
+        self.active[key] = task
+        deadline = self.deadline(arrival, None) if deadline is None else deadline
+        timer = asyncio.get_running_loop().call_later(max(0.0, deadline - time.monotonic()), self._cancel, key,
+                                                      "deadline")
         account = Accounting(arrival)
         code = "OK"
         try:
-            async for progress in self.driver.run(parsed):
+            # Replicas see an id unique across tenants (client ids cannot hold '/'); clients see their own.
+            async for progress in self.driver.run(replace(parsed, request_id=key.replica_id)):
                 now = time.monotonic()
                 self.metrics.observe_gaps(account.observe(progress, now))
                 yield Step(progress, account, now)
         except asyncio.CancelledError:
-            if parsed.request_id not in self._abort_calls:
-                code = "CANCELLED"
-                raise  # the client went away: nobody to answer
             code = "CANCELLED"
+            why = self._ended_by.get(key)
+            if why is None:
+                raise  # the client went away: nobody to answer
+            if why == "deadline":
+                code = "DEADLINE_EXCEEDED"
+                raise DeadlineExceeded(f"request {parsed.request_id!r} did not finish within its deadline "
+                                       f"({deadline - arrival:g} s)") from None
             raise RequestCancelled(f"request {parsed.request_id!r} was aborted") from None
         except Exception as e:
             code, _ = error_code(e)
             if code == "INTERNAL":
-                _log.exception("request %s failed", parsed.request_id)
+                _log.exception("request %s failed", key.replica_id)
             raise
         finally:
-            self.active.pop(parsed.request_id, None)
-            self._abort_calls.discard(parsed.request_id)
+            timer.cancel()
+            self.active.pop(key, None)
+            self._ended_by.pop(key, None)
             if code == "OK":
                 self.num_finished += 1
             else:
@@ -129,10 +192,18 @@ class Serving:
             ok = code == "OK"
             self.metrics.finished(api, code, account if ok else None, account.timings(time.monotonic()) if ok else None)
 
-    def abort(self, request_id: str) -> bool:
-        """Cancels a running request (either API); whether it was running."""
-        task = self.active.get(request_id)
-        if task is not None:
-            self._abort_calls.add(request_id)
+    def _cancel(self, key: RequestKey, why: str) -> bool:
+        task = self.active.get(key)
+        if task is not None and key not in self._ended_by:
+            self._ended_by[key] = why
             task.cancel()
         return task is not None
+
+    def abort(self, tenant: str | None, request_id: str) -> bool:
+        """Cancels tenant's running request (either API); whether it was running. Another tenant's request of
+        the same id is a different request: it is neither found nor touched."""
+        return self._cancel(RequestKey(tenant, request_id), "abort")
+
+    def close(self) -> None:
+        """Stops the parse threads (requests still parsing finish first)."""
+        self._parser.shutdown(wait=False, cancel_futures=True)

@@ -391,3 +391,16 @@ pools:
     manifest = validate_file(fixed, check_ports=False)
     assert (manifest.pools.prefill.device, manifest.pools.prefill.dtype) == ("cuda", "float32")
     assert (manifest.pools.decode.device, manifest.pools.decode.dtype) == ("cpu", "float32")
+
+
+def test_an_unreadable_tls_file_is_reported_at_its_key(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)  # relative tls paths start where tandem runs
+    (tmp_path / "server.key").write_text("not a key\n")
+    path = _write(tmp_path, "pools:\n  prefill: {}\n  decode: {}\ntls:\n  cert_file: server.pem\n"
+                            "  key_file: server.key\n")
+    [error] = _errors(path)
+    assert (error.path, error.line) == ("tls.cert_file", 5)
+    assert f"cannot read {tmp_path.resolve() / 'server.pem'}" in error.message
+    assert "relative paths start there" in error.hint
+    assert main(["validate", str(path), "--no-port-check"]) == 2
+    assert "tls.cert_file" in capsys.readouterr().err

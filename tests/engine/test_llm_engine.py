@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from collections import defaultdict
 
 import pytest
@@ -122,6 +123,12 @@ def test_admission_control_rejects_at_once_and_serves_the_rest(embedded):
         engine.add_request("oov", [49152], greedy(4))
     with pytest.raises(ValueError, match="stop_token_ids"):
         engine.add_request("bad-stop", [1], greedy(4, stop_token_ids=[10**6]))
+    start = time.perf_counter()  # refused before anything is built per sample (a seed list of 2**31 would not be)
+    with pytest.raises(RequestRejectedError, match="n=2147483647 samples exceed max_num_seqs"):
+        engine.add_request("huge-n", [1], SamplingParams(n=2**31 - 1, max_tokens=4))
+    with pytest.raises(RequestRejectedError, match="n=2147483647 samples exceed max_num_seqs"):
+        engine.reserve_for_transfer("huge-n", [1], SamplingParams(n=2**31 - 1, max_tokens=4))
+    assert time.perf_counter() - start < 1.0
     assert run_all(engine)[("ok", 0)].finish_reason == "length"
 
 

@@ -70,7 +70,7 @@ INVALID = {
                              "sampling: temperature must be >= 0"),
     "top_p 0": (lambda v: {"prompt": "Hi", "top_p": 0.0}, "INVALID_ARGUMENT", "sampling: top_p must be in (0, 1]"),
     "logprobs 99": (lambda v: {"prompt": "Hi", "logprobs": 99}, "INVALID_ARGUMENT",
-                    "sampling: logprobs must be in [0, 20]"),
+                    "logprobs=99 asks for more alternatives than this server gives (20)"),
     "max_tokens 0": (lambda v: {"prompt": "Hi", "max_tokens": 0}, "INVALID_ARGUMENT",
                      "sampling: max_tokens must be at least 1"),
     "stop token out of vocab": (lambda v: {"prompt": "Hi", "stop_token_ids": [2, v]}, "INVALID_ARGUMENT",

@@ -1,0 +1,318 @@
+"""Bounded requests and isolated tenants at the router's two front doors, over the mock replicas: every request
+limit refused before any work with the right status on both APIs (and the server serving on), parsing off the
+event loop, deadlines that abort a request everywhere, request ids scoped by tenant, priority ranges, and
+per-tenant caps that answer 429 + Retry-After without slowing other tenants."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import threading
+import time
+
+import grpc
+import httpx
+import pytest
+
+from tandem.engine.loader import load_model
+from tandem.proto.v1 import tandem_pb2 as pb
+from tandem.proto.v1 import tandem_pb2_grpc as pb_grpc
+from tandem.router.auth import Authenticator
+from tandem.router.client import build_request
+from tandem.router.grpc_service import TandemServicer, start_grpc_server
+from tandem.router.http_service import build_app, start_http_server
+from tandem.router.lifecycle import DriverSettings, Replica, RequestDriver
+from tandem.router.limits import PriorityRange, RequestLimits, ServingLimits, TenantLimits
+from tandem.router.mock_replicas import MockDecode
+from tandem.router.request_parsing import ModelFacts
+from tandem.router.serving import Serving
+
+MODEL = "SmolLM2-135M-Instruct"
+KEYS = {"sk-acme-0123456789": "acme", "sk-beta-0123456789": "beta"}
+ACME, BETA = ({"authorization": "Bearer sk-acme-0123456789"}, {"authorization": "Bearer sk-beta-0123456789"})
+LIMITS = RequestLimits(max_body_bytes=64 << 10, max_prompt_chars=20_000, max_n=4, max_tokens=64,
+                       max_stop_strings=2, max_stop_string_chars=8, max_top_logprobs=5, max_batch_prompts=3,
+                       max_messages=4, max_stop_token_ids=3)
+
+
+@functools.lru_cache(maxsize=1)
+def embedded():
+    return load_model(None, weights=False, progress=False)
+
+
+class PriorityDecode(MockDecode):
+    """A mock decode replica that records the priority each request reached it with."""
+
+    def __init__(self, name: str, **kwargs):
+        super().__init__(name, **kwargs)
+        self.priorities: dict[str, int] = {}
+
+    def generate(self, request_id, prompt_token_ids, params, *, priority=0, cache_salt=None):
+        self.priorities[request_id] = priority
+        return super().generate(request_id, prompt_token_ids, params, priority=priority, cache_salt=cache_salt)
+
+
+class Front:
+    """Serving over one mock decode replica (colocated), both APIs on free loopback ports, on a background loop."""
+
+    def __init__(self, limits: ServingLimits, *, step_s: float = 0.0, keys=KEYS):
+        self.decode = PriorityDecode("decode-0", step_s=step_s)
+        loaded = embedded()
+        self.tokenizer = loaded.tokenizer
+        facts = ModelFacts(MODEL, loaded.tokenizer, loaded.config.vocab_size, 512)
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+        async def boot():
+            settings = DriverSettings(mode="colocated")
+            driver = RequestDriver([], [Replica("decode-0", "decode", self.decode)], settings)
+            self.serving = Serving(driver, facts, "colocated", auth=Authenticator(keys), limits=limits)
+            self.http, http_port = await start_http_server(build_app(self.serving), "127.0.0.1:0")
+            self.grpc, grpc_port, _ = await start_grpc_server(TandemServicer(self.serving), "127.0.0.1:0",
+                                                              max_message_bytes=limits.limits.max_body_bytes)
+            return http_port, grpc_port
+
+        http_port, grpc_port = asyncio.run_coroutine_threadsafe(boot(), self.loop).result(30)
+        self.url = f"http://127.0.0.1:{http_port}"
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{grpc_port}")
+        self.stub = pb_grpc.TandemStub(self.channel)
+
+    def chat(self, headers=ACME, **body) -> httpx.Response:
+        """body: the chat body's fields (`timeout` among them: the request's own deadline, in seconds)."""
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2} | body
+        return httpx.post(f"{self.url}/v1/chat/completions", json=body, headers=headers, timeout=30)
+
+    def generate(self, metadata=ACME, timeout=30, **kwargs) -> list[pb.GenerateResponse]:
+        kwargs = {"prompt": "Hi", "max_tokens": 2} | kwargs
+        return list(self.stub.Generate(build_request(**kwargs), metadata=tuple(metadata.items()), timeout=timeout))
+
+    def held(self) -> dict:
+        return dict(self.serving.gate.held)
+
+    def close(self) -> None:
+        self.channel.close()
+
+        async def stop():
+            await self.http.stop()
+            await self.grpc.stop(1)
+            self.serving.close()
+
+        asyncio.run_coroutine_threadsafe(stop(), self.loop).result(30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def front():
+    tenants = {"acme": TenantLimits(priority=PriorityRange(min=-5, max=5), max_requests=2, retry_after_s=3)}
+    f = Front(ServingLimits(limits=LIMITS, tenants=tenants, request_timeout_s=5.0), step_s=0.02)
+    yield f
+    f.close()
+
+
+def _served_normally(front: Front) -> None:
+    assert front.chat().json()["choices"][0]["finish_reason"] == "length"
+    assert front.generate()[-1].finish_reason == "length"
+
+
+HTTP_REFUSALS = {
+    "n": ({"n": 5}, "n=5 is more than this server allows (4)"),
+    "max_tokens": ({"max_tokens": 65}, "max_tokens=65 is more than this server allows: 64"),
+    "stop count": ({"stop": ["a", "b", "c"]}, "3 stop strings; this server takes at most 2"),
+    "stop length": ({"stop": ["x" * 9]}, "a stop string of 9 characters"),
+    "stop token ids": ({"stop_token_ids": [1, 2, 3, 4]}, "4 stop_token_ids"),
+    "top_logprobs": ({"logprobs": True, "top_logprobs": 6}, "logprobs=6 asks for more alternatives"),
+    "messages": ({"messages": [{"role": "user", "content": "a"}] * 5}, "messages holds 5 messages"),
+    "prompt chars": ({"messages": [{"role": "user", "content": "x" * 20_001}]}, "the prompt has 20001 characters"),
+    "prompt tokens": ({"messages": [{"role": "user", "content": "hello " * 600}], "max_tokens": 1},
+                      "this server takes at most 512"),
+    "timeout": ({"timeout": -1}, "timeout"),
+}
+
+
+@pytest.mark.parametrize("name", HTTP_REFUSALS)
+def test_each_http_limit_is_a_400_before_any_work_and_the_server_serves_on(front, name):
+    body, needle = HTTP_REFUSALS[name]
+    served = len(front.decode.served)
+    reply = front.chat(**body)
+    assert reply.status_code == 400, reply.text
+    assert needle in reply.json()["error"]["message"]
+    assert len(front.decode.served) == served  # no replica saw it
+    _served_normally(front)
+
+
+def test_completion_batches_are_bounded(front):
+    body = {"model": MODEL, "prompt": ["a", "b", "c", "d"], "max_tokens": 1}
+    reply = httpx.post(f"{front.url}/v1/completions", json=body, headers=ACME)
+    assert reply.status_code == 400 and "batch of 4 prompts" in reply.json()["error"]["message"]
+    body["prompt"] = ["a", "b", "c"]  # three requests: beta has no cap (acme's is 2: a 429)
+    assert httpx.post(f"{front.url}/v1/completions", json=body, headers=ACME).status_code == 429
+    assert len(httpx.post(f"{front.url}/v1/completions", json=body, headers=BETA).json()["choices"]) == 3
+
+
+@pytest.mark.parametrize("how", ["content-length", "chunked"])
+def test_a_body_over_the_limit_is_a_413_without_reading_it_all(front, how):
+    big = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x" * (70 << 10)}]}).encode()
+    content = big if how == "content-length" else iter([big[i:i + 8192] for i in range(0, len(big), 8192)])
+    reply = httpx.post(f"{front.url}/v1/chat/completions", content=content,
+                       headers=ACME | {"content-type": "application/json"})
+    assert reply.status_code == 413 and "max_body_bytes" in reply.json()["error"]["message"]
+    _served_normally(front)
+
+
+@pytest.mark.parametrize("raw, needle", [
+    (b"[" * 30_000 + b"]" * 30_000, "nests deeper than 32"),  # past the JSON decoder's recursion limit
+    (("{\"model\": \"m\", \"messages\": " + "[" * 40 + "]" * 40 + "}").encode(), "nests deeper than 32"),
+    (b'{"model": "\xff\xfe"}', "not valid JSON"),
+    (b'{"model": ', "not valid JSON"),
+])
+def test_deep_truncated_or_invalid_json_is_a_400_not_a_500(front, raw, needle):
+    reply = httpx.post(f"{front.url}/v1/chat/completions", content=raw,
+                       headers=ACME | {"content-type": "application/json"})
+    assert reply.status_code == 400 and needle in reply.json()["error"]["message"]
+    _served_normally(front)
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    ({"n": 2_147_483_647}, "n=2147483647 is more than this server allows"),
+    ({"max_tokens": 65}, "max_tokens=65"),
+    ({"stop": ["a", "b", "c"]}, "3 stop strings"),
+    ({"logprobs": 6}, "logprobs=6"),
+    ({"chat": [{"role": "user", "content": "a"}] * 5, "prompt": None}, "chat has 5 messages"),
+    ({"prompt": "x" * 20_001}, "20001 characters"),
+    ({"prompt": None, "token_ids": [1] * 600}, "the prompt has 600 tokens"),
+])
+def test_grpc_gets_the_same_limits(front, kwargs, needle):
+    with pytest.raises(grpc.RpcError) as caught:
+        front.generate(**kwargs)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and needle in caught.value.details()
+    _served_normally(front)
+
+
+def test_a_grpc_message_over_the_body_limit_is_refused_by_grpc(front):
+    with pytest.raises(grpc.RpcError) as caught:
+        front.generate(prompt="x" * (70 << 10))
+    assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    _served_normally(front)
+
+
+def test_the_same_request_id_in_two_tenants_is_two_requests_and_abort_reaches_only_its_own(front):
+    def stream(metadata, out):
+        try:
+            out.extend(front.generate(metadata, request_id="shared", max_tokens=40, ignore_eos=True))
+        except grpc.RpcError as e:
+            out.append(e.code())
+
+    acme, beta = [], []
+    threads = [threading.Thread(target=stream, args=(ACME, acme)), threading.Thread(target=stream, args=(BETA, beta))]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 10
+    while len(front.serving.active) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert {(k.tenant, k.request_id) for k in front.serving.active} == {("acme", "shared"), ("beta", "shared")}
+    assert not front.stub.Abort(pb.AbortRequest(request_id="nobody-has-this"), metadata=tuple(BETA.items())).found
+    assert front.stub.Abort(pb.AbortRequest(request_id="shared"), metadata=tuple(BETA.items())).found
+    for t in threads:
+        t.join(30)
+    assert beta == [grpc.StatusCode.CANCELLED]  # beta aborted its own request ...
+    assert acme[-1].finish_reason == "length" and all(m.request_id == "shared" for m in acme)  # ... not acme's
+    assert {"acme/shared", "beta/shared"} <= set(front.decode.served)  # the replicas never mixed them up
+    assert "beta/shared" in front.decode.aborted
+
+
+def test_priorities_are_clamped_to_the_tenants_range(front):
+    for metadata, asked, expected in [(ACME, -100, -5), (ACME, 3, 3), (ACME, 99, 5), (BETA, -100, 0), (BETA, 7, 0)]:
+        rid = f"prio-{asked}-{expected}-{metadata is ACME}"
+        front.generate(metadata, request_id=rid, priority=asked)
+        tenant = "acme" if metadata is ACME else "beta"
+        assert front.decode.priorities[f"{tenant}/{rid}"] == expected
+
+
+def test_a_tenant_past_its_cap_gets_429_with_retry_after_and_others_are_not_slowed(front):
+    # acme may hold 2 requests; two long ones hold them.
+    holders = [threading.Thread(target=front.chat, kwargs=dict(max_tokens=60, ignore_eos=True)) for _ in range(2)]
+    for t in holders:
+        t.start()
+    deadline = time.monotonic() + 10
+    while front.held().get("acme", 0) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    refused = front.chat()
+    assert refused.status_code == 429 and refused.headers["retry-after"] == "3"
+    assert refused.json()["error"]["type"] == "rate_limit_error"
+    with pytest.raises(grpc.RpcError) as caught:
+        front.generate()
+    assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert ("grpc-retry-pushback-ms", "3000") in caught.value.trailing_metadata()
+    start = time.monotonic()
+    assert front.chat(BETA).status_code == 200  # another tenant is let in at once, served at the usual pace
+    assert time.monotonic() - start < 1.0  # 2 tokens at 20 ms a step; acme's 60-token requests take 1.2 s
+    for t in holders:
+        t.join(30)
+    assert front.held() == {}
+    assert front.chat().status_code == 200
+
+
+def test_a_deadline_aborts_the_request_everywhere_with_504_or_deadline_exceeded(front):
+    reply = front.chat(max_tokens=60, ignore_eos=True, timeout=0.3)  # body field: seconds
+    assert reply.status_code == 504 and reply.json()["error"]["type"] == "timeout_error"
+    assert "deadline" in reply.json()["error"]["message"]
+    with pytest.raises(grpc.RpcError) as caught:  # the client's own gRPC deadline
+        front.generate(timeout=0.3, max_tokens=60, ignore_eos=True, request_id="late")
+    assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    deadline = time.monotonic() + 5
+    while "acme/late" not in front.decode.aborted and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert "acme/late" in front.decode.aborted and front.held() == {}
+    assert front.decode.running == 0
+
+
+def test_the_manifest_deadline_applies_when_the_client_sets_none():
+    f = Front(ServingLimits(request_timeout_s=0.3), step_s=0.02, keys=None)
+    try:
+        with pytest.raises(grpc.RpcError) as caught:
+            f.generate({}, request_id="slow", max_tokens=60, ignore_eos=True)
+        assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and "0.3 s" in caught.value.details()
+        assert "slow" in f.decode.aborted
+        assert f.generate({})[-1].finish_reason == "length"
+    finally:
+        f.close()
+
+
+def test_a_maximal_prompt_is_parsed_off_the_event_loop_without_delaying_other_streams():
+    """A prompt at the character limit takes the tokenizer about a second on this machine; another request's
+    tokens keep flowing meanwhile (the same tokenizing on the event loop would stall them all that long)."""
+    chars = 1_200_000
+    f = Front(ServingLimits(limits=RequestLimits(max_prompt_chars=chars, max_body_bytes=2 << 20)), step_s=0.01,
+              keys=None)
+    try:
+        text = "hello world, this is a test of the tokenizer. " * (chars // 46)
+        start = time.perf_counter()
+        f.tokenizer.encode(text)
+        tokenize_s = time.perf_counter() - start
+        arrivals: list[float] = []
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 150,
+                "ignore_eos": True, "stream": True}
+
+        def stream():
+            with httpx.stream("POST", f"{f.url}/v1/chat/completions", json=body, timeout=30) as reply:
+                for line in reply.iter_lines():
+                    if line.startswith("data: {"):
+                        arrivals.append(time.perf_counter())
+
+        streamer = threading.Thread(target=stream)
+        streamer.start()
+        while len(arrivals) < 10:
+            time.sleep(0.005)
+        parsed_at = time.perf_counter()
+        big = f.chat({}, messages=[{"role": "user", "content": text}], max_tokens=1)  # over 512 tokens: 400
+        parse_s = time.perf_counter() - parsed_at
+        streamer.join(30)
+        assert big.status_code == 400 and "tokens" in big.json()["error"]["message"]
+        during = [b - a for a, b in zip(arrivals, arrivals[1:]) if parsed_at <= b <= parsed_at + parse_s]
+        assert parse_s > 0.5 * tokenize_s and len(during) > 5  # the stream went on while the prompt was parsed
+        assert max(during) < max(0.25, tokenize_s / 3), (max(during), tokenize_s)
+    finally:
+        f.close()
