@@ -3,7 +3,7 @@
 Batched transfers: a sender and a receiver process, each one rank with the embedded model's KV shape
 (SmolLM2-135M: 30 layers x 3 KV heads x 64, 16-token blocks, float32 as the engine keeps it). The receiver
 reserves blocks for --requests requests of --tokens tokens each (for 1, 16 and 256 requests by default), the
-sender pushes them all (gather from the KV store, xxh3 checksum, UCX send; receive, verify, scatter on the
+sender pushes them all (gather from the KV store, keyed BLAKE3 MAC, UCX send; receive, verify, scatter on the
 other side), and a request counts as done when the receiver has acknowledged it. Reported: payload GB/s, the
 per-request latency (issue to acknowledgement; p50 and max), and a plain memory copy of the same bytes in the
 same run (np.copyto, request-sized chunks into a buffer far larger than the caches) as the peer: the ratio is
@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import secrets
 import statistics
 import sys
 import time
@@ -64,15 +65,16 @@ def make_agent(cache, config):
     return AgentFactory(config)(0, layout, cache), layout
 
 
-def receiver(conn, max_blocks: int, device: str) -> None:
-    """Reserves what the sender asks for, answers with descriptors; ends on ("stop",)."""
+def receiver(conn, max_blocks: int, device: str, secret: bytes) -> None:
+    """Reserves what the sender asks for (answering the sender's agent it names), answers with descriptors;
+    ends on ("stop",)."""
     import torch
 
     from tandem.kv_transfer.config import TransferConfig
     from tandem.kv_transfer.descriptor import KVFormat, TransferDescriptor
 
     torch.set_num_threads(1)
-    config = TransferConfig(staging_bytes=256 << 20)
+    config = TransferConfig(staging_bytes=256 << 20, secret=secret)
     cache = make_store(max_blocks, fill=False, device=device)
     agent, layout = make_agent(cache, config)
     kv = KVFormat(LAYERS, KV_HEADS, HEAD_DIM, BLOCK, "float32")
@@ -82,13 +84,13 @@ def receiver(conn, max_blocks: int, device: str) -> None:
         if message[0] == "stop":
             agent.close()
             return
-        if message[0] == "reserve":  # (ids, blocks per request, tokens per request)
-            _, ids, per, tokens = message
+        if message[0] == "reserve":  # (ids, blocks per request, tokens per request, the sender's address)
+            _, ids, per, tokens, sender_address = message
             descs = []
             for i, transfer_id in enumerate(ids):
                 blocks = list(range(i * per, (i + 1) * per))
                 deadline = time.time() + 600
-                agent.expect(transfer_id, blocks, deadline)
+                agent.expect(transfer_id, blocks, deadline, (sender_address,))
                 descs.append(TransferDescriptor(transfer_id, layout, (agent.address,), tuple(blocks), tokens, kv,
                                                 deadline))
             conn.send(("descs", descs))
@@ -181,7 +183,7 @@ def _raw_receiver(conn, chunk: int, count: int) -> None:
 
 def raw_ucx_rate(nbytes: int, chunk: int) -> float:
     """GB/s of the bare transport between two processes: chunk-sized tagged messages, received into one
-    reused buffer; no gather, checksum or scatter (the ceiling the agents work under)."""
+    reused buffer; no gather, MAC or scatter (the ceiling the agents work under)."""
     import numpy as np
 
     from tandem.kv_transfer.config import TransferConfig
@@ -212,7 +214,7 @@ def batched(agent, conn, requests: int, tokens: int, rounds: int, src_blocks: li
     rates, latencies = [], []
     for r in range(rounds):
         ids = [f"b{requests}-{r}-{i}" for i in range(requests)]
-        conn.send(("reserve", ids, per, tokens))
+        conn.send(("reserve", ids, per, tokens, agent.address))
         descs = conn.recv()[1]
         issued = {}
         start = time.perf_counter()
@@ -249,7 +251,7 @@ def batched(agent, conn, requests: int, tokens: int, rounds: int, src_blocks: li
     return result
 
 
-def pipelining(conn, prefill_tokens: int, rounds: int, device: str) -> dict:
+def pipelining(conn, prefill_tokens: int, rounds: int, device: str, secret: bytes) -> dict:
     """The embedded model's prefill with layer-wise sends vs the same transfer alone (see the docstring)."""
     import torch
 
@@ -261,7 +263,7 @@ def pipelining(conn, prefill_tokens: int, rounds: int, device: str) -> dict:
     from tandem.kv_transfer.config import TransferConfig
 
     torch.set_num_threads(1)  # the receiver process and the UCX threads get the other core
-    config = TransferConfig(layer_group=1, staging_bytes=256 << 20)
+    config = TransferConfig(layer_group=1, staging_bytes=256 << 20, secret=secret)
     engine = LLMEngine(load_model(progress=False, device=device),
                        EngineConfig(num_kv_blocks=4 * (prefill_tokens // BLOCK + 2),
                                     max_num_batched_tokens=prefill_tokens),
@@ -272,7 +274,7 @@ def pipelining(conn, prefill_tokens: int, rounds: int, device: str) -> dict:
     for r in range(rounds):
         prompt = [(7 * i + r) % 40000 + 100 for i in range(prefill_tokens)]
         ids = [f"p-{r}", f"alone-{r}"]
-        conn.send(("reserve", ids, per, prefill_tokens))
+        conn.send(("reserve", ids, per, prefill_tokens, agent.address))
         piped, alone = conn.recv()[1]
         agent.arm(piped, seq_id=f"prompt-{r}#0")
         engine.add_request(f"prompt-{r}", prompt, SamplingParams(max_tokens=1, temperature=0))
@@ -300,7 +302,7 @@ def pipelining(conn, prefill_tokens: int, rounds: int, device: str) -> dict:
             "hidden_share": round(med["hidden"], 3), "hidden_per_round": [round(r["hidden"], 3) for r in rows]}
 
 
-def sender(conn, address: str, args) -> None:
+def sender(conn, address: str, args, secret: bytes) -> None:
     import torch
 
     from tandem.kv_transfer.config import TransferConfig
@@ -308,7 +310,7 @@ def sender(conn, address: str, args) -> None:
     torch.set_num_threads(1)
     per = -(-args.tokens // BLOCK)
     cache = make_store(per, fill=True, device=args.device)
-    agent, _ = make_agent(cache, TransferConfig(staging_bytes=256 << 20))
+    agent, _ = make_agent(cache, TransferConfig(staging_bytes=256 << 20, secret=secret))
     conn.send(("path",))
     paths = {"sender": agent.stats().path, "receiver": conn.recv()[1]}
     log(f"KV stores on {args.device}; transfer paths: {paths}")
@@ -316,7 +318,7 @@ def sender(conn, address: str, args) -> None:
                            for n in args.requests]}
     agent.close()
     if args.prefill_tokens:
-        results["pipelining"] = pipelining(conn, args.prefill_tokens, args.rounds, args.device)
+        results["pipelining"] = pipelining(conn, args.prefill_tokens, args.rounds, args.device, secret)
     conn.send(("stop",))
     print(json.dumps({"peer_address": address, "device": args.device, "paths": paths, **results}), flush=True)
 
@@ -341,10 +343,11 @@ def main() -> None:
     max_blocks = max(max(args.requests) * -(-args.tokens // BLOCK), 2 * -(-args.prefill_tokens // BLOCK))
     log(f"receiver store: {max_blocks} blocks ({max_blocks * LAYERS * 2 * BLOCK * KV_HEADS * HEAD_DIM * 4 / 2**30:.1f} "
         f"GiB); sender in this process")
-    proc = ctx.Process(target=receiver, args=(receiver_end, max_blocks, args.device), daemon=True)
+    secret = secrets.token_bytes(32)  # the transfer secret both agents share, as a cluster's replicas do
+    proc = ctx.Process(target=receiver, args=(receiver_end, max_blocks, args.device, secret), daemon=True)
     proc.start()
     _, address = to_receiver.recv()
-    sender(to_receiver, address, args)
+    sender(to_receiver, address, args, secret)
     proc.join(timeout=30)
 
 

@@ -7,6 +7,10 @@ share a node), starts the replica actor inside it holding the bundle's GPUs (it 
 processes on that node and gives each its share of those GPUs as CUDA_VISIBLE_DEVICES), waits until
 every replica has loaded its model, then starts the router with their handles. Progress lines accumulate in
 log() for the launcher to print.
+
+The KV transfer agents of every replica authenticate each other's messages with one secret per cluster: the
+controller makes it when it is created and hands it to each replica actor inside its TransferConfig, through Ray
+(never on a command line or in a log line; TransferConfig leaves it out of its repr).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import secrets
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -90,6 +95,7 @@ class Controller:
         self.http_endpoint: str | None = None
         self.state = "starting"
         self._lines: list[str] = []
+        self._transfer_secret = secrets.token_bytes(32)  # shared by every replica's KV agents, this cluster only
 
     def _say(self, line: str) -> None:
         _log.info(line)
@@ -141,7 +147,7 @@ class Controller:
         plan = entry.plan
         colocated = self.manifest.mode == "colocated"
         cls = PrefillReplica if plan.pool == "prefill" else DecodeReplica
-        transfer = None if colocated else transfer_config(self.manifest)
+        transfer = None if colocated else transfer_config(self.manifest, self._transfer_secret)
         strategy = PlacementGroupSchedulingStrategy(entry.pg, placement_group_bundle_index=0)
         # The actor holds the bundle's GPUs (Ray tells it their IDs) and hands each rank its share.
         actor = ray.remote(cls).options(

@@ -57,11 +57,13 @@ def replica_plans(manifest: Manifest, count: dict[str, int] | None = None) -> li
     return plans
 
 
-def transfer_config(manifest: Manifest) -> TransferConfig:
-    """host "" means: each replica's node address, filled in on the node (TransferConfig.on_host)."""
+def transfer_config(manifest: Manifest, secret: bytes) -> TransferConfig:
+    """host "" means: each replica's node address, filled in on the node (TransferConfig.on_host). secret: the
+    cluster's transfer secret (the controller makes one per cluster): every replica must get the same."""
     t = manifest.transport
     return TransferConfig(host=t.host or "", layer_group=t.layer_group, max_message_bytes=t.max_message_bytes,
-                          staging_bytes=t.staging_bytes, lease_s=t.lease_s, ucx_env=DEFAULT_UCX_ENV | t.ucx_env)
+                          staging_bytes=t.staging_bytes, lease_s=t.lease_s, ucx_env=DEFAULT_UCX_ENV | t.ucx_env,
+                          secret=secret)
 
 
 def resources_needed(manifest: Manifest) -> dict[str, float]:

@@ -14,7 +14,6 @@ engine step at most crosses to the router, however many tokens it carries.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import AsyncIterator, Sequence
 
 from tandem.engine.output_processor import RequestOutput
@@ -23,7 +22,6 @@ from tandem.engine.sampling_params import SamplingParams
 from tandem.kv_transfer.config import TransferConfig
 from tandem.kv_transfer.connector import DecodeConnector
 from tandem.kv_transfer.descriptor import TransferDescriptor, TransferFailedError, TransferState
-from tandem.replica.contract import ReplicaInfo
 from tandem.replica.shell import ReplicaShell
 from tandem.replica.spec import ReplicaSpec
 
@@ -37,21 +35,19 @@ class DecodeReplica(ReplicaShell):
         node's address."""
         super().__init__(name, spec, transfer, DecodeConnector)
 
-    async def ready(self) -> ReplicaInfo:
-        """The shell's info with this replica's KV agent addresses (none when colocated)."""
-        info = await super().ready()
-        return dataclasses.replace(info, kv_addresses=self.connector.addresses if self.connector else ())
-
     async def reserve(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *,
-                      priority: int = 0, cache_salt: str | None = None) -> TransferDescriptor | None:
+                      priority: int = 0, cache_salt: str | None = None,
+                      senders: tuple[str, ...] = ()) -> TransferDescriptor | None:
         """Holds blocks for the prompt's KV (cache_salt: the tenant's prefix-cache salt); None when there is no
-        room now. Raises ValueError / RequestRejectedError for a request this replica cannot serve."""
+        room now. senders: the prefill replica's agent addresses by rank, the only peers told how the transfer
+        went (empty: nobody). Raises ValueError / RequestRejectedError for a request this replica cannot
+        serve."""
         if self.connector is None:
             raise ValueError(f"decode replica {self.name} is colocated: it takes no KV transfers")
         self._check_not_aborted(request_id)
         return await self.server.call(
             lambda _e: self.connector.reserve(request_id, prompt_token_ids, params, priority=priority,
-                                              cache_salt=cache_salt))
+                                              cache_salt=cache_salt, senders=tuple(senders)))
 
     async def decode(self, request_id: str, first_token: SampledToken) -> AsyncIterator[list[RequestOutput]]:
         """Waits for the reserved request's KV, admits it with first_token and streams its outputs (the first

@@ -1,30 +1,40 @@
 """The transfer agent of one rank: it lives beside that rank's KV store (in the rank's process) and moves its
 share of each request's KV.
 
-Receiving (decode rank): expect() registers the request's destination blocks and lease. A pump thread probes
-for DATA messages of any transfer, receives each into a staging slot, checks its header and checksum, copies
-the payload into the KV blocks and, once the header's message count has arrived, acknowledges every sender
-(ACK OK). A bad checksum, a broken connection, the lease passing, or an ABORT from the sender end the transfer
-in FAILED / EXPIRED / ABORTED, and each sender seen is told. Messages of a transfer the agent does not hold
-(never reserved, ended, forgotten) are drained and answered with that transfer's outcome, so no sender waits
-on them.
+Peers are not trusted. Every message carries a MAC under the cluster's secret (kv_transfer/wire.py); the
+pump takes every message off the wire through an Inbox (kv_transfer/inbox.py), which never allocates what a
+message names, and acts only on messages whose MAC checks out. Everything else is dropped and counted by
+reason (kv_transfer/drops.py, in stats()), without touching any transfer. No address is ever taken from a
+message: the receiving side answers only the sending replica's addresses the reservation named (expect's
+senders), the sending side only the descriptor's.
+
+Receiving (decode rank): expect() registers the request's destination blocks, lease and senders. The pump
+receives each DATA message of a held transfer that fits the reservation into a staging slot, checks its MAC
+and header, copies the payload into the KV blocks and, once the header's message count has arrived,
+acknowledges every source rank seen (ACK OK, to senders[rank]). An authentic message that does not fit the
+reservation, the lease passing, or an ABORT from the sender end the transfer in FAILED / EXPIRED / ABORTED,
+and each source rank seen is told. An authentic message of a transfer that already ended (still held, or
+forgotten and remembered by a tombstone) is answered with that outcome, so no sender waits on it; messages of
+transfers the agent never held are dropped. With no senders, nobody is answered: the senders then learn the
+outcome from their own leases.
 
 Sending (prefill rank): arm() computes the plan's messages for this rank. The model runner calls
 on_layers_done() after each layer; every message whose last layer that is leaves at once (gathered from the
-KV store into a staging slot, checksummed, sent without blocking), so sending overlaps the next layers'
-compute. send_all() sends everything at once (KV already computed). Within one call the copy of message i+1
-is started before message i is checksummed and sent (on a GPU the two overlap; on the CPU the copy is
+KV store into a staging slot, sealed with its MAC, sent without blocking), so sending overlaps the next
+layers' compute. send_all() sends everything at once (KV already computed). Within one call the copy of
+message i+1 is started before message i is sealed and sent (on a GPU the two overlap; on the CPU the copy is
 synchronous). The transfer is DONE when every destination rank it feeds has acknowledged; a failed send, a
 negative acknowledgement or the lease passing end it otherwise, and its destination ranks are told (ABORT).
 
 Devices: the KV store lives on the CPU or a CUDA device; a KVCopier (device_copy.py) does every copy between it
 and the staging slots, so this file is the same for both. The path, chosen once: "staged" (host slots, pinned
 beside a CUDA store) or "direct" (device-side slots the transport sends and receives as they are; their host
-mirror carries the header and the checksum). See TransferConfig.kv_path; stats() reports it.
+mirror carries the header and the MAC). See TransferConfig.kv_path; stats() reports it.
 
 Threads: the driver's calls (expect, arm, abort, poll, release) and the runner's hook take the agent's lock
-for bookkeeping only; copies and checksums run outside it, except the copy into KV blocks, which holds the lock
-so that abort() returning means no more writes into those blocks.
+for bookkeeping only; copies and MACs run outside it (the pump checks received messages between two turns of
+holding it), except the copy into KV blocks, which holds the lock so that abort() returning means no more
+writes into those blocks. Nothing waits on the network under the lock.
 """
 
 from __future__ import annotations
@@ -42,12 +52,14 @@ from tandem.engine.parallel.layout import ReplicaLayout
 from tandem.kv_transfer.config import TransferConfig
 from tandem.kv_transfer.descriptor import KVFormat, RankStatus, TransferDescriptor, TransferState
 from tandem.kv_transfer.device_copy import KVCopier, PendingCopy
+from tandem.kv_transfer.drops import DropCounter, MessageDrops
+from tandem.kv_transfer.inbox import ControlMessage, DataMessage, Inbox, Received
 from tandem.kv_transfer.plan import Message, plan_messages, plan_pieces
-from tandem.kv_transfer.rank_transfer import STATE_FOR, STATUS_FOR, Inbound, Outbound
+from tandem.kv_transfer.rank_transfer import STATE_FOR, STATUS_FOR, Inbound, Outbound, Tombstone
+from tandem.kv_transfer.replies import Replies
 from tandem.kv_transfer.staging import Slot, StagingPool
 from tandem.kv_transfer.transport import Transport
-from tandem.kv_transfer.wire import (HEADER_BYTES, KIND_MASK, STATUS_BYTES, DataHeader, Kind, Status, checksum,
-                                     make_tag, pack_status, split_tag, transfer_key, unpack_status)
+from tandem.kv_transfer.wire import HEADER_BYTES, DataHeader, Kind, MessageKey, Status, make_tag, transfer_key
 
 ORPHAN_GRACE_S = 5.0
 _log = logging.getLogger(__name__)
@@ -62,6 +74,7 @@ class AgentStats:
     one_off_buffers: int  # sends that found the staging buffer full
     device: str  # where the KV store lives: "cpu", "cuda:0", ...
     path: str  # "staged" (host staging slots) | "direct" (device-side slots handed to the transport)
+    drops: MessageDrops  # messages dropped unread or unacted on, by reason, since the agent started
 
 
 @dataclass
@@ -90,19 +103,19 @@ class KVTransferAgent:
                              f"its layout share is {len(self.layers)} x {len(self.kv_heads)}")
         self.format = KVFormat(layout.num_layers, layout.num_kv_heads, spec.head_dim, spec.block_size,
                                str(spec.dtype).removeprefix("torch."))
-        if len(transport.address.encode()) > 64:
-            raise ValueError(f"transfer address {transport.address!r} is longer than the 64 bytes a header holds")
+        self.key = MessageKey(config.secret)
         self.copier = KVCopier(kv_cache.data, self.layers, self.kv_heads)
-        self.path = self._choose_path(config.kv_path)
+        self.path = self.copier.choose_path(config.kv_path, transport.device_transports, rank)
         self.staging = StagingPool(config.staging_bytes, self.copier.host_buffer,
                                    self.copier.device_buffer if self.path == "direct" else None)
         self.one_off_buffers = 0
+        self.drops = DropCounter(rank)
+        self.inbox = Inbox(transport, self.key, self.staging, self.drops, self.copier.to_host)
+        self.replies = Replies(transport, self.key, rank)
         self._lock = threading.RLock()
         self._in: dict[int, Inbound] = {}
         self._out: dict[int, Outbound] = {}
-        self._tombstones: dict[int, tuple[Status, float]] = {}
-        self._receiving: list[tuple[object, Slot, int]] = []  # (handle, slot, tag)
-        self._control: list[tuple[object, np.ndarray]] = []  # small sends kept alive until done
+        self._tombstones: dict[int, Tombstone] = {}
         # Sends of released transfers still on the wire: (handle, slot, peer, released at). One not done within
         # ORPHAN_GRACE_S has a silent or dead peer: its connection is closed, which ends it.
         self._orphans: list[tuple[object, Slot, str, float]] = []
@@ -114,33 +127,26 @@ class KVTransferAgent:
     def address(self) -> str:
         return self.transport.address
 
-    def _choose_path(self, wanted: str) -> str:
-        """"staged" or "direct" for config.kv_path `wanted` (see TransferConfig), logged once. Raises
-        ValueError for "direct" beside a CUDA store when the transport cannot move device memory."""
-        device = self.copier.device
-        carriers = self.transport.device_transports if self.copier.on_cuda else ()
-        if wanted == "direct" and self.copier.on_cuda and not carriers:
-            raise ValueError(f"kv_path='direct' needs a transport that moves CUDA memory between processes; "
-                             f"this one reports none (UCX: no cuda_ipc, no RDMA with GPUDirect here). "
-                             f"Use kv_path='staged' or 'auto'")
-        path = "direct" if wanted == "direct" or (wanted == "auto" and carriers) else "staged"
-        _log.info("rank %d: KV store on %s, %s transfers (device transports: %s)", self.rank, device, path,
-                  ", ".join(carriers) or "none")
-        return path
-
     # -- receiving side ------------------------------------------------------------------------------------
 
-    def expect(self, transfer_id: str, block_ids: Sequence[int], deadline: float) -> None:
+    def expect(self, transfer_id: str, block_ids: Sequence[int], deadline: float,
+               senders: Sequence[str] = ()) -> None:
         """Registers destination blocks (block ids of this rank's store, in token order) for a transfer.
-        Raises ValueError for a transfer id already held or block ids that repeat."""
+        senders: the sending replica's agent addresses by rank, the only peers told how it went (empty: nobody;
+        they learn it from their leases). Raises ValueError for a transfer id already held, block ids that
+        repeat, or senders given as one string."""
         if len(set(block_ids)) != len(block_ids):
             raise ValueError(f"transfer {transfer_id!r}: destination block ids repeat: {list(block_ids)}")
+        if isinstance(senders, str):
+            raise ValueError(f"transfer {transfer_id!r}: senders must be a sequence of addresses, got {senders!r}")
+        share = len(block_ids) * len(self.layers) * len(self.kv_heads) * self.format.bytes_per_block_layer_head
         key = transfer_key(transfer_id)
         with self._lock:
             if key in self._in or key in self._out:
                 raise ValueError(f"transfer {transfer_id!r} is already registered on rank {self.rank}")
             self._tombstones.pop(key, None)
-            self._in[key] = Inbound(transfer_id, deadline, block_ids=tuple(block_ids))
+            self._in[key] = Inbound(transfer_id, deadline, block_ids=tuple(block_ids), senders=tuple(senders),
+                                    max_message=HEADER_BYTES + min(self.config.max_message_bytes, share))
 
     # -- sending side --------------------------------------------------------------------------------------
 
@@ -188,7 +194,7 @@ class KVTransferAgent:
 
     def _send_messages(self, out: Outbound, messages: list[Message], block_ids: Sequence[int]) -> None:
         """Gathers and sends messages in order, one copy ahead: message i+1's copy is started before message
-        i is checksummed and sent. Stops at a terminal state or a release; a copy started and not sent gives
+        i is sealed and sent. Stops at a terminal state or a release; a copy started and not sent gives
         its slot back."""
         out.source_blocks = tuple(block_ids)
         ahead: _Gathered | None = None
@@ -221,7 +227,7 @@ class KVTransferAgent:
         return _Gathered(m, slot, copy)
 
     def _post(self, out: Outbound, g: _Gathered) -> bool:
-        """Waits for g's copy, checksums it and sends it. False (and nothing sent, or the send left to finish
+        """Waits for g's copy, seals it (header and MAC) and sends it. False (and nothing sent, or the send left to finish
         as an orphan) once the transfer has ended or was released."""
         try:
             g.copy.wait()
@@ -232,9 +238,9 @@ class KVTransferAgent:
             key = transfer_key(out.descriptor.transfer_id)
             nbytes = m.nbytes(self.format.bytes_per_block_layer_head)
             tag = make_tag(key, Kind.DATA, m.index)
-            header = DataHeader(m.index, out.counts[m.dst_rank], self.rank, m.layers, m.kv_heads, m.blocks, nbytes,
-                                checksum(slot.view[HEADER_BYTES:], tag), self.address)
-            slot.view[:HEADER_BYTES] = np.frombuffer(header.pack(), dtype=np.uint8)
+            header = DataHeader(m.index, out.counts[m.dst_rank], self.rank, m.layers, m.kv_heads, m.blocks, nbytes)
+            slot.view[:HEADER_BYTES] = np.frombuffer(header.seal(self.key, tag, slot.view[HEADER_BYTES:]),
+                                                     dtype=np.uint8)
             if slot.device is not None:
                 self.copier.to_device(slot.view[:HEADER_BYTES], slot.device[:HEADER_BYTES])
             peer = out.descriptor.addresses[m.dst_rank]
@@ -279,9 +285,9 @@ class KVTransferAgent:
         state = TransferState.EXPIRED if expired else TransferState.ABORTED
         with self._lock:
             if (inbound := self._in.get(key)) is not None and inbound.end(state, reason):
-                self._notify_senders(key, inbound)
+                self.replies.tell_senders(key, inbound)
             if (out := self._out.get(key)) is not None and out.end(state, reason):
-                self._notify_receivers(key, out)
+                self.replies.tell_receivers(key, out)
 
     def poll(self, transfer_ids: Sequence[str] | None = None) -> dict[str, RankStatus]:
         """Each transfer's state on this rank (all of them when transfer_ids is None; unknown ids are left
@@ -294,14 +300,16 @@ class KVTransferAgent:
 
     def release(self, transfer_id: str) -> None:
         """Forgets an ended transfer (aborting it first if it is still running); late messages for it are then
-        answered with its outcome for tombstone_s."""
+        answered with its outcome for tombstone_s (receiving side: to the senders it was expected from)."""
         key = transfer_key(transfer_id)
         self.abort(transfer_id, "released")
         with self._lock:
             for table in (self._in, self._out):
                 if (t := table.pop(key, None)) is not None:
-                    self._tombstones[key] = (STATUS_FOR[t.state], self.clock())
-                    if isinstance(t, Outbound):
+                    inbound = isinstance(t, Inbound)
+                    self._tombstones[key] = Tombstone(STATUS_FOR[t.state], self.clock(),
+                                                      t.senders if inbound else (), t.max_message if inbound else 0)
+                    if not inbound:
                         now = time.monotonic()  # their slots come back when UCX is done with them
                         self._orphans.extend((h, slot, peer, now) for h, slot, peer in t.pending)
 
@@ -319,12 +327,12 @@ class KVTransferAgent:
     def stats(self) -> AgentStats:
         with self._lock:
             return AgentStats(len(self._in), len(self._out), self.staging.num_in_use, self.staging.free_bytes,
-                              self.one_off_buffers, str(self.copier.device), self.path)
+                              self.one_off_buffers, str(self.copier.device), self.path, self.drops.snapshot())
 
     def check_integrity(self) -> None:
         """Raises ValueError if a staging slot is held with nothing in flight."""
         with self._lock:
-            in_flight = sum(1 for _, s, _ in self._receiving if s.offset >= 0) + sum(
+            in_flight = self.inbox.slots_in_flight + sum(
                 1 for _, s, _, _ in self._orphans if s.offset >= 0) + sum(
                 1 for o in self._out.values() for _, s, _ in o.pending if s.offset >= 0)
             if in_flight != self.staging.num_in_use:
@@ -343,130 +351,132 @@ class KVTransferAgent:
     def _run(self) -> None:
         try:
             self.copier.bind_thread()  # this thread posts receives into device-side slots
-        except Exception as e:  # such receives then fail (and end their transfers) instead of the pump
+        except Exception as e:  # such receives then fail (and are dropped) instead of the pump
             _log.warning("rank %d: could not make %s current on the transfer thread: %s", self.rank,
                          self.copier.device, e)
         while not self._stop.is_set():
-            busy = False
             try:
+                busy = self._turn()
                 with self._lock:
-                    busy |= self._take_data()
-                    busy |= self._take_control()
-                    busy |= self._finish_receives()
-                    busy |= self._finish_sends()
-                    self._check_deadlines()
-                    active = bool(self._receiving or self._control or
+                    active = bool(self.inbox.busy or self.replies.busy or
                                   any(not t.state.terminal for t in (*self._in.values(), *self._out.values())))
-            except Exception as e:  # never let the pump die silently: fail what is running and go on
+            except Exception as e:  # a bug here, not a peer's message: fail what is running and go on
+                _log.exception("rank %d: transfer agent error", self.rank)
                 self._fail_everything(f"transfer agent error: {type(e).__name__}: {e}")
-                active = False
+                busy = active = False
             if not busy:
                 time.sleep(0.0002 if active else self.config.idle_poll_s)
+
+    def _turn(self) -> bool:
+        """One pump turn: posts receives for what arrived, checks the finished ones outside the lock (MACs),
+        acts on the authentic ones, then finishes sends and checks leases. Returns whether anything moved."""
+        with self._lock:
+            busy = self.inbox.post(self._room)
+            finished = self.inbox.finished()
+        opened = [(received, self._open(received)) for received in finished]
+        with self._lock:
+            for received, message in opened:
+                try:
+                    if isinstance(message, DataMessage):
+                        self._on_data(message)
+                    elif isinstance(message, ControlMessage):
+                        self._on_control(message)
+                except Exception as e:  # ends the one transfer the message authenticated for
+                    _log.exception("rank %d: handling a message under tag %#x", self.rank, received.tag)
+                    self._fail(message.key, f"transfer agent error: {type(e).__name__}: {e}")
+                finally:
+                    self.inbox.release(received)
+            busy |= bool(finished) | self._finish_sends()
+            self._check_deadlines()
+        return busy
+
+    def _open(self, received: Received) -> DataMessage | ControlMessage | None:
+        """inbox.open(received), or None (logged) if checking it failed here (a device copy), not by its bytes."""
+        try:
+            return self.inbox.open(received)
+        except Exception:
+            _log.exception("rank %d: checking a message under tag %#x", self.rank, received.tag)
+            return None
 
     def _fail_everything(self, reason: str) -> None:
         with self._lock:
             for key, t in [*self._in.items(), *self._out.items()]:
                 t.end(TransferState.FAILED, reason)
 
-    def _take_data(self) -> bool:
-        """Posts a receive for every arrived DATA message while staging has room (oldest first)."""
-        taken = False
-        while (probe := self.transport.probe(make_tag(0, Kind.DATA, 0), KIND_MASK)) is not None:
-            key = probe.tag >> 16
-            inbound = self._in.get(key)
-            if inbound is not None and not inbound.state.terminal:
-                slot = self.staging.acquire(probe.length)
-                if slot is None:
-                    break  # staging full: it waits until a slot frees up
-                if inbound.state is TransferState.RESERVED:
-                    inbound.state = TransferState.TRANSFERRING
-            else:
-                slot = Slot(-1, probe.length, np.empty(probe.length, dtype=np.uint8))  # drained, then answered
-            self._receiving.append((self.transport.receive(probe, slot.wire), slot, probe.tag))
-            taken = True
-        return taken
+    def _fail(self, key: int, reason: str) -> None:
+        if (inbound := self._in.get(key)) is not None and inbound.end(TransferState.FAILED, reason):
+            self.replies.tell_senders(key, inbound)
+        if (out := self._out.get(key)) is not None and out.end(TransferState.FAILED, reason):
+            self.replies.tell_receivers(key, out)
 
-    def _finish_receives(self) -> bool:
-        done = [r for r in self._receiving if r[0].done()]
-        for item in done:
-            self._receiving.remove(item)
-            handle, slot, tag = item
-            try:
-                self._on_data(handle, slot, tag)
-            finally:
-                self.staging.release(slot)
-        return bool(done)
+    def _room(self, key: int) -> int | None:
+        """The most bytes a DATA message under key may have: what its reservation allows, None for a transfer
+        this agent neither holds nor remembers with senders to answer (the Inbox drains those)."""
+        if (inbound := self._in.get(key)) is not None:
+            return inbound.max_message
+        tombstone = self._tombstones.get(key)
+        return tombstone.max_message if tombstone is not None and tombstone.max_message else None
 
-    def _on_data(self, handle, slot: Slot, tag: int) -> None:
-        key, _, index = split_tag(tag)
+    def _on_data(self, message: DataMessage) -> None:
+        key, header, index, slot = message.key, message.header, message.index, message.slot
         inbound = self._in.get(key)
-        if (error := handle.error()) is not None:
-            if inbound is not None and inbound.end(TransferState.FAILED, f"receive failed: {error}"):
-                self._notify_senders(key, inbound)
-            return
-        if slot.device is not None:  # a device-side slot: its header and checksum are read from a host copy
-            self.copier.to_host(slot.device, slot.view)
-        try:
-            header = DataHeader.unpack(slot.view)
-        except ValueError as e:
-            if inbound is not None and inbound.end(TransferState.FAILED, f"bad message: {e}"):
-                self._notify_senders(key, inbound)
-            return
         if inbound is None or inbound.state.terminal:
-            ended = self._tombstones.get(key, (Status.UNKNOWN, 0.0))[0] if inbound is None else \
-                STATUS_FOR[inbound.state]
-            self._send_status(header.sender, key, Kind.ACK, ended if ended is not Status.OK else Status.UNKNOWN)
+            self._answer_late(key, inbound, header.src_rank)
             return
-        inbound.senders.add(header.sender)
-        payload = slot.view[HEADER_BYTES:HEADER_BYTES + header.payload_bytes]
-        problem = inbound.problem_with(header, index, len(slot.view) - HEADER_BYTES, self.layers, self.kv_heads,
+        inbound.seen.add(header.src_rank)
+        problem = inbound.problem_with(header, index, self.layers, self.kv_heads,
                                        self.format.bytes_per_block_layer_head)
-        if problem is None and checksum(payload, tag) != header.checksum:
-            problem = (Status.CHECKSUM, f"checksum mismatch in message {index} from rank {header.src_rank} "
-                                        f"(layers {header.layers.start}-{header.layers.stop - 1})")
         if problem is not None:
             inbound.end(TransferState.FAILED, problem[1])
-            self._notify_senders(key, inbound, problem[0])
+            self.replies.tell_senders(key, inbound, problem[0])
             return
-        source = payload if slot.device is None else slot.device[HEADER_BYTES:HEADER_BYTES + header.payload_bytes]
+        end = HEADER_BYTES + header.payload_bytes
+        source = slot.view[HEADER_BYTES:end] if slot.device is None else slot.device[HEADER_BYTES:end]
         self.copier.scatter_from(source, header.layers, header.kv_heads,
                                  [inbound.block_ids[b] for b in header.blocks])
+        if inbound.state is TransferState.RESERVED:
+            inbound.state = TransferState.TRANSFERRING
         inbound.arrived.add(index)
         inbound.nbytes += header.payload_bytes
         inbound.expected = header.msgs_for_dst
         if len(inbound.arrived) == inbound.expected:
             inbound.state = TransferState.DONE
-            self._notify_senders(key, inbound, Status.OK)
+            self.replies.tell_senders(key, inbound, Status.OK)
 
-    def _take_control(self) -> bool:
-        busy = False
-        for kind in (Kind.ACK, Kind.ABORT):
-            while (probe := self.transport.probe(make_tag(0, kind, 0), KIND_MASK)) is not None:
-                buffer = np.empty(max(probe.length, STATUS_BYTES), dtype=np.uint8)
-                handle = self.transport.receive(probe, buffer)
-                deadline = time.monotonic() + 5
-                while not handle.done() and time.monotonic() < deadline:
-                    time.sleep(0.0001)  # a few bytes: eager, done at once
-                if handle.done() and handle.error() is None:
-                    self._on_control(probe.tag, *unpack_status(buffer))
-                busy = True
-        return busy
+    def _answer_late(self, key: int, inbound: Inbound | None, src_rank: int) -> None:
+        """An authentic DATA message of a transfer that ended here: its source rank is told the outcome (a
+        transfer that ended DONE cannot take more data: UNKNOWN), if the reservation named its address."""
+        if inbound is not None:
+            status, senders = STATUS_FOR[inbound.state], inbound.senders
+        elif (tombstone := self._tombstones.get(key)) is not None:
+            status, senders = tombstone.status, tombstone.senders
+        else:
+            self.drops.count("unknown_transfer", f"DATA from rank {src_rank} for key {key:#x}, forgotten")
+            return
+        self.drops.count("late", f"DATA from rank {src_rank} for a transfer that ended {status.name}")
+        if src_rank < len(senders):
+            self.replies.send(senders[src_rank], key, Kind.ACK, status if status is not Status.OK else Status.UNKNOWN)
 
-    def _on_control(self, tag: int, status: Status, rank: int, _: int) -> None:
-        key, kind, _ = split_tag(tag)
-        if kind is Kind.ACK and (out := self._out.get(key)) is not None and not out.state.terminal:
+    def _on_control(self, control: ControlMessage) -> None:
+        key, kind, status, rank = control.key, control.kind, control.message.status, control.message.rank
+        out, inbound = self._out.get(key), self._in.get(key)
+        if kind is Kind.ACK and out is not None and not out.state.terminal:
             if status is Status.OK:
                 out.acked.add(rank)
             elif out.end(STATE_FOR[status], f"destination rank {rank} ended the transfer: {status.name.lower()}"):
-                self._notify_receivers(key, out)
-        elif kind is Kind.ABORT and (inbound := self._in.get(key)) is not None:
-            if inbound.end(STATE_FOR.get(status, TransferState.FAILED),
-                           f"source rank {rank} ended the transfer: {status.name.lower()}"):
-                self._notify_senders(key, inbound)
+                self.replies.tell_receivers(key, out)
+        elif kind is Kind.ABORT and inbound is not None and not inbound.state.terminal:
+            inbound.end(STATE_FOR.get(status, TransferState.FAILED),
+                        f"source rank {rank} ended the transfer: {status.name.lower()}")
+            self.replies.tell_senders(key, inbound)
+        elif (out or inbound) is not None or key in self._tombstones:
+            self.drops.count("late", f"{kind.name} {status.name} from rank {rank} for a transfer that ended")
+        else:
+            self.drops.count("unknown_transfer", f"{kind.name} from rank {rank} for key {key:#x}")
 
     def _finish_sends(self) -> bool:
         busy = False
-        self._control = [(h, b) for h, b in self._control if not h.done()]
+        self.replies.prune()
         now = time.monotonic()
         for orphan in list(self._orphans):
             handle, slot, peer, since = orphan
@@ -485,7 +495,7 @@ class KVTransferAgent:
                 self.staging.release(slot)
                 if (error := handle.error()) is not None:
                     if out.end(TransferState.FAILED, f"send failed: {error}"):
-                        self._notify_receivers(key, out)
+                        self.replies.tell_receivers(key, out)
                     self.transport.forget_peer(peer)  # the connection is broken: the next send reconnects
             out.pending = still
             if (not out.state.terminal and not out.pending and len(out.sent) == len(out.messages)
@@ -499,26 +509,10 @@ class KVTransferAgent:
             if not t.state.terminal and now > t.deadline:
                 t.end(TransferState.EXPIRED, f"the lease ran out with the transfer {t.state.value}")
                 if isinstance(t, Inbound):
-                    self._notify_senders(key, t)
+                    self.replies.tell_senders(key, t)
                 else:
-                    self._notify_receivers(key, t)
+                    self.replies.tell_receivers(key, t)
                     for peer in {peer for _, _, peer in t.pending}:
                         self.transport.forget_peer(peer)  # ends sends stuck on a silent peer
         cutoff = now - self.config.tombstone_s
-        self._tombstones = {k: v for k, v in self._tombstones.items() if v[1] >= cutoff}
-
-    def _notify_senders(self, key: int, inbound: Inbound, status: Status | None = None) -> None:
-        status = STATUS_FOR[inbound.state] if status is None else status
-        for sender in inbound.senders:
-            self._send_status(sender, key, Kind.ACK, status)
-
-    def _notify_receivers(self, key: int, out: Outbound) -> None:
-        for dst in sorted({m.dst_rank for m in out.messages}):
-            self._send_status(out.descriptor.addresses[dst], key, Kind.ABORT, STATUS_FOR[out.state])
-
-    def _send_status(self, peer: str, key: int, kind: Kind, status: Status) -> None:
-        buffer = np.frombuffer(pack_status(status, self.rank), dtype=np.uint8).copy()
-        try:
-            self._control.append((self.transport.send(peer, make_tag(key, kind, self.rank), buffer), buffer))
-        except Exception:
-            pass  # the peer learns the outcome from its own lease instead
+        self._tombstones = {k: t for k, t in self._tombstones.items() if t.ended_at >= cutoff}

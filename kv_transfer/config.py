@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import secrets
 from dataclasses import dataclass, field
+
+from tandem.kv_transfer.wire import MIN_SECRET_BYTES
 
 # Measured on the 2-core CI machine (docs/BENCHMARKS.md): 1 MiB TCP segments move about 4x more over loopback
 # than UCX's 8 KB default.
@@ -29,8 +32,14 @@ class TransferConfig:
     memory itself; beside a CPU store the slots are torch host tensors, which runs this path without a GPU).
     "auto": direct when the store is on a CUDA device and the transport reports a transport that moves
     device memory between processes (UCX: cuda_ipc, or RDMA with GPUDirect), else staged. Direct staging
-    takes staging_bytes of device memory and as much pinned host memory (the header and checksum are
-    computed on a host copy)."""
+    takes staging_bytes of device memory and as much pinned host memory (the header and MAC are computed on
+    a host copy). A receiver drops DATA messages longer than its own max_message_bytes (plus a header): both
+    sides must agree on it, as every replica of one manifest does.
+
+    secret: the key every message's MAC is made under (kv_transfer/wire.py); agents with different secrets
+    cannot talk. A cluster generates one at start and hands it to every replica through Ray (never a command
+    line, never a log line: it is left out of repr). The default is fresh random bytes per TransferConfig
+    object: agents built from one config object (or copies of it) talk to each other, and to no one else."""
 
     transport: str = "ucx"  # "ucx" | "fake" (in-process, tests)
     host: str = "127.0.0.1"
@@ -43,6 +52,7 @@ class TransferConfig:
     idle_poll_s: float = 0.002
     kv_path: str = "auto"  # "auto" | "staged" | "direct"
     ucx_env: dict[str, str] = field(default_factory=lambda: dict(DEFAULT_UCX_ENV))
+    secret: bytes = field(default_factory=lambda: secrets.token_bytes(32), repr=False)
 
     def on_host(self, host: str) -> TransferConfig:
         """This config with the address peers reach this host's agents at."""
@@ -60,6 +70,8 @@ class TransferConfig:
         if self.staging_bytes < 2 * self.max_message_bytes:
             raise ValueError(f"staging_bytes ({self.staging_bytes}) must hold at least two messages of "
                              f"max_message_bytes ({self.max_message_bytes})")
+        if not isinstance(self.secret, bytes) or len(self.secret) < MIN_SECRET_BYTES:
+            raise ValueError(f"secret must be at least {MIN_SECRET_BYTES} bytes")  # never show its value
         for name in ("lease_s", "tombstone_s", "idle_poll_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")

@@ -5,8 +5,9 @@ through ReplicaAgents (replica_agents.py); nothing here blocks on the network, a
 engine steps. One request, disaggregated:
 
   1. decode:  DecodeConnector.reserve() holds blocks for the prompt (engine.reserve_for_transfer), registers
-              them with every decode rank's agent, and returns a TransferDescriptor (agent addresses, block
-              ids, KV format, lease deadline). State RESERVED. No room: None, nothing held.
+              them with every decode rank's agent together with the prefill replica's agent addresses (the
+              only peers the agents answer), and returns a TransferDescriptor (agent addresses, block ids, KV
+              format, lease deadline). State RESERVED. No room: None, nothing held.
   2. prefill: PrefillConnector.submit(descriptor) arms every prefill rank's agent and queues the prompt with
               max_tokens=1. As each layer of the prompt's last chunk is computed, the ranks push it to the
               decode ranks the plan names (kv_transfer/plan.py), re-sharding between the two layouts.
@@ -74,6 +75,7 @@ class _Connector:
     def __init__(self, engine: LLMEngine, clock: Callable[[], float]):
         self.engine = engine
         self.agents = ReplicaAgents(engine)
+        self.addresses = self.agents.listen_addresses()  # this replica's agents, by rank
         self.clock = clock
         self.ranks = range(engine.layout.world_size)
         self._entries: dict[str, _Entry] = {}
@@ -136,17 +138,17 @@ class DecodeConnector(_Connector):
         """engine must have been built with kv_agent=AgentFactory(...)."""
         super().__init__(engine, clock)
         self.config = config
-        self.addresses = self.agents.listen_addresses()
         spec = engine.kv_cache_spec
         self.kv_format = KVFormat(spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.block_size,
                                   str(spec.dtype).removeprefix("torch."))
 
     def reserve(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *,
-                priority: int = 0, cache_salt: str | None = None,
-                lease_s: float | None = None) -> TransferDescriptor | None:
+                priority: int = 0, cache_salt: str | None = None, lease_s: float | None = None,
+                senders: Sequence[str] = ()) -> TransferDescriptor | None:
         """Holds blocks for the prompt and returns the descriptor the prefill side pushes into; None when the
-        engine has no room now (nothing held). Raises ValueError / RequestRejectedError for a request the engine
-        cannot serve."""
+        engine has no room now (nothing held). senders: the prefill replica's agent addresses by rank (its
+        PrefillConnector.addresses), the only peers told how the transfer went (empty: nobody; they learn it
+        from their leases). Raises ValueError / RequestRejectedError for a request the engine cannot serve."""
         blocks = self.engine.reserve_for_transfer(request_id, prompt_token_ids, params, priority=priority,
                                                   cache_salt=cache_salt)
         if blocks is None:
@@ -154,7 +156,7 @@ class DecodeConnector(_Connector):
         transfer_id = self._new_transfer_id(request_id)
         deadline = self.clock() + (lease_s if lease_s is not None else self.config.lease_s)
         try:
-            self.agents.expect(transfer_id, blocks, deadline)
+            self.agents.expect(transfer_id, blocks, deadline, senders)
         except BaseException:
             self.agents.release(transfer_id)
             self.engine.abort_request(request_id)

@@ -18,7 +18,8 @@ class TransferState(enum.Enum):
 
     RESERVED: decode side: blocks held, nothing arrived; prefill side: armed, nothing sent. TRANSFERRING: bytes
     moving. DONE: every message arrived and verified (decode) / was acknowledged as such (prefill). FAILED: a
-    connection error, a dead peer or a checksum mismatch. EXPIRED: the lease deadline passed first. ABORTED:
+    connection error, a dead peer, or an authentic message that does not fit the reservation (a message that
+    fails its MAC is dropped and changes nothing). EXPIRED: the lease deadline passed first. ABORTED:
     either side gave up (cancelled request). The last four are terminal: on the decode side the reserved
     blocks are free again by then, and nothing writes into them any more."""
 

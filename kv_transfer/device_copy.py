@@ -10,20 +10,24 @@ Beside a CUDA store the copier owns two streams, one per side:
   - send stream (the caller's thread: the runner's layer hook or the driver): gather_into queues index_select
     after the work already queued on the caller's current stream (the layers just computed), then a
     non_blocking copy into the pinned host slot, and records an event. The returned PendingCopy's wait() blocks
-    on that event, so the agent can start message i+1's copy before it checksums and sends message i.
+    on that event, so the agent can start message i+1's copy before it seals and sends message i.
   - receive stream (the agent's pump thread): scatter_from copies a host payload to the device (non_blocking,
     from pinned memory) and index_copy_s it into the blocks; it returns only once the stream is synchronised,
     so a block is never reported complete before its bytes are in place.
 Host staging memory comes from host_buffer (pinned beside a CUDA store: asynchronous copies need page-locked
 memory); device-side staging slots, for transports that send device memory themselves, from device_buffer.
+Which of the two an agent's messages travel through (its path) is chosen once, by choose_path.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Sequence
 
 import numpy as np
 import torch
+
+_log = logging.getLogger(__name__)
 
 
 class PendingCopy:
@@ -57,6 +61,20 @@ class KVCopier:
         self._send_stream = torch.cuda.Stream(self.device) if self.on_cuda else None
         self._receive_stream = torch.cuda.Stream(self.device) if self.on_cuda else None
 
+    def choose_path(self, wanted: str, device_transports: tuple[str, ...], rank: int) -> str:
+        """"staged" or "direct" for TransferConfig.kv_path `wanted`, given the transport's device_transports;
+        logged once (as rank's). Raises ValueError for "direct" beside a CUDA store when the transport cannot
+        move device memory."""
+        carriers = device_transports if self.on_cuda else ()
+        if wanted == "direct" and self.on_cuda and not carriers:
+            raise ValueError(f"kv_path='direct' needs a transport that moves CUDA memory between processes; "
+                             f"this one reports none (UCX: no cuda_ipc, no RDMA with GPUDirect here). "
+                             f"Use kv_path='staged' or 'auto'")
+        path = "direct" if wanted == "direct" or (wanted == "auto" and carriers) else "staged"
+        _log.info("rank %d: KV store on %s, %s transfers (device transports: %s)", rank, self.device, path,
+                  ", ".join(carriers) or "none")
+        return path
+
     # -- buffers -------------------------------------------------------------------------------------------
 
     def host_buffer(self, nbytes: int) -> np.ndarray:
@@ -76,7 +94,7 @@ class KVCopier:
         """Starts copying the K/V of block_ids (in payload order; repeats allowed) for the global layers x
         kv_heads into payload (host bytes of exactly that slice). With device_payload (bytes on the store's
         device: a device-side staging slot) the slice is gathered there and payload gets a copy of it, for the
-        checksum. Call wait() on the result before reading payload or handing device_payload on. Raises
+        MAC. Call wait() on the result before reading payload or handing device_payload on. Raises
         ValueError for a slice this store does not hold, a payload of another size, or a block id out of range."""
         host = torch.from_numpy(payload)
         source = self._region(layers, kv_heads)
@@ -128,7 +146,7 @@ class KVCopier:
 
     def to_host(self, source: torch.Tensor, host: np.ndarray) -> None:
         """Copies device bytes into host bytes of the same length (a received device-side slot, to read its
-        header and checksum it); returns when done. Receiving side (the pump's thread, its stream)."""
+        header and check its MAC); returns when done. Receiving side (the pump's thread, its stream)."""
         self._copy(torch.from_numpy(host), source, self._receive_stream)
 
     def to_device(self, host: np.ndarray, target: torch.Tensor) -> None:

@@ -1,5 +1,6 @@
 """One transfer as one rank's agent tracks it: an Inbound (receiving into reserved blocks) or an Outbound
-(sending from a KV store), and the mapping between transfer states and the status codes on the wire."""
+(sending from a KV store), the Tombstone it leaves once forgotten, and the mapping between transfer states and
+the status codes on the wire."""
 
 from __future__ import annotations
 
@@ -11,9 +12,8 @@ from tandem.kv_transfer.staging import Slot
 from tandem.kv_transfer.wire import DataHeader, Status
 
 # A peer's status code -> the state it puts this side in; this side's ended state -> the code it reports.
-STATE_FOR = {Status.CHECKSUM: TransferState.FAILED, Status.ABORTED: TransferState.ABORTED,
-             Status.EXPIRED: TransferState.EXPIRED, Status.UNKNOWN: TransferState.FAILED,
-             Status.BAD_MESSAGE: TransferState.FAILED}
+STATE_FOR = {Status.ABORTED: TransferState.ABORTED, Status.EXPIRED: TransferState.EXPIRED,
+             Status.UNKNOWN: TransferState.FAILED, Status.BAD_MESSAGE: TransferState.FAILED}
 STATUS_FOR = {TransferState.FAILED: Status.BAD_MESSAGE, TransferState.ABORTED: Status.ABORTED,
               TransferState.EXPIRED: Status.EXPIRED, TransferState.DONE: Status.OK}
 
@@ -36,20 +36,29 @@ class RankTransfer:
 
 @dataclass
 class Inbound(RankTransfer):
+    """senders: the sending replica's agent addresses by source rank, as the reservation named them: the only
+    peers this side answers (empty: nobody; the senders then learn the outcome from their leases). seen: the
+    source ranks an authentic message came from. max_message: the most bytes (header included) a DATA message
+    of this reservation may have."""
+
     block_ids: tuple[int, ...] = ()
+    senders: tuple[str, ...] = ()
+    max_message: int = 0
     expected: int | None = None  # DATA messages this rank receives, learnt from the first header
     arrived: set[int] = field(default_factory=set)
-    senders: set[str] = field(default_factory=set)
+    seen: set[int] = field(default_factory=set)
 
-    def problem_with(self, header: DataHeader, index: int, room: int, layers: range, kv_heads: range,
+    def problem_with(self, header: DataHeader, index: int, layers: range, kv_heads: range,
                      bytes_per_block_layer_head: int) -> tuple[Status, str] | None:
-        """(status, reason) for a DATA header that does not fit this reservation and the receiving rank's
-        layers and KV heads (room: payload bytes that arrived), else None."""
+        """(status, reason) for an authentic DATA header (its payload_bytes arrived) that does not fit this
+        reservation and the receiving rank's layers and KV heads, else None."""
         expected = len(header.layers) * len(header.kv_heads) * len(header.blocks) * bytes_per_block_layer_head
         reason = None
         if header.index != index:
             reason = f"header index {header.index} under tag index {index}"
-        elif header.payload_bytes != expected or header.payload_bytes > room:
+        elif not (header.layers and header.kv_heads and header.blocks):
+            reason = f"message {index} names an empty slice"
+        elif header.payload_bytes != expected:
             reason = f"message {index} carries {header.payload_bytes} bytes for a slice of {expected}"
         elif not (header.layers.start in layers and header.layers.stop - 1 in layers and
                   header.kv_heads.start in kv_heads and header.kv_heads.stop - 1 in kv_heads):
@@ -61,6 +70,17 @@ class Inbound(RankTransfer):
         elif index in self.arrived or self.expected not in (None, header.msgs_for_dst):
             reason = f"message {index} arrived twice or disagrees on the message count"
         return None if reason is None else (Status.BAD_MESSAGE, reason)
+
+
+@dataclass(frozen=True)
+class Tombstone:
+    """What an agent remembers of a transfer it forgot, for tombstone_s: its outcome, and (receiving side) whom
+    to tell it and how long its messages may be, to answer late messages."""
+
+    status: Status
+    ended_at: float  # the agent's clock
+    senders: tuple[str, ...] = ()
+    max_message: int = 0
 
 
 @dataclass

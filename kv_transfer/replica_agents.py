@@ -36,9 +36,12 @@ class ReplicaAgents:
         found = self._on_every_rank(KVTransferAgent.listen_address)
         return tuple(found[rank] for rank in self.ranks)
 
-    def expect(self, transfer_id: str, block_ids: Sequence[int], deadline: float) -> None:
-        """Decode side: every rank accepts data for transfer_id into block_ids until deadline (time.time())."""
-        self._on_every_rank(KVTransferAgent.expect, transfer_id, tuple(block_ids), deadline)
+    def expect(self, transfer_id: str, block_ids: Sequence[int], deadline: float,
+               senders: Sequence[str] = ()) -> None:
+        """Decode side: every rank accepts data for transfer_id into block_ids until deadline (time.time()),
+        and tells the sending replica's ranks at senders (their agent addresses by rank; empty: nobody) how
+        it went."""
+        self._on_every_rank(KVTransferAgent.expect, transfer_id, tuple(block_ids), deadline, tuple(senders))
 
     def arm(self, descriptor: TransferDescriptor, seq_id: str) -> None:
         """Prefill side: every rank pushes seq_id's KV into descriptor as its layers are computed."""

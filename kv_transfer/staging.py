@@ -3,7 +3,7 @@
 Allocated (and, by UCX, registered) once and reused, instead of a fresh buffer per message. Plain Python
 bookkeeping over offsets; the bytes are one host array (numpy; pinned memory beside a CUDA KV store) and, for
 transports that send device memory themselves, a device buffer of the same size carved at the same offsets
-(the host bytes then mirror a message for its header and checksum). The allocators come from the caller.
+(the host bytes then mirror a message for its header and MAC). The allocators come from the caller.
 """
 
 from __future__ import annotations

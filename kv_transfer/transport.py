@@ -10,7 +10,10 @@ Rules every transport keeps:
     failed (error). A peer that refuses, drops or dies fails the handles of its sends, never hangs them.
   - a failed connection is forgotten: the next send to that peer connects anew.
   - probe() looks at the oldest arrived message whose tag matches (tag & mask) without taking it; receive()
-    takes exactly that message into a buffer of at least its length.
+    takes exactly that message into a buffer of at least its length. Into a shorter buffer, receive() still
+    takes the message off the wire, writes nothing past the buffer (nor anything a caller may rely on), and
+    fails the handle (truncated); the sender's send is unaffected. That is how an agent drains a message it
+    will not make room for.
   - buffers are uint8 and contiguous: host memory (a numpy array, or anything numpy views without a copy,
     such as a torch CPU tensor), or, only where device_transports is not empty, CUDA device memory (an object
     with __cuda_array_interface__, such as a torch CUDA tensor), whose producer has finished writing it.
@@ -75,7 +78,8 @@ class Transport(Protocol):
         """The oldest arrived message with (message tag & mask) == (tag & mask), or None."""
 
     def receive(self, probe: Probe, buffer: np.ndarray) -> Handle:
-        """Receives the probed message into buffer[:probe.length]."""
+        """Receives the probed message into buffer[:probe.length] (a shorter buffer: drained, the handle
+        fails)."""
 
     def forget_peer(self, peer: str) -> None:
         """Closes the connection to peer (failing its sends still running); the next send reconnects."""

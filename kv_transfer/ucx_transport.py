@@ -109,7 +109,7 @@ def cuda_transports(context_info: str | None = None, *, gpudirect: bool | None =
 def between_processes(transports: tuple[str, ...]) -> tuple[str, ...]:
     """Those of cuda_transports() that move device memory from one process to another without a host bounce:
     cuda_copy and gdr_copy alone only copy within a process (UCX would stage device buffers through host
-    memory, as the agent's own staged path does, with its checksum overlapped)."""
+    memory, as the agent's own staged path does, with its MAC overlapped)."""
     return tuple(t for t in transports if t not in ("cuda_copy", "gdr_copy"))
 
 

@@ -19,6 +19,7 @@ from tandem.engine.output_processor import RequestOutput
 from tandem.engine.sampled_token import SampledToken
 from tandem.engine.sampling_params import SamplingParams
 from tandem.kv_transfer.descriptor import TransferDescriptor
+from tandem.kv_transfer.drops import MessageDrops
 
 POOLS = ("prefill", "decode")
 
@@ -30,9 +31,11 @@ class RequestAbortedError(RuntimeError):
 @dataclass(frozen=True)
 class ReplicaInfo:
     """Static facts about a started replica, for the router and the control plane. node: the address other
-    nodes reach it at; node_id: Ray's node id (None outside Ray); layout: one line per rank; kv_addresses: a
-    decode replica's KV agent addresses, one per rank (empty elsewhere); device: what the ranks compute on
-    (engine/device.py DeviceChoice.describe()); ranks: where each rank runs, as it reports itself."""
+    nodes reach it at; node_id: Ray's node id (None outside Ray); layout: one line per rank; kv_addresses: the
+    replica's KV transfer agent addresses, one per rank (empty for a colocated replica): where a prefill
+    replica's descriptor pushes to, and the only peers a decode replica answers about a transfer (the router
+    names the prefill replica's to reserve()); device: what the ranks compute on (engine/device.py
+    DeviceChoice.describe()); ranks: where each rank runs, as it reports itself."""
 
     name: str
     pool: str
@@ -52,7 +55,9 @@ class ReplicaInfo:
 @dataclass(frozen=True)
 class ReplicaStats:
     """A replica's counters, read between engine steps. state: "ready", or "failed" once its engine died (the
-    counters are then its last ones). Requests and blocks are counts; kv_usage and prefix_hit_rate fractions."""
+    counters are then its last ones). Requests and blocks are counts; kv_usage and prefix_hit_rate fractions.
+    kv_messages_dropped: KV transfer messages its ranks' agents dropped, by reason, summed over ranks (forged,
+    malformed, oversized, for unknown transfers, late; kv_transfer/drops.py)."""
 
     name: str
     pool: str
@@ -67,6 +72,7 @@ class ReplicaStats:
     prefix_hit_rate: float
     num_preemptions: int
     num_steps: int
+    kv_messages_dropped: MessageDrops = MessageDrops()
 
 
 @dataclass(frozen=True)
@@ -123,10 +129,13 @@ class PrefillReplicaAPI(ReplicaAPI, Protocol):
 
 class DecodeReplicaAPI(ReplicaAPI, Protocol):
     async def reserve(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *,
-                      priority: int = 0, cache_salt: str | None = None) -> TransferDescriptor | None:
+                      priority: int = 0, cache_salt: str | None = None,
+                      senders: tuple[str, ...] = ()) -> TransferDescriptor | None:
         """Holds KV blocks for the prompt and returns where the prefill replica pushes it; None when there is
-        no room now (nothing held: try another replica or later). Raises ValueError for a request it cannot
-        serve or on a colocated replica (it takes no transfers)."""
+        no room now (nothing held: try another replica or later). senders: the prefill replica's kv_addresses
+        (ReplicaInfo), the only peers this replica's agents tell how the transfer went (empty: nobody; the
+        prefill replica then learns it from its lease). Raises ValueError for a request it cannot serve or on a
+        colocated replica (it takes no transfers)."""
 
     def decode(self, request_id: str, first_token: SampledToken) -> AsyncIterator[list[RequestOutput]]:
         """Waits for the reserved request's KV, continues it from first_token and streams its outputs (the

@@ -64,9 +64,10 @@ class RemoteDecodeReplica(RemoteReplica):
     """DecodeReplicaAPI over a DecodeReplica actor."""
 
     async def reserve(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *,
-                      priority: int = 0, cache_salt: str | None = None) -> TransferDescriptor | None:
+                      priority: int = 0, cache_salt: str | None = None,
+                      senders: tuple[str, ...] = ()) -> TransferDescriptor | None:
         return await self.actor.reserve.remote(request_id, prompt_token_ids, params, priority=priority,
-                                               cache_salt=cache_salt)
+                                               cache_salt=cache_salt, senders=senders)
 
     def decode(self, request_id: str, first_token: SampledToken) -> AsyncIterator[list[RequestOutput]]:
         return _stream(self.actor.decode.options(num_returns="streaming").remote(request_id, first_token))

@@ -1,9 +1,10 @@
 """What every serving replica (prefill or decode worker) is around its engine: it builds the engine from its
 ReplicaSpec with a KV transfer agent on every rank, plugs its role's connector into the engine thread, runs the
 engine behind an AsyncEngine, and answers the calls every replica answers (contract.py's ReplicaAPI: ready,
-stats, kv_events, abort, check_integrity, shutdown). It remembers recently aborted request ids, so that a call
-arriving after its abort (calls and aborts may race across processes) is refused instead of holding blocks
-nobody frees. The role's own calls live in prefill_worker/replica.py and decode_worker/replica.py.
+stats, kv_events, abort, check_integrity, shutdown); ready() reports its KV agents' addresses, and stats() the
+messages they dropped. It remembers recently aborted request ids, so that a call arriving after its abort
+(calls and aborts may race across processes) is refused instead of holding blocks nobody frees. The role's own
+calls live in prefill_worker/replica.py and decode_worker/replica.py.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from tandem.kv_transfer.agent_factory import AgentFactory
 from tandem.kv_transfer.config import TransferConfig
 from tandem.kv_transfer.connector import DecodeConnector, PrefillConnector, TransferEvent
 from tandem.kv_transfer.connector_loop import ConnectorLoop
+from tandem.kv_transfer.drops import MessageDrops
 from tandem.replica.contract import KVEventsReply, ReplicaInfo, ReplicaStats, RequestAbortedError
 from tandem.replica.spec import ReplicaSpec
 
@@ -73,6 +75,7 @@ class ReplicaShell:
         self.server = AsyncEngine(self.engine, tick=self.transfers.tick if self.transfers else None)
         self.server.start()
         self._aborted: dict[str, float] = {}
+        self._kv_drops = MessageDrops()  # the agents' drop counts as last read (what a failed engine reports)
 
     def _transfer_failed(self, event: TransferEvent) -> None:
         """Engine thread: a transfer ended badly (the connector already freed its blocks). Default: nothing."""
@@ -85,19 +88,30 @@ class ReplicaShell:
                            layout=tuple(engine.layout.describe()), world_size=engine.layout.world_size,
                            max_model_len=engine.max_model_len, block_size=engine.config.block_size,
                            kv_blocks_total=engine.kv_cache_spec.num_blocks,
+                           kv_addresses=self.connector.addresses if self.connector else (),
                            device=f"{engine.loaded.device.type} {str(engine.loaded.dtype).removeprefix('torch.')}",
                            ranks=engine.rank_placements)
 
     async def stats(self) -> ReplicaStats:
-        """Counters read on the engine thread between steps (exact, at the cost of waiting for a running step);
-        a failed engine reports its last counters with state "failed"."""
-        s = await self.server.call(lambda engine: engine.stats()) if self.server.alive else self.server.stats()
+        """Counters read on the engine thread between steps (exact, at the cost of waiting for a running step),
+        with every rank's KV agent's dropped messages summed; a failed engine reports its last counters with
+        state "failed"."""
+        if self.server.alive:
+            s, self._kv_drops = await self.server.call(lambda engine: (engine.stats(), self._read_kv_drops()))
+        else:
+            s = self.server.stats()
         return ReplicaStats(name=self.name, pool=self.pool, state="ready" if self.server.alive else "failed",
                             running=s.num_running, waiting=s.num_waiting, waiting_for_kv=s.num_waiting_for_kv,
                             kv_blocks_total=s.num_blocks_total, kv_blocks_in_use=s.num_blocks_in_use,
                             kv_blocks_cached=s.num_blocks_cached, kv_usage=s.kv_usage,
                             prefix_hit_rate=s.prefix_hit_rate, num_preemptions=s.num_preemptions,
-                            num_steps=s.num_steps)
+                            num_steps=s.num_steps, kv_messages_dropped=self._kv_drops)
+
+    def _read_kv_drops(self) -> MessageDrops:
+        """Engine thread: the ranks' agents' drop counts, summed (none without agents)."""
+        if self.connector is None:
+            return MessageDrops()
+        return sum((stats.drops for stats in self.connector.agents.stats().values()), MessageDrops())
 
     async def kv_events(self, epoch: str | None, since: int) -> KVEventsReply:
         """The KV events from `since` on in the log of `epoch`, or a snapshot of the prefix cache (taken on the

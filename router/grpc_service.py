@@ -9,6 +9,8 @@ import logging
 import time
 
 import grpc
+from google.protobuf import message_factory
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -111,6 +113,46 @@ class TandemServicer(pb_grpc.TandemServicer):
                                                       mode=self.serving.mode)])
 
 
+def _decoding_handlers(servicer: TandemServicer) -> grpc.GenericRpcHandler:
+    """tandem.v1.Tandem's methods, each taking the request's raw bytes and decoding them itself: bytes that are
+    not a valid message (corrupt wire format, bad UTF-8 in a string) end with INVALID_ARGUMENT and a message,
+    where gRPC's own decoding would end the call UNKNOWN before any of our code ran."""
+    service = pb.DESCRIPTOR.services_by_name["Tandem"]
+    handlers = {}
+    for method in service.methods:
+        message = message_factory.GetMessageClass(method.input_type)
+        serialize = message_factory.GetMessageClass(method.output_type).SerializeToString
+        call = getattr(servicer, method.name)
+        if method.server_streaming:
+            handlers[method.name] = grpc.unary_stream_rpc_method_handler(
+                _streaming(call, message), response_serializer=serialize)
+        else:
+            handlers[method.name] = grpc.unary_unary_rpc_method_handler(
+                _unary(call, message), response_serializer=serialize)
+    return grpc.method_handlers_generic_handler(service.full_name, handlers)
+
+
+async def _decode(raw: bytes, message, context: grpc.aio.ServicerContext):
+    try:
+        return message.FromString(raw)
+    except DecodeError as e:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                            f"the request is not a valid {message.DESCRIPTOR.full_name}: {e}")
+
+
+def _streaming(call, message):
+    async def handle(raw: bytes, context: grpc.aio.ServicerContext):
+        async for response in call(await _decode(raw, message, context), context):
+            yield response
+    return handle
+
+
+def _unary(call, message):
+    async def handle(raw: bytes, context: grpc.aio.ServicerContext):
+        return await call(await _decode(raw, message, context), context)
+    return handle
+
+
 async def start_grpc_server(servicer: TandemServicer, address: str, *, max_message_bytes: int = 4 << 20,
                             tls: TLSConfig | None = None) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
     """Starts the server on address (HOST:PORT; port 0 picks a free one). Returns it, its port and its health
@@ -120,7 +162,7 @@ async def start_grpc_server(servicer: TandemServicer, address: str, *, max_messa
     unusable TLS file."""
     credentials = None if tls is None else grpc_server_credentials(tls)
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", max_message_bytes)])
-    pb_grpc.add_TandemServicer_to_server(servicer, server)
+    server.add_generic_rpc_handlers((_decoding_handlers(servicer),))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(

@@ -18,6 +18,7 @@ cancels its request on every replica.
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import secrets
 import socket
@@ -29,6 +30,8 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from pydantic.json_schema import models_json_schema
 
 from tandem.proto.v1 import tandem_pb2 as pb
 from tandem.router.auth import Unauthenticated
@@ -37,7 +40,7 @@ from tandem.router.openai_bodies import ChatCompletionRequest, CompletionRequest
 from tandem.router.openai_errors import OpenAIError, http_status_for
 from tandem.router.openai_requests import chat_request, completion_requests
 from tandem.router.openai_responses import ResponseBuilder, models_body
-from tandem.router.request_parsing import InvalidRequest, ParsedRequest
+from tandem.router.request_parsing import CHAT_ROLES, InvalidRequest, ParsedRequest
 from tandem.router.serving import RequestCancelled, Serving, Step, error_code
 from tandem.router.tenant_gate import Admission, TooManyRequests
 from tandem.router.tls import TLSConfig, uvicorn_ssl_options
@@ -122,6 +125,12 @@ async def _error_reply(request: Request, error: OpenAIError) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status, headers=headers)
 
 
+async def _http_error_reply(request: Request, error: StarletteHTTPException) -> JSONResponse:
+    """Starlette's own refusals (an unknown path, a wrong method) as OpenAI error bodies too."""
+    return await _error_reply(request, OpenAIError(error.status_code, str(error.detail), code=None,
+                                                   headers=dict(error.headers or {}) or None))
+
+
 async def _events(builder: ResponseBuilder, merged: _Merged, first: tuple[int, Step] | None,
                   n: int) -> AsyncIterator[str]:
     """A streamed reply's server-sent events, from the first step (awaited already) to "[DONE]"."""
@@ -190,7 +199,11 @@ class OpenAIRoutes:
         (413 for a body over the limit, else 400)."""
         limits = self.serving.limits.limits
         try:
-            raw = await read_body(request, limits.max_body_bytes)
+            try:
+                raw = await asyncio.wait_for(read_body(request, limits.max_body_bytes), limits.body_timeout_s)
+            except asyncio.TimeoutError:  # a client that stalls mid-body holds nothing longer than this
+                raise OpenAIError(408, f"the request body did not arrive within {limits.body_timeout_s:g} s "
+                                       f"(router.limits.body_timeout_s)", code="request_timeout") from None
             return await self.serving.off_loop(parse_limited, cls, raw, limits)
         except OpenAIError:
             self.serving.refused("http", "INVALID_ARGUMENT")
@@ -251,16 +264,63 @@ class OpenAIRoutes:
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
+_TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 2**31 - 1}}
+_STOP = {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}, {"type": "null"}]}
+# The fields openai_bodies.py validates by hand (a validator, not a type), which pydantic cannot describe.
+_HAND_VALIDATED = {
+    ("ChatMessage", "role"): {"enum": sorted(CHAT_ROLES)},
+    ("ChatMessage", "content"): {"anyOf": [
+        {"type": "string"}, {"type": "null"},
+        {"type": "array", "items": {"type": "object", "required": ["type", "text"],
+                                    "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}}]},
+    ("ChatCompletionRequest", "stop"): _STOP,
+    ("CompletionRequest", "stop"): _STOP,
+    ("CompletionRequest", "prompt"): {"anyOf": [
+        {"type": "string"}, {"type": "array", "minItems": 1, "items": {"type": "string"}},
+        _TOKEN_IDS | {"minItems": 1}, {"type": "array", "minItems": 1, "items": _TOKEN_IDS}]},
+}
+
+
+def _body_schemas() -> dict[str, dict]:
+    """The JSON schemas of the two request bodies and the models they hold, by name, as OpenAPI components."""
+    _, top = models_json_schema([(ChatCompletionRequest, "validation"), (CompletionRequest, "validation")],
+                                ref_template="#/components/schemas/{model}")
+    schemas = top["$defs"]
+    for (model, field), schema in _HAND_VALIDATED.items():
+        schemas[model]["properties"][field] |= copy.deepcopy(schema)
+    return schemas
+
+
 def build_app(serving: Serving) -> FastAPI:
-    """The FastAPI app of the OpenAI-compatible API over serving."""
-    app = FastAPI(title="tandem", docs_url=None, redoc_url=None, openapi_url=None)
+    """The FastAPI app of the OpenAI-compatible API over serving. Its OpenAPI document (app.openapi(), served
+    at GET /openapi.json without a key) describes the request bodies the routes accept (openai_bodies.py; the
+    handlers read raw bodies, so FastAPI could not derive them) and, with API keys on, the bearer key the
+    /v1 routes need."""
+    app = FastAPI(title="tandem", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     routes = OpenAIRoutes(serving)
     app.exception_handler(OpenAIError)(_error_reply)
+    app.exception_handler(StarletteHTTPException)(_http_error_reply)
     app.get("/health")(routes.health)
     app.get("/metrics")(routes.metrics)
-    app.get("/v1/models")(routes.models)
-    app.post("/v1/chat/completions")(routes.chat_completions)
-    app.post("/v1/completions")(routes.completions)
+    secured = {"security": [{"bearer": []}]} if serving.auth.enabled else {}
+    app.get("/v1/models", openapi_extra=secured or None)(routes.models)
+    for path, handler, body in (("/v1/chat/completions", routes.chat_completions, ChatCompletionRequest),
+                                ("/v1/completions", routes.completions, CompletionRequest)):
+        request_body = {"required": True, "content": {"application/json": {
+            "schema": {"$ref": f"#/components/schemas/{body.__name__}"}}}}
+        app.post(path, openapi_extra={"requestBody": request_body} | secured)(handler)
+    generate = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            components = generate().setdefault("components", {})
+            components.setdefault("schemas", {}).update(_body_schemas())
+            if secured:
+                components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer",
+                                                            "description": "an API key of the manifest's auth"}}
+        return app.openapi_schema
+
+    app.openapi = openapi
     return app
 
 

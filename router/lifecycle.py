@@ -232,7 +232,8 @@ class RequestDriver:
                     replica = self._decode(load)
                     descriptor = await self._call(replica, replica.api.reserve(
                         request.request_id, request.prompt_token_ids, request.params, priority=request.priority,
-                        cache_salt=request.cache_salt))
+                        cache_salt=request.cache_salt,  # senders: the planned prefill replica's KV agents
+                        senders=info.kv_addresses if (info := self._prefill(plan.prefill).info) else ()))
                     if descriptor is not None:
                         replica.load.refusals = 0
                         self._use(replica, request.request_id, touched)

@@ -1,20 +1,32 @@
 """The router's Prometheus metrics (GET /metrics on the HTTP port): request latencies as histograms, token and
 request counters, and, read from the driver at scrape time, queue depth, routing decisions with their reasons,
-the KV feed, and every replica's load as the router sees it. One registry per router (tests run several)."""
+the KV feed, and every replica's load as the router sees it. One registry per router (tests run several).
+
+The KV transfer messages each replica's agents dropped (tandem_kv_messages_dropped, by replica and reason: a
+peer sending forged, malformed or oversized messages shows here) come from the replicas' stats(): a scrape
+starts asking every replica and shows what the previous one brought, so /metrics never waits on a replica and
+those counts are at most one scrape old."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from tandem.kv_transfer.drops import MessageDrops
+from tandem.replica.contract import ReplicaStats
 from tandem.router.accounting import Accounting, Timings
 from tandem.router.lifecycle import RequestDriver
+
+_log = logging.getLogger(__name__)
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.5, 5.0, 10.0, 20.0,
                    40.0, 80.0)
 DECISION_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2)
+STATS_TIMEOUT_S = 5.0  # how long a scrape's refresh waits for one replica's stats()
 
 
 class RouterMetrics:
@@ -40,7 +52,8 @@ class RouterMetrics:
         self.completion_tokens = Counter("tandem_completion_tokens", "Generated tokens", registry=r)
         self.auth_failures = Counter("tandem_auth_failures", "Calls refused for a missing or wrong API key",
                                      ["api"], registry=r)
-        r.register(_DriverCollector(driver, active))
+        self.kv_drops = ReplicaDrops(driver)
+        r.register(_DriverCollector(driver, active, self.kv_drops))
         driver.routing.observe = self.decision.observe
 
     def observe_gaps(self, gaps: list[float]) -> None:
@@ -65,14 +78,63 @@ class RouterMetrics:
         return generate_latest(self.registry)
 
 
+class ReplicaDrops:
+    """The KV transfer messages each replica's agents dropped, by reason, as its stats() last said: (pool,
+    replica name) -> MessageDrops. A replica that does not answer keeps its last counts; one no longer routed
+    to is left out."""
+
+    def __init__(self, driver: RequestDriver, timeout_s: float = STATS_TIMEOUT_S):
+        self.driver, self.timeout_s = driver, timeout_s
+        self.counts: dict[tuple[str, str], MessageDrops] = {}
+        self._refreshing: asyncio.Task | None = None
+
+    async def refresh(self) -> None:
+        """Asks every replica routed to for its stats (each for at most timeout_s), concurrently."""
+        replicas = self.driver.replicas()
+        answers = await asyncio.gather(*(asyncio.wait_for(r.api.stats(), self.timeout_s) for r in replicas),
+                                       return_exceptions=True)
+        counts = {}
+        for replica, answer in zip(replicas, answers):
+            key = (replica.pool, replica.name)
+            if isinstance(answer, ReplicaStats):
+                counts[key] = answer.kv_messages_dropped
+            else:
+                _log.debug("stats of %s for /metrics failed: %r", replica.name, answer)
+                if key in self.counts:
+                    counts[key] = self.counts[key]
+        self.counts = counts
+
+    def start_refresh(self) -> None:
+        """Starts refresh() on the running event loop unless one is still running (no running loop: nothing)."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        if self._refreshing is None or self._refreshing.done():
+            self._refreshing = loop.create_task(self.refresh())
+
+    @property
+    def refreshing(self) -> asyncio.Task | None:
+        """The refresh a scrape started last (done or not; None before the first)."""
+        return self._refreshing
+
+
 class _DriverCollector:
     """Reads the driver's live state at scrape time."""
 
-    def __init__(self, driver: RequestDriver, active: Callable[[], int]):
-        self.driver, self.active = driver, active
+    def __init__(self, driver: RequestDriver, active: Callable[[], int], kv_drops: ReplicaDrops):
+        self.driver, self.active, self.kv_drops = driver, active, kv_drops
 
     def collect(self):
         d = self.driver
+        self.kv_drops.start_refresh()
+        dropped = CounterMetricFamily("tandem_kv_messages_dropped", "KV transfer messages a replica's agents "
+                                      "dropped, by reason (forged, malformed, oversized, unknown_transfer, late); "
+                                      "as of the previous scrape", labels=["pool", "replica", "reason"])
+        for (pool, name), drops in sorted(self.kv_drops.counts.items()):
+            for reason, count in drops.by_reason():
+                dropped.add_metric([pool, name, reason], count)
+        yield dropped
         yield _gauge("tandem_active_requests", "Requests being served", self.active())
         yield _gauge("tandem_queued_requests", "Requests waiting for a decode replica with room", d.num_queued)
         replicas = GaugeMetricFamily("tandem_replicas", "Replicas routed to, by pool", labels=["pool"])

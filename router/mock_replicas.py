@@ -23,6 +23,7 @@ from tandem.engine.prefix_cache import block_hashes
 from tandem.engine.sampled_token import SampledToken
 from tandem.engine.sampling_params import SamplingParams
 from tandem.kv_transfer.descriptor import KVFormat, TransferDescriptor, TransferFailedError, TransferState
+from tandem.kv_transfer.drops import MessageDrops
 from tandem.replica.contract import KVEventsReply, PrefillResult, ReplicaInfo, ReplicaStats
 
 BLOCK_SIZE = 16
@@ -104,11 +105,13 @@ class _MockReplica:
         self.cache = MockKVCache(blocks, BLOCK_SIZE, lose_events=lose_events)
         self.aborted: list[str] = []
         self.running = 0
+        self.kv_messages_dropped = MessageDrops()  # what stats() reports its KV agents dropped (settable)
 
     async def ready(self) -> ReplicaInfo:
         return ReplicaInfo(name=self.name, pool=self.pool, pid=os.getpid(), node="127.0.0.1", node_id=None,
                            layout=tuple(_LAYOUT.describe()), world_size=1, max_model_len=8192,
-                           block_size=BLOCK_SIZE, kv_blocks_total=self.cache.capacity)
+                           block_size=BLOCK_SIZE, kv_blocks_total=self.cache.capacity,
+                           kv_addresses=(f"mock://{self.name}",))
 
     def _blocks_in_use(self) -> int:
         return 0
@@ -118,7 +121,8 @@ class _MockReplica:
         return ReplicaStats(name=self.name, pool=self.pool, state="ready", running=self.running, waiting=0,
                             waiting_for_kv=0, kv_blocks_total=self.cache.capacity, kv_blocks_in_use=in_use,
                             kv_blocks_cached=len(self.cache.blocks), kv_usage=in_use / self.cache.capacity,
-                            prefix_hit_rate=0.0, num_preemptions=0, num_steps=0)
+                            prefix_hit_rate=0.0, num_preemptions=0, num_steps=0,
+                            kv_messages_dropped=self.kv_messages_dropped)
 
     async def kv_events(self, epoch: str | None, since: int) -> KVEventsReply:
         return self.cache.kv_events(epoch, since, self.cache.capacity - self._blocks_in_use())
@@ -148,18 +152,21 @@ class MockDecode(_MockReplica):
         self.reservations: dict[str, tuple] = {}
         self.served: list[str] = []  # request ids admitted here (reserved or generated)
         self.salts: list[str | None] = []
+        self.senders: list[tuple[str, ...]] = []  # what each reserve() named as the prefill replica's agents
 
     def _blocks_in_use(self) -> int:
         return min(self.cache.capacity, self.running * 4)
 
     async def reserve(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *,
-                      priority: int = 0, cache_salt: str | None = None) -> TransferDescriptor | None:
+                      priority: int = 0, cache_salt: str | None = None,
+                      senders: tuple[str, ...] = ()) -> TransferDescriptor | None:
         prompt = tuple(prompt_token_ids)
         if self.room and not self.room.pop(0):
             return None
         self.reservations[request_id] = (tuple(prompt), params, cache_salt)
         self.served.append(request_id)
         self.salts.append(cache_salt)
+        self.senders.append(tuple(senders))
         blocks = tuple(range(-(-len(prompt) // BLOCK_SIZE)))
         return TransferDescriptor(f"{request_id}/0", _LAYOUT, ("mock://" + self.name,), blocks, len(prompt), _KV,
                                   time.time() + LEASE_S)
@@ -244,13 +251,15 @@ class DyingDecode(MockDecode):
             yield batch
 
     async def reserve(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *,
-                      priority: int = 0, cache_salt: str | None = None) -> TransferDescriptor | None:
+                      priority: int = 0, cache_salt: str | None = None,
+                      senders: tuple[str, ...] = ()) -> TransferDescriptor | None:
         prompt = tuple(prompt_token_ids)
         if self.after < 0:
             from ray.exceptions import RayActorError
 
             raise RayActorError()
-        return await super().reserve(request_id, prompt, params, priority=priority, cache_salt=cache_salt)
+        return await super().reserve(request_id, prompt, params, priority=priority, cache_salt=cache_salt,
+                                     senders=senders)
 
 
 async def _enumerate(items):

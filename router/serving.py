@@ -63,10 +63,12 @@ class RequestKey:
     tenant: str | None
     request_id: str
 
-    @property
-    def replica_id(self) -> str:
-        """The id the replicas know it by, unique across tenants (a client id never holds '/')."""
-        return self.request_id if self.tenant is None else f"{self.tenant}/{self.request_id}"
+    def replica_id(self, run: int) -> str:
+        """The id the replicas know run number `run` of it by: unique across tenants (a client id never holds
+        '/') and across runs (a replica remembers aborted ids for a while; a client may reuse an id once its
+        request ended)."""
+        scope = "" if self.tenant is None else f"{self.tenant}/"
+        return f"{scope}{self.request_id}/{run}"
 
 
 @dataclass
@@ -90,6 +92,7 @@ class Serving:
         # Tokenizing and chat templates run here, never on the event loop: a huge prompt delays only itself.
         self._parser = ThreadPoolExecutor(self.limits.limits.parse_threads, thread_name_prefix="tandem-parse")
         self.active: dict[RequestKey, asyncio.Task] = {}
+        self._runs = 0  # requests run so far: part of each one's replica id
         self._ended_by: dict[RequestKey, str] = {}  # why a task was cancelled: "abort" or "deadline" (else: client)
         self.num_finished = 0
         self.num_failed = 0
@@ -155,6 +158,8 @@ class Serving:
             raise InvalidRequest(f"request id {parsed.request_id!r} is in use", "ALREADY_EXISTS")
         task = asyncio.current_task()
         self.active[key] = task
+        self._runs += 1
+        replica_id = key.replica_id(self._runs)
         deadline = self.deadline(arrival, None) if deadline is None else deadline
         timer = asyncio.get_running_loop().call_later(max(0.0, deadline - time.monotonic()), self._cancel, key,
                                                       "deadline")
@@ -162,7 +167,7 @@ class Serving:
         code = "OK"
         try:
             # Replicas see an id unique across tenants (client ids cannot hold '/'); clients see their own.
-            async for progress in self.driver.run(replace(parsed, request_id=key.replica_id)):
+            async for progress in self.driver.run(replace(parsed, request_id=replica_id)):
                 now = time.monotonic()
                 self.metrics.observe_gaps(account.observe(progress, now))
                 yield Step(progress, account, now)
@@ -179,7 +184,7 @@ class Serving:
         except Exception as e:
             code, _ = error_code(e)
             if code == "INTERNAL":
-                _log.exception("request %s failed", key.replica_id)
+                _log.exception("request %s failed", replica_id)
             raise
         finally:
             timer.cancel()

@@ -57,6 +57,7 @@ LAYERS = {
 }
 # What the router takes from the layers below it: types and the torch-free loader, never a runtime module.
 ROUTER_MAY_IMPORT = ("tandem.replica.contract", "tandem.replica.remote", "tandem.kv_transfer.descriptor",
+                     "tandem.kv_transfer.drops",  # MessageDrops: a plain value in ReplicaStats
                      "tandem.engine.", "tandem.proto.")
 
 

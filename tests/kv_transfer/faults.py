@@ -146,6 +146,10 @@ class EnginePair:
         return tuple(side.events[request_id].state if request_id in side.events else None
                      for side in (self.prefill, self.decode))
 
+    def reserve(self, request_id: str, prompt, params: SamplingParams, **kwargs):
+        """The decode connector's reserve, naming the prefill side's agents as the senders (as the router does)."""
+        return self.dc.reserve(request_id, prompt, params, senders=self.pc.addresses, **kwargs)
+
     def decode_rest(self, request_id: str) -> list[int]:
         tokens = list(self.dc.admit(request_id, self.first[request_id])[0].token_ids)
         while self.decode.engine.has_unfinished_requests():
@@ -155,7 +159,7 @@ class EnginePair:
 
     def transfer(self, request_id: str, prompt, params: SamplingParams) -> list[int]:
         """A whole disaggregated request that must succeed; returns its output tokens."""
-        desc = self.dc.reserve(request_id, prompt, params)
+        desc = self.reserve(request_id, prompt, params)
         self.pc.submit(request_id, prompt, params, desc)
         self.run_prefill()
         assert self.settle(request_id) == (TransferState.DONE, TransferState.DONE)
@@ -177,9 +181,9 @@ class EnginePair:
 
 # -- a side in its own process, killed with SIGKILL (a real death: the kernel resets its connections) --------
 
-def _child_side(conn, role: str, model_path: str) -> None:
-    """Runs one side with a UCX agent. decode: reserves for the prompt it is sent, answers with the descriptor
-    and waits to be killed. prefill: pushes into the descriptor it is sent and kills itself when layer 1 of the
+def _child_side(conn, role: str, model_path: str, secret: bytes) -> None:
+    """Runs one side with a UCX agent under the parent's transfer secret. decode: reserves for the prompt it is
+    sent (answering the senders it is sent), answers with the descriptor and waits to be killed. prefill: pushes into the descriptor it is sent and kills itself when layer 1 of the
     prompt is computed (layer 0 is on the wire)."""
     import os
     import signal
@@ -190,13 +194,13 @@ def _child_side(conn, role: str, model_path: str) -> None:
     from tandem.kv_transfer.agent_factory import AgentFactory
 
     torch.set_num_threads(1)
-    config = TransferConfig(max_message_bytes=1 << 20, staging_bytes=4 << 20)
+    config = TransferConfig(max_message_bytes=1 << 20, staging_bytes=4 << 20, secret=secret)
     engine = LLMEngine(load_model(model_path, progress=False), EngineConfig(num_kv_blocks=24),
                        kv_agent=AgentFactory(config))
     if role == "decode":
         dc = DecodeConnector(engine, config)
-        prompt, params, lease_s = conn.recv()
-        conn.send(dc.reserve("r", prompt, params, lease_s=lease_s))
+        prompt, params, lease_s, senders = conn.recv()
+        conn.send(dc.reserve("r", prompt, params, lease_s=lease_s, senders=senders))
         conn.recv()  # never comes: the parent kills this process
         return
     agent = engine.local_kv_agent
@@ -214,13 +218,13 @@ def _child_side(conn, role: str, model_path: str) -> None:
     engine.step()
 
 
-def start_child_side(role: str, model_path: str):
+def start_child_side(role: str, model_path: str, secret: bytes):
     """(process, connection) of a side started by _child_side."""
     import multiprocessing
 
     ctx = multiprocessing.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_child_side, args=(child, role, model_path), daemon=True)
+    proc = ctx.Process(target=_child_side, args=(child, role, model_path, secret), daemon=True)
     proc.start()
     child.close()
     return proc, parent

@@ -69,10 +69,16 @@ class AgentReplica:
             self.agents.append(KVTransferAgent(cache, layout, rank, transport, config, clock=clock))
         self.format = KVFormat(layout.num_layers, layout.num_kv_heads, head_dim, block_size, "float32")
 
-    def descriptor(self, transfer_id: str, block_ids, num_tokens: int, lease_s: float = 30.0) -> TransferDescriptor:
+    @property
+    def addresses(self) -> tuple[str, ...]:
+        return tuple(a.address for a in self.agents)
+
+    def descriptor(self, transfer_id: str, block_ids, num_tokens: int, lease_s: float = 30.0,
+                   senders: tuple[str, ...] = ()) -> TransferDescriptor:
+        """Every rank expects the transfer (answering the sending replica's agents at senders, by rank)."""
         deadline = time.time() + lease_s
         for agent in self.agents:
-            agent.expect(transfer_id, block_ids, deadline)
+            agent.expect(transfer_id, block_ids, deadline, senders)
         return TransferDescriptor(transfer_id, self.layout, tuple(a.address for a in self.agents), tuple(block_ids),
                                   num_tokens, self.format, deadline)
 
@@ -119,6 +125,7 @@ class ProcessSide:
     head_dim: int = 64
     max_message_bytes: int = 64 << 10
     staging_bytes: int = 128 << 10  # room for one message at a time: the pipeline's second copy takes a one-off
+    secret: bytes = b"tests: both sides of a pair share it"  # what a cluster hands every replica
 
     def layout(self) -> ReplicaLayout:
         return ReplicaLayout.build(ParallelConfig(), num_layers=self.num_layers, num_heads=2 * self.num_kv_heads,
@@ -143,7 +150,7 @@ def run_side(conn, side: ProcessSide) -> None:
         flat = cache.data.view(-1).view(torch.uint8)
         flat.copy_(torch.randint(0, 256, flat.shape, dtype=torch.uint8, generator=gen).to(cache.data.device))
         config = TransferConfig(max_message_bytes=side.max_message_bytes, staging_bytes=side.staging_bytes,
-                                kv_path=side.kv_path)
+                                kv_path=side.kv_path, secret=side.secret)
         agent = AgentFactory(config)(0, side.layout(), cache)
         conn.send(("ready", agent.address, agent.stats(), agent.transport.cuda_transports))
     except BaseException:
@@ -156,7 +163,7 @@ def run_side(conn, side: ProcessSide) -> None:
                 agent.close()
                 conn.send(("stopped",))
                 return
-            if command == "expect":  # transfer id, block ids, deadline
+            if command == "expect":  # transfer id, block ids, deadline, senders
                 agent.expect(*args)
                 conn.send(("ok",))
             elif command == "send_all":  # descriptor, source blocks

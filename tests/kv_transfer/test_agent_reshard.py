@@ -43,7 +43,7 @@ def test_every_destination_rank_gets_exactly_its_share(pair, kind):
                        fabric=fabric, config=config, seed=2)
     try:
         before = dst.whole.clone()
-        desc = dst.descriptor("req-1/0", DST_BLOCKS, num_tokens=5 * 16 - 3)
+        desc = dst.descriptor("req-1/0", DST_BLOCKS, num_tokens=5 * 16 - 3, senders=src.addresses)
         for agent in src.agents:
             agent.arm(desc)
             agent.send_all("req-1/0", SRC_BLOCKS)
@@ -79,7 +79,7 @@ def test_layers_leave_as_they_are_computed(kind):
     dst = AgentReplica(layout_of(ParallelConfig(pp=2), **EMBEDDED), num_blocks=10, block_size=16, head_dim=64,
                        kind=kind, fabric=fabric, seed=4)
     try:
-        desc = dst.descriptor("req-2/0", DST_BLOCKS, num_tokens=80)
+        desc = dst.descriptor("req-2/0", DST_BLOCKS, num_tokens=80, senders=src.addresses)
         for agent in src.agents:
             agent.arm(desc, seq_id="req-2#0")
         for layer in range(10):  # the first 10 layers are computed on both TP ranks

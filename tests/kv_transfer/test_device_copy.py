@@ -93,7 +93,7 @@ def test_copies_started_together_each_land_whole(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_device_side_slots_round_trip_and_mirror_to_host(device):
-    """The direct path: gathered into a device-side slot (with a host copy for the checksum), scattered from one."""
+    """The direct path: gathered into a device-side slot (with a host copy for the MAC), scattered from one."""
     src, dst = random_store(device, torch.bfloat16, 6), random_store(device, torch.bfloat16, 7)
     sender, receiver = KVCopier(src, LAYERS, HEADS), KVCopier(dst, LAYERS, HEADS)
     nbytes = payload_bytes(LAYERS, HEADS, 3, torch.bfloat16)
@@ -168,7 +168,7 @@ def test_agents_on_either_path_move_kv_byte_for_byte(kind, kv_path):
         want = "direct" if kv_path == "direct" else "staged"
         assert [(a.stats().device, a.stats().path) for a in src.agents + dst.agents] == [("cpu", want)] * 4
         blocks_from, blocks_to = [4, 9, 1, 6, 0, 3], [7, 2, 8, 5, 1, 0]
-        desc = dst.descriptor("r/0", blocks_to, num_tokens=6 * 16)
+        desc = dst.descriptor("r/0", blocks_to, num_tokens=6 * 16, senders=src.addresses)
         for agent in src.agents:
             agent.arm(desc)
             agent.send_all("r/0", blocks_from)
@@ -212,7 +212,7 @@ def test_a_transfer_aborted_mid_send_sends_nothing_more_and_gives_every_slot_bac
     sender = src.agents[0]
     sender.transport.agent = sender
     try:
-        desc = dst.descriptor("r/1", [0, 1, 2, 3, 4, 5], num_tokens=96)
+        desc = dst.descriptor("r/1", [0, 1, 2, 3, 4, 5], num_tokens=96, senders=src.addresses)
         sender.arm(desc)
         sender.send_all("r/1", [5, 4, 3, 2, 1, 0])
         assert sender.transport.data_sent == 1  # the copy already started for the next message is dropped
@@ -280,7 +280,7 @@ def test_two_processes_move_kv_byte_for_byte(device, kv_path):
                      "layers/0": ("layer_by_layer", [13, 6, 15], [14, 4, 12])}
         for transfer_id, (how, blocks_from, blocks_to) in transfers.items():
             deadline = time.time() + 60
-            receiver.ask("ok", "expect", transfer_id, blocks_to, deadline)
+            receiver.ask("ok", "expect", transfer_id, blocks_to, deadline, (sender.address,))
             desc = TransferDescriptor(transfer_id, spec.layout(), (receiver.address,), tuple(blocks_to),
                                       len(blocks_to) * spec.block_size, spec.format(), deadline)
             sender.ask("ok", how, desc, blocks_from)

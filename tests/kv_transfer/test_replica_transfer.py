@@ -83,7 +83,7 @@ def test_prefill_and_decode_replicas_of_different_layouts(models, embedded, mode
         pc, dc = PrefillConnector(prefill), DecodeConnector(decode, TRANSFER)
         descs = []
         for i, prompt in enumerate(prompts):  # both prompts complete in the same prefill step
-            descs.append(dc.reserve(str(i), prompt, PARAMS))
+            descs.append(dc.reserve(str(i), prompt, PARAMS, senders=pc.addresses))
             pc.submit(str(i), prompt, PARAMS, descs[-1])
         first = {}
         while prefill.has_unfinished_requests():

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from tandem.kv_transfer.fake_transport import Fabric
+from tandem.kv_transfer.transport import Probe
 from tandem.kv_transfer.wire import KIND_MASK, Kind, make_tag
 from tests.kv_transfer.kv_helpers import TRANSPORTS, make_transport, nowhere, wait_until
 
@@ -20,7 +21,8 @@ def pair(request):
     b.close()
 
 
-def receive(transport, tag: int, mask: int, size_hint: int = 0) -> tuple[int, bytes]:
+def arrival(transport, tag: int, mask: int) -> Probe:
+    """Waits for a message matching (tag, mask) and returns its probe."""
     probe = None
 
     def arrived():
@@ -29,6 +31,11 @@ def receive(transport, tag: int, mask: int, size_hint: int = 0) -> tuple[int, by
         return probe is not None
 
     wait_until(arrived, what="a message")
+    return probe
+
+
+def receive(transport, tag: int, mask: int, size_hint: int = 0) -> tuple[int, bytes]:
+    probe = arrival(transport, tag, mask)
     buffer = np.zeros(max(probe.length, size_hint), dtype=np.uint8)
     handle = transport.receive(probe, buffer)
     wait_until(handle.done, what="the receive")
@@ -48,6 +55,24 @@ def test_tagged_messages_arrive_whole_and_are_selected_by_kind(pair):
     wait_until(lambda: all(s.done() for s in sends), what="the sends")
     assert [s.error() for s in sends] == [None, None]
     assert b.probe(0, 0) is None  # nothing else arrived
+
+
+@pytest.mark.parametrize("size", [200, 3 << 20], ids=["eager", "rendezvous"])
+def test_a_receive_into_a_short_buffer_drains_the_message(pair, size):
+    """How an agent drops a message without making room for it: the receive fails (truncated) and writes
+    nothing past the short buffer, the sender's send completes, and the next message arrives whole."""
+    _, _, a, b = pair
+    sent = a.send(b.address, make_tag(3, Kind.DATA, 1), np.full(size, 7, dtype=np.uint8))
+    probe = arrival(b, make_tag(0, Kind.DATA, 0), KIND_MASK)
+    room = np.zeros(128, dtype=np.uint8)
+    drained = b.receive(probe, room[:64])
+    wait_until(lambda: drained.done() and sent.done(), what="the drain")
+    assert drained.error() is not None and sent.error() is None
+    assert not room[64:].any()
+    assert b.probe(0, 0) is None  # taken off the wire
+    after = a.send(b.address, make_tag(4, Kind.ACK, 0), np.arange(48, dtype=np.uint8))
+    assert receive(b, make_tag(0, Kind.ACK, 0), KIND_MASK) == (make_tag(4, Kind.ACK, 0), bytes(range(48)))
+    wait_until(after.done, what="the next send")
 
 
 def test_messages_of_one_kind_come_oldest_first(pair):
@@ -92,14 +117,7 @@ def test_torch_host_tensors_are_sent_and_received_as_their_bytes(pair):
     _, _, a, b = pair
     data = torch.arange(1 << 18, dtype=torch.int32).view(torch.uint8)  # 1 MiB: rendezvous-sized on UCX
     sent = a.send(b.address, make_tag(9, Kind.DATA, 2), data)
-    probe = None
-
-    def arrived():
-        nonlocal probe
-        probe = b.probe(make_tag(0, Kind.DATA, 0), KIND_MASK)
-        return probe is not None
-
-    wait_until(arrived, what="the message")
+    probe = arrival(b, make_tag(0, Kind.DATA, 0), KIND_MASK)
     into = torch.zeros(probe.length + 64, dtype=torch.uint8)
     got = b.receive(probe, into)
     wait_until(lambda: got.done() and sent.done(), what="the transfer")

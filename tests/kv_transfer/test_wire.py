@@ -1,40 +1,99 @@
-"""The wire format: headers survive packing, checksums depend on payload and tag, and a receiver refuses a
-header that does not fit its reservation or its share of the layers and KV heads."""
+"""The wire format: headers and status messages survive sealing and opening, a MAC depends on the secret, the
+tag, every header byte and every payload byte, anything else that comes off the wire is refused as forged or
+malformed (never another exception), and a receiver refuses an authentic header that does not fit its
+reservation or its share of the layers and KV heads."""
 
 from __future__ import annotations
+
+import struct
 
 import numpy as np
 import pytest
 
+from tandem.kv_transfer.config import TransferConfig
 from tandem.kv_transfer.rank_transfer import Inbound
-from tandem.kv_transfer.wire import DataHeader, Kind, Status, checksum, make_tag, split_tag, transfer_key
+from tandem.kv_transfer.wire import (HEADER_BYTES, MAC_BYTES, STATUS_BYTES, DataHeader, ForgedMessage, Kind,
+                                     MalformedMessage, MessageKey, Status, StatusMessage, make_tag, split_tag,
+                                     transfer_key)
 
 PER = 2 * 16 * 64 * 4
+KEY = MessageKey(b"k" * 32)
+TAG = make_tag(transfer_key("req-9/0"), Kind.DATA, 3)
 
 
 def header(**changes) -> DataHeader:
     fields = dict(index=3, msgs_for_dst=4, src_rank=1, layers=range(2, 4), kv_heads=range(0, 2), blocks=range(0, 5),
-                  payload_bytes=2 * 2 * 5 * PER, checksum=123, sender="127.0.0.1:5555")
+                  payload_bytes=2 * 2 * 5 * PER)
     return DataHeader(**(fields | changes))
 
 
-def test_header_and_tag_round_trip():
+def sealed(h: DataHeader, payload: np.ndarray, key: MessageKey = KEY, tag: int = TAG) -> np.ndarray:
+    return np.concatenate([np.frombuffer(h.seal(key, tag, payload), dtype=np.uint8), payload])
+
+
+def payload_for(h: DataHeader) -> np.ndarray:
+    return np.random.default_rng(0).integers(0, 255, h.payload_bytes, dtype=np.uint8)
+
+
+def test_header_status_and_tag_round_trip():
     h = header()
-    assert DataHeader.unpack(h.pack() + b"payload") == h
+    assert DataHeader.open(KEY, TAG, sealed(h, payload_for(h))) == h
     key = transfer_key("req-9/0")
     assert key < 1 << 48 and split_tag(make_tag(key, Kind.ACK, 7)) == (key, Kind.ACK, 7)
-    with pytest.raises(ValueError, match="magic"):
-        DataHeader.unpack(b"JUNK" + h.pack()[4:])
-    with pytest.raises(ValueError, match="shorter"):
-        DataHeader.unpack(h.pack()[:10])
+    tag = make_tag(key, Kind.ACK, 7)
+    message = StatusMessage(Status.EXPIRED, 7, 123)
+    raw = message.seal(KEY, tag)
+    assert len(raw) == STATUS_BYTES and StatusMessage.open(KEY, tag, np.frombuffer(raw, dtype=np.uint8)) == message
 
 
-def test_checksums_change_with_one_bit_and_with_the_tag():
-    payload = np.random.default_rng(0).integers(0, 255, 1 << 16, dtype=np.uint8)
-    flipped = payload.copy()
-    flipped[4321] ^= 1
-    assert checksum(payload, 5) != checksum(flipped, 5)
-    assert checksum(payload, 5) != checksum(payload, 6)  # delivered under another tag: caught too
+def test_a_mac_fails_with_one_flipped_bit_anywhere_another_tag_or_another_secret():
+    h = header()
+    good = sealed(h, payload_for(h))
+    for position in (0, 17, HEADER_BYTES - MAC_BYTES - 1, HEADER_BYTES - 1, HEADER_BYTES + 4321, len(good) - 1):
+        flipped = good.copy()
+        flipped[position] ^= 1
+        with pytest.raises(ForgedMessage):
+            DataHeader.open(KEY, TAG, flipped)
+    with pytest.raises(ForgedMessage):  # delivered under another message's tag
+        DataHeader.open(KEY, TAG + 1, good)
+    with pytest.raises(ForgedMessage):
+        DataHeader.open(MessageKey(b"another cluster's secret"), TAG, good)
+    tag = make_tag(5, Kind.ABORT, 0)
+    raw = StatusMessage(Status.ABORTED, 0).seal(KEY, tag)
+    with pytest.raises(ForgedMessage):
+        StatusMessage.open(KEY, make_tag(6, Kind.ABORT, 0), raw)  # another transfer's key
+
+
+def test_what_is_not_one_of_our_messages_is_malformed():
+    h = header()
+    payload = payload_for(h)
+    with pytest.raises(MalformedMessage, match="shorter"):
+        DataHeader.open(KEY, TAG, sealed(h, payload)[:HEADER_BYTES - 1])
+    with pytest.raises(MalformedMessage, match="payload bytes"):  # an authentic header naming other lengths
+        DataHeader.open(KEY, TAG, sealed(header(payload_bytes=10), payload))
+    fields = struct.pack("<4sIIIIIIIIIQ", b"JUNK", 3, 4, 1, 2, 2, 0, 2, 0, 5, len(payload))
+    with pytest.raises(MalformedMessage, match="magic"):  # authentic, but not this format
+        DataHeader.open(KEY, TAG, np.frombuffer(fields + KEY.mac(TAG, fields, payload) + payload.tobytes(),
+                                                dtype=np.uint8))
+    tag = make_tag(5, Kind.ACK, 2)
+    for status, rank, why in ((9, 2, "unknown status code 9"), (1, 2, "unknown status code 1"),
+                              (0, 3, "rank 3 under tag index 2")):
+        body = struct.pack("<IIQ", status, rank, 0)
+        with pytest.raises(MalformedMessage, match=why):
+            StatusMessage.open(KEY, tag, body + KEY.mac(tag, body))
+    with pytest.raises(MalformedMessage, match="expected"):
+        StatusMessage.open(KEY, tag, StatusMessage(Status.OK, 2).seal(KEY, tag) + b"\0")
+
+
+def test_secrets_are_checked_and_never_shown():
+    with pytest.raises(ValueError, match="at least 16"):
+        MessageKey(b"short")
+    with pytest.raises(ValueError, match="at least 16") as caught:
+        TransferConfig(secret=b"0123456789")
+    assert "0123456789" not in str(caught.value)
+    config = TransferConfig()
+    assert len(config.secret) == 32 and config.secret != TransferConfig().secret  # random per config object
+    assert repr(config.secret) not in repr(config) and "secret" not in repr(config)
 
 
 @pytest.mark.parametrize("bad, why", [
@@ -43,18 +102,16 @@ def test_checksums_change_with_one_bit_and_with_the_tag():
     (dict(layers=range(4, 6), payload_bytes=2 * 2 * 5 * PER), "this rank holds layers"),
     (dict(kv_heads=range(1, 3), payload_bytes=2 * 2 * 5 * PER), "this rank holds layers"),
     (dict(blocks=range(0, 9), payload_bytes=2 * 2 * 9 * PER), "reserved"),
+    (dict(blocks=range(2, 2), payload_bytes=0), "empty slice"),
     (dict(msgs_for_dst=5), "message count"),
 ])
 def test_a_header_that_does_not_fit_is_refused(bad, why):
     inbound = Inbound("t", 0.0, block_ids=tuple(range(10, 17)), expected=4, arrived={0})
-    fits = header()
-    assert inbound.problem_with(fits, 3, fits.payload_bytes, range(0, 4), range(0, 2), PER) is None
-    h = header(**bad)
-    status, reason = inbound.problem_with(h, 3, 1 << 30, range(0, 4), range(0, 2), PER)
+    assert inbound.problem_with(header(), 3, range(0, 4), range(0, 2), PER) is None
+    status, reason = inbound.problem_with(header(**bad), 3, range(0, 4), range(0, 2), PER)
     assert status is Status.BAD_MESSAGE and why in reason
 
 
 def test_a_message_that_arrives_twice_is_refused():
     inbound = Inbound("t", 0.0, block_ids=tuple(range(10, 17)), expected=4, arrived={3})
-    h = header()
-    assert "twice" in inbound.problem_with(h, 3, h.payload_bytes, range(0, 4), range(0, 2), PER)[1]
+    assert "twice" in inbound.problem_with(header(), 3, range(0, 4), range(0, 2), PER)[1]

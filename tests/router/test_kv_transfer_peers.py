@@ -1,0 +1,53 @@
+"""What the router does for the KV agents' trust in each other: it names the planned prefill replica's agent
+addresses (ReplicaInfo.kv_addresses) when it reserves on a decode replica, the only peers the decode replica's
+agents will answer; and it exports the messages every replica's agents dropped on /metrics."""
+
+from __future__ import annotations
+
+import asyncio
+
+from tandem.kv_transfer.drops import MessageDrops
+from tandem.router.lifecycle import DriverSettings, Replica, RequestDriver
+from tandem.router.metrics import RouterMetrics
+from tandem.router.mock_replicas import MockDecode, MockPrefill
+from tests.router.test_lifecycle import collect, request
+
+
+def driver_with_info(prefill: MockPrefill, decode: MockDecode) -> RequestDriver:
+    """Replicas as the control plane hands them over: with their ready() info."""
+    info = lambda replica: asyncio.run(replica.ready())  # noqa: E731
+    return RequestDriver([Replica(prefill.name, "prefill", prefill, info(prefill))],
+                         [Replica(decode.name, "decode", decode, info(decode))], DriverSettings())
+
+
+def test_reserve_names_the_planned_prefill_replicas_agents():
+    prefill, decode = MockPrefill("prefill-0"), MockDecode("decode-0")
+    asyncio.run(collect(driver_with_info(prefill, decode), request()))
+    assert decode.senders == [asyncio.run(prefill.ready()).kv_addresses] == [("mock://prefill-0",)]
+
+
+def test_a_replica_without_info_is_reserved_with_no_senders():
+    prefill, decode = MockPrefill("prefill-0"), MockDecode("decode-0")
+    d = RequestDriver([Replica("prefill-0", "prefill", prefill)], [Replica("decode-0", "decode", decode)],
+                      DriverSettings())
+    asyncio.run(collect(d, request()))
+    assert decode.senders == [()]
+
+
+def test_metrics_export_the_replicas_dropped_kv_messages_by_reason():
+    prefill, decode = MockPrefill("prefill-0"), MockDecode("decode-0")
+    decode.kv_messages_dropped = MessageDrops(forged=3, oversized=1)
+    metrics = RouterMetrics(driver_with_info(prefill, decode), lambda: 0)
+
+    async def scrape_twice() -> tuple[str, str]:
+        first = metrics.exposition().decode()  # starts asking the replicas; shows what an earlier scrape brought
+        await metrics.kv_drops.refreshing
+        second = metrics.exposition().decode()
+        await metrics.kv_drops.refreshing
+        return first, second
+
+    first, second = asyncio.run(scrape_twice())
+    assert "tandem_kv_messages_dropped_total{" not in first
+    assert 'tandem_kv_messages_dropped_total{pool="decode",reason="forged",replica="decode-0"} 3.0' in second
+    assert 'tandem_kv_messages_dropped_total{pool="decode",reason="oversized",replica="decode-0"} 1.0' in second
+    assert 'tandem_kv_messages_dropped_total{pool="prefill",reason="forged",replica="prefill-0"} 0.0' in second
