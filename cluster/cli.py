@@ -145,8 +145,9 @@ def _add_cluster(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("up", help="start the cluster a manifest describes on Ray",
                        description="Connects to Ray (the manifest's ray.address; a local head is started when none "
-                                   "runs), places and starts every replica and the router, prints the endpoints "
-                                   "and serves until Ctrl-C or `tandem down`.")
+                                   "runs, listening on the manifest's ray.host), places and starts every replica "
+                                   "and the router, prints the endpoints and serves until `tandem down`, Ctrl-C, "
+                                   "SIGTERM or SIGHUP (each stops the cluster and the Ray head it started).")
     p.add_argument("manifest")
     p.add_argument("--address", default=None, help="Ray address (overrides the manifest's ray.address)")
     p.add_argument("--detach", action="store_true", help="return once the cluster serves and leave it running")

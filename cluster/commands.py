@@ -9,17 +9,24 @@ import os
 import sys
 
 
+def _print_warnings(checked, source: str) -> None:
+    for warning in checked.warnings:
+        print(f"tandem: warning: {warning.format(source)}", file=sys.stderr)
+
+
 def validate(args: argparse.Namespace) -> int:
-    from tandem.cluster.manifest_checks import validate_file
+    from tandem.cluster.manifest_checks import check_file
     from tandem.cluster.manifest_yaml import ManifestInvalid
 
     try:
-        manifest = validate_file(args.manifest, check_ports=not args.no_port_check)
+        checked = check_file(args.manifest, check_ports=not args.no_port_check)
     except ManifestInvalid as e:
         for error in e.errors:
             print(error.format(e.source), file=sys.stderr)
         print(f"tandem: {args.manifest}: {len(e.errors)} error(s)", file=sys.stderr)
         return 2
+    _print_warnings(checked, args.manifest)
+    manifest = checked.manifest
     pools = ", ".join(f"{name} {p.parallelism.tp}x{p.parallelism.pp}x{p.parallelism.ep} (tp x pp x ep) "
                       f"x {p.replicas.start} replica(s)" for name, p in manifest.pool_items())
     http = f", HTTP on {manifest.listen.http}" if manifest.listen.http else ""
@@ -30,16 +37,33 @@ def validate(args: argparse.Namespace) -> int:
 
 def up(args: argparse.Namespace) -> int:
     from tandem.cluster import launcher
-    from tandem.cluster.manifest_checks import validate_file
+    from tandem.cluster.manifest_checks import check_file
     from tandem.cluster.manifest_yaml import ManifestInvalid
 
     try:
-        manifest = validate_file(args.manifest)
+        checked = check_file(args.manifest)
     except ManifestInvalid as e:
         for error in e.errors:
             print(error.format(e.source), file=sys.stderr)
         return 2
+    _print_warnings(checked, args.manifest)
+    manifest = checked.manifest
+    launcher.stop_on_signals()
     cluster = launcher.up(manifest, address=args.address, detach=args.detach)
+    try:
+        _serving(args, manifest, cluster)
+    except BaseException:  # e.g. Ctrl-C during --ask: a foreground cluster goes down with this process
+        if not args.detach:
+            cluster.shutdown()
+        raise
+    if args.detach:
+        return 0
+    launcher.serve_until_stopped(cluster)
+    return 0
+
+
+def _serving(args: argparse.Namespace, manifest, cluster) -> None:
+    """The endpoints of a cluster that serves, and the answer to --ask."""
     tls = manifest.tls
     tls_flag = "" if tls is None else f" --tls-ca {tls.client_ca}"
     print(f"tandem: cluster {manifest.name!r} is serving", file=sys.stderr)
@@ -61,10 +85,6 @@ def up(args: argparse.Namespace) -> int:
                  None if tls is None else tls.client_ca)
         except Exception as e:
             print(f"tandem: the sample request failed: {e}", file=sys.stderr)
-    if args.detach:
-        return 0
-    launcher.serve_until_stopped(cluster)
-    return 0
 
 
 def _ask(target: str, message: str, max_tokens: int, api_key: str | None, tls_ca: str | None = None) -> None:
@@ -91,10 +111,7 @@ def _ask(target: str, message: str, max_tokens: int, api_key: str | None, tls_ca
 def down(args: argparse.Namespace) -> int:
     from tandem.cluster import launcher
 
-    cluster = launcher.find(args.name, address=args.address, namespace=args.namespace)
-    cluster.shutdown()
-    print(f"tandem: cluster {args.name!r} stopped" + (" (and the local Ray it started)" if cluster.started_ray
-                                                      else ""), file=sys.stderr)
+    launcher.down(args.name, address=args.address, namespace=args.namespace)
     return 0
 
 

@@ -316,7 +316,7 @@ class TLSSettings(_Strict):
 class RaySettings(_Strict):
     """address: null connects to a running local cluster or starts one; 'auto' requires a running cluster
     (`ray up`); 'HOST:PORT' connects there. namespace: where the cluster's named actors live. host: the address a
-    local Ray head that `tandem up` starts listens on (Ray has no authentication: anyone who reaches its ports
+    local Ray head that `tandem up` starts listens on (Ray authenticates nothing by default: anyone who reaches its ports
     can run code, so the default is loopback; see docs/SECURITY.md before widening it)."""
 
     address: str | None = None

@@ -1,11 +1,14 @@
 """The manifest checks that need more than the file: the model's shape against each pool's parallelism, the two
 pools' KV formats, context lengths, listen ports that are already taken, and the TLS files. Used by `tandem
-validate` and by `tandem up` before anything starts."""
+validate` and by `tandem up` before anything starts. Besides errors, check_file() returns warnings: what a valid
+manifest leaves open to other machines (exposure_warnings)."""
 
 from __future__ import annotations
 
 import errno
+import ipaddress
 import socket
+from dataclasses import dataclass
 from pathlib import Path
 
 from pydantic import ValidationError
@@ -26,6 +29,9 @@ def listen_problem(address: str, field: str = "grpc") -> ManifestError | None:
     if int(port) == 0:
         return None
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        # As the router's servers bind: connections of a server that just stopped, in TIME_WAIT, leave the port
+        # free; a socket listening there does not.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host.strip("[]"), int(port)))
         except OSError as e:
@@ -36,6 +42,48 @@ def listen_problem(address: str, field: str = "grpc") -> ManifestError | None:
                                  "the router listens on the machine `tandem up` runs on; use one of its addresses "
                                  "(127.0.0.1, 0.0.0.0, ...)")
     return None
+
+
+def is_loopback(host: str) -> bool:
+    """Whether host (a name or an IP, IPv6 with or without brackets) is this machine's loopback, which only its
+    own processes reach. 0.0.0.0, :: and every other name count as reachable from other machines."""
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def exposure_warnings(manifest: Manifest, lines: dict[tuple, int] | None = None) -> list[ManifestError]:
+    """What a valid manifest leaves open to other machines without protection: a router address beyond
+    loopback while no client is authenticated (no auth.api_keys, no tls.client_ca_file), and a ray.host beyond
+    loopback (whoever reaches a Ray head's ports can run code on the cluster). Warnings, not errors."""
+    warnings = []
+    if not manifest.auth.api_keys and not (manifest.tls and manifest.tls.client_ca_file):
+        for field in ("grpc", "http"):
+            address = getattr(manifest.listen, field)
+            if address is not None and not is_loopback(address.rpartition(":")[0]):
+                warnings.append(ManifestError(
+                    f"listen.{field}", f"{address} is reachable from other machines and auth.api_keys is empty: "
+                                       "anyone who reaches it can send requests",
+                    "add auth.api_keys or tls.client_ca_file (docs/SECURITY.md), or listen on 127.0.0.1"))
+    if not is_loopback(manifest.ray.host):
+        warnings.append(ManifestError(
+            "ray.host", f"a Ray head that `tandem up` starts listens on {manifest.ray.host}: whoever reaches its "
+                        "ports can run code on this machine (Ray checks no credentials unless RAY_AUTH_MODE=token)",
+            "keep 127.0.0.1 on one machine; across machines, firewall Ray's ports to the cluster's nodes and turn "
+            "on Ray's TLS (docs/SECURITY.md)"))
+    return [_at_line(w, lines or {}) for w in warnings]
+
+
+def _at_line(error: ManifestError, lines: dict[tuple, int]) -> ManifestError:
+    """error with the line of the deepest part of its path that the file has."""
+    # line_map keys list items by their int index ("auth.api_keys.1" -> ("auth", "api_keys", 1))
+    parts = tuple(int(p) if p.isdigit() else p for p in error.path.split(".")) if error.path else ()
+    line = next((lines[parts[:k]] for k in range(len(parts), 0, -1) if parts[:k] in lines), None)
+    return ManifestError(error.path, error.message, error.hint, line)
 
 
 def _get(data, *path, default=None):
@@ -187,6 +235,12 @@ def check_manifest(data: dict, lines: dict[tuple, int] | None = None, *,
     if http is not None and http == addresses["grpc"] and not http.endswith(":0"):
         errors.append(ManifestError("listen.http", f"{http} is also the gRPC address",
                                     "give the HTTP API a port of its own"))
+    ray_host = _get(data, "ray", "host")
+    if isinstance(ray_host, str) and ray_host.strip("[]") in ("0.0.0.0", "::"):
+        errors.append(ManifestError(
+            "ray.host", f"{ray_host} is not an address other nodes can reach the Ray head at",
+            "give this machine's address on the cluster's network (Ray then listens on all interfaces anyway), "
+            "or 127.0.0.1 to keep Ray on this machine"))
     keys = _get(data, "auth", "api_keys", default=[])
     for i, entry in enumerate(keys if isinstance(keys, list) else []):
         try:
@@ -199,16 +253,22 @@ def check_manifest(data: dict, lines: dict[tuple, int] | None = None, *,
             errors.append(ManifestError(f"auth.api_keys.{i}", str(e),
                                         "keys are read by `tandem up`, from its environment and files"))
     errors += _tls_errors(data.get("tls"))
-    for i, e in enumerate(errors):
-        # line_map keys list items by their int index ("auth.api_keys.1" -> ("auth", "api_keys", 1))
-        parts = tuple(int(p) if p.isdigit() else p for p in e.path.split(".")) if e.path else ()
-        line = next((lines[parts[:k]] for k in range(len(parts), 0, -1) if parts[:k] in lines), None)
-        errors[i] = ManifestError(e.path, e.message, e.hint, line)
-    return errors
+    return [_at_line(e, lines) for e in errors]
+
+
+@dataclass(frozen=True)
+class CheckedManifest:
+    manifest: Manifest
+    warnings: list[ManifestError]  # exposure_warnings(), with lines: the manifest is valid all the same
 
 
 def validate_file(path: str | Path, *, check_ports: bool = True) -> Manifest:
     """Parses and checks a manifest file. Raises ManifestInvalid listing every error, in file order."""
+    return check_file(path, check_ports=check_ports).manifest
+
+
+def check_file(path: str | Path, *, check_ports: bool = True) -> CheckedManifest:
+    """validate_file, and the warnings of a manifest that is valid. Raises ManifestInvalid."""
     path = Path(path)
     text = read_text(path)
     data, lines = read_yaml(text, str(path)), line_map(text)
@@ -223,4 +283,4 @@ def validate_file(path: str | Path, *, check_ports: bool = True) -> Manifest:
     errors += check_manifest(data, lines, check_ports=check_ports)
     if errors:
         raise ManifestInvalid(str(path), sorted(errors, key=lambda e: e.line or 0))
-    return manifest
+    return CheckedManifest(manifest, exposure_warnings(manifest, lines))

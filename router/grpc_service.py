@@ -161,7 +161,9 @@ async def start_grpc_server(servicer: TandemServicer, address: str, *, max_messa
     health included, is then TLS-only. Raises RuntimeError if the address cannot be bound, TLSFileError for an
     unusable TLS file."""
     credentials = None if tls is None else grpc_server_credentials(tls)
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", max_message_bytes)])
+    # so_reuseport off: a second server on a taken port fails here instead of sharing it with the first.
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", max_message_bytes),
+                                      ("grpc.so_reuseport", 0)])
     server.add_generic_rpc_handlers((_decoding_handlers(servicer),))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

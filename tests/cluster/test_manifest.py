@@ -404,3 +404,74 @@ def test_an_unreadable_tls_file_is_reported_at_its_key(tmp_path, monkeypatch, ca
     assert "relative paths start there" in error.hint
     assert main(["validate", str(path), "--no-port-check"]) == 2
     assert "tls.cert_file" in capsys.readouterr().err
+
+
+# --- exposure warnings and ports a stopped server left behind ---------------------------------------------------
+
+
+def test_a_port_whose_last_connections_are_in_time_wait_is_free():
+    """A router that just stopped leaves its side of closed connections in TIME_WAIT; the servers bind with
+    SO_REUSEADDR, so the port check must not call the port busy (`tandem up` right after `tandem down`)."""
+    from tandem.cluster.manifest_checks import listen_problem
+
+    server = socket.socket()
+    server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    port = server.getsockname()[1]
+    client = socket.create_connection(("127.0.0.1", port))
+    accepted, _ = server.accept()
+    accepted.close()  # the server closes first, as uvicorn does after a `Connection: close` response
+    client.recv(1)
+    client.close()
+    assert listen_problem(f"127.0.0.1:{port}") is not None  # still listening: busy
+    server.close()
+    with socket.socket() as plain, pytest.raises(OSError):
+        plain.bind(("127.0.0.1", port))  # what the old check did: TIME_WAIT made it fail
+    assert listen_problem(f"127.0.0.1:{port}") is None
+
+
+EXPOSED = """\
+mode: colocated
+pools:
+  decode: {{}}
+listen:
+  grpc: {grpc}
+  http: {http}
+{extra}"""
+
+
+def test_a_router_open_to_other_machines_without_keys_is_a_warning(tmp_path, capsys):
+    from tandem.cluster.manifest_checks import check_file
+
+    path = _write(tmp_path, EXPOSED.format(grpc="0.0.0.0:50051", http="'[::]:8000'", extra=""))
+    checked = check_file(path, check_ports=False)
+    assert [(w.path, w.line) for w in checked.warnings] == [("listen.grpc", 5), ("listen.http", 6)]
+    assert "0.0.0.0:50051 is reachable from other machines and auth.api_keys is empty" in checked.warnings[0].message
+    assert "auth.api_keys" in checked.warnings[0].hint
+    assert main(["validate", "--no-port-check", str(path)]) == 0  # valid all the same
+    captured = capsys.readouterr()
+    assert f"tandem: warning: {path}:5: listen.grpc: 0.0.0.0:50051 is reachable" in captured.err
+    assert f"{path}: valid" in captured.out
+    keyed = _write(tmp_path, EXPOSED.format(grpc="0.0.0.0:50051", http="'[::]:8000'",
+                                            extra="auth: {api_keys: [{tenant: a, key: secret-a}]}\n"), "keyed.yaml")
+    assert check_file(keyed, check_ports=False).warnings == []
+    loopback = _write(tmp_path, EXPOSED.format(grpc="localhost:50051", http="'[::1]:8000'", extra=""), "lo.yaml")
+    assert check_file(loopback, check_ports=False).warnings == []
+    for shipped in ("local.yaml", "local-colocated.yaml"):
+        assert check_file(MANIFESTS / shipped, check_ports=False).warnings == []
+
+
+def test_a_ray_head_beyond_loopback_is_a_warning_and_an_unspecified_address_an_error(tmp_path):
+    from tandem.cluster.manifest_checks import check_file
+
+    path = _write(tmp_path, EXPOSED.format(grpc="127.0.0.1:50051", http="null", extra="ray: {host: 10.0.0.5}\n"))
+    [warning] = check_file(path, check_ports=False).warnings
+    assert (warning.path, warning.line) == ("ray.host", 7)
+    assert "listens on 10.0.0.5: whoever reaches its ports can run code" in warning.message
+    assert "docs/SECURITY.md" in warning.hint
+    anywhere = _write(tmp_path, EXPOSED.format(grpc="127.0.0.1:50051", http="null", extra="ray: {host: 0.0.0.0}\n"),
+                      "anywhere.yaml")
+    [error] = _errors(anywhere)
+    assert (error.path, error.line) == ("ray.host", 7)
+    assert "0.0.0.0 is not an address other nodes can reach" in error.message
