@@ -74,14 +74,19 @@ def _prompt(request: pb.GenerateRequest, model: ModelFacts, limits: RequestLimit
         if not ids:
             raise InvalidRequest("token_ids is empty")
         if len(ids) > max_tokens:  # before the vocabulary scan
-            raise InvalidRequest(f"the prompt has {len(ids)} tokens; this server takes at most {max_tokens}")
+            raise _too_many_tokens(len(ids), max_tokens, model)
         if (bad := next((t for t in ids if not 0 <= t < model.vocab_size), None)) is not None:
             raise InvalidRequest(f"token id {bad} is outside the vocabulary (0..{model.vocab_size - 1})")
     else:
         ids = _chat_prompt(list(request.chat.messages), model, limits)
     if len(ids) > max_tokens:
-        raise InvalidRequest(f"the prompt has {len(ids)} tokens; this server takes at most {max_tokens}")
+        raise _too_many_tokens(len(ids), max_tokens, model)
     return ids
+
+
+def _too_many_tokens(count: int, cap: int, model: ModelFacts) -> InvalidRequest:
+    why = "the maximum context length" if cap == model.max_model_len else "router.limits.max_prompt_tokens"
+    return InvalidRequest(f"the prompt has {count} tokens; this server takes at most {cap} ({why})")
 
 
 def _chat_prompt(messages: list[pb.ChatMessage], model: ModelFacts, limits: RequestLimits) -> list[int]:
