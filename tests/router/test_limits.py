@@ -5,8 +5,6 @@ per-tenant caps that answer 429 + Retry-After without slowing other tenants."""
 
 from __future__ import annotations
 
-import asyncio
-import functools
 import json
 import threading
 import time
@@ -15,7 +13,6 @@ import grpc
 import httpx
 import pytest
 
-from tandem.engine.loader import load_model
 from tandem.proto.v1 import tandem_pb2 as pb
 from tandem.proto.v1 import tandem_pb2_grpc as pb_grpc
 from tandem.router.auth import Authenticator
@@ -25,20 +22,15 @@ from tandem.router.http_service import build_app, start_http_server
 from tandem.router.lifecycle import DriverSettings, Replica, RequestDriver
 from tandem.router.limits import PriorityRange, RequestLimits, ServingLimits, TenantLimits
 from tandem.router.mock_replicas import MockDecode
-from tandem.router.request_parsing import ModelFacts
 from tandem.router.serving import Serving
 
-MODEL = "SmolLM2-135M-Instruct"
+from tests.router.router_harness import MODEL, BackgroundLoop, embedded, model_facts
+
 KEYS = {"sk-acme-0123456789": "acme", "sk-beta-0123456789": "beta"}
 ACME, BETA = ({"authorization": "Bearer sk-acme-0123456789"}, {"authorization": "Bearer sk-beta-0123456789"})
 LIMITS = RequestLimits(max_body_bytes=64 << 10, max_prompt_chars=20_000, max_n=4, max_tokens=64,
                        max_stop_strings=2, max_stop_string_chars=8, max_top_logprobs=5, max_batch_prompts=3,
                        max_messages=4, max_stop_token_ids=3)
-
-
-@functools.lru_cache(maxsize=1)
-def embedded():
-    return load_model(None, weights=False, progress=False)
 
 
 class PriorityDecode(MockDecode):
@@ -53,17 +45,14 @@ class PriorityDecode(MockDecode):
         return super().generate(request_id, prompt_token_ids, params, priority=priority, cache_salt=cache_salt)
 
 
-class Front:
+class Front(BackgroundLoop):
     """Serving over one mock decode replica (colocated), both APIs on free loopback ports, on a background loop."""
 
     def __init__(self, limits: ServingLimits, *, step_s: float = 0.0, keys=KEYS):
+        super().__init__()
         self.decode = PriorityDecode("decode-0", step_s=step_s)
-        loaded = embedded()
-        self.tokenizer = loaded.tokenizer
-        facts = ModelFacts(MODEL, loaded.tokenizer, loaded.config.vocab_size, 512)
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
+        self.tokenizer = embedded().tokenizer
+        facts = model_facts()
 
         async def boot():
             settings = DriverSettings(mode="colocated")
@@ -74,7 +63,7 @@ class Front:
                                                               max_message_bytes=limits.limits.max_body_bytes)
             return http_port, grpc_port
 
-        http_port, grpc_port = asyncio.run_coroutine_threadsafe(boot(), self.loop).result(30)
+        http_port, grpc_port = self.run(boot())
         self.url = f"http://127.0.0.1:{http_port}"
         self.channel = grpc.insecure_channel(f"127.0.0.1:{grpc_port}")
         self.stub = pb_grpc.TandemStub(self.channel)
@@ -99,9 +88,8 @@ class Front:
             await self.grpc.stop(1)
             self.serving.close()
 
-        asyncio.run_coroutine_threadsafe(stop(), self.loop).result(30)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
+        self.run(stop())
+        super().stop()
 
 
 @pytest.fixture(scope="module")

@@ -9,11 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import datetime
-import functools
 import ipaddress
 import json
 import ssl
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,7 +27,6 @@ from fastapi import FastAPI
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tandem.cluster.cli import main as tandem_main
-from tandem.engine.loader import load_model
 from tandem.replica.contract import ReadyReplica
 from tandem.router.auth import Authenticator
 from tandem.router.client import TandemClient
@@ -37,12 +34,12 @@ from tandem.router.grpc_service import TandemServicer, start_grpc_server
 from tandem.router.http_service import build_app, start_http_server
 from tandem.router.lifecycle import DriverSettings, Replica, RequestDriver
 from tandem.router.mock_replicas import MockDecode, MockPrefill, token_for
-from tandem.router.request_parsing import ModelFacts
 from tandem.router import router_actor
 from tandem.router.serving import Serving
 from tandem.router.tls import TLSConfig, TLSFileError
 
-MODEL = "SmolLM2-135M-Instruct"
+from tests.router.router_harness import MODEL, BackgroundLoop, embedded, model_facts
+
 KEY = "sk-acme-0123456789"
 
 
@@ -130,25 +127,17 @@ def pki(tmp_path_factory) -> PKI:
 
 # -- servers -----------------------------------------------------------------------------------------------
 
-@functools.lru_cache(maxsize=1)
-def embedded():
-    return load_model(None, weights=False, progress=False)
-
-
 def fake_text(prompt_ids, n_tokens: int) -> str:
     return "".join(f"<{token_for(tuple(prompt_ids), i)}>" for i in range(n_tokens))
 
 
-class Servers:
+class Servers(BackgroundLoop):
     """The serving core over mock replicas, its gRPC and HTTP servers (both with tls) on a background loop."""
 
     def __init__(self, tls: TLSConfig | None):
-        loaded = embedded()
-        self.tokenizer = loaded.tokenizer
-        facts = ModelFacts(MODEL, loaded.tokenizer, loaded.config.vocab_size, 512)
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
+        super().__init__()
+        self.tokenizer = embedded().tokenizer
+        facts = model_facts()
 
         async def boot():
             settings = DriverSettings()
@@ -163,14 +152,10 @@ class Servers:
         self.target = f"127.0.0.1:{grpc_port}"
         self.http_port = http_port
 
-    def run(self, coroutine):
-        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(30)
-
     def close(self) -> None:
         self.run(self.http.stop())
         self.run(self.grpc.stop(0))
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
+        self.stop()
 
 
 @pytest.fixture(scope="module")
