@@ -135,9 +135,9 @@ def status(args: argparse.Namespace) -> int:
         queues = (f"running {r['running']}, waiting {r['waiting']}, waiting for KV {r['waiting_for_kv']}"
                   if "running" in r else r.get("error", ""))
         print(f"    {r['name']:<12} {r['state']:<12} node {r.get('node')} ({r.get('device')})  {queues}  {kv}")
-        gpus = {p["rank"]: p["visible_gpus"] for p in r.get("rank_placements", []) if p.get("visible_gpus")}
+        placements = {p["rank"]: p for p in r.get("rank_placements", [])}
         for i, rank in enumerate(r.get("ranks", [])):
-            print(f"      {rank}" + (f", GPU {gpus[i]}" if i in gpus else ""))
+            print(f"      {rank}{_rank_place(placements.get(i, {}))}")
     router = report["router"]
     print(f"  router: {router.get('state')}, active {router.get('active_requests', 0)}, queued "
           f"{router.get('queued_requests', 0)}, finished {router.get('finished_requests', 0)}, failed "
@@ -145,6 +145,15 @@ def status(args: argparse.Namespace) -> int:
     if router.get("prefill_decisions"):
         print("  prefilled: " + ", ".join(f"{k} {v}" for k, v in sorted(router["prefill_decisions"].items())))
     return 0
+
+
+def _rank_place(placement: dict) -> str:
+    """Where a rank runs, as `tandem status` prints it after the rank's layout line: its GPUs and the host CPUs
+    it may run on (all of the host's unless the pool sets cpu_affinity)."""
+    from tandem.engine.cpu_affinity import format_cpus
+
+    gpus, cpus = placement.get("visible_gpus"), placement.get("cpus")
+    return (f", GPU {gpus}" if gpus else "") + (f", CPUs {format_cpus(cpus)}" if cpus else "")
 
 
 def make_model(args: argparse.Namespace) -> int:

@@ -13,6 +13,7 @@ YAML.
         replicas: {min: 1, max: 1, initial: 1}
         engine: {block_size: 16, kv_cache_bytes: 256MiB, max_num_batched_tokens: 2048, max_num_seqs: 64,
                  device: auto, dtype: null}   # auto: CUDA when the ranks ask for GPUs; null: bfloat16 on CUDA
+        cpu_affinity: null          # or host CPUs, [0, 1] or "0-3,8": rank r pins to the r-th equal share
       decode: ...
     router:
       policy: cache_aware           # or least_loaded, round_robin, random
@@ -46,8 +47,9 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from tandem.engine.cpu_affinity import format_cpus, parse_cpu_list
 from tandem.engine.device import default_dtype, planned_device
 from tandem.router.limits import RequestLimits, TenantLimits, parse_bytes
 from tandem.router.tls import TLSConfig
@@ -132,10 +134,31 @@ class EngineLimits(_Strict):
 
 
 class Pool(_Strict):
+    """One pool of replicas. cpu_affinity: the host CPUs each replica's processes are pinned to (None: no
+    pinning), given as a list ([0, 1]) or a Linux cpulist string ("0-3,8") and kept as a sorted tuple of unique
+    CPU numbers. A replica's ranks split the list evenly in rank order: rank r gets the r-th contiguous share, so
+    its length must be a multiple of the replica's world size (tp x pp x ep). The replica's driver (its actor
+    process) is pinned to the whole list. Every replica of the pool on a node takes the same CPUs, so replicas
+    that share a node share them (engine/cpu_affinity.py)."""
+
     parallelism: Parallelism = Parallelism()
     resources: Resources = Resources()
     replicas: Replicas = Replicas()
     engine: EngineLimits = EngineLimits()
+    cpu_affinity: tuple[int, ...] | None = None  # after parallelism: its check reads the world size
+
+    @field_validator("cpu_affinity", mode="before")
+    @classmethod
+    def _cpu_list(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is None:
+            return None
+        cpus = parse_cpu_list(value)
+        parallelism = info.data.get("parallelism")  # absent when it is invalid itself: pydantic says so there
+        if parallelism is not None and len(cpus) % (ranks := parallelism.world_size):
+            raise ValueError(f"{len(cpus)} CPU(s) ({format_cpus(cpus)}) do not split evenly over a replica's "
+                             f"{ranks} ranks (tp x pp x ep): list a multiple of {ranks} CPUs, the same number for "
+                             "each rank")
+        return cpus
 
     @property
     def device(self) -> str:

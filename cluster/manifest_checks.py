@@ -1,7 +1,8 @@
 """The manifest checks that need more than the file: the model's shape against each pool's parallelism, the two
 pools' KV formats, context lengths, listen ports that are already taken, and the TLS files. Used by `tandem
 validate` and by `tandem up` before anything starts. Besides errors, check_file() returns warnings: what a valid
-manifest leaves open to other machines (exposure_warnings)."""
+manifest leaves open to other machines (exposure_warnings), and pinned CPUs this machine lacks
+(cpu_affinity_warnings)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from pydantic import ValidationError
 
 from tandem.cluster.manifest import COLOCATED_HAS_PREFILL, MODE_NEEDS_PREFILL, ApiKey, Manifest, TLSSettings
 from tandem.cluster.manifest_yaml import ManifestError, ManifestInvalid, line_map, manifest_from, read_text, read_yaml
+from tandem.engine.cpu_affinity import format_cpus, offered_cpus
 from tandem.engine.device import DEVICES, default_dtype, planned_device
 from tandem.engine.errors import ModelLoadError
 from tandem.router.tls import TLSFileError, check_certificates
@@ -75,6 +77,22 @@ def exposure_warnings(manifest: Manifest, lines: dict[tuple, int] | None = None)
                         "ports can run code on this machine (Ray checks no credentials unless RAY_AUTH_MODE=token)",
             "keep 127.0.0.1 on one machine; across machines, firewall Ray's ports to the cluster's nodes and turn "
             "on Ray's TLS (docs/SECURITY.md)"))
+    return [_at_line(w, lines or {}) for w in warnings]
+
+
+def cpu_affinity_warnings(manifest: Manifest, lines: dict[tuple, int] | None = None,
+                          offered: frozenset[int] | None = None) -> list[ManifestError]:
+    """A pool's cpu_affinity naming CPUs this machine does not offer (offered: default offered_cpus(), those
+    of this process). Warnings, not errors: the pool's replicas may run on other nodes, which may have them; a
+    replica on a node without them fails to start, naming them."""
+    offered = offered_cpus() if offered is None else offered
+    warnings = []
+    for name, pool in manifest.pool_items():
+        if pool.cpu_affinity is not None and (missing := set(pool.cpu_affinity) - offered):
+            warnings.append(ManifestError(
+                f"pools.{name}.cpu_affinity", f"CPU(s) {format_cpus(missing)} are not on this machine, which offers "
+                                              f"CPUs {format_cpus(offered)}: a replica started here would fail",
+                "fine if the pool's replicas run on nodes that have them; else list CPUs this machine has (nproc)"))
     return [_at_line(w, lines or {}) for w in warnings]
 
 
@@ -259,7 +277,7 @@ def check_manifest(data: dict, lines: dict[tuple, int] | None = None, *,
 @dataclass(frozen=True)
 class CheckedManifest:
     manifest: Manifest
-    warnings: list[ManifestError]  # exposure_warnings(), with lines: the manifest is valid all the same
+    warnings: list[ManifestError]  # exposure_warnings() and cpu_affinity_warnings(), with lines: valid all the same
 
 
 def validate_file(path: str | Path, *, check_ports: bool = True) -> Manifest:
@@ -283,4 +301,4 @@ def check_file(path: str | Path, *, check_ports: bool = True) -> CheckedManifest
     errors += check_manifest(data, lines, check_ports=check_ports)
     if errors:
         raise ManifestInvalid(str(path), sorted(errors, key=lambda e: e.line or 0))
-    return CheckedManifest(manifest, exposure_warnings(manifest, lines))
+    return CheckedManifest(manifest, exposure_warnings(manifest, lines) + cpu_affinity_warnings(manifest, lines))

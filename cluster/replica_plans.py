@@ -43,7 +43,8 @@ def replica_spec(manifest: Manifest, pool: Pool) -> ReplicaSpec:
     p = pool.parallelism
     threads = max(1, round(pool.resources.cpus * p.world_size))
     return ReplicaSpec(model=absolute_model(manifest), device=e.device, dtype=e.dtype, engine=engine,
-                       parallel=ParallelConfig(tp=p.tp, pp=p.pp, ep=p.ep), threads=threads)
+                       parallel=ParallelConfig(tp=p.tp, pp=p.pp, ep=p.ep), threads=threads,
+                       cpu_affinity=pool.cpu_affinity)
 
 
 def replica_plans(manifest: Manifest, count: dict[str, int] | None = None) -> list[ReplicaPlan]:

@@ -87,3 +87,4 @@ class RankPlacement:
     device: str  # the torch device it computes on, e.g. "cuda:0" or "cpu"
     visible_gpus: str | None  # its CUDA_VISIBLE_DEVICES (None: not set)
     attention: str = ""  # the attention backend it runs and why, e.g. "triton (cuda)"
+    cpus: tuple[int, ...] | None = None  # the host CPUs it may run on (os.sched_getaffinity; None: not Linux)

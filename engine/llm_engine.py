@@ -28,6 +28,7 @@ from typing import Any, Callable, Mapping, Sequence as Seq, TypeVar
 
 import torch
 
+from tandem.engine.cpu_affinity import current_cpus
 from tandem.engine.device import RankPlacement
 from tandem.engine.engine_config import EngineConfig, available_memory_bytes
 from tandem.engine.errors import ReplicaFailedError
@@ -58,11 +59,15 @@ class EngineStats(SchedulerStats):
 class LLMEngine:
     def __init__(self, loaded: LoadedModel, config: EngineConfig = EngineConfig(), *,
                  event_sink: KVEventSink = discard_events, parallel: ParallelConfig = ParallelConfig(),
-                 kv_agent: KVAgentFactory | None = None, rank_gpus: Seq[str] | None = None):
+                 kv_agent: KVAgentFactory | None = None, rank_gpus: Seq[str] | None = None,
+                 rank_cpus: Seq[tuple[int, ...]] | None = None):
         """loaded.model may be None (weights=False) when parallel spans more than one rank. rank_gpus: each
-        rank's CUDA_VISIBLE_DEVICES (None: the ranks inherit this process's and rank r takes cuda:r). Raises
-        ValueError for a split the model cannot take or a KV budget that buys no block, ReplicaFailedError if a
-        rank fails to start."""
+        rank's CUDA_VISIBLE_DEVICES (None: the ranks inherit this process's and rank r takes cuda:r). rank_cpus:
+        each rank's host CPUs, in rank order, which its process pins itself to (None: the ranks inherit this
+        process's). Like rank_gpus it is ignored for one rank, which computes in this process: its owner pins
+        that (replica/spec.py). Raises ValueError for a split the model cannot take, a KV budget that buys no block
+        or a rank_cpus of the wrong length, ReplicaFailedError if a rank fails to start (also for CPUs the host
+        does not offer)."""
         self.loaded = loaded
         self.config = config
         self.tokenizer = loaded.tokenizer
@@ -96,7 +101,7 @@ class LLMEngine:
             self.local_kv_agent = kv_agent(0, self.layout, self.runner.kv_cache) if kv_agent else None
             self.runner.layer_observer = self.local_kv_agent
             self.rank_placements = (RankPlacement(0, os.getpid(), str(device), os.environ.get("CUDA_VISIBLE_DEVICES"),
-                                                  loaded.model.attention.choice.summary()),)
+                                                  loaded.model.attention.choice.summary(), current_cpus()),)
         else:
             from tandem.engine.ranks.executor import MultiprocExecutor, free_port
             from tandem.engine.ranks.worker import WorkerSpec
@@ -104,6 +109,8 @@ class LLMEngine:
             # Each rank measures its device's free memory once its shard is loaded (this process never touches
             # CUDA) and the smallest answer sizes every rank's cache; CPU ranks share this host, so they split it.
             share = 1 if device.type == "cuda" else self.layout.world_size
+            if rank_cpus is not None and len(rank_cpus) != self.layout.world_size:
+                raise ValueError(f"rank_cpus lists {len(rank_cpus)} CPU sets for {self.layout.world_size} ranks")
             threads = max(1, torch.get_num_threads() // self.layout.world_size)
             for attempt in range(STARTUP_PORT_ATTEMPTS):
                 # free_port() may be taken by another process before rank 0 binds it: then try another port.
@@ -114,7 +121,8 @@ class LLMEngine:
                         max_positions=model_config.max_position_embeddings,
                         init_method=f"tcp://127.0.0.1:{free_port()}", timeout_s=parallel.collective_timeout_s,
                         threads=threads, micro_batches=parallel.num_micro_batches, kv_agent=kv_agent,
-                        attention_backend=config.attention_backend, visible_gpus=rank_gpus),
+                        attention_backend=config.attention_backend, visible_gpus=rank_gpus,
+                        cpus=None if rank_cpus is None else tuple(tuple(c) for c in rank_cpus)),
                         kv_blocks=lambda free: blocks_for(free // share))
                     break
                 except ReplicaFailedError as e:

@@ -8,6 +8,7 @@ import logging
 import os
 from dataclasses import dataclass, field
 
+from tandem.engine.cpu_affinity import format_cpus, pin_process, pinned_threads, split_cpus
 from tandem.engine.device import DeviceChoice, resolve_device, split_gpu_ids
 from tandem.engine.engine_config import EngineConfig
 from tandem.engine.parallel.layout import ParallelConfig
@@ -30,7 +31,9 @@ def ray_gpu_ids() -> list[str] | None:
 class ReplicaSpec:
     """model: a Hugging Face folder or .gguf path (None: the embedded model). device: engine/device.py DEVICES
     (auto: CUDA when Ray gave the replica GPUs); dtype None: the device's default. threads: torch CPU threads for
-    the whole replica (split over its ranks)."""
+    the whole replica (split over its ranks). cpu_affinity: host CPUs to pin the replica to (None: no pinning):
+    its driver process takes the whole list, rank r of several the r-th equal share (engine/cpu_affinity.py);
+    len(cpu_affinity) must be a multiple of the world size."""
 
     model: str | None = None
     device: str = "auto"
@@ -38,6 +41,7 @@ class ReplicaSpec:
     engine: EngineConfig = field(default_factory=EngineConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     threads: int = 1
+    cpu_affinity: tuple[int, ...] | None = None
 
     def choose_device(self, gpu_ids: list[str] | None) -> DeviceChoice:
         """This replica's device and dtype, given the GPU IDs Ray assigned it (None outside Ray). Raises
@@ -50,17 +54,26 @@ class ReplicaSpec:
     def build(self, kv_agent=None, event_sink=None):
         """Loads the model (only its config and tokenizer when the ranks load their own shards) onto the chosen
         device and returns a running LLMEngine publishing its KV events to event_sink (None: nowhere). A replica
-        of several ranks gives each rank its share of the GPUs Ray assigned it (CUDA_VISIBLE_DEVICES). Raises
-        ModelLoadError / ValueError / ReplicaFailedError like LLMEngine."""
+        of several ranks gives each rank its share of the GPUs Ray assigned it (CUDA_VISIBLE_DEVICES). With
+        cpu_affinity, pins this whole process (every thread) to it first, and runs no more torch threads than it
+        has CPUs: this process is the replica's driver. Raises ModelLoadError / ValueError (also for CPUs this
+        host does not offer) / ReplicaFailedError like LLMEngine."""
         import torch
 
         from tandem.engine.kv_events import discard_events
         from tandem.engine.llm_engine import LLMEngine
         from tandem.engine.loader import load_model
 
-        torch.set_num_threads(max(1, self.threads))
-        gpu_ids = ray_gpu_ids()
         world_size = self.parallel.world_size
+        rank_cpus = None
+        if self.cpu_affinity is not None:
+            rank_cpus = split_cpus(self.cpu_affinity, world_size) if world_size > 1 else None
+            pin_process(self.cpu_affinity)
+            _log.info("replica pinned to CPUs %s%s", format_cpus(self.cpu_affinity),
+                      f"; ranks' CPUs {[format_cpus(c) for c in rank_cpus]}" if rank_cpus else "")
+        # Several ranks split these threads (and, pinned, the CPUs) evenly, so the cut carries over to each rank.
+        torch.set_num_threads(pinned_threads(self.threads, self.cpu_affinity, "replica"))
+        gpu_ids = ray_gpu_ids()
         # Several ranks: each child process sees only its share. One rank: this process already sees only the
         # replica's GPUs (Ray set CUDA_VISIBLE_DEVICES for the actor).
         rank_gpus = split_gpu_ids(gpu_ids, world_size) if gpu_ids is not None and world_size > 1 else None
@@ -71,4 +84,4 @@ class ReplicaSpec:
         loaded = load_model(self.model, dtype=getattr(torch, choice.dtype), device=choice.device, progress=False,
                             weights=world_size == 1)
         return LLMEngine(loaded, self.engine, parallel=self.parallel, kv_agent=kv_agent,
-                         event_sink=event_sink or discard_events, rank_gpus=rank_gpus)
+                         event_sink=event_sink or discard_events, rank_gpus=rank_gpus, rank_cpus=rank_cpus)

@@ -1,8 +1,10 @@
 """One rank of a replica, in its own process: loads its shard, holds its share of the KV cache, runs steps.
 
-Start-up: the rank takes the GPUs the driver names for it (CUDA_VISIBLE_DEVICES, before CUDA starts), loads its
-shard onto its device, answers ("memory", its device's free bytes) and waits for ("allocate", blocks): the
-driver sizes every rank's KV cache from the smallest answer. Then it sends ("ready", RankPlacement).
+Start-up: the rank pins itself to the host CPUs the driver names for it (every thread, before torch starts its
+thread pool; no more torch threads than those CPUs), takes the GPUs the driver names for it (CUDA_VISIBLE_DEVICES,
+before CUDA starts), loads its shard onto its device, answers ("memory", its device's free bytes) and waits for
+("allocate", blocks): the driver sizes every rank's KV cache from the smallest answer. Then it sends ("ready",
+RankPlacement).
 The driver (engine/ranks/executor.py) sends each message to every rank over a pipe: ("step", prev_tokens,
 SchedulerOutput) pickled once, ("stats",) or ("stop",); and ("agent", fn, args) to the ranks it names, which
 run fn(agent, *args) on their KV transfer agent and answer with the result. fn is a picklable callable (a
@@ -20,6 +22,7 @@ import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
+from tandem.engine.cpu_affinity import current_cpus, pin_process, pinned_threads
 from tandem.engine.device import RankPlacement
 from tandem.engine.parallel.layout import ReplicaLayout
 
@@ -41,6 +44,7 @@ class WorkerSpec:
     kv_agent: object = None  # a picklable factory (rank, layout, kv_cache) -> KV transfer agent (kv_transfer/)
     attention_backend: str = "auto"  # engine_config.ATTENTION_BACKENDS
     visible_gpus: tuple[str, ...] | None = None  # each rank's CUDA_VISIBLE_DEVICES (None: inherit; rank r: cuda:r)
+    cpus: tuple[tuple[int, ...], ...] | None = None  # each rank's host CPUs (engine/cpu_affinity.py; None: inherit)
 
 
 @dataclass(frozen=True)
@@ -62,6 +66,9 @@ def run_worker(rank: int, spec: WorkerSpec, conn: Connection) -> None:
     """The rank's whole life. Returns on ("stop",) or after reporting an error."""
     comm = agent = None
     try:
+        cpus = None if spec.cpus is None else spec.cpus[rank]
+        if cpus is not None:  # before torch starts its thread pool: those threads inherit the CPUs
+            pin_process(cpus)
         if spec.visible_gpus is not None:  # before torch starts CUDA, which reads it once
             os.environ["CUDA_VISIBLE_DEVICES"] = spec.visible_gpus[rank]
         import torch
@@ -74,7 +81,7 @@ def run_worker(rank: int, spec: WorkerSpec, conn: Connection) -> None:
         from tandem.engine.models import build_model
         from tandem.engine.parallel.comm import ParallelComm
 
-        torch.set_num_threads(spec.threads)
+        torch.set_num_threads(pinned_threads(spec.threads, cpus, f"rank {rank}"))
         layout = spec.layout
         device = spec.device
         if torch.device(device).type == "cuda" and torch.device(device).index is None:
@@ -101,7 +108,7 @@ def run_worker(rank: int, spec: WorkerSpec, conn: Connection) -> None:
         if spec.kv_agent is not None:
             agent = runner.layer_observer = spec.kv_agent(rank, layout, runner.kv_cache)
         conn.send(("ready", RankPlacement(rank, os.getpid(), str(device), os.environ.get("CUDA_VISIBLE_DEVICES"),
-                                          model.attention.choice.summary())))
+                                          model.attention.choice.summary(), current_cpus())))
         while True:
             message = pickle.loads(conn.recv_bytes())
             kind = message[0]

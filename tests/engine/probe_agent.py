@@ -20,6 +20,18 @@ class ProbeAgent:
         """(rank, process id, shape of the KV store beside it, tag)."""
         return self.rank, os.getpid(), self.kv_shape, tag
 
+    def threads(self) -> tuple[int, dict[int, tuple[int, ...]]]:
+        """(torch's thread count, each thread of this process -> the CPUs it may run on)."""
+        import torch
+
+        cpus = {}
+        for tid in map(int, os.listdir("/proc/self/task")):
+            try:
+                cpus[tid] = tuple(sorted(os.sched_getaffinity(tid)))
+            except ProcessLookupError:  # it ended since the listing
+                pass
+        return torch.get_num_threads(), cpus
+
     def refuse(self) -> None:
         raise LookupError(f"rank {self.rank} refuses")
 
