@@ -177,6 +177,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_cluster(sub)
+    from tandem.bench.loadgen.command import add_parser as add_bench  # the load generator (a client of the API)
+
+    add_bench(sub)
     return parser
 
 

@@ -53,8 +53,11 @@ LAYERS = {
     "prefill_worker": {"replica", "kv_transfer", "engine", "proto"},
     "decode_worker": {"replica", "kv_transfer", "engine", "proto"},
     "router": {"replica", "kv_transfer", "engine", "proto"},
-    "cluster": {"router", "prefill_worker", "decode_worker", "replica", "kv_transfer", "engine", "proto"},
+    "cluster": {"router", "prefill_worker", "decode_worker", "replica", "kv_transfer", "engine", "proto", "bench"},
 }
+# bench/ may import anything, but its load generator (which `tandem bench` offers through cluster/cli.py) is a
+# client of the API: the router's client and types, the proto and the engine's torch-free tokenizer only.
+LOADGEN_MAY_IMPORT = ("tandem.bench.loadgen", "tandem.router.client", "tandem.proto.", "tandem.engine.loader.model_info")
 # What the router takes from the layers below it: types and the torch-free loader, never a runtime module.
 ROUTER_MAY_IMPORT = ("tandem.replica.contract", "tandem.replica.remote", "tandem.kv_transfer.descriptor",
                      "tandem.kv_transfer.drops",  # MessageDrops: a plain value in ReplicaStats
@@ -78,6 +81,13 @@ def test_folders_import_only_the_layers_below_them():
     wrong = [(f, m) for folder, allowed in LAYERS.items() for f, m in _tandem_imports(folder)
              if m.split(".")[1] not in allowed | {folder}]
     assert not wrong, f"imports against DESIGN.md's layers: {wrong}"
+
+
+def test_the_cluster_takes_only_the_load_generator_from_bench_and_it_is_only_a_client():
+    from_bench = [(f, m) for f, m in _tandem_imports("cluster") if m.startswith("tandem.bench.")]
+    assert from_bench and all(m.startswith("tandem.bench.loadgen.") for _, m in from_bench)
+    wrong = [(f, m) for f, m in _tandem_imports("bench/loadgen") if not m.startswith(LOADGEN_MAY_IMPORT)]
+    assert not wrong, f"the load generator imports more than a client needs: {wrong}"
 
 
 def test_the_router_imports_contracts_and_types_only():
