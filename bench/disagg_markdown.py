@@ -33,19 +33,20 @@ def _ratio_rows(compare: dict) -> list[str]:
 
 
 def _class_rows(sweeps: dict) -> list[str]:
-    """Where each class's time went at the highest rate: the router's queue, prefill (with the KV transfer in
-    disaggregated mode), and decode (end to end minus time to first token)."""
-    rows = ["| mode | class | requests | queue mean (ms) | prefill + transfer mean (ms) | TTFT p50 / p90 (ms) | "
-            "decode mean (ms) | ITL p99 (ms) |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    """Where each class's time went at each mode's highest rate, from the router's own timings (means, ms)."""
+    rows = ["| mode | class | requests | queue | prefill compute | KV transfer tail | admission | TTFT p50 / p90 | "
+            "decode (e2e - TTFT) | ITL p99 |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for mode, points in sweeps.items():
         rate, summary = points[-1]
         for klass, c in sorted(summary["by_class"].items()):
-            timings = c.get("server_timings_ms", {})
+            t = {k: (v or {}).get("mean") for k, v in c.get("server_timings_ms", {}).items()}
+            compute = None if t.get("prefill_s") is None else \
+                t["prefill_s"] - (t.get("transfer_s") or 0) - (t.get("admission_s") or 0)
             decode = None if c["e2e_ms"]["mean"] is None or c["ttft_ms"]["mean"] is None else \
                 c["e2e_ms"]["mean"] - c["ttft_ms"]["mean"]
-            rows.append(f"| {mode} ({rate:g} req/s) | {klass} | {c['requests']} | "
-                        f"{_f(timings.get('queue_s', {}).get('mean'))} | {_f(timings.get('prefill_s', {}).get('mean'))} "
-                        f"| {_f(c['ttft_ms']['p50'])} / {_f(c['ttft_ms']['p90'])} | {_f(decode)} | "
+            rows.append(f"| {mode} ({rate:g} req/s) | {klass} | {c['requests']} | {_f(t.get('queue_s'))} | "
+                        f"{_f(compute)} | {_f(t.get('transfer_s'))} | {_f(t.get('admission_s'))} | "
+                        f"{_f(c['ttft_ms']['p50'])} / {_f(c['ttft_ms']['p90'])} | {_f(decode)} | "
                         f"{_f(c['itl_ms']['p99'])} |")
     return rows
 
@@ -90,9 +91,11 @@ def section(result: dict) -> str:
         f"Highest rate with at least {100 * result['attainment']:.0f}% of requests within the SLOs: "
         + ", ".join(f"{mode} {'none of the rates' if r is None else f'{r:g} req/s'}" for mode, r in best.items())
         + ".", "", "![ITL p99, TTFT p90 and goodput against rate](images/disagg_sweep.png)", "",
-        "Where each class's time went at the highest rate (the router's own timings: queue is waiting for a "
-        "replica with room; prefill includes the KV transfer in disaggregated mode; decode is end to end minus "
-        "time to first token):", "", *_class_rows(result["sweeps"]), ""]
+        "Where each class's time went at the highest rate, in ms (means of the router's own timings: queue is "
+        "waiting for a replica with room; prefill compute is the prefill replica's queue and compute (the "
+        "colocated replica's, with its decodes); the KV transfer tail is what layer-wise sending did not hide; "
+        "admission is the decode replica taking the request into its batch; decode is end to end minus time to "
+        "first token as the client saw it):", "", *_class_rows(result["sweeps"]), ""]
     if result.get("scale"):
         costs = result["scale"]["costs"]
         lines += [

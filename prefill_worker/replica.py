@@ -7,6 +7,8 @@ acknowledged the data. What every replica answers (ready, stats, kv_events, abor
 
 from __future__ import annotations
 
+import time
+
 from typing import Sequence
 
 from tandem.engine.sampling_params import SamplingParams
@@ -56,7 +58,9 @@ class PrefillReplica(ReplicaShell):
             raise
         if first is None:
             raise TransferFailedError(request_id, TransferState.ABORTED, "the prefill was aborted")
+        sampled = time.monotonic()
         event = await self.transfers.wait(self.server, request_id)
         if event.state is not TransferState.DONE:
             raise TransferFailedError(request_id, event.state, event.error)
-        return PrefillResult(first_token_of(first), first.num_prompt_tokens, first.num_cached_tokens)
+        return PrefillResult(first_token_of(first), first.num_prompt_tokens, first.num_cached_tokens,
+                             transfer_s=time.monotonic() - sampled)

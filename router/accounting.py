@@ -17,13 +17,18 @@ class Usage:
 
 @dataclass(frozen=True)
 class Timings:
-    """Seconds. ttft: arrival at the router to the first token; mean_itl: between later tokens."""
+    """Seconds. ttft: arrival at the router to the first token; mean_itl: between later tokens. queue: waiting
+    for a replica with room; prefill: the replica call to the first token, which in disaggregated mode includes
+    transfer (the KV transfer's tail after the prefill replica sampled) and admission (the prefill replica's
+    answer to the decode replica's first token: KV checks and joining its batch)."""
 
     ttft_s: float
     mean_itl_s: float
     e2e_s: float
     queue_s: float
     prefill_s: float
+    transfer_s: float = 0.0
+    admission_s: float = 0.0
 
 
 class Accounting:
@@ -32,13 +37,14 @@ class Accounting:
         self.first = self.last = None
         self.completion_tokens = 0
         self.prompt_tokens = self.cached_tokens = 0
-        self.queue_s = self.prefill_s = 0.0
+        self.queue_s = self.prefill_s = self.transfer_s = self.admission_s = 0.0
 
     def observe(self, progress: Progress, now: float) -> list[float]:
         """Takes one progress; returns the inter-token gaps it shows (seconds per token since the previous
         tokens, one entry per token after the first)."""
         if progress.prefill_route:  # the first progress of a request carries how long it queued and prefilled
             self.queue_s, self.prefill_s = progress.queue_s, progress.prefill_s
+            self.transfer_s, self.admission_s = progress.transfer_s, progress.admission_s
         if progress.num_cached_tokens is not None:  # disaggregated: the prefill replica's cache hits
             self.cached_tokens = progress.num_cached_tokens
         count = 0
@@ -63,4 +69,5 @@ class Accounting:
         first = self.first if self.first is not None else now
         gaps = self.completion_tokens - 1
         itl = (self.last - self.first) / gaps if gaps > 0 and self.first is not None else 0.0
-        return Timings(first - self.arrival, itl, now - self.arrival, self.queue_s, self.prefill_s)
+        return Timings(first - self.arrival, itl, now - self.arrival, self.queue_s, self.prefill_s, self.transfer_s,
+                       self.admission_s)

@@ -103,8 +103,10 @@ class Progress:
     decode_replica: str = ""
     prefill_route: str = ""  # routing.PREFILL_POOL or the reason the decode replica prefilled
     num_cached_tokens: int | None = None  # the prefill replica's cache hits (disaggregated)
-    prefill_s: float = 0.0
+    prefill_s: float = 0.0  # from the replica call to the first token (the parts below included)
     queue_s: float = 0.0
+    transfer_s: float = 0.0  # the KV transfer's tail after the prefill replica sampled (disaggregated)
+    admission_s: float = 0.0  # the prefill replica's answer to the decode replica's first token (disaggregated)
 
 
 class RequestDriver:
@@ -273,13 +275,16 @@ class RequestDriver:
                 priority=request.priority, cache_salt=request.cache_salt))
             prefill.load.queued_prefill_tokens -= queued
             queued = 0
+            answered = time.monotonic()
             stream = decode.api.decode(request.request_id, result.first_token)
             first = True
             async for outputs in self._items(decode, stream):
                 if first:
+                    now = time.monotonic()
                     yield Progress(outputs, prefill_replica=prefill.name, decode_replica=decode.name,
                                    prefill_route=PREFILL_POOL, num_cached_tokens=result.num_cached_tokens,
-                                   prefill_s=time.monotonic() - start, queue_s=queue_s)
+                                   prefill_s=now - start, queue_s=queue_s, transfer_s=result.transfer_s,
+                                   admission_s=now - answered)
                     first = False
                 else:
                     yield Progress(outputs)

@@ -63,8 +63,7 @@ class GrpcBackend:
                     record.cached_tokens = message.usage.cached_tokens
                     record.output_tokens = message.usage.completion_tokens
                     t = message.timings
-                    record.server_timings = {"ttft_s": t.ttft_s, "mean_itl_s": t.mean_itl_s, "e2e_s": t.e2e_s,
-                                             "queue_s": t.queue_s, "prefill_s": t.prefill_s}
+                    record.server_timings = {field.name: getattr(t, field.name) for field in t.DESCRIPTOR.fields}
             record.end_s = clock.now()
             record.output_tokens = record.output_tokens or counted
         except grpc.aio.AioRpcError as e:

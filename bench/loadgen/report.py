@@ -139,6 +139,7 @@ def plot_modes(path: Path, sweeps: dict[str, Sequence[tuple[float, dict]]], slo:
         if limit is not None:
             ax.axhline(1000 * limit, linestyle="--", color="grey", label="SLO")
         ax.set(xlabel="rate (req/s)", ylabel=label)
+        ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle(title)

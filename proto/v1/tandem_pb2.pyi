@@ -107,18 +107,22 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
 
 class Timings(_message.Message):
-    __slots__ = ("ttft_s", "mean_itl_s", "e2e_s", "queue_s", "prefill_s")
+    __slots__ = ("ttft_s", "mean_itl_s", "e2e_s", "queue_s", "prefill_s", "transfer_s", "admission_s")
     TTFT_S_FIELD_NUMBER: _ClassVar[int]
     MEAN_ITL_S_FIELD_NUMBER: _ClassVar[int]
     E2E_S_FIELD_NUMBER: _ClassVar[int]
     QUEUE_S_FIELD_NUMBER: _ClassVar[int]
     PREFILL_S_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_S_FIELD_NUMBER: _ClassVar[int]
+    ADMISSION_S_FIELD_NUMBER: _ClassVar[int]
     ttft_s: float
     mean_itl_s: float
     e2e_s: float
     queue_s: float
     prefill_s: float
-    def __init__(self, ttft_s: _Optional[float] = ..., mean_itl_s: _Optional[float] = ..., e2e_s: _Optional[float] = ..., queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ...) -> None: ...
+    transfer_s: float
+    admission_s: float
+    def __init__(self, ttft_s: _Optional[float] = ..., mean_itl_s: _Optional[float] = ..., e2e_s: _Optional[float] = ..., queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., admission_s: _Optional[float] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "index", "text", "token_ids", "logprobs", "finish_reason", "usage", "timings", "prefill_replica", "decode_replica", "prefill_route")

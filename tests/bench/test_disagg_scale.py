@@ -18,7 +18,7 @@ from tandem.router.mock_batching import BatchedDecode, BatchedPrefill, StepCosts
 
 COSTS = StepCosts(step_s=0.002, decode_token_s=0.0001, prefill_token_s=0.00002, max_num_batched_tokens=256,
                   kv_bytes_per_token=1000, transfer_bytes_per_s=1e8)
-TIMINGS = {"ttft_s", "mean_itl_s", "e2e_s", "queue_s", "prefill_s"}
+TIMINGS = {"ttft_s", "mean_itl_s", "e2e_s", "queue_s", "prefill_s", "transfer_s", "admission_s"}
 
 
 def prompt(n: int, seed: int) -> tuple[int, ...]:
@@ -62,6 +62,12 @@ def test_driver_backend_fills_records(mode):
         if mode == "disaggregated":
             assert again.cached_tokens == 192
             assert all(r.server_timings["prefill_s"] > 0 for r in records)
+            # the mock moves the KV when decode() starts: the router sees it as the decode replica's admission
+            for request, r in zip(requests, records):
+                assert r.server_timings["admission_s"] >= COSTS.transfer_time(len(request.prompt_ids))
+                assert r.server_timings["admission_s"] < r.server_timings["prefill_s"]
+        else:
+            assert all(r.server_timings["admission_s"] == r.server_timings["transfer_s"] == 0 for r in records)
         for replica in deployment.replicas:
             assert (await replica.stats()).running == 0
 

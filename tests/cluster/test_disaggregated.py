@@ -64,6 +64,9 @@ def test_concurrent_greedy_requests_equal_a_single_process_run(cluster, client, 
         assert got.usage.completion_tokens == len(want.token_ids)
         assert 0 < got.timings.ttft_s <= got.timings.e2e_s
         assert got.timings.prefill_s > 0 and got.timings.mean_itl_s > 0
+        # the prefill replica's part of the transfer, then the decode replica's admission, within the prefill
+        assert got.timings.transfer_s >= 0 and got.timings.admission_s > 0
+        assert got.timings.transfer_s + got.timings.admission_s < got.timings.prefill_s
     wait_idle(cluster)
     check_integrity(cluster)
 
