@@ -79,7 +79,7 @@ def plot_itl_timeline(path: Path, records: Sequence[RequestRecord]) -> None:
                 ys.append(1000 * (b - a))
         color = f"C{k}"
         ax.scatter(xs, ys, s=4, color=color, label=f"{klass} gaps", alpha=0.6)
-        ax.plot([r.scheduled_s for r in mine], [0] * len(mine), "|", color=color, markersize=14 if k else 8,
+        ax.plot([r.scheduled_s for r in mine], [0] * len(mine), "|", color=color, markersize=16 if klass == "long" else 8,
                 transform=ax.get_xaxis_transform(), label=f"{klass} arrivals")
     ax.set(xlabel="seconds since start", ylabel="inter-token gap (ms)", title="ITL over time")
     ax.set_yscale("log")
