@@ -10,50 +10,19 @@ import pytest
 
 from tandem.bench.loadgen.report import read_records
 from tandem.cluster.cli import main
-from tandem.router.grpc_service import TandemServicer, start_grpc_server
-from tandem.router.http_service import build_app, start_http_server
-from tandem.router.lifecycle import DriverSettings, Replica, RequestDriver
+from tandem.router.mock_front import MockFront
 from tandem.router.mock_replicas import MockDecode
-from tandem.router.serving import Serving
 
-from tests.router.router_harness import BackgroundLoop, model_facts
+from tests.router.router_harness import model_facts
 
 STEP_S = 0.01
 
 
-class MockCluster(BackgroundLoop):
-    """A colocated router over one mock decode replica, gRPC and HTTP on free loopback ports."""
-
-    def __init__(self):
-        super().__init__()
-        self.decode = MockDecode("decode-0", step_s=STEP_S)
-
-        async def boot():
-            driver = RequestDriver([], [Replica("decode-0", "decode", self.decode)],
-                                   DriverSettings(mode="colocated"))
-            self.serving = Serving(driver, model_facts(2048), "colocated")
-            self.http, http_port = await start_http_server(build_app(self.serving), "127.0.0.1:0")
-            self.grpc, grpc_port, _ = await start_grpc_server(TandemServicer(self.serving), "127.0.0.1:0")
-            return http_port, grpc_port
-
-        http_port, grpc_port = self.run(boot())
-        self.url, self.target = f"http://127.0.0.1:{http_port}/v1", f"127.0.0.1:{grpc_port}"
-
-    def close(self) -> None:
-        async def stop():
-            await self.http.stop()
-            await self.grpc.stop(1)
-            self.serving.close()
-
-        self.run(stop())
-        self.stop()
-
-
 @pytest.fixture(scope="module")
 def cluster():
-    c = MockCluster()
-    yield c
-    c.close()
+    front = MockFront(MockDecode("decode-0", step_s=STEP_S), model_facts(2048))
+    yield front
+    front.close()
 
 
 def bench(capsys, *argv) -> dict:
