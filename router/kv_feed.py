@@ -82,6 +82,8 @@ class KVFeed:
                 cursor.quiet = cursor.quiet + 1 if not batch.events else 0
         else:
             raise TypeError(f"replica {load.name} answered kv_events with a {type(batch).__name__}")
+        if load.refusals and load.kv_blocks_free is not None and reply.kv_blocks_free > load.kv_blocks_free:
+            load.refusals = 0  # room came back since it refused: rank it by its load again, not last
         load.kv_blocks_free = reply.kv_blocks_free
 
     def forget(self, name: str) -> None:

@@ -8,7 +8,9 @@ Policies:
     first).
   - least_loaded: fewest requests in flight (ties keep the pool's order).
   - round_robin, random: the baselines cache_aware is compared with.
-Under every policy a replica that refused room recently is tried last.
+Under every policy a replica that refused room recently is tried last: until it accepts a request, or the KV
+feed sees its free blocks grow (kv_feed.py), whichever comes first (else a replica that refused once while
+others had room would never be tried first again).
 """
 
 from __future__ import annotations
