@@ -156,13 +156,20 @@ def _add_cluster(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-tokens", type=int, default=128, help="tokens for --ask (default 128)")
     p.set_defaults(func=commands.up)
 
-    for name, helptext in (("down", "stop a running cluster"), ("status", "show pools, replicas, queues, KV use")):
+    for name, helptext in (("down", "stop a running cluster"),
+                           ("status", "show pools (desired, pending, last scaling decision), replicas, queues, KV use"),
+                           ("scale", "pin a pool at N replicas, or give it back to the autoscaler (auto)")):
         p = sub.add_parser(name, help=helptext)
+        if name == "scale":
+            p.add_argument("pool", choices=["prefill", "decode"])
+            p.add_argument("count", help="a number of replicas, or auto")
         p.add_argument("--name", default="tandem", help="the manifest's name (default tandem)")
         p.add_argument("--namespace", default="tandem", help="the manifest's ray.namespace (default tandem)")
         p.add_argument("--address", default=None, help="Ray address (default: the local cluster)")
         if name == "status":
             p.add_argument("--json", action="store_true", help="print one JSON object")
+            p.add_argument("--log", type=int, default=0, metavar="N",
+                           help="also print the control plane's last N log lines (scaling decisions, failures)")
         p.set_defaults(func=getattr(commands, name))
 
     p = sub.add_parser("make-model", help="write a small random model (e.g. for deploy/manifests/local-moe.yaml)")

@@ -127,14 +127,25 @@ def status(args: argparse.Namespace) -> int:
           f"gRPC {report['endpoints']['grpc']}{http}")
     for name, pool in report["pools"].items():
         p = pool["parallelism"]
-        print(f"  pool {name}: {pool['ready']}/{pool['count']} ready, tp={p['tp']} pp={p['pp']} ep={p['ep']}, "
-              f"replicas min {pool['replicas']['min']} max {pool['replicas']['max']}")
+        scaling = ("pinned at " + str(pool["pinned"]) if pool.get("pinned") is not None
+                   else "autoscaled" if pool.get("autoscaling") else "fixed")
+        print(f"  pool {name}: {pool['ready']} ready, {pool.get('pending', 0)} pending, {pool.get('draining', 0)} "
+              f"draining, desired {pool.get('desired', pool['count'])} ({scaling}, min {pool['replicas']['min']} "
+              f"max {pool['replicas']['max']}); tp={p['tp']} pp={p['pp']} ep={p['ep']}")
+        last = pool.get("last_decision")
+        if last:
+            print(f"    last decision {last['age_s']:g} s ago: {last['action']} {last['from']} -> {last['to']}: "
+                  f"{last['reason']}")
+        if pool.get("shortfall"):
+            short = pool["shortfall"]
+            print(f"    shortfall: {short['replicas']} replica(s) of {short['bundle']} could not be placed")
     for r in report["replicas"]:
         kv = (f"KV {r['kv_blocks_in_use']}/{r['kv_blocks_total']} blocks ({100 * r['kv_usage']:.0f}%)"
               if "kv_blocks_total" in r else "")
-        queues = (f"running {r['running']}, waiting {r['waiting']}, waiting for KV {r['waiting_for_kv']}"
-                  if "running" in r else r.get("error", ""))
-        print(f"    {r['name']:<12} {r['state']:<12} node {r.get('node')} ({r.get('device')})  {queues}  {kv}")
+        queues = (f"running {r['running']}, waiting {r['waiting']}, waiting for KV {r['waiting_for_kv']}, "
+                  f"in flight {r.get('in_flight', 0)}" if "running" in r else r.get("error", ""))
+        print(f"    {r['name']:<12} {r['state']:<12} node {r.get('node')} pid {r.get('pid')} ({r.get('device')})  "
+              f"{queues}  {kv}")
         placements = {p["rank"]: p for p in r.get("rank_placements", [])}
         for i, rank in enumerate(r.get("ranks", [])):
             print(f"      {rank}{_rank_place(placements.get(i, {}))}")
@@ -144,7 +155,26 @@ def status(args: argparse.Namespace) -> int:
           f"{router.get('failed_requests', 0)}, policy {router.get('policy', '-')}")
     if router.get("prefill_decisions"):
         print("  prefilled: " + ", ".join(f"{k} {v}" for k, v in sorted(router["prefill_decisions"].items())))
+    if args.log:
+        cluster_log = launcher.find(args.name, address=args.address, namespace=args.namespace).log()
+        print("\n".join(cluster_log[-args.log:]))
     return 0
+
+
+def scale(args: argparse.Namespace) -> int:
+    from tandem.cluster import launcher
+
+    count = None if args.count == "auto" else _count(args.count)
+    if count is False:
+        print(f"tandem: error: scale takes a number of replicas (0 or more) or auto, got {args.count!r}",
+              file=sys.stderr)
+        return 2
+    print(launcher.find(args.name, address=args.address, namespace=args.namespace).scale(args.pool, count))
+    return 0
+
+
+def _count(text: str) -> int | bool:
+    return int(text) if text.isdigit() else False
 
 
 def _rank_place(placement: dict) -> str:

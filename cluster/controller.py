@@ -5,8 +5,13 @@ name (`<manifest name>-controller` in the manifest's namespace) from any process
 start() places one placement group per replica (one bundle holding every rank's resources, so a replica's ranks
 share a node), starts the replica actor inside it holding the bundle's GPUs (it spawns its ranks as child
 processes on that node and gives each its share of those GPUs as CUDA_VISIBLE_DEVICES), waits until
-every replica has loaded its model, then starts the router with their handles. Progress lines accumulate in
-log() for the launcher to print.
+every replica has loaded its model (cluster/replica_set.py), then starts the router with their handles. Progress
+lines accumulate in log() for the launcher to print.
+
+Then it runs the control plane: one autoscaling loop per pool whose replicas.min < max (cluster/pool_scaler.py,
+reading the router's per-pool signals), the replicas' health monitor (a dead replica leaves routing and is
+replaced), and the router's (a dead router is replaced on the same addresses). `tandem scale POOL N|auto` pins a
+pool or frees it (scale()).
 
 The KV transfer agents of every replica authenticate each other's messages with one secret per cluster: the
 controller makes it when it is created and hands it to each replica actor inside its TransferConfig, through Ray
@@ -20,24 +25,25 @@ import dataclasses
 import logging
 import secrets
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import ray
-from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from tandem.cluster.autoscaling import PoolPolicy
 from tandem.cluster.manifest import Manifest
-from tandem.cluster.replica_plans import ReplicaPlan, absolute_model, replica_plans, transfer_config
-from tandem.replica.contract import DecodeReplicaAPI, PrefillReplicaAPI, ReadyReplica, ReplicaInfo
-from tandem.replica.remote import remote_replica
+from tandem.cluster.pool_pressure import SLO, PoolGauge
+from tandem.cluster.pool_scaler import PoolScaler
+from tandem.cluster.replica_plans import absolute_model
+from tandem.cluster.replica_set import HEARTBEAT_S, HEARTBEAT_TIMEOUT_S, STATS_TIMEOUT_S, ReplicaSet, cause
 from tandem.router.lifecycle import DriverSettings
 from tandem.router.limits import ServingLimits
 from tandem.router.policy import RoutingWeights
 from tandem.router.routing import RoutingSettings
 
 _log = logging.getLogger(__name__)
-STATS_TIMEOUT_S = 10.0
+ROUTER_RESTART_TRIES = 10
+MAX_LOG_LINES = 2000  # progress and decision lines kept for `tandem up` and `tandem status --log`
 
 
 def driver_settings(manifest: Manifest) -> DriverSettings:
@@ -54,52 +60,40 @@ def driver_settings(manifest: Manifest) -> DriverSettings:
 
 def serving_limits(manifest: Manifest) -> ServingLimits:
     """The manifest's request limits, deadline and tenant limits as the router's front doors take them."""
+    from tandem.router.limits import AdmissionSettings
+
+    # Raises ValueError for "slo" admission without slo.ttft_s (`tandem validate` reports it first).
+    admission = AdmissionSettings(mode=manifest.router.admission,
+                                  ttft_slo_s=getattr(getattr(manifest, "slo", None), "ttft_s", None))
     return ServingLimits(request_timeout_s=manifest.router.request_timeout_s, limits=manifest.router.limits,
-                         tenants=manifest.auth.tenants, default_tenant=manifest.auth.default_tenant)
+                         tenants=manifest.auth.tenants, default_tenant=manifest.auth.default_tenant,
+                         admission=admission)
 
 
 def controller_name(cluster_name: str) -> str:
     return f"{cluster_name}-controller"
 
 
-@dataclass
-class ReplicaEntry:
-    """One replica the controller started: its plan, placement group, Ray actor (None while placing) and the
-    typed view of that actor (replica/remote.py), and its info once ready."""
-
-    plan: ReplicaPlan
-    pg: Any  # ray.util.placement_group.PlacementGroup
-    actor: Any = None  # the replica's Ray actor handle
-    api: PrefillReplicaAPI | DecodeReplicaAPI | None = None
-    info: ReplicaInfo | None = None
-
-    @property
-    def name(self) -> str:
-        return self.plan.name
-
-    @property
-    def pool(self) -> str:
-        return self.plan.pool
-
-
 class Controller:
     def __init__(self, manifest: Manifest, *, placement_timeout_s: float = 120.0, ready_timeout_s: float = 600.0,
                  started_ray: bool = False):
         self.manifest = manifest
-        self.placement_timeout_s = placement_timeout_s
-        self.ready_timeout_s = ready_timeout_s
         self.started_ray = started_ray  # `tandem down` stops the local Ray it started
-        self.replicas: list[ReplicaEntry] = []
         self.router = None
         self.endpoint: str | None = None
         self.http_endpoint: str | None = None
         self.state = "starting"
         self._lines: list[str] = []
-        self._transfer_secret = secrets.token_bytes(32)  # shared by every replica's KV agents, this cluster only
+        # One secret shared by every replica's KV agents, this cluster only.
+        self.replicas = ReplicaSet(manifest, secrets.token_bytes(32), self._say,
+                                   placement_timeout_s=placement_timeout_s, ready_timeout_s=ready_timeout_s)
+        self.scalers: dict[str, PoolScaler] = {}
+        self._tasks: list[asyncio.Task] = []
 
     def _say(self, line: str) -> None:
         _log.info(line)
         self._lines.append(f"[{time.strftime('%H:%M:%S')}] {line}")
+        del self._lines[:-MAX_LOG_LINES]
 
     async def log(self, since: int = 0) -> list[str]:
         return self._lines[since:]
@@ -114,10 +108,7 @@ class Controller:
         """Starts every replica and the router; returns {"grpc": endpoint, "http": endpoint or None}. On failure
         everything started is stopped again and the error says which replica failed and why."""
         try:
-            plans = replica_plans(self.manifest)
-            await asyncio.gather(*(self._place(plan) for plan in plans))
-            self._say(f"starting {len(plans)} replica(s): {', '.join(p.name for p in plans)}")
-            await asyncio.gather(*(self._start_replica(r) for r in self.replicas))
+            await self.replicas.start_initial()
             await self._start_router()
         except BaseException as e:
             self.state = "failed"
@@ -126,46 +117,49 @@ class Controller:
             self.state = "failed"
             raise
         self.state = "serving"
+        self._start_control()
         return {"grpc": self.endpoint, "http": self.http_endpoint}
 
-    async def _place(self, plan: ReplicaPlan) -> None:
-        pg = placement_group([plan.bundle], strategy="STRICT_PACK", name=f"{self.manifest.name}-{plan.name}")
-        self.replicas.append(ReplicaEntry(plan, pg))
-        self._say(f"{plan.name}: placing {len(plan.bundles)} rank(s) x {plan.bundles[0]} on one node")
-        try:
-            await asyncio.wait_for(pg.ready(), self.placement_timeout_s)
-        except asyncio.TimeoutError:
-            raise RuntimeError(
-                f"{plan.name}: Ray could not place {len(plan.bundles)} rank(s) x {plan.bundles[0]} on one node "
-                f"within {self.placement_timeout_s:g} s; the cluster has {ray.available_resources()} available. "
-                f"Add nodes with these resources or lower pools.{plan.pool}.resources") from None
+    def _start_control(self) -> None:
+        """The health monitor and one autoscaling loop per pool, on this actor's event loop."""
+        loop = asyncio.get_running_loop()
+        self.replicas.router = self.router
+        slo = SLO(self.manifest.slo.ttft_s, self.manifest.slo.itl_s)
+        for name, pool in self.manifest.pool_items():
+            a = pool.autoscaling
+            gauge = PoolGauge(name, slo, colocated=self.manifest.mode == "colocated",
+                              target_utilization=a.target_utilization, kv_high=a.kv_high,
+                              max_num_seqs=pool.engine.max_num_seqs, horizon_s=a.down_window_s)
+            policy = PoolPolicy(name, pool.replicas.min, pool.replicas.max, a.policy())
+            self.scalers[name] = PoolScaler(name, policy, gauge, self.replicas, time.monotonic,
+                                            on_decision=lambda d: self._say(f"autoscale {d.describe()}"))
+            if pool.replicas.min < pool.replicas.max:
+                self._tasks.append(loop.create_task(self.scalers[name].run()))
+                self._say(f"autoscaling pool {name} between {pool.replicas.min} and {pool.replicas.max} replicas "
+                          f"(up after {a.up_window_s:g} s over target, down after {a.down_window_s:g} s under)")
+        self._tasks.append(loop.create_task(self.replicas.monitor()))
+        self._tasks.append(loop.create_task(self._watch_router()))
 
-    async def _start_replica(self, entry: ReplicaEntry) -> None:
-        from tandem.decode_worker.replica import DecodeReplica
-        from tandem.prefill_worker.replica import PrefillReplica
-
-        plan = entry.plan
-        colocated = self.manifest.mode == "colocated"
-        cls = PrefillReplica if plan.pool == "prefill" else DecodeReplica
-        transfer = None if colocated else transfer_config(self.manifest, self._transfer_secret)
-        strategy = PlacementGroupSchedulingStrategy(entry.pg, placement_group_bundle_index=0)
-        # The actor holds the bundle's GPUs (Ray tells it their IDs) and hands each rank its share.
-        actor = ray.remote(cls).options(
-            name=f"{self.manifest.name}-{plan.name}", namespace=self.manifest.ray.namespace, num_cpus=0,
-            num_gpus=plan.bundle.get("GPU", 0), max_concurrency=1000, scheduling_strategy=strategy,
-        ).remote(plan.name, plan.spec, transfer)
-        entry.actor, entry.api = actor, remote_replica(plan.pool, actor)
-        try:
-            entry.info = await asyncio.wait_for(entry.api.ready(), self.ready_timeout_s)
-        except asyncio.TimeoutError:
-            raise RuntimeError(f"{plan.name} did not become ready within {self.ready_timeout_s:g} s") from None
-        except ray.exceptions.RayActorError as e:
-            raise RuntimeError(f"{plan.name} failed to start: {_cause(e)}") from None
-        gpus = [r.visible_gpus for r in entry.info.ranks if r.visible_gpus]
-        attention = entry.info.ranks[0].attention if entry.info.ranks else "?"
-        self._say(f"{plan.name} ready on node {entry.info.node} ({entry.info.device}, attention {attention}"
-                  + (f", GPUs {' | '.join(gpus)}" if gpus else "") + f"): {entry.info.kv_blocks_total} KV blocks; "
-                  + "; ".join(entry.info.layout))
+    async def scale(self, pool: str, count: int | None) -> str:
+        """Pins a pool at count replicas (`tandem scale POOL N`) or hands it back to the autoscaler (None:
+        `tandem scale POOL auto`). Returns what was done, for the command to print. Raises ValueError for an
+        unknown pool or a negative count."""
+        if pool not in self.scalers:
+            raise ValueError(f"no pool {pool!r} in this cluster (pools: {', '.join(self.scalers)})")
+        scaler = self.scalers[pool]
+        scaler.policy.pin(count)
+        if count is None:
+            bounds = self.manifest.pool(pool).replicas
+            if bounds.min == bounds.max:  # no loop runs: hold it at its bound
+                scaler.policy.pin(bounds.min)
+                await scaler.tick()
+                scaler.policy.pin(None)
+            message = f"pool {pool}: back to automatic scaling between {bounds.min} and {bounds.max}"
+        else:
+            await scaler.tick()  # act now, not at the next interval
+            message = f"pool {pool}: pinned at {count} replica(s) until `tandem scale {pool} auto`"
+        self._say(message)
+        return message
 
     async def _start_router(self) -> None:
         from tandem.router.router_actor import RouterActor
@@ -177,7 +171,7 @@ class Controller:
             max_concurrency=10000,  # on the controller's node, which is the node `tandem up` ran on
             scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False),
         ).remote(absolute_model(self.manifest), settings)
-        ready = [ReadyReplica(r.name, r.pool, r.api, r.info) for r in self.replicas]
+        ready = self.replicas.ready()
         listen, tls = self.manifest.listen, self.manifest.tls
         try:
             endpoints = await self.router.start.remote(ready, listen.grpc, listen.http,
@@ -185,61 +179,99 @@ class Controller:
                                                        limits=serving_limits(self.manifest),
                                                        tls=None if tls is None else tls.router_config())
         except ray.exceptions.RayError as e:
-            raise RuntimeError(f"the router failed to start: {_cause(e)}") from None
+            raise RuntimeError(f"the router failed to start: {cause(e)}") from None
         self.endpoint, self.http_endpoint = endpoints["grpc"], endpoints["http"]
         http = f", HTTP on {self.http_endpoint}" if self.http_endpoint else ""
         auth = f", API keys for {len(self.manifest.auth.api_keys)} tenant(s)" if self.manifest.auth.api_keys else ""
         secure = "" if tls is None else ", mutual TLS" if tls.client_ca_file else ", TLS"
         self._say(f"router serving gRPC on {self.endpoint}{http} ({self.manifest.mode}, policy {router.policy}"
                   f"{auth}{secure})")
+        self.replicas.router = self.router
+
+    async def _watch_router(self) -> None:
+        """Heartbeats the router; one that died or stopped answering is replaced by a new one on the same
+        addresses, which rebuilds its prefix index from the replicas' snapshots (its KV feed starts with none)."""
+        while True:
+            await asyncio.sleep(HEARTBEAT_S)
+            try:
+                await asyncio.wait_for(self.router.stats.remote(), HEARTBEAT_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                await self._replace_router(f"it did not answer within {HEARTBEAT_TIMEOUT_S:g} s")
+            except ray.exceptions.RayError as e:
+                await self._replace_router(f"it died: {cause(e)}")
+
+    async def _replace_router(self, why: str) -> None:
+        self._say(f"router: replacing it ({why})")
+        old, self.router = self.router, None
+        try:
+            ray.kill(old)
+        except Exception as e:  # already gone
+            _log.info("router kill: %r", e)
+        for attempt in range(ROUTER_RESTART_TRIES):
+            try:
+                await self._start_router()
+                return
+            except RuntimeError as e:  # e.g. its port not free yet
+                self._say(f"router restart {attempt + 1} failed: {e}")
+                await asyncio.sleep(1.0)
+        self.state = "degraded"
+        self._say("router: could not be restarted; `tandem down` and `tandem up` the cluster")
 
     # -- status ----------------------------------------------------------------------------------------
 
     async def status(self) -> dict:
-        """Pools, replicas (state, ranks, queues, KV use) and the router, as one JSON-friendly dict."""
-        replicas = await asyncio.gather(*(self._replica_status(r) for r in self.replicas))
+        """Pools (bounds, desired and current replicas, pending ones, the last scaling decision, shortfalls),
+        replicas (state, ranks with node and pid, queues, KV use, requests in flight) and the router, as one
+        JSON-friendly dict."""
+        entries = list(self.replicas.entries)
+        replicas = await asyncio.gather(*(self.replicas.status(e) for e in entries))
         router = {"state": "absent"}
         if self.router is not None:
             try:
                 router = dataclasses.asdict(await asyncio.wait_for(self.router.stats.remote(), STATS_TIMEOUT_S))
             except (asyncio.TimeoutError, ray.exceptions.RayError) as e:
-                router = {"state": "unreachable", "error": str(_cause(e))}
+                router = {"state": "unreachable", "error": str(cause(e))}
+        in_flight = router.get("in_flight", {})
+        for replica in replicas:
+            replica["in_flight"] = in_flight.get(replica["name"], 0)
         pools = {}
         for name, pool in self.manifest.pool_items():
-            mine = [r for r in replicas if r["pool"] == name]
+            counts = self.replicas.counts(name)
+            scaler = self.scalers.get(name)
+            last = scaler.last if scaler is not None else None
+            shortfall = self.replicas.shortfalls.get(name)
             pools[name] = {"parallelism": pool.parallelism.model_dump(), "replicas": pool.replicas.model_dump(),
-                           "ready": sum(r["state"] == "ready" for r in mine), "count": len(mine)}
+                           "ready": counts.ready, "pending": counts.starting, "draining": counts.draining,
+                           "count": counts.ready + counts.starting, "desired": self.replicas.wanted[name],
+                           "autoscaling": pool.replicas.min < pool.replicas.max,
+                           "pinned": scaler.policy.pinned if scaler is not None else None,
+                           "last_decision": None if last is None else {
+                               "action": last.action, "from": last.current, "to": last.desired,
+                               "reason": last.reason, "age_s": round(time.monotonic() - last.t, 1),
+                               "inputs": dict(last.inputs)},
+                           "shortfall": None if shortfall is None else dataclasses.asdict(shortfall)}
         return {"name": self.manifest.name, "state": self.state, "mode": self.manifest.mode,
                 "model": self.manifest.model, "endpoints": {"grpc": self.endpoint, "http": self.http_endpoint},
-                "pools": pools,
+                "pools": pools, "replicas_replaced": self.replicas.replaced,
                 "replicas": replicas, "router": router}
-
-    async def _replica_status(self, entry: ReplicaEntry) -> dict:
-        info = entry.info
-        base = {"name": entry.name, "pool": entry.pool, "node": info.node if info else None,
-                "node_id": info.node_id if info else None, "ranks": list(info.layout) if info else [],
-                "device": info.device if info else None,
-                "rank_placements": [dataclasses.asdict(r) for r in info.ranks] if info else []}
-        if entry.api is None:
-            return base | {"state": "placing"}
-        try:
-            stats = await asyncio.wait_for(entry.api.stats(), STATS_TIMEOUT_S)
-        except asyncio.TimeoutError:
-            return base | {"state": "unresponsive"}
-        except ray.exceptions.RayError as e:
-            return base | {"state": "dead", "error": str(_cause(e))}
-        return base | dataclasses.asdict(stats)
 
     async def replica_handles(self) -> dict[str, Any]:
         """Each replica's Ray actor handle by name (for tests and operators' scripts)."""
-        return {r.name: r.actor for r in self.replicas}
+        return {e.name: e.actor for e in self.replicas.entries if e.actor is not None}
+
+    async def restart_router(self) -> None:
+        """Replaces the router actor (a test's or an operator's drill; the monitor does it when it dies)."""
+        await self._replace_router("asked to")
 
     # -- stop ------------------------------------------------------------------------------------------
 
     async def shutdown(self) -> None:
-        """Stops the router (no new requests), then every replica (their ranks exit), then frees the placement
-        groups. Idempotent."""
+        """Stops the control loops, the router (no new requests), then every replica (their ranks exit), then
+        frees the placement groups. Idempotent."""
         self.state = "stopping"
+        for task in self._tasks:
+            task.cancel()
+        self._tasks = []
         if self.router is not None:
             try:
                 await asyncio.wait_for(self.router.stop.remote(), 10)
@@ -247,25 +279,6 @@ class Controller:
                 _log.warning("router stop: %r", e)
             ray.kill(self.router)
             self.router = None
-        async def stop(entry: ReplicaEntry) -> None:
-            if entry.actor is not None:
-                try:
-                    await asyncio.wait_for(entry.api.shutdown(), 30)
-                except Exception as e:
-                    _log.warning("%s shutdown: %r", entry.name, e)
-                ray.kill(entry.actor)
-                entry.actor = entry.api = None
-            remove_placement_group(entry.pg)
-        await asyncio.gather(*(stop(r) for r in self.replicas))
-        self.replicas = []
+        await self.replicas.shutdown()
         self.state = "stopped"
         self._say("stopped")
-
-
-def _cause(error: BaseException) -> BaseException | str:
-    """The user-facing reason inside a Ray error (its cause's message when Ray wrapped one)."""
-    cause = getattr(error, "cause", None)
-    if cause is not None:
-        return cause
-    return str(error).strip().splitlines()[-1] if str(error).strip() else repr(error)
-

@@ -152,6 +152,14 @@ class RunningCluster:
     def replica_handles(self) -> dict:
         return ray.get(self.controller.replica_handles.remote())
 
+    def scale(self, pool: str, count: int | None) -> str:
+        """Pins pool at count replicas (None: back to the autoscaler); returns what the controller did."""
+        return ray.get(self.controller.scale.remote(pool, count))
+
+    def log(self) -> list[str]:
+        """The control plane's log lines (start-up progress, scaling decisions, replicas lost and replaced)."""
+        return ray.get(self.controller.log.remote())
+
     def shutdown(self, stop_ray: bool = True) -> None:
         """Stops every replica and the router, then the controller, then (stop_ray) the local Ray head this
         cluster's `tandem up` started: that one also when the controller or Ray's GCS no longer answer."""

@@ -14,7 +14,10 @@ YAML.
         engine: {block_size: 16, kv_cache_bytes: 256MiB, max_num_batched_tokens: 2048, max_num_seqs: 64,
                  device: auto, dtype: null}   # auto: CUDA when the ranks ask for GPUs; null: bfloat16 on CUDA
         cpu_affinity: null          # or host CPUs, [0, 1] or "0-3,8": rank r pins to the r-th equal share
+        autoscaling: {interval_s: 1, up_window_s: 10, down_window_s: 60, target_utilization: 0.8,
+                      down_utilization: 0.5, kv_high: 0.8, drain_timeout_s: 300, resource_timeout_s: 300}
       decode: ...
+    slo: {ttft_s: null, itl_s: null}  # what the autoscaler sizes the pools for (prefill: TTFT; decode: ITL)
     router:
       policy: cache_aware           # or least_loaded, round_robin, random
       weights: {prefix_tokens: 1, queued_prefill_tokens: 0.5, prefill_in_flight: 8,
@@ -49,6 +52,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from tandem.cluster.autoscaling import ScalingSettings
 from tandem.engine.cpu_affinity import format_cpus, parse_cpu_list
 from tandem.engine.device import default_dtype, planned_device
 from tandem.router.limits import RequestLimits, TenantLimits, parse_bytes
@@ -133,6 +137,42 @@ class EngineLimits(_Strict):
         return self
 
 
+class AutoscalingSettings(_Strict):
+    """How a pool's replica count follows its load between replicas.min and max (cluster/autoscaling.py says
+    what each setting does). drain_timeout_s: how long a replica leaving the pool may take to finish its requests
+    before it is stopped and they continue elsewhere by replay. resource_timeout_s: how long a new replica may
+    wait for Ray to find room for it (Ray's autoscaler is asked for the resources meanwhile) before the pool
+    reports the shortfall and stops asking for more until the cluster grows."""
+
+    interval_s: float = Field(1.0, gt=0)
+    up_window_s: float = Field(10.0, gt=0)
+    down_window_s: float = Field(60.0, gt=0)
+    target_utilization: float = Field(0.8, gt=0, le=1)
+    down_utilization: float = Field(0.5, gt=0, lt=1)
+    kv_high: float = Field(0.8, gt=0, le=1)
+    drain_timeout_s: float = Field(300.0, gt=0)
+    resource_timeout_s: float = Field(300.0, gt=0)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> AutoscalingSettings:
+        self.policy()  # raises ValueError with what is inconsistent
+        return self
+
+    def policy(self) -> ScalingSettings:
+        return ScalingSettings(interval_s=self.interval_s, up_window_s=self.up_window_s,
+                               down_window_s=self.down_window_s, target_utilization=self.target_utilization,
+                               down_utilization=self.down_utilization)
+
+
+class SLOSettings(_Strict):
+    """The latency targets the autoscaler sizes the pools for: ttft_s (arrival to first token, the prefill
+    pool's and a colocated pool's), itl_s (between tokens, the decode pool's). None: that pool scales on its
+    queue and KV margins alone."""
+
+    ttft_s: float | None = Field(None, gt=0)
+    itl_s: float | None = Field(None, gt=0)
+
+
 class Pool(_Strict):
     """One pool of replicas. cpu_affinity: the host CPUs each replica's processes are pinned to (None: no
     pinning), given as a list ([0, 1]) or a Linux cpulist string ("0-3,8") and kept as a sorted tuple of unique
@@ -146,6 +186,7 @@ class Pool(_Strict):
     replicas: Replicas = Replicas()
     engine: EngineLimits = EngineLimits()
     cpu_affinity: tuple[int, ...] | None = None  # after parallelism: its check reads the world size
+    autoscaling: AutoscalingSettings = AutoscalingSettings()
 
     @field_validator("cpu_affinity", mode="before")
     @classmethod
@@ -190,10 +231,12 @@ class RouterSettings(_Strict):
     conditional disaggregation (router/routing.py; 0 turns each off). session_affinity: requests with the same
     session id prefer the replicas of the session's last turn, unless those have more than affinity_max_gap
     requests in flight beyond the least busy replica. max_queued_requests: requests waiting for room before new
-    ones get RESOURCE_EXHAUSTED; queue_timeout_s: how long one may wait. kv_events_interval_s: how often the
-    router polls every replica's KV events and load. request_timeout_s: every request's deadline (a client may
-    ask for less); when it passes the request is aborted everywhere (DEADLINE_EXCEEDED / HTTP 504). limits:
-    what one request may ask for (router/limits.py)."""
+    ones get RESOURCE_EXHAUSTED; queue_timeout_s: how long one may wait. admission: a request the cluster is not
+    expected to start (first token) within queue_timeout_s ("queue_timeout") or within slo.ttft_s ("slo"; needs
+    slo.ttft_s) at its measured start rate is refused at once, 429 with Retry-After / RESOURCE_EXHAUSTED
+    (router/admission.py). kv_events_interval_s: how often the router polls every replica's KV events and load.
+    request_timeout_s: every request's deadline (a client may ask for less); when it passes the request is
+    aborted everywhere (DEADLINE_EXCEEDED / HTTP 504). limits: what one request may ask for (router/limits.py)."""
 
     policy: Literal["cache_aware", "least_loaded", "round_robin", "random"] = "cache_aware"
     weights: RoutingWeightsSettings = RoutingWeightsSettings()
@@ -203,6 +246,7 @@ class RouterSettings(_Strict):
     affinity_max_gap: int = Field(4, ge=0)
     max_queued_requests: int = Field(256, ge=0)
     queue_timeout_s: float = Field(30.0, gt=0)
+    admission: Literal["queue_timeout", "slo"] = "queue_timeout"
     kv_events_interval_s: float = Field(0.05, gt=0, le=10)
     request_timeout_s: float = Field(600.0, gt=0)
     limits: RequestLimits = RequestLimits()
@@ -363,6 +407,7 @@ class Manifest(_Strict):
     listen: Listen = Listen()
     auth: AuthSettings = AuthSettings()
     tls: TLSSettings | None = None
+    slo: SLOSettings = SLOSettings()
 
     @model_validator(mode="after")
     def _pools_for_mode(self) -> Manifest:
@@ -376,6 +421,13 @@ class Manifest(_Strict):
     def model_path(self) -> str | None:
         """None for the embedded model."""
         return None if self.model == "embedded" else self.model
+
+    def pool(self, name: str) -> Pool:
+        """The pool called name ("prefill" | "decode"); KeyError if the manifest has none of that name."""
+        pool = getattr(self.pools, name, None) if name in ("prefill", "decode") else None
+        if pool is None:
+            raise KeyError(f"the manifest has no {name!r} pool (it has {', '.join(n for n, _ in self.pool_items())})")
+        return pool
 
     def pool_items(self) -> list[tuple[str, Pool]]:
         return [(name, pool) for name, pool in (("prefill", self.pools.prefill), ("decode", self.pools.decode))

@@ -201,7 +201,8 @@ def check_manifest(data: dict, lines: dict[tuple, int] | None = None, *,
                    check_ports: bool = True) -> list[ManifestError]:
     """The problems a structurally valid manifest can still have, checked on the parsed YAML (so that they are
     reported beside pydantic's own errors, not after them): the model, each pool's split of it, the two pools'
-    KV formats, context lengths, the listen port. Parts with the wrong type are skipped (pydantic reports them)."""
+    KV formats, context lengths, the listen port, SLO admission without a TTFT SLO. Parts with the wrong type
+    are skipped (pydantic reports them)."""
     from tandem.engine.parallel.layout import ParallelConfig, ReplicaLayout
 
     lines = lines or {}
@@ -270,6 +271,9 @@ def check_manifest(data: dict, lines: dict[tuple, int] | None = None, *,
         except ValueError as e:  # a variable that is not set, a file that cannot be read
             errors.append(ManifestError(f"auth.api_keys.{i}", str(e),
                                         "keys are read by `tandem up`, from its environment and files"))
+    if _get(data, "router", "admission") == "slo" and _get(data, "slo", "ttft_s") is None:
+        errors.append(ManifestError("router.admission", "admission 'slo' needs a TTFT SLO to admit against",
+                                    "set slo.ttft_s (seconds), or use admission: queue_timeout"))
     errors += _tls_errors(data.get("tls"))
     return [_at_line(e, lines) for e in errors]
 

@@ -2,7 +2,7 @@
 driver and KV feed over batching mock replicas (router/mock_batching.py), one PoolScaler per pool
 (cluster/pool_scaler.py) whose Actuator is this class. A started replica serves start_delay_s after the decision
 (a model load); a drained one leaves routing at once and stops when its last request has finished. Everything
-runs on the event loop's clock, so under a virtual-time loop (tests/cluster/virtual_loop.py) minutes of load take
+runs on the event loop's clock, so under a virtual-time loop (cluster/virtual_time.py) minutes of load take
 seconds and the result does not depend on the machine.
 
     cluster = MockCluster("disaggregated", costs, initial={"prefill": 1, "decode": 1}, bounds=..., slo=...)
@@ -16,7 +16,7 @@ import asyncio
 import itertools
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from tandem.cluster.autoscaling import Decision, PoolPolicy, ScalingSettings
 from tandem.cluster.pool_pressure import SLO, PoolGauge
@@ -92,6 +92,9 @@ class MockCluster:
         for replica in serving[:count]:
             self._spawn(self._drain(replica))
 
+    def can_grow(self, pool: str) -> bool:
+        return True
+
     # -- replicas ----------------------------------------------------------------------------------------
 
     async def _start(self, pool: str, delay_s: float) -> None:
@@ -124,20 +127,27 @@ class MockCluster:
         self.events.append(ReplicaEvent(decision.t, decision.pool, "decided", f"{decision.current}->"
                                                                              f"{decision.desired}"))
 
-    async def generate(self, request_id: str, prompt: tuple[int, ...], max_tokens: int) -> Timings:
+    async def generate(self, request_id: str, prompt: tuple[int, ...], max_tokens: int, *,
+                       on_tokens: Callable[[int], None] | None = None) -> Timings:
         """Runs one greedy request through the router's driver as the front doors do (the pool signals see its
-        progress); returns its timings on the loop's clock. Raises what the driver raises."""
+        progress); returns its timings on the loop's clock. on_tokens(count): called as output tokens arrive.
+        Raises what the driver raises."""
         arrival = self.loop.time()
         self.signals.arrived(len(prompt), max_tokens, arrival)
         account = Accounting(arrival)
         params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-        replica = ""
-        async for progress in self.driver.run(ParsedRequest(request_id, prompt, params, 0)):
-            now = self.loop.time()
-            replica = progress.decode_replica or replica
-            self.signals.observe(progress, arrival, account.observe(progress, now), now, replica)
+        replica, ok = "", False
+        try:
+            async for progress in self.driver.run(ParsedRequest(request_id, prompt, params, 0)):
+                now = self.loop.time()
+                replica = progress.decode_replica or replica
+                self.signals.observe(progress, arrival, account.observe(progress, now), now, replica)
+                if on_tokens is not None:
+                    on_tokens(sum(len(o.token_ids) for o in progress.outputs))
+            ok = True
+        finally:
+            self.signals.finished(account.completion_tokens, max_tokens, replica, ok=ok)
         timings = account.timings(self.loop.time())
-        self.signals.finished(account.completion_tokens, max_tokens)
         if account.completion_tokens != max_tokens:
             raise RuntimeError(f"request {request_id}: {account.completion_tokens} of {max_tokens} tokens")
         return timings

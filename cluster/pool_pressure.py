@@ -11,16 +11,18 @@ Prefill pool (disaggregated):
   alone would otherwise leave again as soon as it is gone). Arrivals, not completions: a
   saturated pool completes only what it can.
 Decode pool (and a colocated pool, which also answers for TTFT):
-  pressure = max(ITL p90 / (ITL SLO x u), KV use / kv_high, decode-room wait p90 / (TTFT SLO x u)
-                 [, TTFT p90 / (TTFT SLO x u) when colocated])
+  pressure = max(ITL p90 / (ITL SLO x u), KV use / kv_high [, TTFT p90 / (TTFT SLO x u) when colocated])
   needed   = max(output tokens asked per second x share generated / (capacity / (u x ITL SLO)),
                  replicas x KV use / kv_high)
   where capacity / (u x ITL SLO) is the tokens per second one replica generates with its ITL at u x the ITL SLO,
   capacity the sequences it then holds: a line ITL = a + b x n fitted
-  to (a replica's requests in flight, its ITL median over the last second), one point per replica and tick, with
+  to (a replica's requests decoding, its ITL median over the last second), one point per replica and tick, with
   exponential forgetting; before the points spread, n x (u x SLO) / ITL with n the requests sharing a replica
   with a typical token (a latency floor makes this conservative: it asks for more); never above max_num_seqs.
-Decode is sized from the tokens asked for, not from the sequences in flight: sequences stay longer when tokens
+The wait for decode room is logged but is no pressure of the decode pool: a decode replica reserves a request's
+blocks before its prefill, so a prefill backlog fills decode replicas with requests that only wait, and the wait
+would make the wrong pool grow; room the decode pool truly lacks shows as KV use. Decode is sized from the tokens
+asked for, not from the sequences in flight: sequences stay longer when tokens
 come slower, so the count in flight on an overloaded pool overstates what the pool needs at its target, and on a
 generous one understates it (fewer replicas would hold them longer). Without an ITL SLO, sequences in flight and
 waiting over capacity (max_num_seqs x u) stand in. A term whose SLO is not set is left out. With nothing
@@ -90,8 +92,7 @@ class PoolGauge:
         if self.slo.itl_s and load.itl_p90 is not None:
             terms.append(load.itl_p90 / (self.slo.itl_s * self.u))
             inputs["itl_p90_s"] = load.itl_p90
-        if self.slo.ttft_s and load.queue_p90 is not None:
-            terms.append(load.queue_p90 / (self.slo.ttft_s * self.u))
+        if load.queue_p90 is not None:
             inputs["queue_p90_s"] = load.queue_p90
         if self.colocated and self.slo.ttft_s and load.ttft_p90 is not None:
             terms.append(load.ttft_p90 / (self.slo.ttft_s * self.u))
@@ -123,7 +124,7 @@ class PoolGauge:
             for x, y in load.itl_points:
                 for i, v in enumerate((1.0, x, y, x * x, x * y)):
                     self._fit[i] += v
-        x, y = load.token_weighted_in_flight, load.itl_recent_p50
+        x, y = load.token_weighted_decoding, load.itl_recent_p50
         n, sx, sy, sxx, sxy = self._fit
         spread = n * sxx - sx * sx
         if n >= 3 and spread > 1e-9 * max(1.0, n * sxx):

@@ -14,6 +14,7 @@ Every decision that changes something is logged with its inputs and kept (the la
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections import deque
 from dataclasses import dataclass
@@ -45,8 +46,11 @@ class Actuator(Protocol):
         """Begins starting count more replicas (returns at once)."""
 
     def drain(self, pool: str, count: int) -> None:
-        """Begins removing count replicas: starting ones first, then the ones with the least in flight; each
-        takes no new requests, finishes what it has and stops (returns at once)."""
+        """Begins removing count replicas: starting ones first, then serving ones; each takes no new requests,
+        finishes what it has and stops (returns at once)."""
+
+    def can_grow(self, pool: str) -> bool:
+        """False while the cluster lacks the resources for another replica of the pool (a shortfall)."""
 
 
 class PoolScaler:
@@ -59,13 +63,6 @@ class PoolScaler:
         self.history: deque[Decision] = deque(maxlen=MAX_HISTORY)
         self.ticks = 0
 
-    @property
-    def desired(self) -> int:
-        return self.last.desired if self.last is not None else self.actuator_counts().ready
-
-    def actuator_counts(self) -> PoolCounts:
-        return self.actuator.counts(self.pool)
-
     async def tick(self) -> Decision:
         """One round: measure, decide, act. Returns the decision (a "hold" most ticks)."""
         counts = self.actuator.counts(self.pool)
@@ -75,6 +72,10 @@ class PoolScaler:
         self.last_sample = sample
         decision = self.policy.decide(sample)
         self.ticks += 1
+        if decision.action == "up" and not self.actuator.can_grow(self.pool):
+            decision = dataclasses.replace(decision, action="hold", desired=decision.current,
+                                           reason=f"wants {decision.desired} but the cluster lacks the resources "
+                                                  "(see the pool's shortfall)")
         if decision.action != "hold":
             self._act(decision)
         return decision

@@ -47,15 +47,18 @@ def replica_spec(manifest: Manifest, pool: Pool) -> ReplicaSpec:
                        cpu_affinity=pool.cpu_affinity)
 
 
+def replica_plan(manifest: Manifest, pool_name: str, index: int) -> ReplicaPlan:
+    """The index-th replica of a pool (named "<pool>-<index>"; a replica started later, by the autoscaler or to
+    replace a dead one, gets the next index)."""
+    pool = manifest.pool(pool_name)
+    bundles = (pool.resources.bundle(),) * pool.parallelism.world_size
+    return ReplicaPlan(f"{pool_name}-{index}", pool_name, replica_spec(manifest, pool), bundles)
+
+
 def replica_plans(manifest: Manifest, count: dict[str, int] | None = None) -> list[ReplicaPlan]:
     """The replicas `tandem up` starts: each pool's initial count (or count[pool])."""
-    plans = []
-    for name, pool in manifest.pool_items():
-        n = (count or {}).get(name, pool.replicas.start)
-        spec = replica_spec(manifest, pool)
-        bundles = (pool.resources.bundle(),) * pool.parallelism.world_size
-        plans += [ReplicaPlan(f"{name}-{i}", name, spec, bundles) for i in range(n)]
-    return plans
+    return [replica_plan(manifest, name, i) for name, pool in manifest.pool_items()
+            for i in range((count or {}).get(name, pool.replicas.start))]
 
 
 def transfer_config(manifest: Manifest, secret: bytes) -> TransferConfig:

@@ -1,7 +1,9 @@
 """The gRPC front door: tandem.v1.Tandem (Generate, Abort, ListModels) beside the standard grpc.health.v1 health
 service and server reflection, on grpc.aio. A failure's status name comes from serving.error_code; here it becomes
-a grpc.StatusCode. With API keys on, every Tandem call needs `authorization: Bearer KEY` metadata; the health
-and reflection services stay open (probes carry no keys)."""
+a grpc.StatusCode; a refusal the client should retry later (a tenant past its cap, a cluster that cannot start the
+request in time: admission.py) is RESOURCE_EXHAUSTED with trailing metadata `retry-after` (whole seconds) and
+gRPC's own `grpc-retry-pushback-ms`. With API keys on, every Tandem call needs `authorization: Bearer KEY`
+metadata; the health and reflection services stay open (probes carry no keys)."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from grpc_reflection.v1alpha import reflection
 from tandem.engine.output_processor import RequestOutput
 from tandem.proto.v1 import tandem_pb2 as pb
 from tandem.proto.v1 import tandem_pb2_grpc as pb_grpc
+from tandem.router.admission import AtCapacity
 from tandem.router.auth import Unauthenticated
 from tandem.router.request_parsing import InvalidRequest
 from tandem.router.serving import Serving, error_code
@@ -52,17 +55,19 @@ class TandemServicer(pb_grpc.TandemServicer):
         return self.serving.authenticate(metadata.get("authorization"), "grpc")
 
     async def _refuse(self, context: grpc.aio.ServicerContext, error: Exception) -> None:
-        """Ends the call with error's status (raises); a tenant over its cap also gets gRPC's retry pushback."""
-        if isinstance(error, TooManyRequests):
-            context.set_trailing_metadata((("grpc-retry-pushback-ms", str(error.retry_after_s * 1000)),))
+        """Ends the call with error's status (raises); one to retry later also tells when (retry-after)."""
+        if isinstance(error, (TooManyRequests, AtCapacity)):
+            context.set_trailing_metadata((("retry-after", str(error.retry_after_s)),
+                                           ("grpc-retry-pushback-ms", str(error.retry_after_s * 1000))))
         await context.abort(*status_for(error))
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         arrival = time.monotonic()
         try:
             tenant = self._tenant(context)
+            self.serving.check_capacity(1, "grpc")  # before tokenizing: a refusal costs little
             admission = self.serving.admit(tenant, 1, "grpc")
-        except (InvalidRequest, Unauthenticated) as e:
+        except (InvalidRequest, Unauthenticated, AtCapacity) as e:
             await self._refuse(context, e)
         try:
             parsed = await self.serving.parse(request, tenant, "grpc")
@@ -73,7 +78,7 @@ class TandemServicer(pb_grpc.TandemServicer):
             raise
         remaining = context.time_remaining()  # the client's own gRPC deadline, if it set one
         deadline = self.serving.deadline(arrival, None if remaining is None else max(remaining, 1e-3))
-        code = None
+        failure = None
         try:
             first = True
             async for step in self.serving.run(parsed, arrival, "grpc", deadline=deadline):
@@ -89,11 +94,11 @@ class TandemServicer(pb_grpc.TandemServicer):
                         response.timings.CopyFrom(pb.Timings(**vars(step.account.timings(step.now))))
                     yield response
         except Exception as e:
-            code, message = status_for(e)
+            failure = e
         finally:
             admission.close()
-        if code is not None:
-            await context.abort(code, message)
+        if failure is not None:
+            await self._refuse(context, failure)
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         """Aborts the caller's own request of that id (a request of another tenant is not found)."""

@@ -8,7 +8,8 @@
 Bodies are parsed by openai_bodies.py, translated by openai_requests.py into the gRPC API's GenerateRequest and
 validated by the same code, so both APIs accept and refuse the same requests; replies are built by
 openai_responses.py. A failure's gRPC status name becomes an HTTP status and an OpenAI error body
-(openai_errors.http_status_for). OpenAIRoutes holds one handler per route; build_app registers them.
+(openai_errors.http_status_for); a request the cluster cannot start in time (admission.py) or a tenant past its
+cap gets 429 with Retry-After. OpenAIRoutes holds one handler per route; build_app registers them.
 
 A streamed request's first output is awaited before the response starts, so that every failure before the first
 token gets its proper HTTP status; one after that ends the stream with an error event. A client that disconnects
@@ -34,6 +35,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pydantic.json_schema import models_json_schema
 
 from tandem.proto.v1 import tandem_pb2 as pb
+from tandem.router.admission import AtCapacity
 from tandem.router.auth import Unauthenticated
 from tandem.router.http_limits import parse_limited, read_body
 from tandem.router.openai_bodies import ChatCompletionRequest, CompletionRequest, RequestBody
@@ -54,7 +56,8 @@ def openai_error(error: BaseException) -> OpenAIError:
         return error
     code, message = error_code(error)
     status, kind = http_status_for(code)
-    headers = {"Retry-After": str(error.retry_after_s)} if isinstance(error, TooManyRequests) else None
+    retry = isinstance(error, (TooManyRequests, AtCapacity))
+    headers = {"Retry-After": str(error.retry_after_s)} if retry else None
     return OpenAIError(status, message, kind, code="model_not_found" if code == "NOT_FOUND" else code.lower(),
                        headers=headers)
 
@@ -219,8 +222,9 @@ class OpenAIRoutes:
         response_id = f"{id_prefix}-{secrets.token_hex(12)}"
         requests = to_requests(body, response_id)
         try:
+            self.serving.check_capacity(len(requests), "http")  # before tokenizing: a refusal costs little
             admission = self.serving.admit(who, len(requests), "http")
-        except InvalidRequest as e:
+        except (InvalidRequest, AtCapacity) as e:
             raise openai_error(e) from None
         try:
             return await self._serve(request, kind, body, requests, who, arrival, response_id, admission)

@@ -101,14 +101,17 @@ class KVFeed:
                 due.append(replica)
 
         async def ask(replica: Replica) -> None:
-            cursor = self.cursors[replica.name]
+            cursor = self.cursors.get(replica.name)
+            if cursor is None:  # it left its pool since this round began
+                return
             try:
                 reply = await replica.api.kv_events(cursor.epoch, cursor.next_seq)
             except Exception as e:  # a dead replica is noticed by the requests it serves
                 self.counters.poll_failures += 1
                 _log.debug("kv_events of %s failed: %r", replica.name, e)
                 return
-            self.apply(replica.pool, replica.load, reply)
+            if self.cursors.get(replica.name) is cursor:  # else it left meanwhile: its answer would re-index it
+                self.apply(replica.pool, replica.load, reply)
 
         await asyncio.gather(*(ask(r) for r in due))
 

@@ -5,12 +5,13 @@
 RequestLimits bounds everything a client controls the size of: the body, the prompt (characters before it is
 tokenized, tokens after), n, max_tokens, stop strings, logprobs, a completions prompt list, chat messages and
 the nesting depth of the JSON. A value left null follows the model (max_model_len). TenantLimits clamps a
-tenant's priority and caps its requests in flight and queued.
+tenant's priority and caps its requests in flight and queued. AdmissionSettings says when the cluster as a
+whole is too busy to start a new request in time (router/admission.py).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -108,11 +109,33 @@ class TenantLimits(_Strict):
     retry_after_s: int = Field(1, ge=1, le=3600)
 
 
+class AdmissionSettings(_Strict):
+    """When a new request is refused at once because it would not start (first token) in time
+    (router/admission.py). mode: "queue_timeout" refuses a request expected to start later than the router's
+    queue_timeout_s, "slo" one expected to start later than ttft_slo_s (the manifest's slo.ttft_s; required in
+    that mode). window_s: how far back the cluster's start rate is measured. initial_waiting: how many requests
+    may wait to start before any start rate has been measured."""
+
+    mode: Literal["queue_timeout", "slo"] = "queue_timeout"
+    ttft_slo_s: float | None = Field(None, gt=0)
+    window_s: float = Field(20.0, gt=0)
+    initial_waiting: int = Field(64, ge=1)
+
+    @model_validator(mode="after")
+    def _slo_has_target(self) -> AdmissionSettings:
+        if self.mode == "slo" and self.ttft_slo_s is None:
+            raise ValueError("admission mode 'slo' needs a TTFT SLO: set slo.ttft_s, or router.admission: "
+                             "queue_timeout")
+        return self
+
+
 class ServingLimits(_Strict):
-    """Everything the router's front doors hold requests to (the controller builds it from the manifest's router
-    and auth sections). request_timeout_s: every request's deadline; a client may ask for less."""
+    """Everything the router's front doors hold requests to (the controller builds it from the manifest's router,
+    auth and slo sections). request_timeout_s: every request's deadline; a client may ask for less. admission:
+    when the cluster refuses a request it cannot start in time."""
 
     request_timeout_s: float = Field(600.0, gt=0)
+    admission: AdmissionSettings = AdmissionSettings()
     limits: RequestLimits = RequestLimits()
     tenants: dict[str, TenantLimits] = Field(default_factory=dict)
     default_tenant: TenantLimits = TenantLimits()

@@ -19,6 +19,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from tandem.kv_transfer.drops import MessageDrops
 from tandem.replica.contract import ReplicaStats
 from tandem.router.accounting import Accounting, Timings
+from tandem.router.admission import AdmissionController
 from tandem.router.lifecycle import RequestDriver
 
 _log = logging.getLogger(__name__)
@@ -52,9 +53,16 @@ class RouterMetrics:
         self.completion_tokens = Counter("tandem_completion_tokens", "Generated tokens", registry=r)
         self.auth_failures = Counter("tandem_auth_failures", "Calls refused for a missing or wrong API key",
                                      ["api"], registry=r)
+        self.admission_refusals = Counter(
+            "tandem_admission_refusals", "Requests refused at once because the cluster could not start them in "
+            "time, by reason (max_queued, unmeasured, queue_timeout, slo)", ["reason"], registry=r)
         self.kv_drops = ReplicaDrops(driver)
         r.register(_DriverCollector(driver, active, self.kv_drops))
         driver.routing.observe = self.decision.observe
+
+    def watch_admission(self, admission: AdmissionController) -> None:
+        """Exposes the admission controller's requests waiting to start and its start rate at scrape time."""
+        self.registry.register(_AdmissionCollector(admission))
 
     def observe_gaps(self, gaps: list[float]) -> None:
         for gap in gaps:
@@ -174,6 +182,18 @@ class _DriverCollector:
         yield in_flight
         yield queued
         yield free
+
+
+class _AdmissionCollector:
+    def __init__(self, admission: AdmissionController):
+        self.admission = admission
+
+    def collect(self):
+        state = self.admission.state()
+        yield _gauge("tandem_requests_waiting_to_start", "Admitted requests without a first token yet",
+                     state.waiting)
+        yield _gauge("tandem_start_rate", "First tokens per second while requests waited (0: not measured yet)",
+                     state.start_rate or 0.0)
 
 
 def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:

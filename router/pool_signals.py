@@ -34,10 +34,12 @@ class PoolLoad:
     that finished in the window, the share generated (stops end requests early; None: none finished).
     queued_prefill_tokens: sent and not answered yet. in_flight: requests on the pool's replicas; queued: requests
     waiting for a decode reservation (decode pool). kv_usage: mean fraction of KV blocks in use (last polls).
-    token_weighted_in_flight: sum of in_flight^2 / sum of in_flight over the replicas: the requests sharing a
-    replica with a typical token (what an ITL percentile over all tokens sees when replicas are unevenly loaded,
-    e.g. right after new ones joined). itl_points: per decode replica with enough tokens in the last recent_s,
-    (its requests in flight now, its ITL median over recent_s): what one replica's step costs at its batch. first_tokens: requests that got their first token in
+    decoding: requests past their first token and not finished, over the pool's replicas (a decode replica's
+    in_flight also counts requests whose blocks it reserved and whose prefill has not answered yet: those wait,
+    they do not make its steps slower). token_weighted_decoding: sum of decoding^2 / sum of decoding over the
+    replicas: the requests sharing a replica with a typical token (what an ITL percentile over all tokens sees
+    when replicas are unevenly loaded, e.g. right after new ones joined). itl_points: per decode replica with enough tokens in the last recent_s,
+    (its requests decoding now, its ITL median over recent_s): what one replica's step costs at its batch. first_tokens: requests that got their first token in
     the window."""
 
     pool: str
@@ -60,7 +62,8 @@ class PoolLoad:
     queued: int = 0
     kv_usage: float | None = None
     first_tokens: int = 0
-    token_weighted_in_flight: float = 0.0
+    decoding: int = 0
+    token_weighted_decoding: float = 0.0
     itl_points: tuple[tuple[int, float], ...] = ()
 
 
@@ -105,6 +108,7 @@ class PoolSignals:
         self._arrivals = _Window(self.rate_window_s)
         self._asked = _Window(self.rate_window_s)
         self._finished: deque[tuple[float, int, int]] = deque()  # (time, generated, asked)
+        self._decoding: dict[str, int] = {}  # decode replica -> requests decoding there
 
     def arrived(self, prompt_tokens: int, output_tokens: int, now: float | None = None) -> None:
         """A request with this many prompt tokens, asking for at most output_tokens (max_tokens x n), arrived
@@ -113,9 +117,14 @@ class PoolSignals:
         self._arrivals.add(now, prompt_tokens)
         self._asked.add(now, output_tokens)
 
-    def finished(self, generated: int, asked: int, now: float | None = None) -> None:
-        """A request ended having generated this many of the output tokens it asked for."""
-        self._finished.append((self.clock() if now is None else now, generated, asked))
+    def finished(self, generated: int, asked: int, decode_replica: str, *, ok: bool = True,
+                 now: float | None = None) -> None:
+        """A request ended (however: ok False for an error or a cancel) having generated this many of the output
+        tokens it asked for; decode_replica: where it decoded ("" if it never got a first token)."""
+        if ok:
+            self._finished.append((self.clock() if now is None else now, generated, asked))
+        if decode_replica and self._decoding.get(decode_replica, 0) > 0:
+            self._decoding[decode_replica] -= 1
 
     def first_token(self, progress: Progress, arrival: float, now: float | None = None) -> None:
         """A request's first progress (the one that carries its route and timings) arrived at `now`."""
@@ -142,6 +151,8 @@ class PoolSignals:
         decode replica the request's first progress named)."""
         if progress.prefill_route:
             self.first_token(progress, arrival, now)
+            if replica:
+                self._decoding[replica] = self._decoding.get(replica, 0) + 1
         if gaps:
             self.gaps(gaps, replica, now)
 
@@ -162,7 +173,11 @@ class PoolSignals:
         for t, g, replica in self._gaps:
             if t >= now - self.recent_s:
                 recent.setdefault(replica, []).append(g)
-        loads = {r.name: r.load.in_flight for r in replicas}
+        for name in [n for n in self._decoding if n not in {r.name for r in replicas}]:
+            if not self._decoding[name]:
+                del self._decoding[name]  # a replica that left, once its requests ended
+        decoding = [self._decoding.get(r.name, 0) for r in replicas]
+        loads = {r.name: self._decoding.get(r.name, 0) for r in replicas}
         points = tuple((loads[name], percentile(values, 50)) for name, values in recent.items()
                        if name in loads and len(values) >= MIN_POINT_GAPS)
         kv = [1.0 - r.load.kv_blocks_free / r.info.kv_blocks_total for r in replicas
@@ -173,7 +188,7 @@ class PoolSignals:
                         arrived_output_tokens=int(sum(self._asked.values(now))),
                         output_share=sum(g for _, g, _ in self._finished) / asked if asked else None,
                         in_flight=sum(r.load.in_flight for r in replicas), first_tokens=len(ttft),
-                        token_weighted_in_flight=_token_weighted([r.load.in_flight for r in replicas]),
+                        decoding=sum(decoding), token_weighted_decoding=_token_weighted(decoding),
                         kv_usage=sum(kv) / len(kv) if kv else None)
         if pool == "prefill":
             done = [p for p in self._prefills if p[1] >= start]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -15,10 +16,12 @@ from tandem.replica.contract import DecodeReplicaAPI, PrefillReplicaAPI, ReadyRe
 from tandem.router.auth import Authenticator
 from tandem.router.lifecycle import DriverSettings, Replica, RequestDriver
 from tandem.router.limits import ServingLimits
+from tandem.router.pool_signals import PoolLoad
 from tandem.router.request_parsing import ModelFacts
 from tandem.router.tls import TLSConfig
 
 _log = logging.getLogger(__name__)
+DRAIN_POLL_S = 0.1
 
 
 def model_id_for(model_path: str | None) -> str:
@@ -107,6 +110,47 @@ class RouterActor:
             prefill_decisions={f"{where}/{reason}": n for (where, reason), n in driver.routing.decisions.items()},
             kv_feed=dict(vars(driver.feed.counters)),
             in_flight={r.name: r.load.in_flight for r in driver.replicas()})
+
+    # -- what the control plane changes while serving ------------------------------------------------------
+
+    async def pool_load(self, pool: str) -> PoolLoad:
+        """What the router measured of one pool ("prefill" | "decode") over its window, for the autoscaler."""
+        driver = self._driver()
+        replicas = driver.prefill if pool == "prefill" else driver.decode
+        return self.serving.signals.load(pool, replicas, queued=driver.num_queued if pool == "decode" else 0)
+
+    async def add_replica(self, replica: ReadyReplica) -> None:
+        """Starts routing to a replica that became ready (scaled up, or replacing a dead one)."""
+        self._driver().add(Replica(replica.name, replica.pool, replica.api, replica.info))
+        _log.info("routing to new replica %s", replica.name)
+
+    async def drain_replica(self, name: str, timeout_s: float) -> int:
+        """Stops sending new requests to a replica and waits until the requests it has finish, at most
+        timeout_s. Returns how many were still in flight then (0: drained). Unknown names drain at once."""
+        driver = self._driver()
+        replica = next((r for r in driver.replicas() if r.name == name), None)
+        if replica is None:
+            return 0
+        driver.remove(name)  # requests on it keep their handle and finish there
+        deadline = time.monotonic() + timeout_s
+        while replica.load.in_flight > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(DRAIN_POLL_S)
+        return replica.load.in_flight
+
+    async def remove_replica(self, name: str, reason: str) -> bool:
+        """Stops routing to a replica the control plane found dead (requests still on it find out on their own
+        next call); returns whether it was routed to."""
+        driver = self._driver()
+        if not driver.remove(name):
+            return False
+        driver.lost.append(name)
+        _log.error("replica %s removed from routing: %s", name, reason)
+        return True
+
+    def _driver(self) -> RequestDriver:
+        if self.serving is None:
+            raise RuntimeError("the router has not started")
+        return self.serving.driver
 
     async def stop(self, grace_s: float = 2.0) -> None:
         if self._feed_task is not None:

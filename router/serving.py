@@ -1,5 +1,6 @@
 """What the router's two front doors (gRPC in grpc_service.py, OpenAI HTTP in http_service.py) share: one
-request driver, authentication, per-tenant admission (tenant_gate.py), validation off the event loop, the
+request driver, authentication, per-tenant admission (tenant_gate.py), admission under overload (admission.py:
+a request the cluster cannot start in time is refused at once), validation off the event loop, the
 registry of running requests (ids are scoped by tenant and unique across both APIs; a tenant's Abort reaches
 its own requests of either API and no one else's), deadlines, usage and timings, and metrics. Errors are named by gRPC status (error_code); each front
 door maps those names to its own wire format, so both APIs fail the same way for the same cause."""
@@ -15,11 +16,13 @@ from typing import AsyncIterator, Callable, TypeVar
 
 from tandem.proto.v1 import tandem_pb2 as pb
 from tandem.router.accounting import Accounting
+from tandem.router.admission import AdmissionController, AtCapacity
 from tandem.router.auth import Authenticator, Unauthenticated, cache_salt_for
 from tandem.router.lifecycle import (NoCapacityError, NoReplicaError, Progress, ReplicaLostError, RequestDriver,
                                      is_replica_death)
 from tandem.router.limits import ServingLimits
 from tandem.router.metrics import RouterMetrics
+from tandem.router.pool_signals import PoolSignals
 from tandem.router.request_parsing import InvalidRequest, ModelFacts, ParsedRequest, parse_request
 from tandem.router.tenant_gate import Admission, TenantGate, TooManyRequests
 
@@ -89,6 +92,8 @@ class Serving:
         self.mode = mode
         self.auth = auth or Authenticator()
         self.gate = TenantGate(self.limits)
+        self.admission = AdmissionController(self.limits.admission, queue_timeout_s=driver.settings.queue_timeout_s,
+                                             max_queued_requests=driver.settings.max_queued_requests)
         # Tokenizing and chat templates run here, never on the event loop: a huge prompt delays only itself.
         self._parser = ThreadPoolExecutor(self.limits.limits.parse_threads, thread_name_prefix="tandem-parse")
         self.active: dict[RequestKey, asyncio.Task] = {}
@@ -97,6 +102,8 @@ class Serving:
         self.num_finished = 0
         self.num_failed = 0
         self.metrics = RouterMetrics(driver, lambda: len(self.active))
+        self.signals = PoolSignals()  # what the autoscaler reads of each pool (router/pool_signals.py)
+        self.metrics.watch_admission(self.admission)
 
     def authenticate(self, authorization: str | None, api: str) -> str | None:
         """The caller's tenant (None: authentication is off). Raises Unauthenticated."""
@@ -113,6 +120,19 @@ class Serving:
         except TooManyRequests as e:
             self.refused(api, e.code)
             raise
+
+    def check_capacity(self, count: int, api: str) -> None:
+        """Refuses count requests at once (AtCapacity, counted) when the cluster could not start them in time;
+        holds nothing. The front doors call it before parsing, so a refusal costs no tokenizing; run() decides."""
+        try:
+            self.admission.check(count)
+        except AtCapacity as e:
+            self._at_capacity(api, e)
+            raise
+
+    def _at_capacity(self, api: str, error: AtCapacity) -> None:
+        self.refused(api, "RESOURCE_EXHAUSTED")
+        self.metrics.admission_refusals.labels(error.reason).inc()
 
     async def off_loop(self, fn: Callable[..., T], *args) -> T:
         """fn(*args) on the router's parse threads (blocking work: tokenizing, JSON, templates)."""
@@ -149,13 +169,19 @@ class Serving:
                   deadline: float | None = None) -> AsyncIterator[Step]:
         """Drives one request, yielding each progress, until its deadline (monotonic; None: the manifest's
         request_timeout_s from arrival). Raises InvalidRequest (ALREADY_EXISTS for an id the tenant has in use),
-        RequestCancelled after an Abort call, DeadlineExceeded, the driver's errors, or CancelledError when the
-        caller went away; in every case but success the request is aborted on every replica (the driver does).
-        Metrics and counters are updated however it ends."""
+        AtCapacity (before any replica is called) when the cluster cannot start it in time, RequestCancelled
+        after an Abort call, DeadlineExceeded, the driver's errors, or CancelledError when the caller went away;
+        in every case but success the request is aborted on every replica (the driver does). Metrics and counters
+        are updated however it ends."""
         key = RequestKey(parsed.tenant, parsed.request_id)
         if key in self.active:
             self.metrics.finished(api, "ALREADY_EXISTS", None, None)
             raise InvalidRequest(f"request id {parsed.request_id!r} is in use", "ALREADY_EXISTS")
+        try:
+            ticket = self.admission.admit()  # closed in the finally below, however the request ends
+        except AtCapacity as e:
+            self._at_capacity(api, e)
+            raise
         task = asyncio.current_task()
         self.active[key] = task
         self._runs += 1
@@ -164,12 +190,19 @@ class Serving:
         timer = asyncio.get_running_loop().call_later(max(0.0, deadline - time.monotonic()), self._cancel, key,
                                                       "deadline")
         account = Accounting(arrival)
+        asked = parsed.params.max_tokens * parsed.params.n
+        self.signals.arrived(len(parsed.prompt_token_ids), asked, arrival)
+        decode_replica = ""
         code = "OK"
         try:
             # Replicas see an id unique across tenants (client ids cannot hold '/'); clients see their own.
             async for progress in self.driver.run(replace(parsed, request_id=replica_id)):
+                ticket.started()
                 now = time.monotonic()
-                self.metrics.observe_gaps(account.observe(progress, now))
+                gaps = account.observe(progress, now)
+                decode_replica = progress.decode_replica or decode_replica
+                self.metrics.observe_gaps(gaps)
+                self.signals.observe(progress, arrival, gaps, now, decode_replica)
                 yield Step(progress, account, now)
         except asyncio.CancelledError:
             code = "CANCELLED"
@@ -187,9 +220,11 @@ class Serving:
                 _log.exception("request %s failed", replica_id)
             raise
         finally:
+            ticket.close()
             timer.cancel()
             self.active.pop(key, None)
             self._ended_by.pop(key, None)
+            self.signals.finished(account.completion_tokens, asked, decode_replica, ok=code == "OK")
             if code == "OK":
                 self.num_finished += 1
             else:

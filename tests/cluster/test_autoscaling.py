@@ -14,7 +14,7 @@ from tandem.cluster.mock_cluster import MockCluster
 from tandem.cluster.pool_pressure import SLO, PoolGauge
 from tandem.router.mock_batching import StepCosts
 from tandem.router.pool_signals import PoolLoad
-from tests.cluster.virtual_loop import run_virtual
+from tandem.cluster.virtual_time import run_virtual
 
 SETTINGS = ScalingSettings(interval_s=1.0, up_window_s=5.0, down_window_s=30.0)
 
@@ -118,7 +118,7 @@ def test_gauge_learns_decode_capacity_from_itl():
     for n in (5, 10, 20, 40, 15):
         itl = 0.010 + 0.001 * n
         sample = gauge.sample(PoolLoad("decode", 2, 10.0, itl_recent_p50=itl, itl_p90=itl, in_flight=2 * n,
-                                       token_weighted_in_flight=n, arrived_output_tokens=5 * 30 * 25,
+                                       token_weighted_decoding=n, decoding=2 * n, arrived_output_tokens=5 * 30 * 25,
                                        itl_points=((n, itl), (n, itl)),
                                        first_tokens=5), 0.0, ready=2)
     assert sample.inputs["seqs_per_replica"] == pytest.approx(30, rel=0.01)

@@ -291,6 +291,22 @@ def test_router_settings_are_checked(tmp_path):
     assert "queued_prefill_tokens" in errors["router.weights.queued_prefil_tokens"].hint  # did you mean
 
 
+def test_router_admission_defaults_to_the_queue_timeout_and_slo_mode_needs_a_ttft_slo(tmp_path):
+    from tandem.cluster.controller import serving_limits
+
+    pools = "pools:\n  prefill: {}\n  decode: {}\n"
+    assert validate_file(_write(tmp_path, pools), check_ports=False).router.admission == "queue_timeout"
+    errors = {e.path: e for e in _errors(_write(tmp_path, pools + "router:\n  admission: slo\n"))}
+    assert "TTFT SLO" in errors["router.admission"].message and "slo.ttft_s" in errors["router.admission"].hint
+    assert errors["router.admission"].line == 5
+    errors = {e.path: e for e in _errors(_write(tmp_path, pools + "router:\n  admission: fastest\n"))}
+    assert "queue_timeout" in errors["router.admission"].message
+    manifest = validate_file(_write(tmp_path, pools + "router:\n  admission: slo\nslo:\n  ttft_s: 0.5\n"),
+                             check_ports=False)
+    admission = serving_limits(manifest).admission  # what the router is started with
+    assert (admission.mode, admission.ttft_slo_s) == ("slo", 0.5)
+
+
 # --- the CLI -----------------------------------------------------------------------------------------------------
 
 

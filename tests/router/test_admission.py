@@ -1,0 +1,413 @@
+"""Admission under overload (router/admission.py): the start rate measured on a fake clock, a new request's
+expected wait against the queue timeout or the TTFT SLO, Retry-After, no leaked waiting count however a request
+ends; and, through the router's real front doors over a batching mock replica of known capacity, a burst of 10x
+that capacity: the excess refused at once (429 + Retry-After / RESOURCE_EXHAUSTED + retry-after), the admitted
+requests starting within the SLO, and the router and the replica holding a bounded number of requests."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import httpx
+import pytest
+
+from tandem.engine.sampling_params import SamplingParams
+from tandem.proto.v1 import tandem_pb2_grpc as pb_grpc
+from tandem.router.admission import AdmissionController, AtCapacity
+from tandem.router.client import build_request
+from tandem.router.grpc_service import TandemServicer, start_grpc_server
+from tandem.router.http_service import build_app, start_http_server
+from tandem.router.lifecycle import DriverSettings, Replica, RequestDriver
+from tandem.router.limits import AdmissionSettings, ServingLimits
+from tandem.router.mock_batching import BatchedDecode, StepCosts
+from tandem.router.mock_replicas import MockDecode
+from tandem.router.request_parsing import ModelFacts, ParsedRequest
+from tandem.router.serving import DeadlineExceeded, Serving
+
+from tests.router.router_harness import MODEL, BackgroundLoop, model_facts
+
+
+class FakeClock:
+    def __init__(self):
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+    def advance(self, seconds: float) -> None:
+        self.t += seconds
+
+
+def controller(clock: FakeClock, *, queue_timeout_s: float = 3.0, max_queued_requests: int = 256,
+               **settings) -> AdmissionController:
+    return AdmissionController(AdmissionSettings(**settings), queue_timeout_s=queue_timeout_s,
+                               max_queued_requests=max_queued_requests, clock=clock)
+
+
+def refusal(admission: AdmissionController) -> AtCapacity:
+    held = admission.waiting
+    with pytest.raises(AtCapacity) as caught:
+        admission.admit()
+    assert admission.waiting == held  # a refusal holds nothing
+    return caught.value
+
+
+def start_every(clock: FakeClock, tickets, gap_s: float) -> None:
+    for ticket in tickets:
+        clock.advance(gap_s)
+        ticket.started()
+
+
+# --- the controller, on a fake clock -----------------------------------------------------------------------------
+
+
+def test_before_any_rate_is_measured_up_to_initial_waiting_may_wait():
+    clock = FakeClock()
+    admission = controller(clock, initial_waiting=3)
+    tickets = [admission.admit() for _ in range(3)]
+    error = refusal(admission)
+    assert (error.reason, error.retry_after_s) == ("unmeasured", 1)
+    assert "3 requests are waiting to start and no start rate has been measured yet" in str(error)
+    assert str(error).startswith("the cluster is at capacity: ")
+    tickets[0].started()
+    assert admission.waiting == 2
+    admission.admit()  # room again
+
+
+def test_the_start_rate_counts_only_time_when_requests_waited():
+    clock = FakeClock()
+    admission = controller(clock, initial_waiting=100)
+    tickets = [admission.admit() for _ in range(8)]
+    start_every(clock, tickets, 0.5)  # 8 starts in 4 s of waiting
+    assert admission.start_rate() == pytest.approx(2.0)
+    clock.advance(10)  # idle: nothing waited, so the cluster is not taken for a slower one
+    assert admission.start_rate() == pytest.approx(2.0)
+    more = [admission.admit() for _ in range(4)]
+    start_every(clock, more, 0.125)  # 12 starts in 4.5 s of waiting
+    assert admission.start_rate() == pytest.approx(12 / 4.5)
+
+
+def test_the_rate_follows_the_window_and_the_last_one_stays_when_it_empties():
+    clock = FakeClock()
+    admission = controller(clock, queue_timeout_s=100.0, initial_waiting=100, window_s=10)
+    start_every(clock, [admission.admit() for _ in range(8)], 0.5)  # 2 per second
+    clock.advance(30)  # the window holds nothing now: the last measurement stays
+    assert admission.start_rate() == pytest.approx(2.0)
+    start_every(clock, [admission.admit() for _ in range(8)], 0.1)  # a faster cluster (scaled up)
+    assert admission.start_rate() == pytest.approx(10.0)
+
+
+def test_expected_wait_against_the_queue_timeout_and_retry_after_from_the_drain_rate():
+    clock = FakeClock()
+    admission = controller(clock, queue_timeout_s=3.0, initial_waiting=100)
+    tickets = [admission.admit() for _ in range(20)]
+    start_every(clock, tickets[:4], 0.5)  # 2 per second; 16 still wait
+    error = refusal(admission)
+    # (16 + 1) / 2 = 8.5 s > 3 s; the backlog drains below the limit in 5.5 s
+    assert (error.reason, error.retry_after_s) == ("queue_timeout", 6)
+    assert ("16 requests are waiting to start and it starts about 2.0 per second, so a new one would start in "
+            "about 8.5 s, past the queue timeout of 3 s; retry in 6 s") in str(error)
+    start_every(clock, tickets[4:15], 0.5)  # 5 wait: (5 + 1) / 2 = 3 s, just within
+    admission.admit()
+    assert refusal(admission).retry_after_s == 1  # (6 + 1) / 2 = 3.5 s: half a second over, rounded up
+
+
+def test_slo_mode_admits_against_the_ttft_slo():
+    clock = FakeClock()
+    admission = controller(clock, queue_timeout_s=30.0, mode="slo", ttft_slo_s=1.0, initial_waiting=100)
+    tickets = [admission.admit() for _ in range(10)]
+    start_every(clock, tickets[:4], 0.25)  # 4 per second; 6 wait: 7 / 4 = 1.75 s > 1 s
+    error = refusal(admission)
+    assert error.reason == "slo" and "past its TTFT SLO of 1 s" in str(error) and error.retry_after_s == 1
+    start_every(clock, tickets[4:7], 0.25)  # 3 wait: 4 / 4 = 1 s
+    admission.admit()
+
+
+def test_a_request_that_finds_nothing_waiting_is_always_admitted():
+    clock = FakeClock()
+    admission = controller(clock, queue_timeout_s=0.1, max_queued_requests=0, initial_waiting=1, window_s=60)
+    for _ in range(4):  # one at a time, each starting 10 s after it came: 0.1 per second
+        start_every(clock, [admission.admit()], 10.0)
+    assert admission.start_rate() == pytest.approx(0.1)
+    ticket = admission.admit()  # 1 / 0.1 = 10 s expected, but nothing is ahead of it
+    assert refusal(admission).reason == "max_queued"
+    ticket.close()
+    admission.admit()
+
+
+def test_max_queued_requests_bounds_the_waiting_in_every_mode():
+    clock = FakeClock()
+    admission = controller(clock, queue_timeout_s=1000.0, max_queued_requests=5, initial_waiting=100)
+    tickets = [admission.admit() for _ in range(5)]
+    error = refusal(admission)
+    assert (error.reason, error.retry_after_s) == ("max_queued", 1)  # no rate yet
+    assert "router.max_queued_requests" in str(error)
+    start_every(clock, tickets[:4], 1.0)  # 1 per second; 1 waits
+    for _ in range(4):
+        admission.admit()
+    error = refusal(admission)
+    assert error.retry_after_s == 1  # one start makes room
+    with pytest.raises(AtCapacity) as caught:
+        admission.check(4)  # a batch of 4 needs 4 starts
+    assert caught.value.retry_after_s == 4
+
+
+def test_tickets_are_idempotent_and_every_ending_leaves_the_count():
+    clock = FakeClock()
+    admission = controller(clock)
+    started, failed = admission.admit(), admission.admit()
+    started.started()
+    started.started()
+    started.close()  # ended after its first token: already left
+    failed.close()
+    failed.close()
+    assert admission.waiting == 0
+
+
+def test_slo_mode_needs_a_ttft_slo():
+    with pytest.raises(ValueError, match="slo.ttft_s"):
+        AdmissionSettings(mode="slo")
+
+
+# --- Serving.run: the waiting count on every path ----------------------------------------------------------------
+
+
+def parsed(request_id: str, max_tokens: int = 3) -> ParsedRequest:
+    return ParsedRequest(request_id, (5, 6, 7, 8), SamplingParams(max_tokens=max_tokens, temperature=0), 0)
+
+
+def serving_over(decode, **admission) -> Serving:
+    driver = RequestDriver([], [Replica("decode-0", "decode", decode)], DriverSettings(mode="colocated"))
+    limits = ServingLimits(admission=AdmissionSettings(**admission))
+    return Serving(driver, ModelFacts(MODEL, None, 49152, 512), "colocated", limits=limits)
+
+
+async def drain(serving: Serving, request: ParsedRequest, **kwargs) -> int:
+    return len([step async for step in serving.run(request, time.monotonic(), "grpc", **kwargs)])
+
+
+def test_no_waiting_request_leaks_on_success_error_cancel_deadline_or_refusal():
+    async def scenario():
+        slow = BatchedDecode("decode-0", StepCosts(step_s=0.2, max_num_seqs=1))
+        serving = serving_over(slow, initial_waiting=2)
+        try:
+            assert await drain(serving, parsed("ok", max_tokens=1)) == 1
+            assert serving.admission.waiting == 0
+
+            task = asyncio.create_task(drain(serving, parsed("cancelled")))
+            while serving.admission.waiting == 0:
+                await asyncio.sleep(0.001)
+            task.cancel()  # the client went away before its first token
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert serving.admission.waiting == 0
+
+            with pytest.raises(DeadlineExceeded):
+                await drain(serving, parsed("late"), deadline=time.monotonic() + 0.05)
+            assert serving.admission.waiting == 0
+
+            holders = [asyncio.create_task(drain(serving, parsed(f"h{i}"))) for i in range(2)]
+            while serving.admission.waiting < 2:
+                await asyncio.sleep(0.001)
+            with pytest.raises(AtCapacity):  # refused before any replica call
+                await drain(serving, parsed("refused"))
+            assert not any(rid.startswith("refused/") for rid in slow.served)
+            for holder in holders:
+                holder.cancel()
+            await asyncio.gather(*holders, return_exceptions=True)
+            assert serving.admission.waiting == 0
+
+            serving.driver.remove("decode-0")  # the driver's own error (no replica) ends it too
+            with pytest.raises(Exception, match="no ready replica"):
+                await drain(serving, parsed("orphan"))
+            assert serving.admission.waiting == 0 and not serving.active
+            registry = serving.metrics.registry
+            assert registry.get_sample_value("tandem_admission_refusals_total", {"reason": "unmeasured"}) == 1
+        finally:
+            slow.loop.stop()
+            serving.close()
+
+    asyncio.run(scenario())
+
+
+# --- a burst of 10x the capacity through the real front doors ----------------------------------------------------
+
+STEP_S = 0.04
+SLOTS = 2
+MAX_TOKENS = 5  # a request holds a slot for 5 steps (its prefill step emits the first token): 0.2 s
+CYCLE_S = MAX_TOKENS * STEP_S
+RATE = SLOTS / CYCLE_S  # 10 starts per second
+SLO_S = 2.0
+CAPACITY = round(RATE * SLO_S)  # requests that can start within the SLO: 20
+BURST = 10 * CAPACITY
+
+
+class Front(BackgroundLoop):
+    """Serving (colocated) over one BatchedDecode of known capacity, both APIs on loopback, SLO admission."""
+
+    def __init__(self, *, initial_waiting: int = SLOTS):
+        super().__init__()
+        self.decode = BatchedDecode("decode-0", StepCosts(step_s=STEP_S, max_num_seqs=SLOTS))
+        facts = model_facts()
+        self.peak = {"waiting": 0, "active": 0, "replica": 0}
+
+        async def boot():
+            driver = RequestDriver([], [Replica("decode-0", "decode", self.decode)], DriverSettings(mode="colocated"))
+            limits = ServingLimits(admission=AdmissionSettings(mode="slo", ttft_slo_s=SLO_S, window_s=10,
+                                                               initial_waiting=initial_waiting))
+            self.serving = Serving(driver, facts, "colocated", limits=limits)
+            self.http, http_port = await start_http_server(build_app(self.serving), "127.0.0.1:0")
+            self.grpc, grpc_port, _ = await start_grpc_server(TandemServicer(self.serving), "127.0.0.1:0")
+            self.sampler = asyncio.create_task(self._sample())
+            return http_port, grpc_port
+
+        http_port, grpc_port = self.run(boot())
+        self.http_url, self.target = f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}"
+        self.channel = grpc.insecure_channel(self.target)
+        self.stub = pb_grpc.TandemStub(self.channel)
+
+    async def _sample(self) -> None:
+        """The most requests the router and the replica held at once."""
+        while True:
+            loop = self.decode.loop
+            for key, value in (("waiting", self.serving.admission.waiting), ("active", len(self.serving.active)),
+                               ("replica", len(loop.waiting) + len(loop.running))):
+                self.peak[key] = max(self.peak[key], value)
+            await asyncio.sleep(0.005)
+
+    async def start_rate(self) -> float | None:
+        return self.serving.admission.start_rate()
+
+    def idle(self) -> bool:
+        return self.run(self._idle())
+
+    async def _idle(self) -> bool:
+        loop = self.decode.loop
+        return not (self.serving.admission.waiting or self.serving.active or loop.waiting or loop.running)
+
+    def close(self) -> None:
+        self.channel.close()
+
+        async def stop():
+            self.sampler.cancel()
+            await self.http.stop()
+            await self.grpc.stop(1)
+            self.decode.loop.stop()
+            self.serving.close()
+
+        self.run(stop())
+        self.stop()
+
+
+async def generate_one(stub: pb_grpc.TandemStub) -> tuple[grpc.StatusCode, float, float | None, dict]:
+    """(status, seconds from sending to the first response or the refusal, the router's own TTFT (arrival to
+    first token, from the last response's timings), the refusal's trailing metadata)."""
+    sent = time.monotonic()
+    call = stub.Generate(build_request(prompt="Hello there", max_tokens=MAX_TOKENS, ignore_eos=True))
+    first, last = None, None
+    try:
+        async for response in call:
+            first = time.monotonic() - sent if first is None else first
+            last = response
+    except grpc.aio.AioRpcError as e:
+        return e.code(), time.monotonic() - sent, None, dict(await call.trailing_metadata() or ())
+    return grpc.StatusCode.OK, first, last.timings.ttft_s, {}
+
+
+async def burst(target: str, count: int) -> list[tuple[grpc.StatusCode, float, float | None, dict]]:
+    """count requests at once over one channel (HTTP/2 streams: no connection setup in the measurement)."""
+    async with grpc.aio.insecure_channel(target) as channel:
+        await channel.channel_ready()
+        stub = pb_grpc.TandemStub(channel)
+        return await asyncio.gather(*(generate_one(stub) for _ in range(count)))
+
+
+async def warm_up(target: str, seconds: float, workers: int) -> None:
+    """`workers` clients back to back for `seconds`: the replica is kept busy and its start rate measured."""
+    end = time.monotonic() + seconds
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = pb_grpc.TandemStub(channel)
+
+        async def worker():
+            while time.monotonic() < end:
+                status, _, _, _ = await generate_one(stub)
+                if status != grpc.StatusCode.OK:
+                    await asyncio.sleep(0.05)
+        await asyncio.gather(*(worker() for _ in range(workers)))
+
+
+def wait_idle(front: Front, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not front.idle():
+        assert time.monotonic() < deadline, "the router or the replica still holds requests"
+        time.sleep(0.02)
+
+
+@pytest.fixture
+def front():
+    f = Front()
+    yield f
+    f.close()
+
+
+def test_a_burst_of_ten_times_capacity_is_refused_at_once_and_the_admitted_meet_the_slo(front):
+    asyncio.run(warm_up(front.target, 2.5, 3 * SLOTS))
+    wait_idle(front)
+    measured = front.run(front.start_rate())
+    assert RATE * 0.6 < measured < RATE * 1.6, measured
+    front.peak.update(waiting=0, active=0, replica=0)
+
+    results = asyncio.run(burst(front.target, BURST))
+
+    admitted = [r for r in results if r[0] == grpc.StatusCode.OK]
+    refused = [r for r in results if r[0] != grpc.StatusCode.OK]
+    assert CAPACITY // 2 <= len(admitted) <= 2 * CAPACITY, len(admitted)
+    for status, seconds, _, metadata in refused:
+        assert status == grpc.StatusCode.RESOURCE_EXHAUSTED and seconds < 1.0, (status, seconds)
+        assert int(metadata["retry-after"]) >= 1
+    # The controller assumes a steady flow of starts; the replica starts SLOTS at a time once per slot cycle,
+    # so one may start up to a cycle later than that flow would start it. And the measured rate runs a few
+    # percent high (the window also holds the warm-up's first steps, when free slots started requests at once).
+    # So: the SLO, plus 10% of it, plus one cycle (seen: about 2.16 s against 2.4).
+    ttfts = sorted(ttft for _, _, ttft, _ in admitted)
+    assert ttfts[-1] < SLO_S * 1.1 + CYCLE_S, ttfts
+    # What the router and the replica held stayed near the capacity, nowhere near the burst.
+    assert front.peak["waiting"] <= 2 * CAPACITY and front.peak["active"] <= 2 * CAPACITY + SLOTS, front.peak
+    assert front.peak["replica"] <= 2 * CAPACITY + SLOTS, front.peak
+    wait_idle(front)
+    metrics = httpx.get(f"{front.http_url}/metrics").text
+    assert f'tandem_admission_refusals_total{{reason="slo"}} {len(refused)}.0' in metrics
+    assert "tandem_requests_waiting_to_start 0.0" in metrics
+
+
+def test_refusals_carry_retry_after_on_both_apis(front):
+    async def hold():  # SLOTS requests wait to start: the prior's limit, as nothing has been measured yet
+        return [front.serving.admission.admit() for _ in range(SLOTS)]
+
+    tickets = front.run(hold())
+    sent = time.monotonic()
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 2}
+    reply = httpx.post(f"{front.http_url}/v1/completions", json=body, timeout=10)
+    assert reply.status_code == 429 and reply.headers["retry-after"] == "1"
+    error = reply.json()["error"]
+    assert error["type"] == "rate_limit_error" and error["code"] == "resource_exhausted"
+    assert error["message"] == (f"the cluster is at capacity: {SLOTS} requests are waiting to start and no start "
+                                f"rate has been measured yet (at most {SLOTS} may wait until one is); retry in 1 s")
+    with pytest.raises(grpc.RpcError) as caught:
+        list(front.stub.Generate(build_request(prompt="Hi", max_tokens=2), timeout=10))
+    assert time.monotonic() - sent < 1.0
+    assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert caught.value.details() == error["message"]
+    metadata = dict(caught.value.trailing_metadata())
+    assert metadata["retry-after"] == "1" and metadata["grpc-retry-pushback-ms"] == "1000"
+    assert front.decode.served == []  # no replica saw either
+
+    async def release():
+        for ticket in tickets:
+            ticket.close()
+
+    front.run(release())
+    assert httpx.post(f"{front.http_url}/v1/completions", json=body, timeout=10).status_code == 200
+    wait_idle(front)
