@@ -39,10 +39,12 @@ from tandem.cluster.replica_set import HEARTBEAT_S, HEARTBEAT_TIMEOUT_S, STATS_T
 from tandem.router.lifecycle import DriverSettings
 from tandem.router.limits import ServingLimits
 from tandem.router.policy import RoutingWeights
+from tandem.router.pool_signals import PoolScaling
 from tandem.router.routing import RoutingSettings
 
 _log = logging.getLogger(__name__)
 ROUTER_RESTART_TRIES = 10
+DEFAULT_STARTUP_S = 60.0  # a replica's start-up time until one was measured
 MAX_LOG_LINES = 2000  # progress and decision lines kept for `tandem up` and `tandem status --log`
 
 
@@ -129,7 +131,8 @@ class Controller:
             a = pool.autoscaling
             gauge = PoolGauge(name, slo, colocated=self.manifest.mode == "colocated",
                               target_utilization=a.target_utilization, kv_high=a.kv_high,
-                              max_num_seqs=pool.engine.max_num_seqs, horizon_s=a.down_window_s)
+                              max_num_seqs=pool.engine.max_num_seqs,
+                              startup_s=self.replicas.startup_s.get(name, DEFAULT_STARTUP_S))
             policy = PoolPolicy(name, pool.replicas.min, pool.replicas.max, a.policy())
             self.scalers[name] = PoolScaler(name, policy, gauge, self.replicas, time.monotonic,
                                             on_decision=lambda d: self._say(f"autoscale {d.describe()}"))
@@ -137,8 +140,34 @@ class Controller:
                 self._tasks.append(loop.create_task(self.scalers[name].run()))
                 self._say(f"autoscaling pool {name} between {pool.replicas.min} and {pool.replicas.max} replicas "
                           f"(up after {a.up_window_s:g} s over target, down after {a.down_window_s:g} s under)")
+        self.replicas.on_ready = self._started
         self._tasks.append(loop.create_task(self.replicas.monitor()))
+        self._tasks.append(loop.create_task(self._report_scaling()))
         self._tasks.append(loop.create_task(self._watch_router()))
+
+    async def _report_scaling(self) -> None:
+        """Tells the router each pool's scaling state every second, for its /metrics."""
+        while True:
+            states = []
+            for name, scaler in self.scalers.items():
+                counts = self.replicas.counts(name)
+                last = scaler.last
+                shortfall = self.replicas.shortfalls.get(name)
+                states.append(PoolScaling(name, self.replicas.wanted[name], counts.ready, counts.starting,
+                                          counts.draining, scaler.changes, last.action if last else "",
+                                          last.reason if last else "", scaler.policy.pinned,
+                                          shortfall.replicas if shortfall else 0))
+            try:
+                if self.router is not None:
+                    await asyncio.wait_for(self.router.report_scaling.remote(states), HEARTBEAT_TIMEOUT_S)
+            except (asyncio.TimeoutError, ray.exceptions.RayError) as e:  # the router watchdog handles a dead one
+                _log.debug("scaling report to the router failed: %r", e)
+            await asyncio.sleep(HEARTBEAT_S)
+
+    def _started(self, pool: str, seconds: float) -> None:
+        """A replica of pool took seconds from its decision to serving: what the pool's sizing expects next."""
+        gauge = self.scalers[pool].gauge
+        gauge.startup_s = 0.5 * gauge.startup_s + 0.5 * seconds
 
     async def scale(self, pool: str, count: int | None) -> str:
         """Pins a pool at count replicas (`tandem scale POOL N`) or hands it back to the autoscaler (None:
@@ -174,7 +203,10 @@ class Controller:
         ready = self.replicas.ready()
         listen, tls = self.manifest.listen, self.manifest.tls
         try:
-            endpoints = await self.router.start.remote(ready, listen.grpc, listen.http,
+            # A replacement router takes the addresses its predecessor had bound (port 0 in the manifest: a free
+            # one, the first time), so clients reconnect where they were.
+            endpoints = await self.router.start.remote(ready, self.endpoint or listen.grpc,
+                                                       self.http_endpoint or listen.http,
                                                        self.manifest.auth.resolve() or None,
                                                        limits=serving_limits(self.manifest),
                                                        tls=None if tls is None else tls.router_config())

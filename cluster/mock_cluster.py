@@ -64,7 +64,7 @@ class MockCluster:
         self.scalers = {pool: PoolScaler(
             pool, PoolPolicy(pool, *bounds[pool], settings),
             PoolGauge(pool, slo, colocated=mode == "colocated", target_utilization=settings.target_utilization,
-                      max_num_seqs=costs.max_num_seqs, horizon_s=settings.down_window_s),
+                      max_num_seqs=costs.max_num_seqs, startup_s=start_delay_s),
             self, self.loop.time, on_decision=self._decided) for pool in self.pools}
         self.autoscale = autoscale
 

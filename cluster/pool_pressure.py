@@ -4,24 +4,29 @@ needs. Plain Python; one PoolGauge per pool keeps what it learned of a replica's
 
 Prefill pool (disaggregated):
   pressure = max(prefill latency p90 / (TTFT SLO x u), queued prefill tokens / (replicas x rate x TTFT SLO x u))
-  needed   = (prompt tokens arriving per second x uncached share + queued tokens / horizon) / (rate x u)
+  needed   = (arriving + backlog / horizon) / (rate x u)
   where u is the target utilization, rate the uncached tokens a busy replica computes per second (measured,
-  smoothed), the uncached share that of the prefills done in the window (1 before any), and horizon the time a
-  backlog should take to clear (the longer of the TTFT SLO and the down window: replicas added for a backlog
-  alone would otherwise leave again as soon as it is gone). Arrivals, not completions: a
-  saturated pool completes only what it can.
+  smoothed), arriving the prompt tokens arriving per second times the uncached share of the prefills done in
+  the window (1 before any), backlog the queued tokens projected to when replicas started now would serve
+  (queued + (arriving - replicas x rate) x start-up time, when positive) and horizon the time that backlog should
+  take to clear once they do (the longer of the TTFT SLO and the start-up time). Arrivals, not completions: a
+  saturated pool completes only what it can. Sized so, a burst is absorbed about two start-up times after the
+  decision, in one decision; the replicas added for the backlog leave once the pool has been under target for a
+  down window.
 Decode pool (and a colocated pool, which also answers for TTFT):
   pressure = max(ITL p90 / (ITL SLO x u), KV use / kv_high [, TTFT p90 / (TTFT SLO x u) when colocated])
   needed   = max(output tokens asked per second x share generated / (capacity / (u x ITL SLO)),
-                 replicas x KV use / kv_high)
+                 replicas x KV use x decoding share x (in flight + waiting for room) / in flight / kv_high)
   where capacity / (u x ITL SLO) is the tokens per second one replica generates with its ITL at u x the ITL SLO,
   capacity the sequences it then holds: a line ITL = a + b x n fitted
   to (a replica's requests decoding, its ITL median over the last second), one point per replica and tick, with
   exponential forgetting; before the points spread, n x (u x SLO) / ITL with n the requests sharing a replica
   with a typical token (a latency floor makes this conservative: it asks for more); never above max_num_seqs.
-The wait for decode room is logged but is no pressure of the decode pool: a decode replica reserves a request's
-blocks before its prefill, so a prefill backlog fills decode replicas with requests that only wait, and the wait
-would make the wrong pool grow; room the decode pool truly lacks shows as KV use. Decode is sized from the tokens
+The wait for decode room is logged but is no pressure of its own: room the decode pool lacks shows as KV use, and
+the requests waiting for room ask for blocks like those in flight (the KV term of needed). A decode replica
+reserves a request's blocks before its prefill, so a prefill backlog holds decode KV with requests that only
+wait for their prefill: the KV term counts only the decoding share of the requests in flight (decoding / in
+flight), so that a prefill backlog makes the prefill pool grow, not the decode pool. Decode is sized from the tokens
 asked for, not from the sequences in flight: sequences stay longer when tokens
 come slower, so the count in flight on an overloaded pool overstates what the pool needs at its target, and on a
 generous one understates it (fewer replicas would hold them longer). Without an ITL SLO, sequences in flight and
@@ -48,10 +53,10 @@ class SLO:
 
 class PoolGauge:
     def __init__(self, pool: str, slo: SLO, *, colocated: bool = False, target_utilization: float = 0.8,
-                 kv_high: float = 0.8, max_num_seqs: int = 64, horizon_s: float = 10.0):
+                 kv_high: float = 0.8, max_num_seqs: int = 64, startup_s: float = 30.0):
         self.pool, self.slo, self.colocated = pool, slo, colocated
         self.u, self.kv_high, self.max_num_seqs = target_utilization, kv_high, max_num_seqs
-        self.horizon_s = max(horizon_s, slo.ttft_s or 0.0)
+        self.startup_s = startup_s  # how long a replica takes from decision to serving (actuators update it)
         self.prefill_rate: float | None = None  # uncached tokens per busy replica-second
         self._fit = [0.0] * 5  # forgetting sums: n, x, y, xx, xy
 
@@ -78,8 +83,10 @@ class PoolGauge:
             inputs["rate_per_replica"] = self.prefill_rate
             if self.slo.ttft_s and ready:
                 terms.append(load.queued_prefill_tokens / (ready * self.prefill_rate * self.slo.ttft_s * self.u))
-            demand = arriving + load.queued_prefill_tokens / self.horizon_s
-            needed = demand / (self.prefill_rate * self.u)
+            capacity = ready * self.prefill_rate
+            backlog = load.queued_prefill_tokens + max(0.0, arriving - capacity) * self.startup_s
+            horizon = max(self.slo.ttft_s or 0.0, self.startup_s, 1.0)
+            needed = (arriving + backlog / horizon) / (self.prefill_rate * self.u)
         idle = load.first_tokens == 0 and load.queued_prefill_tokens == 0 and load.in_flight == 0
         return (None if idle or not terms else max(terms)), (0.0 if idle else needed), inputs
 
@@ -109,8 +116,10 @@ class PoolGauge:
             needed = asked * self.u * self.slo.itl_s / capacity
         else:
             needed = seqs / capacity
-        if load.kv_usage is not None:
-            needed = max(needed, ready * load.kv_usage / self.kv_high)
+        if load.kv_usage is not None and load.in_flight:
+            decoding_share = min(1.0, load.decoding / load.in_flight)
+            inputs["decoding"] = load.decoding
+            needed = max(needed, ready * load.kv_usage * decoding_share * seqs / load.in_flight / self.kv_high)
         return (max(terms) if terms else None), needed, inputs
 
     def _capacity(self, load: PoolLoad) -> float:

@@ -62,6 +62,7 @@ class PoolScaler:
         self.last_sample: PoolSample | None = None
         self.history: deque[Decision] = deque(maxlen=MAX_HISTORY)
         self.ticks = 0
+        self.changes = 0  # decisions that changed something, ever
 
     async def tick(self) -> Decision:
         """One round: measure, decide, act. Returns the decision (a "hold" most ticks)."""
@@ -83,6 +84,7 @@ class PoolScaler:
     def _act(self, decision: Decision) -> None:
         _log.info("autoscale %s", decision.describe())
         self.last = decision
+        self.changes += 1
         self.history.append(decision)
         if decision.desired > decision.current:
             self.actuator.start(self.pool, decision.desired - decision.current)

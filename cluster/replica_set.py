@@ -56,6 +56,7 @@ class ReplicaEntry:
     info: ReplicaInfo | None = None
     state: str = "placing"  # placing | starting | ready | draining | dead
     since: float = field(default_factory=time.monotonic)
+    created: float = field(default_factory=time.monotonic)
     task: asyncio.Task | None = None  # what is placing/starting/draining it
 
     @property
@@ -93,6 +94,8 @@ class ReplicaSet:
         self.replaced = 0
         self._indexes = {name: itertools.count() for name, _ in manifest.pool_items()}
         self._asked: list[dict[str, float]] | None = None  # what request_resources was last given
+        self.startup_s: dict[str, float] = {}  # pool -> how long its last replica took to serve, seconds
+        self.on_ready: Callable[[str, float], None] | None = None  # (pool, seconds from decision to serving)
 
     # -- start -------------------------------------------------------------------------------------------
 
@@ -150,6 +153,10 @@ class ReplicaSet:
             raise RuntimeError(f"{plan.name} did not become ready within {self.ready_timeout_s:g} s") from None
         except ray.exceptions.RayActorError as e:
             raise RuntimeError(f"{plan.name} failed to start: {cause(e)}") from None
+        seconds = time.monotonic() - entry.created
+        self.startup_s[plan.pool] = seconds
+        if self.on_ready is not None:
+            self.on_ready(plan.pool, seconds)
         entry.become("ready")
         gpus = [r.visible_gpus for r in entry.info.ranks if r.visible_gpus]
         attention = entry.info.ranks[0].attention if entry.info.ranks else "?"

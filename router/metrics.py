@@ -21,6 +21,7 @@ from tandem.replica.contract import ReplicaStats
 from tandem.router.accounting import Accounting, Timings
 from tandem.router.admission import AdmissionController
 from tandem.router.lifecycle import RequestDriver
+from tandem.router.pool_signals import PoolScaling
 
 _log = logging.getLogger(__name__)
 
@@ -59,6 +60,8 @@ class RouterMetrics:
         self.kv_drops = ReplicaDrops(driver)
         r.register(_DriverCollector(driver, active, self.kv_drops))
         driver.routing.observe = self.decision.observe
+        self.scaling: dict[str, PoolScaling] = {}  # the control plane's last report (RouterActor.report_scaling)
+        r.register(_ScalingCollector(lambda: self.scaling))
 
     def watch_admission(self, admission: AdmissionController) -> None:
         """Exposes the admission controller's requests waiting to start and its start rate at scrape time."""
@@ -182,6 +185,31 @@ class _DriverCollector:
         yield in_flight
         yield queued
         yield free
+
+
+class _ScalingCollector:
+    """The pools' scaling as the control plane last reported it (RouterActor.report_scaling)."""
+
+    def __init__(self, states: Callable[[], dict[str, PoolScaling]]):
+        self.states = states
+
+    def collect(self):
+        replicas = GaugeMetricFamily("tandem_pool_replicas", "Replicas per pool by state (desired: what the "
+                                     "autoscaler or a pin wants)", labels=["pool", "state"])
+        decisions = CounterMetricFamily("tandem_scaling_decisions", "Scaling decisions that changed a pool",
+                                        labels=["pool"])
+        last = GaugeMetricFamily("tandem_scaling_last_decision", "1 for the last scaling decision of a pool, with "
+                                 "its action and reason", labels=["pool", "action", "reason"])
+        shortfall = GaugeMetricFamily("tandem_pool_shortfall_replicas", "Replicas a pool wanted that Ray could "
+                                      "not place", labels=["pool"])
+        for pool, state in sorted(self.states().items()):
+            for name in ("desired", "ready", "pending", "draining"):
+                replicas.add_metric([pool, name], getattr(state, name))
+            decisions.add_metric([pool], state.decisions)
+            shortfall.add_metric([pool], state.shortfall)
+            if state.last_action:
+                last.add_metric([pool, state.last_action, state.last_reason], 1)
+        yield from (replicas, decisions, last, shortfall)
 
 
 class _AdmissionCollector:

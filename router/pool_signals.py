@@ -67,6 +67,25 @@ class PoolLoad:
     itl_points: tuple[tuple[int, float], ...] = ()
 
 
+@dataclass(frozen=True)
+class PoolScaling:
+    """What the control plane reports of one pool's scaling, for the router's /metrics: replicas desired and
+    ready, pending (placing or starting), draining; the last decision that changed something (action "" before
+    any), why, and how many such decisions there were; pinned: the count `tandem scale` holds it at (None:
+    automatic); shortfall: replicas Ray could not place."""
+
+    pool: str
+    desired: int
+    ready: int
+    pending: int
+    draining: int
+    decisions: int = 0
+    last_action: str = ""
+    last_reason: str = ""
+    pinned: int | None = None
+    shortfall: int = 0
+
+
 MIN_POINT_GAPS = 8  # tokens a replica must have produced in recent_s for its ITL median to count
 
 

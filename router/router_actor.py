@@ -16,7 +16,7 @@ from tandem.replica.contract import DecodeReplicaAPI, PrefillReplicaAPI, ReadyRe
 from tandem.router.auth import Authenticator
 from tandem.router.lifecycle import DriverSettings, Replica, RequestDriver
 from tandem.router.limits import ServingLimits
-from tandem.router.pool_signals import PoolLoad
+from tandem.router.pool_signals import PoolLoad, PoolScaling
 from tandem.router.request_parsing import ModelFacts
 from tandem.router.tls import TLSConfig
 
@@ -118,6 +118,10 @@ class RouterActor:
         driver = self._driver()
         replicas = driver.prefill if pool == "prefill" else driver.decode
         return self.serving.signals.load(pool, replicas, queued=driver.num_queued if pool == "decode" else 0)
+
+    async def report_scaling(self, states: list[PoolScaling]) -> None:
+        """The control plane's view of each pool's scaling, exposed on /metrics until the next report."""
+        self.serving.metrics.scaling = {state.pool: state for state in states}
 
     async def add_replica(self, replica: ReadyReplica) -> None:
         """Starts routing to a replica that became ready (scaled up, or replacing a dead one)."""

@@ -1,0 +1,118 @@
+"""The control plane on a real cluster of the embedded model (deploy/manifests/local-failover.yaml on the simulated
+multi-node Ray cluster: one prefill replica, two decode replicas): `tandem scale` grows and drains a pool while it
+serves, a dead replica is detected, leaves routing and is replaced, and a killed router is replaced on the same
+ports. One cluster for the whole module (each replica takes half a minute to start on two cores)."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+import ray
+
+from tandem.router.client import TandemClient
+from tests.cluster.ray_cluster import manifest_for_test, running, simulated_cluster, wait_idle
+
+NODES = {"prefill": dict(num_cpus=2, resources={"prefill": 4}),
+         "decode": dict(num_cpus=3, resources={"decode": 6})}  # room for three decode replicas of two ranks
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with simulated_cluster(NODES), running(manifest_for_test("local-failover.yaml")) as running_cluster:
+        yield running_cluster
+
+
+def wait_for(cluster, check, timeout_s: float, what: str) -> dict:
+    """Polls the cluster's status until check(status) holds; returns that status."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        status = cluster.status()
+        if check(status):
+            return status
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} within {timeout_s:g} s; last status: {status['pools']} "
+                                 f"{[(r['name'], r['state']) for r in status['replicas']]}")
+        time.sleep(0.5)
+
+
+def ask(cluster, question: str = "What is the capital of France?", max_tokens: int = 8):
+    with TandemClient(cluster.endpoint, timeout_s=120) as client:
+        return client.generate(chat=[{"role": "user", "content": question}], max_tokens=max_tokens,
+                               temperature=0)
+
+
+def metric(cluster, name: str, **labels) -> float | None:
+    text = httpx.get(f"http://{cluster.http_endpoint}/metrics", timeout=10).text
+    want = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    for line in text.splitlines():
+        if line.startswith(f"{name}{{{want}}}" if want else f"{name} "):
+            return float(line.rsplit(" ", 1)[1])
+    return None
+
+
+def test_scale_pins_a_pool_grows_it_and_drains_it_while_it_serves(cluster):
+    status = cluster.status()
+    assert status["pools"]["decode"]["autoscaling"] and status["pools"]["decode"]["desired"] == 2
+    assert "pinned at 3" in cluster.scale("decode", 3)
+    status = cluster.status()
+    assert status["pools"]["decode"]["pinned"] == 3 and status["pools"]["decode"]["pending"] == 1
+    status = wait_for(cluster, lambda s: s["pools"]["decode"]["ready"] == 3, 180, "a third decode replica")
+    assert status["pools"]["decode"]["last_decision"]["reason"] == "pinned by `tandem scale`"
+    assert ask(cluster).usage.completion_tokens == 8
+    assert wait_for_metric(cluster, "tandem_pool_replicas", 3, pool="decode", state="desired")
+
+    # Shrink back while a long stream runs: whichever replica it is on, it finishes whole.
+    with TandemClient(cluster.endpoint, timeout_s=300) as client:
+        stream = client.stream(prompt="Once upon a time", max_tokens=120, temperature=0, ignore_eos=True)
+        first = next(stream)
+        assert "pinned at 2" in cluster.scale("decode", 2)
+        tokens = len(first.token_ids) + sum(len(chunk.token_ids) for chunk in stream)
+    assert tokens == 120
+    wait_for(cluster, lambda s: s["pools"]["decode"]["ready"] == 2 and s["pools"]["decode"]["draining"] == 0,
+             120, "the drained replica to leave")
+    assert any("draining" in line for line in cluster.log())
+    assert "automatic" in cluster.scale("decode", None)
+    wait_idle(cluster)
+
+
+def wait_for_metric(cluster, name: str, value: float, timeout_s: float = 10.0, **labels) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while metric(cluster, name, **labels) != value:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.5)
+    return True
+
+
+def test_a_dead_replica_is_detected_within_5_s_and_replaced(cluster):
+    victim = "decode-1"
+    ray.kill(cluster.replica_handles()[victim])
+    killed = time.monotonic()
+    wait_for(cluster, lambda s: victim not in {r["name"] for r in s["replicas"]}, 10, f"{victim} removed")
+    assert time.monotonic() - killed <= 5.0 + 1.0  # heartbeat every 1 s, 3 s timeout; status polls every 0.5 s
+    assert any(f"{victim} is dead" in line for line in cluster.log())
+    status = wait_for(cluster, lambda s: s["pools"]["decode"]["ready"] == 2, 180, "a replacement")
+    assert status["replicas_replaced"] >= 1 and victim in status["router"]["replicas_lost"]
+    assert ask(cluster).usage.completion_tokens == 8
+    detail = {r["name"]: r for r in status["replicas"]}
+    for r in detail.values():
+        assert r["pid"] and r["node"] and r["rank_placements"]
+
+
+def test_a_killed_router_is_replaced_and_clients_reconnect_within_10_s(cluster):
+    router = ray.get_actor(f"{cluster.name}-router", namespace=cluster.namespace)
+    ray.kill(router)
+    killed = time.monotonic()
+    while True:
+        try:
+            result = ask(cluster)
+            break
+        except Exception:
+            if time.monotonic() - killed > 10:
+                raise
+            time.sleep(0.25)
+    assert result.usage.completion_tokens == 8
+    assert time.monotonic() - killed <= 10
+    assert any("router: replacing it" in line for line in cluster.log())
