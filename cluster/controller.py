@@ -285,6 +285,8 @@ class Controller:
         return {"name": self.manifest.name, "state": self.state, "mode": self.manifest.mode,
                 "model": self.manifest.model, "endpoints": {"grpc": self.endpoint, "http": self.http_endpoint},
                 "pools": pools, "replicas_replaced": self.replicas.replaced,
+                "resource_request": {"asks": self.replicas.resource_requests,
+                                     "bundles": self.replicas.asked_bundles},
                 "replicas": replicas, "router": router}
 
     async def replica_handles(self) -> dict[str, Any]:

@@ -94,6 +94,7 @@ class ReplicaSet:
         self.replaced = 0
         self._indexes = {name: itertools.count() for name, _ in manifest.pool_items()}
         self._asked: list[dict[str, float]] | None = None  # what request_resources was last given
+        self.resource_requests = 0  # times Ray's autoscaler was told what the replicas need
         self.startup_s: dict[str, float] = {}  # pool -> how long its last replica took to serve, seconds
         self.on_ready: Callable[[str, float], None] | None = None  # (pool, seconds from decision to serving)
 
@@ -230,6 +231,11 @@ class ReplicaSet:
         self.wanted[entry.pool] = sum(1 for e in self.entries if e.pool == entry.pool)
         self.ask_ray()
 
+    @property
+    def asked_bundles(self) -> list[dict[str, float]]:
+        """What Ray's autoscaler was last asked for (one bundle per replica), [] before any ask."""
+        return list(self._asked or [])
+
     def ask_ray(self) -> None:
         """Tells Ray's autoscaler what every replica wanted needs (one bundle per replica; replicas given up
         for lack of resources are not asked for again). A no-op when nothing changed."""
@@ -241,6 +247,7 @@ class ReplicaSet:
 
             request_resources(bundles=bundles)
             self._asked = bundles
+            self.resource_requests += 1
             _log.info("asked Ray's autoscaler for %d replica bundle(s)", len(bundles))
         except Exception as e:  # no autoscaler API on this Ray: placement just waits
             _log.warning("could not ask Ray's autoscaler for resources: %r", e)

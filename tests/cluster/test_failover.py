@@ -18,9 +18,21 @@ NODES = {"prefill": dict(num_cpus=2, resources={"prefill": 4}),
          "decode": dict(num_cpus=3, resources={"decode": 6})}  # room for three decode replicas of two ranks
 
 
+RESOURCE_TIMEOUT_S = 8.0
+
+
+def failover_manifest():
+    """local-failover.yaml on free ports, with a short wait for resources (the shortfall test)."""
+    manifest = manifest_for_test("local-failover.yaml")
+    decode = manifest.pools.decode
+    autoscaling = decode.autoscaling.model_copy(update={"resource_timeout_s": RESOURCE_TIMEOUT_S})
+    pools = manifest.pools.model_copy(update={"decode": decode.model_copy(update={"autoscaling": autoscaling})})
+    return manifest.model_copy(update={"pools": pools})
+
+
 @pytest.fixture(scope="module")
 def cluster():
-    with simulated_cluster(NODES), running(manifest_for_test("local-failover.yaml")) as running_cluster:
+    with simulated_cluster(NODES), running(failover_manifest()) as running_cluster:
         yield running_cluster
 
 
@@ -101,6 +113,31 @@ def test_a_dead_replica_is_detected_within_5_s_and_replaced(cluster):
         assert r["pid"] and r["node"] and r["rank_placements"]
 
 
+def test_a_pool_asks_ray_for_resources_and_reports_a_shortfall_when_none_come(cluster):
+    """The decode node has room for three decode replicas; a fourth asks Ray's autoscaler for its bundle (no
+    autoscaler runs here, so nothing comes), is given up after resource_timeout_s, and the pool keeps serving
+    with what it has and asks for no more."""
+    wait_for(cluster, lambda s: s["pools"]["decode"]["ready"] == 2 and not s["pools"]["decode"]["pending"], 180,
+             "two decode replicas")
+    cluster.scale("decode", 3)
+    wait_for(cluster, lambda s: s["pools"]["decode"]["ready"] == 3, 180, "a third decode replica")
+    cluster.scale("decode", 4)
+    status = wait_for(cluster, lambda s: s["resource_request"]["asks"] >= 1 and len(
+        s["resource_request"]["bundles"]) == 5, 10, "Ray's autoscaler asked for five replica bundles")
+    assert {"CPU": 1.0, "decode": 2.0} in status["resource_request"]["bundles"]
+    status = wait_for(cluster, lambda s: s["pools"]["decode"]["shortfall"] is not None, RESOURCE_TIMEOUT_S + 10,
+                      "the shortfall reported")
+    short = status["pools"]["decode"]["shortfall"]
+    assert short["replicas"] == 1 and short["bundle"] == {"CPU": 1.0, "decode": 2.0}
+    assert status["pools"]["decode"]["pending"] == 0 and status["pools"]["decode"]["ready"] == 3
+    assert len(status["resource_request"]["bundles"]) == 4  # the request for the fourth is withdrawn
+    assert ask(cluster).usage.completion_tokens == 8
+    cluster.scale("decode", 2)
+    wait_for(cluster, lambda s: s["pools"]["decode"]["ready"] == 2 and not s["pools"]["decode"]["draining"], 120,
+             "back to two")
+    cluster.scale("decode", None)
+
+
 def test_a_killed_router_is_replaced_and_clients_reconnect_within_10_s(cluster):
     router = ray.get_actor(f"{cluster.name}-router", namespace=cluster.namespace)
     ray.kill(router)
@@ -116,3 +153,5 @@ def test_a_killed_router_is_replaced_and_clients_reconnect_within_10_s(cluster):
     assert result.usage.completion_tokens == 8
     assert time.monotonic() - killed <= 10
     assert any("router: replacing it" in line for line in cluster.log())
+    feed = cluster.status()["router"]["kv_feed"]
+    assert feed["snapshots"] >= 3  # the new router's prefix index was rebuilt from every replica's snapshot
