@@ -10,7 +10,8 @@ Prefill pool (disaggregated):
   the window (1 before any), backlog the queued tokens projected to when replicas started now would serve
   (queued + (arriving - replicas x rate) x start-up time, when positive) and horizon the time that backlog should
   take to clear once they do (the longer of the TTFT SLO and the start-up time). Arrivals, not completions: a
-  saturated pool completes only what it can. Sized so, a burst is absorbed about two start-up times after the
+  saturated pool completes only what it can; requests refused at once for lack of capacity count as arrivals
+  like the admitted ones (else admission control would hide the overload from the autoscaler). Sized so, a burst is absorbed about two start-up times after the
   decision, in one decision; the replicas added for the backlog leave once the pool has been under target for a
   down window.
 Decode pool (and a colocated pool, which also answers for TTFT):
@@ -72,7 +73,7 @@ class PoolGauge:
             rate = load.prefill_tokens / load.prefill_busy_s
             self.prefill_rate = rate if self.prefill_rate is None else 0.7 * self.prefill_rate + 0.3 * rate
         share = load.prefill_tokens / load.prefill_prompt_tokens if load.prefill_prompt_tokens else 1.0
-        arriving = load.arrived_tokens / load.rate_window_s * share
+        arriving = load.arrived_tokens / load.rate_window_s * share * _with_refused(load)
         inputs = {"queued_tokens": load.queued_prefill_tokens, "arriving_tokens_per_s": arriving}
         terms = []
         if self.slo.ttft_s and load.prefill_p90 is not None:
@@ -111,7 +112,7 @@ class PoolGauge:
         inputs["seqs_per_replica"] = capacity
         if self.slo.itl_s:
             asked = load.arrived_output_tokens / load.rate_window_s * (
-                load.output_share if load.output_share is not None else 1.0)
+                load.output_share if load.output_share is not None else 1.0) * _with_refused(load)
             inputs["asked_tokens_per_s"] = asked
             needed = asked * self.u * self.slo.itl_s / capacity
         else:
@@ -144,3 +145,10 @@ class PoolGauge:
         if y is not None and y > 0 and x > 0:
             return max(1.0, min(ceiling, x * target / y))
         return ceiling * self.u
+
+
+def _with_refused(load: PoolLoad) -> float:
+    """How much more demand there was than the requests admitted show: refused ones are taken to be like them."""
+    if not load.refused_requests:
+        return 1.0
+    return (load.arrived_requests + load.refused_requests) / max(1, load.arrived_requests)

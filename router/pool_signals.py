@@ -32,6 +32,8 @@ class PoolLoad:
     a shorter window than the latencies', so that a step in the load shows in full soon); arrived_output_tokens:
     the output tokens they asked for (max_tokens x n); output_share: of the output tokens asked for by requests
     that finished in the window, the share generated (stops end requests early; None: none finished).
+    arrived_requests / refused_requests: requests admitted / refused at once for lack of capacity
+    (router/admission.py) in the last rate_window_s: demand the pools did not see as tokens, but should grow for.
     queued_prefill_tokens: sent and not answered yet. in_flight: requests on the pool's replicas; queued: requests
     waiting for a decode reservation (decode pool). kv_usage: mean fraction of KV blocks in use (last polls).
     decoding: requests past their first token and not finished, over the pool's replicas (a decode replica's
@@ -54,6 +56,8 @@ class PoolLoad:
     prefill_busy_s: float = 0.0
     prefill_prompt_tokens: int = 0
     arrived_tokens: int = 0
+    arrived_requests: int = 0
+    refused_requests: int = 0
     arrived_output_tokens: int = 0
     output_share: float | None = None
     rate_window_s: float = 5.0
@@ -126,8 +130,13 @@ class PoolSignals:
         self._prefills: deque[tuple[float, float, str, int, int]] = deque()  # start, end, replica, uncached, all
         self._arrivals = _Window(self.rate_window_s)
         self._asked = _Window(self.rate_window_s)
+        self._refused = _Window(self.rate_window_s)
         self._finished: deque[tuple[float, int, int]] = deque()  # (time, generated, asked)
         self._decoding: dict[str, int] = {}  # decode replica -> requests decoding there
+
+    def refused(self, count: int, now: float | None = None) -> None:
+        """count requests were refused at once because the cluster could not start them in time."""
+        self._refused.add(self.clock() if now is None else now, count)
 
     def arrived(self, prompt_tokens: int, output_tokens: int, now: float | None = None) -> None:
         """A request with this many prompt tokens, asking for at most output_tokens (max_tokens x n), arrived
@@ -204,6 +213,8 @@ class PoolSignals:
         ttft = self._ttft[pool].values(now)
         load = PoolLoad(pool, len(replicas), self.window_s, ttft_p90=percentile(ttft, 90),
                         arrived_tokens=int(sum(self._arrivals.values(now))), rate_window_s=self.rate_window_s,
+                        arrived_requests=len(self._arrivals.values(now)),
+                        refused_requests=int(sum(self._refused.values(now))),
                         arrived_output_tokens=int(sum(self._asked.values(now))),
                         output_share=sum(g for _, g, _ in self._finished) / asked if asked else None,
                         in_flight=sum(r.load.in_flight for r in replicas), first_tokens=len(ttft),

@@ -127,11 +127,12 @@ class Serving:
         try:
             self.admission.check(count)
         except AtCapacity as e:
-            self._at_capacity(api, e)
+            self._at_capacity(api, e, count)
             raise
 
-    def _at_capacity(self, api: str, error: AtCapacity) -> None:
+    def _at_capacity(self, api: str, error: AtCapacity, count: int = 1) -> None:
         self.refused(api, "RESOURCE_EXHAUSTED")
+        self.signals.refused(count)  # demand the autoscaler should see, though no replica did
         self.metrics.admission_refusals.labels(error.reason).inc()
 
     async def off_loop(self, fn: Callable[..., T], *args) -> T:

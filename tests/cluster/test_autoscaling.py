@@ -258,3 +258,17 @@ def test_a_slow_start_does_not_over_scale_and_scale_down_under_load_loses_nothin
     assert cluster.replica_count("prefill") == 1
     assert all(s.kv_blocks_in_use == 0 for s in held)
     assert all(r.loop.running == {} and r.loop.waiting == {} for r in cluster.stopped)
+
+
+def test_requests_refused_for_capacity_count_as_demand():
+    """Admission control refuses what the cluster cannot start in time (router/admission.py); the pools must
+    still grow for it: 10 admitted and 30 refused in the window read as four times the admitted tokens."""
+    gauge = PoolGauge("prefill", SLO(ttft_s=1.0), startup_s=10.0)
+    base = dict(prefill_p90=0.5, prefill_tokens=10_000, prefill_busy_s=10.0, prefill_prompt_tokens=10_000,
+                arrived_tokens=10_000, arrived_requests=10, rate_window_s=5.0, first_tokens=10)
+    admitted_only = gauge.sample(PoolLoad("prefill", 1, 10.0, **base), 0.0, ready=1)
+    with_refused = PoolGauge("prefill", SLO(ttft_s=1.0), startup_s=10.0).sample(
+        PoolLoad("prefill", 1, 10.0, refused_requests=30, **base), 0.0, ready=1)
+    assert admitted_only.inputs["arriving_tokens_per_s"] == 2000
+    assert with_refused.inputs["arriving_tokens_per_s"] == 8000
+    assert with_refused.needed > 3 * admitted_only.needed
