@@ -27,6 +27,7 @@ YAML.
       session_affinity: false
       max_queued_requests: 256
       queue_timeout_s: 30
+      max_migrations: 3             # moves of one request to another replica after a replica serving it died
       request_timeout_s: 600        # every request's deadline (a client may ask for less: gRPC deadline, `timeout`)
       limits: {max_body_bytes: 4MiB, max_n: 8, max_batch_prompts: 32, ...}   # router/limits.py RequestLimits
     transport: {kind: ucx, host: null, lease_s: 30}
@@ -236,7 +237,9 @@ class RouterSettings(_Strict):
     slo.ttft_s) at its measured start rate is refused at once, 429 with Retry-After / RESOURCE_EXHAUSTED
     (router/admission.py). kv_events_interval_s: how often the router polls every replica's KV events and load.
     request_timeout_s: every request's deadline (a client may ask for less); when it passes the request is
-    aborted everywhere (DEADLINE_EXCEEDED / HTTP 504). limits: what one request may ask for (router/limits.py)."""
+    aborted everywhere (DEADLINE_EXCEEDED / HTTP 504). max_migrations: how many times one request may continue
+    on another replica after one serving it died (decode: by token replay; prefill: prefilled again); 0 ends it
+    UNAVAILABLE at the first death. limits: what one request may ask for (router/limits.py)."""
 
     policy: Literal["cache_aware", "least_loaded", "round_robin", "random"] = "cache_aware"
     weights: RoutingWeightsSettings = RoutingWeightsSettings()
@@ -249,6 +252,7 @@ class RouterSettings(_Strict):
     admission: Literal["queue_timeout", "slo"] = "queue_timeout"
     kv_events_interval_s: float = Field(0.05, gt=0, le=10)
     request_timeout_s: float = Field(600.0, gt=0)
+    max_migrations: int = Field(3, ge=0)
     limits: RequestLimits = RequestLimits()
 
 

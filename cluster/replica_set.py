@@ -11,8 +11,9 @@ A replica Ray cannot place within resource_timeout_s is given up: the pool's sho
 status` and logged, the request to Ray's autoscaler is withdrawn, and the pool asks for no more replicas until
 the cluster's resources grow.
 
-Health: every HEARTBEAT_S each ready replica answers stats() within HEARTBEAT_TIMEOUT_S, or it is dead (its actor
-died, its engine failed, a rank process died, or it stopped answering): it leaves routing, is killed, and a new
+Health: every HEARTBEAT_S each ready replica answers health() within HEARTBEAT_TIMEOUT_S (it answers without waiting
+for a running engine step, so a long step is not mistaken for a hang), or it is dead (its actor died, its engine
+failed, a rank process died, or it stopped answering): it leaves routing, is killed, and a new
 one is started while its pool has fewer than it wants (within min/max).
 """
 
@@ -296,14 +297,11 @@ class ReplicaSet:
     async def _heartbeat(self, entry: ReplicaEntry) -> str | None:
         """None if the replica is alive, else why it is not."""
         try:
-            stats = await asyncio.wait_for(entry.api.stats(), HEARTBEAT_TIMEOUT_S)
+            return await asyncio.wait_for(entry.api.health(), HEARTBEAT_TIMEOUT_S)
         except asyncio.TimeoutError:
             return f"no heartbeat within {HEARTBEAT_TIMEOUT_S:g} s"
         except ray.exceptions.RayError as e:
             return f"its actor died: {cause(e)}"
-        if stats.state != "ready":
-            return f"its engine {stats.state}"
-        return None
 
     async def declare_dead(self, entry: ReplicaEntry, why: str) -> None:
         entry.become("dead")

@@ -6,7 +6,9 @@ replica/shell.py; the contract is replica/contract.py's DecodeReplicaAPI):
     prefill replica pushes into; decode() waits for the KV to arrive, continues the request from the prefill
     replica's first token and streams the rest;
   - local (colocated mode, n > 1, or the router's fallback after a failed transfer): generate() prefills and
-    decodes here.
+    decodes here;
+  - resumed (the router's migration after the decode replica serving a request died): resume() prefills the
+    prompt plus the tokens already delivered and streams what comes after them (engine/resume.py).
 
 Streams yield lists of RequestOutput: everything produced since the consumer's last read, so one message per
 engine step at most crosses to the router, however many tokens it carries.
@@ -17,6 +19,7 @@ from __future__ import annotations
 from typing import AsyncIterator, Sequence
 
 from tandem.engine.output_processor import RequestOutput
+from tandem.engine.resume import ResumeState
 from tandem.engine.sampled_token import SampledToken
 from tandem.engine.sampling_params import SamplingParams
 from tandem.kv_transfer.config import TransferConfig
@@ -79,5 +82,17 @@ class DecodeReplica(ReplicaShell):
         self._check_not_aborted(request_id)
         stream = self.server.add_request(request_id, prompt_token_ids, params, priority=priority,
                                          cache_salt=cache_salt)
+        async for batch in self.server.batches(request_id, stream):
+            yield batch
+
+    async def resume(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
+                     resume: ResumeState, *, priority: int = 0,
+                     cache_salt: str | None = None) -> AsyncIterator[list[RequestOutput]]:
+        """Continues a request another decode replica was serving (colocated replicas too): the engine prefills
+        the prompt plus resume.output_token_ids and streams only what comes after them (LLMEngine.add_request's
+        resume). Raises ValueError for a request that cannot be resumed."""
+        self._check_not_aborted(request_id)
+        stream = self.server.add_request(request_id, prompt_token_ids, params, priority=priority,
+                                         cache_salt=cache_salt, resume=resume)
         async for batch in self.server.batches(request_id, stream):
             yield batch

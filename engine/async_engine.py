@@ -21,16 +21,14 @@ import threading
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable, Sequence as Seq, TypeVar
 
+from tandem.engine.errors import EngineDeadError
 from tandem.engine.llm_engine import EngineStats, LLMEngine
 from tandem.engine.output_processor import RequestOutput
+from tandem.engine.resume import ResumeState
 from tandem.engine.sampling_params import SamplingParams
 
 _log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-
-class EngineDeadError(RuntimeError):
-    """The engine thread stopped on an error; every open stream receives it and new requests are refused."""
 
 
 @dataclass
@@ -83,11 +81,14 @@ class AsyncEngine:
     # -- the API ---------------------------------------------------------------------------------------
 
     async def generate(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams, *,
-                       priority: int = 0, cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, cache_salt: str | None = None,
+                       resume: ResumeState | None = None) -> AsyncIterator[RequestOutput]:
         """Adds a request and yields its outputs until every sample has finished. Raises ValueError /
         RequestRejectedError before the first output for a request that cannot be served, EngineDeadError if
-        the engine thread has failed. Leaving the iteration early aborts the request."""
-        stream = self.add_request(request_id, prompt_token_ids, params, priority=priority, cache_salt=cache_salt)
+        the engine thread has failed. Leaving the iteration early aborts the request. resume: as in
+        LLMEngine.add_request (the outputs start after the delivered tokens)."""
+        stream = self.add_request(request_id, prompt_token_ids, params, priority=priority, cache_salt=cache_salt,
+                                  resume=resume)
         async for item in self.stream(request_id, stream):
             yield item
 
@@ -121,18 +122,19 @@ class AsyncEngine:
                 await self.abort(request_id)
 
     def add_request(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams, *,
-                    priority: int = 0, cache_salt: str | None = None) -> _Stream:
-        """Validates and queues a request; returns the stream its outputs arrive on (see generate())."""
+                    priority: int = 0, cache_salt: str | None = None, resume: ResumeState | None = None) -> _Stream:
+        """Validates and queues a request (resume: a migrated request's delivered tokens and seed, as in
+        LLMEngine.add_request); returns the stream its outputs arrive on (see generate())."""
         self._check_alive()
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
-        self.engine.validate(prompt_token_ids, params)
+        self.engine.validate(prompt_token_ids, params, resume)
         stream = self.open_stream(request_id)
 
         def add() -> None:
             try:
                 self.engine.add_request(request_id, prompt_token_ids, params, priority=priority,
-                                        cache_salt=cache_salt)
+                                        cache_salt=cache_salt, resume=resume)
             except Exception as e:  # validated already; a race (e.g. duplicate id) still reaches the caller
                 self._deliver(request_id, e, final=True)
 
@@ -196,6 +198,11 @@ class AsyncEngine:
     def stats(self) -> EngineStats:
         """Counters as of the last completed step or command (never blocks on the engine thread)."""
         return self._stats
+
+    @property
+    def error(self) -> BaseException | None:
+        """What made the engine thread fail (None while it runs or after a clean stop)."""
+        return self._error
 
     @property
     def alive(self) -> bool:

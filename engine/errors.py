@@ -15,3 +15,8 @@ class UnsupportedModelError(ModelLoadError):
 
 class ReplicaFailedError(TandemError, RuntimeError):
     """A rank of a replica that spans processes died or raised; the replica has been shut down."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread stopped on an error; every open stream receives it and new requests are refused (a
+    replica whose engine is dead is dead to the router: engine/async_engine.py raises it)."""

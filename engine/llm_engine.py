@@ -16,7 +16,8 @@ the agent's on_layers_done(layer, tables) after each layer of a step that comple
 call_kv_agents(fn, args_by_rank) runs fn(agent, *args) beside each named rank's agent (fn: a picklable callable
 such as an unbound agent method, never a method name). reserve_for_transfer() and admit_transferred() are the
 decode side's way in: blocks held for a prompt whose KV another replica computes, then the request continued
-from its first token.
+from its first token. add_request(..., resume=ResumeState) continues a request another replica started (the
+router's migration after a replica died; engine/resume.py).
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ from tandem.engine.loader.model_loader import LoadedModel
 from tandem.engine.model_runner import ModelRunner
 from tandem.engine.parallel.layout import ParallelConfig, ReplicaLayout
 from tandem.engine.output_processor import OutputProcessor, RequestOutput
-from tandem.engine.request import RequestStatus, Sequence
+from tandem.engine.request import RequestStatus, Sequence, token_stop_status
+from tandem.engine.resume import ResumeState
 from tandem.engine.sampled_token import SampledToken
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.scheduler import RequestRejectedError, Scheduler, SchedulerConfig, SchedulerStats
@@ -148,9 +150,11 @@ class LLMEngine:
     def max_model_len(self) -> int:
         return self.scheduler.config.max_model_len
 
-    def validate(self, prompt_token_ids: Seq[int], params: SamplingParams) -> None:
-        """Raises ValueError / RequestRejectedError with a message for a request that cannot be served.
-        Pure: usable from another thread before queueing the request."""
+    def validate(self, prompt_token_ids: Seq[int], params: SamplingParams, resume: ResumeState | None = None) -> None:
+        """Raises ValueError / RequestRejectedError with a message for a request that cannot be served (resume:
+        see add_request). Pure: usable from another thread before queueing the request."""
+        if resume is not None:
+            resume.check(params, self.vocab_size)
         if not prompt_token_ids:
             raise ValueError("the prompt is empty")
         if (bad := next((t for t in prompt_token_ids if not 0 <= t < self.vocab_size), None)) is not None:
@@ -160,24 +164,41 @@ class LLMEngine:
         self.scheduler.check_admissible(len(prompt_token_ids), params.max_tokens, params.n)
 
     def add_request(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams, *,
-                    priority: int = 0, cache_salt: str | None = None) -> None:
+                    priority: int = 0, cache_salt: str | None = None, resume: ResumeState | None = None) -> None:
         """Queues a request. Raises ValueError (bad input, duplicate id) or RequestRejectedError (can never
         fit); nothing is queued then. A request without a seed gets a random one, so its output still does
-        not depend on the batch it lands in or on preemption."""
-        self.scheduler.add(self._sequence(request_id, prompt_token_ids, params, priority, cache_salt))
+        not depend on the batch it lands in or on preemption.
+
+        resume: the request continues a run another replica started (a migrated request, engine/resume.py):
+        its sequence starts with resume.output_token_ids as outputs (prefilled with the prompt; they count for
+        max_tokens and penalties, and the sampler's step continues after them), draws with resume.seed, and its
+        outputs start with the token after them, the text delta included (the output processor is primed);
+        num_prompt_tokens stays the prompt's. Raises ValueError also for n > 1 and for delivered tokens that
+        already end the request (max_tokens, a stop token or stop string)."""
+        seq = self._sequence(request_id, prompt_token_ids, params, priority, cache_salt, resume)
+        primed = {seq.seq_id: self.outputs.primed(seq)} if resume is not None else None
+        self.scheduler.add(seq)
         self._arrivals += 1
-        self.outputs.add_request(request_id, params.n)
+        self.outputs.add_request(request_id, params.n, primed=primed)
 
     def _sequence(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams, priority: int,
-                  cache_salt: str | None) -> Sequence:
-        self.validate(prompt_token_ids, params)
-        if params.seed is not None:
+                  cache_salt: str | None, resume: ResumeState | None = None) -> Sequence:
+        self.validate(prompt_token_ids, params, resume)
+        if resume is not None and resume.seed is not None:
+            seeds = [resume.seed]  # n == 1 (validated)
+        elif params.seed is not None:
             seeds = [params.seed + i for i in range(params.n)]
         else:
             seeds = [secrets.randbits(63) for _ in range(params.n)]
-        return Sequence(f"{request_id}#0", request_id, 0, tuple(int(t) for t in prompt_token_ids), params,
-                        seeds[0], priority, self._arrivals, cache_salt, self.config.block_size,
-                        fork_seeds=tuple(seeds[1:]))
+        seq = Sequence(f"{request_id}#0", request_id, 0, tuple(int(t) for t in prompt_token_ids), params,
+                       seeds[0], priority, self._arrivals, cache_salt, self.config.block_size,
+                       fork_seeds=tuple(seeds[1:]))
+        if resume is not None and resume.output_token_ids:
+            seq.resume(resume.output_token_ids)
+            if token_stop_status(seq, self.scheduler.eos_token_ids, self.max_model_len) is not None:
+                raise ValueError("the delivered tokens already end the request (a stop token or the context "
+                                 "length): there is nothing to resume")
+        return seq
 
     def reserve_for_transfer(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams, *,
                              priority: int = 0, cache_salt: str | None = None) -> tuple[int, ...] | None:
@@ -258,6 +279,10 @@ class LLMEngine:
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
+
+    def dead_ranks(self) -> list[str]:
+        """The rank processes of a multi-process replica that have exited, described (safe from any thread)."""
+        return self.runner.dead_ranks() if hasattr(self.runner, "dead_ranks") else []
 
     def shutdown(self) -> None:
         """Stops the ranks of a multi-process replica, or this process's KV transfer agent. Idempotent."""

@@ -3,11 +3,17 @@
 One stream per sample. Text is produced by the incremental detokenizer, then passed through the stop-string
 matcher, which holds back text that might still become a stop string. A sample whose text hits a stop string
 is reported here and finished by the engine; its output ends just before the stop string.
+
+A resumed request (engine/resume.py) starts with a primed stream: its delivered output tokens were run through
+the detokenizer and the matcher without being emitted (they reached the client from the replica that first
+served it), so the stream holds back exactly what that replica's held back, and the next delta is the one it
+would have emitted next.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Mapping
 
 from tandem.engine.request import RequestStatus, Sequence
 from tandem.engine.scheduler import SeqUpdate
@@ -44,21 +50,35 @@ class RequestOutput:
     finished: bool
 
 
-class _SampleStream:
+class SampleStream:
+    """The text state of one sample: its incremental detokenizer and its stop-string matcher."""
+
     def __init__(self, tokenizer: Tokenizer, stops: tuple[str, ...]):
         self.detokenizer = tokenizer.detokenizer()
         self.matcher = StopStringMatcher(stops)
-        self.stopped_by_text = False
 
 
 class OutputProcessor:
     def __init__(self, tokenizer: Tokenizer):
         self.tokenizer = tokenizer
-        self._streams: dict[str, _SampleStream] = {}
+        self._streams: dict[str, SampleStream] = {}  # by seq id, made at a sample's first token unless primed
         self._samples_left: dict[str, int] = {}  # request id -> samples not finished yet
 
-    def add_request(self, request_id: str, n: int) -> None:
+    def add_request(self, request_id: str, n: int, *, primed: Mapping[str, SampleStream] | None = None) -> None:
+        """Expects the outputs of a request of n samples. primed: seq id -> the primed stream of a resumed
+        sample (primed()); the caller has made sure the request id is new."""
         self._samples_left[request_id] = n
+        self._streams.update(primed or {})
+
+    def primed(self, seq: Sequence) -> SampleStream:
+        """A stream that has seen seq's output tokens (a resumed request, engine/resume.py) without emitting
+        them: the next delta continues the text the client already has. Registers nothing (add_request does).
+        Raises ValueError when those tokens already complete a stop string (the request had finished)."""
+        stream = SampleStream(self.tokenizer, seq.params.stop)
+        for token_id in seq.output_token_ids:
+            if stream.matcher.feed(stream.detokenizer.step(token_id)).stopped:
+                raise ValueError("the delivered tokens already contain a stop string: the request had finished")
+        return stream
 
     def process(self, update: SeqUpdate) -> tuple[RequestOutput, bool]:
         """The output of one sequence's new token. The flag is True when the text hit a stop string: the engine
@@ -66,7 +86,7 @@ class OutputProcessor:
         seq, sampled = update.seq, update.sampled
         stream = self._streams.get(seq.seq_id)
         if stream is None:
-            stream = self._streams[seq.seq_id] = _SampleStream(self.tokenizer, seq.params.stop)
+            stream = self._streams[seq.seq_id] = SampleStream(self.tokenizer, seq.params.stop)
         check = stream.matcher.feed(stream.detokenizer.step(sampled.token_id))
         text, status = check.text, update.status
         if check.stopped:

@@ -98,6 +98,17 @@ class Sequence:
         if len(self._tokens) % self.block_size == 0:
             extend_block_hashes(self.block_hashes, self._tokens, self.block_size, self.cache_salt, self.hasher)
 
+    def resume(self, output_token_ids: Seq[int]) -> None:
+        """Starts the sequence with output tokens another replica already generated (a migrated request,
+        engine/resume.py), appended as if sampled here: they join token_ids and the block hashes, so the first
+        scheduling computes prompt + outputs (or finds them in the prefix cache), the sampler's next step is
+        len(output_token_ids), and penalties and max_tokens count them as outputs. num_prompt_tokens stays the
+        prompt's. Raises ValueError once the sequence has been scheduled or has outputs."""
+        if self.status is not RequestStatus.WAITING or self.output_token_ids or self.num_computed_tokens:
+            raise ValueError(f"sequence {self.seq_id} has started already: it cannot be resumed")
+        for token_id in output_token_ids:
+            self.append_token(int(token_id))
+
     def fork(self, index: int, seq_id: str, seed: int) -> Sequence:
         """A new sample of the same request at the same point: same tokens, hashes and computed count (copied,
         not recomputed), its own seed and no forks of its own."""

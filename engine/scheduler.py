@@ -246,9 +246,11 @@ class Scheduler:
                 break
             self.waiting.pop(0)
             if seq.status is RequestStatus.WAITING:
-                seq.num_cached_tokens = match.num_cached_tokens
+                # A resumed sequence (request.py's resume()) may also find its output tokens cached: only the
+                # prompt's count as cached prompt tokens.
+                seq.num_cached_tokens = min(match.num_cached_tokens, seq.num_prompt_tokens)
                 self.num_prompt_tokens_queried += seq.num_prompt_tokens
-                self.num_prompt_tokens_cached += match.num_cached_tokens
+                self.num_prompt_tokens_cached += seq.num_cached_tokens
             seq.status = RequestStatus.RUNNING
             seq.num_computed_tokens = match.num_cached_tokens
             self.running.append(seq)

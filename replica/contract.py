@@ -6,6 +6,7 @@ The worker actors implement the Protocols (prefill_worker/replica.py, decode_wor
 calls them through replica/remote.py, which puts a Ray actor handle behind the same Protocol, and tests and
 bench/routing.py through the mock replicas of router/mock_replicas.py. A method that streams yields lists of
 RequestOutput: everything the engine produced since the last item, so one message per engine step at most.
+ResumeState (engine/resume.py, torch-free) crosses this line too: what a migrated request had delivered.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import AsyncIterator, Protocol, Sequence, Union
 from tandem.engine.device import RankPlacement
 from tandem.engine.kv_events import KVEventBatch, KVSnapshot
 from tandem.engine.output_processor import RequestOutput
+from tandem.engine.resume import ResumeState
 from tandem.engine.sampled_token import SampledToken
 from tandem.engine.sampling_params import SamplingParams
 from tandem.kv_transfer.descriptor import TransferDescriptor
@@ -104,6 +106,10 @@ class ReplicaAPI(Protocol):
 
     async def stats(self) -> ReplicaStats: ...
 
+    async def health(self) -> str | None:
+        """None while the replica can serve, else why it cannot (its engine failed, one of its rank processes
+        died). Answers at once, never waiting for a running engine step: the control plane's heartbeat."""
+
     async def kv_events(self, epoch: str | None, since: int) -> KVEventsReply:
         """The KV events from `since` on in the log of `epoch` (epoch None, an epoch that is not the log's, or
         events the log no longer keeps: a snapshot). Raises ValueError if the replica publishes no events."""
@@ -147,6 +153,16 @@ class DecodeReplicaAPI(ReplicaAPI, Protocol):
                  priority: int = 0, cache_salt: str | None = None) -> AsyncIterator[list[RequestOutput]]:
         """Prefills and decodes the request here (colocated mode, n > 1, conditional disaggregation, or after a
         failed transfer) and streams its outputs."""
+
+    def resume(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
+               resume: ResumeState, *, priority: int = 0,
+               cache_salt: str | None = None) -> AsyncIterator[list[RequestOutput]]:
+        """Continues here a request (n == 1) another decode replica was serving when it died (the router's
+        migration by token replay): prefills the prompt plus resume.output_token_ids (the tokens the client was
+        already sent), draws with resume.seed from the step after them, and streams only what comes after them,
+        the first text delta included; outputs report the prompt's num_prompt_tokens. request_id is the
+        router's fresh id for this attempt. Raises ValueError for a request it cannot resume (n > 1, delivered
+        tokens that already end it, or as generate())."""
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any, AsyncIterator, Sequence
 
 from tandem.engine.output_processor import RequestOutput
+from tandem.engine.resume import ResumeState
 from tandem.engine.sampled_token import SampledToken
 from tandem.engine.sampling_params import SamplingParams
 from tandem.kv_transfer.descriptor import TransferDescriptor
@@ -36,6 +37,9 @@ class RemoteReplica:
 
     async def stats(self) -> ReplicaStats:
         return await self.actor.stats.remote()
+
+    async def health(self) -> str | None:
+        return await self.actor.health.remote()
 
     async def kv_events(self, epoch: str | None, since: int) -> KVEventsReply:
         return await self.actor.kv_events.remote(epoch, since)
@@ -76,6 +80,13 @@ class RemoteDecodeReplica(RemoteReplica):
                  priority: int = 0, cache_salt: str | None = None) -> AsyncIterator[list[RequestOutput]]:
         return _stream(self.actor.generate.options(num_returns="streaming").remote(
             request_id, prompt_token_ids, params, priority=priority, cache_salt=cache_salt))
+
+
+    def resume(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
+               resume: ResumeState, *, priority: int = 0,
+               cache_salt: str | None = None) -> AsyncIterator[list[RequestOutput]]:
+        return _stream(self.actor.resume.options(num_returns="streaming").remote(
+            request_id, prompt_token_ids, params, resume, priority=priority, cache_salt=cache_salt))
 
 
 def remote_replica(pool: str, actor: Any) -> RemotePrefillReplica | RemoteDecodeReplica:

@@ -107,6 +107,14 @@ class ReplicaShell:
                             prefix_hit_rate=s.prefix_hit_rate, num_preemptions=s.num_preemptions,
                             num_steps=s.num_steps, kv_messages_dropped=self._kv_drops)
 
+    async def health(self) -> str | None:
+        """None while the engine runs and every rank process lives; else why not (read without waiting for the
+        engine thread: a long step is not a failure)."""
+        if not self.server.alive:
+            return f"its engine failed: {self.server.error!r}" if self.server.error else "its engine stopped"
+        dead = self.engine.dead_ranks()
+        return f"{', '.join(dead)} died" if dead else None
+
     def _read_kv_drops(self) -> MessageDrops:
         """Engine thread: the ranks' agents' drop counts, summed (none without agents)."""
         if self.connector is None:

@@ -16,15 +16,20 @@
 
   Failure: a transfer that fails, expires or is aborted leaves nothing held on either side (the connectors
   clean up); the router then lets the decode replica prefill the prompt itself (step L below). A replica that
-  dies leaves its pool and the request ends UNAVAILABLE.
+  dies leaves its pool. A prefill replica that dies in step 2: the decode reservation is aborted and the
+  prompt is prefilled again, on another prefill replica or by the decode replica. A decode replica that dies
+  in step 3 or L: the request (n == 1) continues on another decode replica by token replay (step M:
+  migration.py). Both are bounded by DriverSettings.max_migrations; past it, with no replica left, or for
+  n > 1, the request ends UNAVAILABLE.
 
 Colocated mode, n > 1, conditional disaggregation and that fallback take the local path (L): one decode
 replica's generate() prefills and decodes, streaming the same way. Every call carries the tenant's cache salt.
 The KV feed (kv_feed.py) polls every replica's KV events and load beside all this, off the request path.
 
 Each step is one call on a replica's contract (replica/contract.py): step 1 DecodeReplicaAPI.reserve, step 2
-PrefillReplicaAPI.prefill, step 3 DecodeReplicaAPI.decode, step L DecodeReplicaAPI.generate, step 4
-ReplicaAPI.abort. In a cluster replica/remote.py makes each a Ray call; in tests router/mock_replicas.py answers."""
+PrefillReplicaAPI.prefill, step 3 DecodeReplicaAPI.decode, step L DecodeReplicaAPI.generate, step M
+DecodeReplicaAPI.resume, step 4 ReplicaAPI.abort. In a cluster replica/remote.py makes each a Ray call; in tests
+router/mock_replicas.py answers."""
 
 from __future__ import annotations
 
@@ -33,12 +38,14 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Awaitable, Generic, TypeVar
+from typing import AsyncIterator, Awaitable, Callable, Generic, TypeVar
 
+from tandem.engine.errors import EngineDeadError, ReplicaFailedError
 from tandem.engine.output_processor import RequestOutput
 from tandem.kv_transfer.descriptor import TransferDescriptor, TransferFailedError
 from tandem.replica.contract import DecodeReplicaAPI, PrefillReplicaAPI, ReplicaInfo
 from tandem.router.kv_feed import KVFeed
+from tandem.router.migration import MIGRATION, PREFILL_DIED, Replay, seeded
 from tandem.router.policy import ReplicaLoad
 from tandem.router.request_parsing import ParsedRequest
 from tandem.router.routing import PREFILL_POOL, RoutePlan, Routing, RoutingSettings
@@ -62,7 +69,12 @@ class ReplicaLostError(RuntimeError):
 
 
 def is_replica_death(error: BaseException) -> bool:
-    """Whether error says the replica's actor is gone (Ray's RayActorError and its subclasses)."""
+    """Whether error says the replica can serve no more: its actor is gone (Ray's RayActorError and its
+    subclasses), or its engine died under it (a rank process killed mid-step: EngineDeadError or
+    ReplicaFailedError, as the replica raised it or wrapped in Ray's RayTaskError)."""
+    if isinstance(error, (EngineDeadError, ReplicaFailedError)) or isinstance(
+            getattr(error, "cause", None), (EngineDeadError, ReplicaFailedError)):
+        return True
     try:
         from ray.exceptions import RayActorError
     except ImportError:  # the driver also runs over mock replicas without Ray
@@ -87,11 +99,20 @@ class Replica(Generic[API]):
 
 @dataclass(frozen=True)
 class DriverSettings:
+    """max_migrations: how many times one request may move to another replica after one serving it died (a
+    decode replica mid-stream: token replay; a prefill replica mid-prefill: prefill again); 0 ends it
+    UNAVAILABLE at the first death."""
+
     mode: str = "disaggregated"
     max_queued_requests: int = 256
     queue_timeout_s: float = 30.0
     routing: RoutingSettings = field(default_factory=RoutingSettings)
     kv_events_interval_s: float = 0.05  # how often the router polls every replica's KV events and load
+    max_migrations: int = 3
+
+    def __post_init__(self) -> None:
+        if self.max_migrations < 0:
+            raise ValueError(f"max_migrations must be at least 0, got {self.max_migrations}")
 
 
 @dataclass
@@ -107,6 +128,10 @@ class Progress:
     queue_s: float = 0.0
     transfer_s: float = 0.0  # the KV transfer's tail after the prefill replica sampled (disaggregated)
     admission_s: float = 0.0  # the prefill replica's answer to the decode replica's first token (disaggregated)
+
+
+# Builds the first progress a request forwards from its outputs and the replica that streamed them.
+FirstProgress = Callable[[list[RequestOutput], Replica], Progress]
 
 
 class RequestDriver:
@@ -128,6 +153,16 @@ class RequestDriver:
     def num_fallbacks(self) -> int:
         """Requests whose transfer failed and that the decode replica prefilled instead."""
         return self.routing.decisions[("decode_replica", "transfer_failed")]
+
+    @property
+    def num_migrations(self) -> int:
+        """Requests moved to another decode replica by token replay after theirs died (each move counted)."""
+        return self.routing.decisions[("decode_replica", MIGRATION)]
+
+    @property
+    def num_prefill_retries(self) -> int:
+        """Prompts prefilled again (another prefill replica, or the decode replica) after a prefill replica died."""
+        return sum(self.routing.decisions[(where, PREFILL_DIED)] for where in ("prefill_pool", "decode_replica"))
 
     def replicas(self) -> list[Replica]:
         """Every replica routed to (what the KV feed polls)."""
@@ -159,22 +194,27 @@ class RequestDriver:
 
     async def run(self, request: ParsedRequest) -> AsyncIterator[Progress]:
         """Yields Progress until the request's last output. Raises InvalidRequest-like ValueErrors from the
-        replicas, NoCapacityError, NoReplicaError, or Ray's errors for a dead replica."""
+        replicas, NoCapacityError, NoReplicaError, ReplicaLostError (a replica died and the request could not
+        move on: n > 1, max_migrations reached or no replica left; the message says which), or Ray's errors for
+        a dead replica. A request with n == 1 and no seed is sent with one drawn here (migration.seeded), so that
+        a replay after a replica's death draws as the first replica did."""
         if not self.decode:
             raise NoReplicaError("no ready replica in the decode pool")
+        request = dataclasses.replace(request, params=seeded(request.params))
         local = "colocated" if self.settings.mode == "colocated" else "n_gt_1" if request.params.n > 1 else None
         plan = self.routing.plan(request.prompt_token_ids, prefill=[r.load for r in self.prefill],
                                  decode=[r.load for r in self.decode], local_reason=local,
                                  cache_salt=request.cache_salt, session=request.session_id)
         touched: list[tuple[Replica, str]] = []  # (replica, the request's id there)
+        replay = Replay(request.request_id, self.settings.max_migrations)
         try:
             if plan.prefill is None:
                 replica = self._decode(next(plan.decode))
                 self.routing.record(plan, prefill=None, decode=replica.name, session=request.session_id)
-                async for progress in self._local(request, replica, plan.reason, touched):
+                async for progress in self._local(request, replica, plan.reason, touched, replay):
                     yield progress
                 return
-            async for progress in self._disaggregated(request, plan, touched):
+            async for progress in self._disaggregated(request, plan, touched, replay):
                 yield progress
         finally:
             for replica, _ in touched:
@@ -222,6 +262,13 @@ class RequestDriver:
         replica.load.in_flight += 1
         touched.append((replica, request_id))
 
+    async def _release(self, replica: Replica, request_id: str, touched: list[tuple[Replica, str]]) -> None:
+        """Undoes _use before the request ends: aborts request_id on replica (it frees its blocks) and stops
+        counting it there."""
+        touched.remove((replica, request_id))
+        replica.load.in_flight -= 1
+        await asyncio.shield(self._abort_everywhere(request_id, [(replica, request_id)]))
+
     async def _reserve(self, request: ParsedRequest, plan: RoutePlan,
                        touched: list[tuple[Replica, str]]
                        ) -> tuple[Replica[DecodeReplicaAPI], TransferDescriptor, float]:
@@ -231,11 +278,18 @@ class RequestDriver:
         try:
             while True:
                 for load in order:
-                    replica = self._decode(load)
-                    descriptor = await self._call(replica, replica.api.reserve(
-                        request.request_id, request.prompt_token_ids, request.params, priority=request.priority,
-                        cache_salt=request.cache_salt,  # senders: the planned prefill replica's KV agents
-                        senders=info.kv_addresses if (info := self._prefill(plan.prefill).info) else ()))
+                    if (replica := self._replicas.get(load.name)) is None:
+                        continue  # it left the pool since the ranking
+                    try:
+                        descriptor = await self._call(replica, replica.api.reserve(
+                            request.request_id, request.prompt_token_ids, request.params, priority=request.priority,
+                            cache_salt=request.cache_salt,  # senders: the planned prefill replica's KV agents
+                            senders=info.kv_addresses if (info := self._prefill(plan.prefill).info) else ()))
+                    except ReplicaLostError as e:  # found dead before it held anything: try the next one
+                        if not self.decode:
+                            raise
+                        _log.warning("request %s: %s; reserving on another decode replica", request.request_id, e)
+                        continue
                     if descriptor is not None:
                         replica.load.refusals = 0
                         self._use(replica, request.request_id, touched)
@@ -258,13 +312,17 @@ class RequestDriver:
             if queued:
                 self.num_queued -= 1
 
-    async def _disaggregated(self, request: ParsedRequest, plan: RoutePlan,
-                             touched: list[tuple[Replica, str]]) -> AsyncIterator[Progress]:
+    async def _disaggregated(self, request: ParsedRequest, plan: RoutePlan, touched: list[tuple[Replica, str]],
+                             replay: Replay) -> AsyncIterator[Progress]:
+        """Steps 1-3. request.request_id: this attempt's id on the replicas (a prefill retry has its own); replay:
+        the client's delivery record. A failed transfer falls back to step L, a dead prefill replica to
+        _prefill_again, a dead decode replica to step M (in _follow)."""
         prefill = self._prefill(plan.prefill)
         # Counted as queued on the prefill replica from the decision on, so that a burst of requests spreads
         # by load before any of them reaches it.
         prefill.load.queued_prefill_tokens += plan.uncached_tokens
-        queued = plan.uncached_tokens
+        decode = None
+        failure: Exception | None = None
         try:
             decode, descriptor, queue_s = await self._reserve(request, plan, touched)
             self.routing.record(plan, prefill=prefill.name, decode=decode.name, session=request.session_id)
@@ -273,47 +331,126 @@ class RequestDriver:
             result = await self._call(prefill, prefill.api.prefill(
                 request.request_id, request.prompt_token_ids, request.params, descriptor,
                 priority=request.priority, cache_salt=request.cache_salt))
-            prefill.load.queued_prefill_tokens -= queued
-            queued = 0
-            answered = time.monotonic()
-            stream = decode.api.decode(request.request_id, result.first_token)
-            first = True
-            async for outputs in self._items(decode, stream):
-                if first:
-                    now = time.monotonic()
-                    yield Progress(outputs, prefill_replica=prefill.name, decode_replica=decode.name,
-                                   prefill_route=PREFILL_POOL, num_cached_tokens=result.num_cached_tokens,
-                                   prefill_s=now - start, queue_s=queue_s, transfer_s=result.transfer_s,
-                                   admission_s=now - answered)
-                    first = False
-                else:
-                    yield Progress(outputs)
         except TransferFailedError as e:
-            # Nothing is held on either side now; the decode replica prefills the prompt itself.
-            _log.warning("request %s: %s; prefilling on a decode replica instead", request.request_id, e)
-            self.routing.count("decode_replica", "transfer_failed")
-            async for progress in self._local(request, decode, "transfer_failed", touched,
-                                              local_id=f"{request.request_id}.local"):
-                yield progress
+            failure = e
+        except ReplicaLostError as e:
+            if decode is None:  # no decode replica was left to reserve on
+                raise
+            failure = e  # the prefill replica died
         finally:
-            prefill.load.queued_prefill_tokens -= queued
+            prefill.load.queued_prefill_tokens -= plan.uncached_tokens
+        if isinstance(failure, ReplicaLostError):
+            async for progress in self._prefill_again(request, decode, failure, touched, replay):
+                yield progress
+            return
+        if failure is None:
+            answered = time.monotonic()
+
+            def first(outputs: list[RequestOutput], at: Replica) -> Progress:
+                now = time.monotonic()
+                return Progress(outputs, prefill_replica=prefill.name, decode_replica=at.name,
+                                prefill_route=PREFILL_POOL, num_cached_tokens=result.num_cached_tokens,
+                                prefill_s=now - start, queue_s=queue_s, transfer_s=result.transfer_s,
+                                admission_s=now - answered)
+
+            stream = decode.api.decode(request.request_id, result.first_token)
+            try:
+                async for progress in self._follow(request, decode, stream, first, touched, replay):
+                    yield progress
+                return
+            except TransferFailedError as e:  # the decode replica saw the transfer fail (before any output)
+                if replay.started:
+                    raise
+                failure = e
+        # Nothing is held on either side now; the decode replica prefills the prompt itself.
+        _log.warning("request %s: %s; prefilling on a decode replica instead", request.request_id, failure)
+        self.routing.count("decode_replica", "transfer_failed")
+        async for progress in self._local(request, decode, "transfer_failed", touched, replay,
+                                          local_id=f"{request.request_id}.local"):
+            yield progress
+
+    async def _prefill_again(self, request: ParsedRequest, decode: Replica[DecodeReplicaAPI],
+                             lost: ReplicaLostError, touched: list[tuple[Replica, str]],
+                             replay: Replay) -> AsyncIterator[Progress]:
+        """The prefill replica died mid-prefill (lost): drops the decode reservation (nothing will arrive in it)
+        and prefills the prompt again under a new id, on another prefill replica (a new plan) or, when the plan
+        says so (none left, ...), on a decode replica (step L). Raises ReplicaLostError past max_migrations."""
+        await self._release(decode, request.request_id, touched)
+        if not replay.can_move:
+            raise ReplicaLostError(f"{lost}; the request was moved {replay.moves} times already "
+                                   f"(max_migrations={self.settings.max_migrations})") from None
+        if not self.decode:
+            raise NoReplicaError(f"{lost}, and no decode replica is left") from None
+        retry = dataclasses.replace(request, request_id=replay.next_id("p"))
+        plan = self.routing.plan(retry.prompt_token_ids, prefill=[r.load for r in self.prefill],
+                                 decode=[r.load for r in self.decode], cache_salt=retry.cache_salt,
+                                 session=retry.session_id)
+        plan = dataclasses.replace(plan, reason=PREFILL_DIED)  # counted (record) as a prefill after a death
+        _log.warning("request %s: %s; prefilling it again on %s", replay.request_id, lost,
+                     plan.prefill.name if plan.prefill else "a decode replica")
+        if plan.prefill is not None:
+            async for progress in self._disaggregated(retry, plan, touched, replay):
+                yield progress
+            return
+        replica = self._decode(next(plan.decode))
+        self.routing.record(plan, prefill=None, decode=replica.name, session=retry.session_id)
+        async for progress in self._local(retry, replica, PREFILL_DIED, touched, replay):
+            yield progress
 
     async def _local(self, request: ParsedRequest, replica: Replica[DecodeReplicaAPI], reason: str,
-                     touched: list[tuple[Replica, str]], *, local_id: str | None = None) -> AsyncIterator[Progress]:
-        """The decode replica prefills and decodes. local_id: the id on the replica when it differs (a retry
-        runs under its own id: the failed reservation's may still be winding down there)."""
+                     touched: list[tuple[Replica, str]], replay: Replay, *,
+                     local_id: str | None = None) -> AsyncIterator[Progress]:
+        """Step L: the decode replica prefills and decodes. local_id: the id on the replica when it differs (a
+        retry runs under its own id: the failed reservation's may still be winding down there)."""
         rid = local_id or request.request_id
         start = time.monotonic()
         self._use(replica, rid, touched)
         stream = replica.api.generate(
             rid, request.prompt_token_ids, request.params, priority=request.priority, cache_salt=request.cache_salt)
-        first = True
-        async for outputs in self._items(replica, stream):
-            if rid != request.request_id:
-                outputs = [dataclasses.replace(o, request_id=request.request_id) for o in outputs]
-            if first:
-                yield Progress(outputs, decode_replica=replica.name, prefill_route=reason,
-                               prefill_s=time.monotonic() - start)
-            else:
-                yield Progress(outputs)
-            first = False
+
+        def first(outputs: list[RequestOutput], at: Replica) -> Progress:
+            return Progress(outputs, decode_replica=at.name, prefill_route=reason, prefill_s=time.monotonic() - start)
+
+        async for progress in self._follow(request, replica, stream, first, touched, replay):
+            yield progress
+
+    async def _follow(self, request: ParsedRequest, replica: Replica[DecodeReplicaAPI],
+                      stream: AsyncIterator[list[RequestOutput]], first: FirstProgress,
+                      touched: list[tuple[Replica, str]], replay: Replay) -> AsyncIterator[Progress]:
+        """Forwards a decode stream's outputs as progress, the first the request forwards built by first(outputs,
+        the replica streaming), the rest plain (so usage and timings are not reset). When the streaming replica
+        dies, the request continues on another decode replica (step M, _migrate) and its outputs are forwarded
+        the same way. Raises ReplicaLostError when the request cannot move."""
+        while True:
+            try:
+                async for outputs in self._items(replica, stream):
+                    outputs = replay.forward(outputs)
+                    progress = Progress(outputs) if replay.started else first(outputs, replica)
+                    replay.started = True
+                    yield progress
+                return
+            except ReplicaLostError as lost:
+                replica, stream = self._migrate(request, lost, touched, replay)
+
+    def _migrate(self, request: ParsedRequest, lost: ReplicaLostError, touched: list[tuple[Replica, str]],
+                 replay: Replay) -> tuple[Replica[DecodeReplicaAPI], AsyncIterator[list[RequestOutput]]]:
+        """Step M (migration.py): the decode replica streaming the request died (lost). Picks the best decode
+        replica left (the routing's decode ranking) and opens the replay there, under a fresh id. Raises
+        ReplicaLostError (UNAVAILABLE) for n > 1 (never migrated), past max_migrations, or with no decode replica
+        left."""
+        if request.params.n > 1:
+            raise ReplicaLostError(f"{lost} (a request with n > 1 is not migrated)") from None
+        if not replay.can_move:
+            raise ReplicaLostError(f"{lost}; the request was moved {replay.moves} times already "
+                                   f"(max_migrations={self.settings.max_migrations})") from None
+        if not self.decode:
+            raise ReplicaLostError(f"{lost}, and no other decode replica is left to continue it") from None
+        replica = self._decode(next(self.routing.pickers["decode"].rank_decode([r.load for r in self.decode])))
+        rid = replay.next_id("m")
+        self.routing.count("decode_replica", MIGRATION)
+        _log.warning("request %s: %s; continuing it on %s after %d delivered tokens (as %s)", replay.request_id,
+                     lost, replica.name, len(replay.token_ids), rid)
+        self._use(replica, rid, touched)
+        return replica, replica.api.resume(rid, request.prompt_token_ids, request.params,
+                                           replay.resume_state(request.params.seed), priority=request.priority,
+                                           cache_salt=request.cache_salt)

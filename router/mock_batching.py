@@ -12,11 +12,12 @@ Cost model (StepCosts, seconds). A step:
      (BatchedDecode.generate) or answers prefill() (BatchedPrefill).
 A transferred request (BatchedDecode.reserve + decode) joins the decode batch kv_bytes_per_token * prompt tokens
 / transfer_bytes_per_s after decode() is called (the transfer does not occupy the step loop), emitting the first
-token it carries at once. Steps follow each other on the loop's own clock: a step that ended late because the
-event loop was busy is made up by shorter sleeps (up to CATCH_UP_S behind), so a replica's throughput stays the
-model's while many replicas share one process. Prompt tokens found in the replica's prefix cache when it is
-admitted are not computed (at least one token always is). KV capacity (beyond max_num_seqs), preemption and
-attention's dependence on context length are not modelled.
+token it carries at once. A resumed request (BatchedDecode.resume, a migration) is admitted like a generated one,
+its delivered tokens computed with its prompt, and emits from the token after them. Steps follow each other on
+the loop's own clock: a step that ended late because the event loop was busy is made up by shorter sleeps (up to
+CATCH_UP_S behind), so a replica's throughput stays the model's while many replicas share one process. Prompt
+tokens found in the replica's prefix cache when it is admitted are not computed (at least one token always is).
+KV capacity (beyond max_num_seqs), preemption and attention's dependence on context length are not modelled.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 from typing import AsyncIterator, Callable, Sequence
 
 from tandem.engine.output_processor import RequestOutput
+from tandem.engine.resume import ResumeState
 from tandem.engine.sampled_token import SampledToken
 from tandem.engine.sampling_params import SamplingParams
 from tandem.kv_transfer.descriptor import TransferDescriptor, TransferFailedError, TransferState
@@ -185,7 +187,7 @@ class _BatchedReplica(_MockReplica):
     def _admitted(self, seq: _Seq) -> None:
         _, hit = self.cache.lookup(seq.prompt, seq.salt)
         seq.cached = hit * self.cache.block_size
-        seq.to_prefill = max(1, len(seq.prompt) - seq.cached)
+        seq.to_prefill = max(1, len(seq.prompt) + seq.emitted - seq.cached)  # a resumed request's tokens too
 
     def _check(self, request_id: str) -> None:
         if request_id in self._refused:
@@ -275,6 +277,22 @@ class BatchedDecode(_BatchedReplica):
                        priority: int = 0, cache_salt: str | None = None) -> AsyncIterator[list[RequestOutput]]:
         self._check(request_id)
         seq = _Seq(request_id, tuple(prompt_token_ids), params, cache_salt, outputs=asyncio.Queue())
+        self.served.append(request_id)
+        self.loop.add(seq)
+        async for batch in self._stream(seq):
+            yield batch
+
+    async def resume(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
+                     resume: ResumeState, *, priority: int = 0,
+                     cache_salt: str | None = None) -> AsyncIterator[list[RequestOutput]]:
+        """Like generate(), with the delivered tokens computed beside the prompt and the stream starting at the
+        token after them (a migrated request)."""
+        self._check(request_id)
+        delivered = len(resume.output_token_ids)
+        if params.n != 1 or delivered >= params.max_tokens:
+            raise ValueError(f"cannot resume n={params.n} with {delivered} of {params.max_tokens} tokens delivered")
+        seq = _Seq(request_id, tuple(prompt_token_ids), params, cache_salt, emitted=delivered,
+                   outputs=asyncio.Queue())
         self.served.append(request_id)
         self.loop.add(seq)
         async for batch in self._stream(seq):

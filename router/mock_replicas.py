@@ -1,8 +1,9 @@
 """Mock replicas (STYLE.md's mock engine): deterministic tokens, a configurable step latency and a prefix cache
 that hashes and publishes KV events exactly as the engine's does, behind the same Protocols the real replicas
 answer (replica/contract.py's PrefillReplicaAPI and DecodeReplicaAPI). The router's request driver and routing
-run their real code paths (route, reserve, prefill, decode, fallback, abort, KV feed) over them in milliseconds
-without Ray or a model: the router tests and bench/routing.py use them.
+run their real code paths (route, reserve, prefill, decode, fallback, migration, abort, KV feed) over them in
+milliseconds without Ray or a model: the router tests and bench/routing.py use them. DyingDecode and DyingPrefill
+die as Ray reports a dead actor, for the failure paths.
 
 A prefill replica computes one prompt at a time, taking step_s + per_token_s per uncached prompt token: the
 cost model bench/routing.py measures routing policies against."""
@@ -20,6 +21,7 @@ from tandem.engine.kv_events import BlockRemoved, BlockStored, KVEventLog, KVSna
 from tandem.engine.output_processor import RequestOutput, TokenLogprob
 from tandem.engine.parallel.layout import ParallelConfig, ReplicaLayout
 from tandem.engine.prefix_cache import block_hashes
+from tandem.engine.resume import ResumeState
 from tandem.engine.sampled_token import SampledToken
 from tandem.engine.sampling_params import SamplingParams
 from tandem.kv_transfer.descriptor import KVFormat, TransferDescriptor, TransferFailedError, TransferState
@@ -124,6 +126,9 @@ class _MockReplica:
                             prefix_hit_rate=0.0, num_preemptions=0, num_steps=0,
                             kv_messages_dropped=self.kv_messages_dropped)
 
+    async def health(self) -> str | None:
+        return "it died" if getattr(self, "dead", False) else None
+
     async def kv_events(self, epoch: str | None, since: int) -> KVEventsReply:
         return self.cache.kv_events(epoch, since, self.cache.capacity - self._blocks_in_use())
 
@@ -153,9 +158,12 @@ class MockDecode(_MockReplica):
         self.served: list[str] = []  # request ids admitted here (reserved or generated)
         self.salts: list[str | None] = []
         self.senders: list[tuple[str, ...]] = []  # what each reserve() named as the prefill replica's agents
+        self.resumed: list[tuple[str, ResumeState]] = []  # what each resume() was asked to continue
 
     def _blocks_in_use(self) -> int:
-        return min(self.cache.capacity, self.running * 4)
+        """4 blocks per running request, plus what reservations hold (one block per 16 prompt tokens)."""
+        reserved = sum(-(-len(prompt) // BLOCK_SIZE) for prompt, _, _ in self.reservations.values())
+        return min(self.cache.capacity, self.running * 4 + reserved)
 
     async def reserve(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *,
                       priority: int = 0, cache_salt: str | None = None,
@@ -189,6 +197,24 @@ class MockDecode(_MockReplica):
         tokens = [token_for(tuple(prompt), i) for i in range(params.max_tokens)]
         async for batch in self._stream(request_id, tuple(prompt), tokens, cached, n=params.n,
                                         logprobs=params.logprobs):
+            yield batch
+
+    async def resume(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
+                     resume: ResumeState, *, priority: int = 0,
+                     cache_salt: str | None = None) -> AsyncIterator[list[RequestOutput]]:
+        """The mock model's completion from token len(resume.output_token_ids) on (it depends only on the
+        prompt, so it continues any replica's). Raises ValueError as the engine does for what cannot resume."""
+        prompt = tuple(prompt_token_ids)
+        delivered = len(resume.output_token_ids)
+        if params.n != 1 or delivered >= params.max_tokens:
+            raise ValueError(f"cannot resume n={params.n} with {delivered} of {params.max_tokens} tokens delivered")
+        self.served.append(request_id)
+        self.salts.append(cache_salt)
+        self.resumed.append((request_id, resume))
+        cached = self.cache.store(prompt, cache_salt)
+        await asyncio.sleep(self.per_token_s * (len(prompt) + delivered - cached))
+        tokens = [token_for(prompt, i) for i in range(delivered, params.max_tokens)]
+        async for batch in self._stream(request_id, prompt, tokens, cached, logprobs=params.logprobs):
             yield batch
 
     async def _stream(self, request_id, prompt, tokens, cached=0, n=1, logprobs=None):
@@ -236,17 +262,22 @@ class MockPrefill(_MockReplica):
 
 
 class DyingDecode(MockDecode):
-    """Dies (as Ray reports a dead actor) after streaming `after` outputs of a request."""
+    """Dies (as Ray reports a dead actor) after streaming `after` outputs of a request (any stream: decode,
+    generate or resume); after < 0: already dead at reserve(). Once dead it holds nothing (a dead actor's
+    blocks went with it)."""
 
-    def __init__(self, name: str, after: int):
-        super().__init__(name)
+    def __init__(self, name: str, after: int, *, step_s: float = 0.0):
+        super().__init__(name, step_s=step_s)
         self.after = after
+        self.dead = False
 
     async def _stream(self, request_id, prompt, tokens, *args, **kwargs):
         from ray.exceptions import RayActorError
 
         async for i, batch in _enumerate(super()._stream(request_id, prompt, tokens, *args, **kwargs)):
             if i == self.after:
+                self.dead = True
+                self.reservations.clear()
                 raise RayActorError()
             yield batch
 
@@ -267,3 +298,21 @@ async def _enumerate(items):
     async for item in items:
         yield i, item
         i += 1
+
+
+class DyingPrefill(MockPrefill):
+    """Dies (as Ray reports a dead actor) while computing a prompt: prefill() raises RayActorError, after
+    step_s, having pushed nothing to the decode replica's reservation."""
+
+    def __init__(self, name: str, *, step_s: float = 0.0):
+        super().__init__(name, step_s=step_s)
+        self.dead = False
+
+    async def prefill(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
+                      descriptor: TransferDescriptor, *, priority: int = 0,
+                      cache_salt: str | None = None) -> PrefillResult:
+        from ray.exceptions import RayActorError
+
+        await asyncio.sleep(self.step_s)
+        self.dead = True
+        raise RayActorError()

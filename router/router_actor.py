@@ -47,6 +47,8 @@ class RouterStats:
     finished_requests: int = 0
     failed_requests: int = 0
     transfer_fallbacks: int = 0
+    migrations: int = 0  # requests moved to another decode replica by token replay (each move)
+    prefill_retries: int = 0  # prompts prefilled again after their prefill replica died
     replicas_lost: list[str] = field(default_factory=list)
     prefill_decisions: dict[str, int] = field(default_factory=dict)
     kv_feed: dict[str, int] = field(default_factory=dict)
@@ -106,6 +108,7 @@ class RouterActor:
             policy=self.settings.routing.policy, active_requests=len(serving.active),
             queued_requests=driver.num_queued, finished_requests=serving.num_finished,
             failed_requests=serving.num_failed, transfer_fallbacks=driver.num_fallbacks,
+            migrations=driver.num_migrations, prefill_retries=driver.num_prefill_retries,
             replicas_lost=list(driver.lost),
             prefill_decisions={f"{where}/{reason}": n for (where, reason), n in driver.routing.decisions.items()},
             kv_feed=dict(vars(driver.feed.counters)),

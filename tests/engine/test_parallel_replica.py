@@ -157,13 +157,19 @@ def test_kv_agents_answer_in_each_rank_process_and_a_killed_rank_fails_the_repli
 
         engine.add_request("a", embedded_prompts[0], SamplingParams(max_tokens=50, temperature=0))
         engine.step()
+        assert engine.dead_ranks() == []
         engine.runner.kill_rank(1)
+        deadline = time.monotonic() + 5
+        while not engine.dead_ranks() and time.monotonic() < deadline:  # seen before any step runs (heartbeat)
+            time.sleep(0.01)
+        assert len(engine.dead_ranks()) == 1 and engine.dead_ranks()[0].startswith("rank 1 (stage 0, ep 0, tp 1)")
         start = time.monotonic()
         with pytest.raises(ReplicaFailedError, match=r"rank 1 \(stage 0, ep 0, tp 1\)"):
             for _ in range(50):
                 engine.step()
         assert time.monotonic() - start < 10, "a dead rank must not wait out the collective timeout"
         assert not any(p.is_alive() for p in engine.runner._procs), "the surviving ranks must be stopped"
+        assert engine.dead_ranks() == [], "ranks stopped on purpose are not reported dead"
         with pytest.raises(ReplicaFailedError, match="shut down"):
             engine.step()
     finally:

@@ -66,9 +66,10 @@ def test_every_side_offers_the_protocol(protocol, implementation):
 
 def test_the_protocols_cover_what_the_router_calls():
     assert set(_protocol_methods(contract.PrefillReplicaAPI)) == {
-        "ready", "stats", "kv_events", "abort", "check_integrity", "shutdown", "prefill"}
+        "ready", "stats", "health", "kv_events", "abort", "check_integrity", "shutdown", "prefill"}
     assert set(_protocol_methods(contract.DecodeReplicaAPI)) == {
-        "ready", "stats", "kv_events", "abort", "check_integrity", "shutdown", "reserve", "decode", "generate"}
+        "ready", "stats", "health", "kv_events", "abort", "check_integrity", "shutdown", "reserve", "decode",
+        "generate", "resume"}
 
 
 def test_remote_replica_picks_the_pools_adapter():

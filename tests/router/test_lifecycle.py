@@ -162,19 +162,20 @@ def test_cancelling_a_queued_request_leaves_the_queue_and_holds_nothing():
     assert all(r.load.in_flight == 0 for r in d.prefill + d.decode)
 
 
-def test_a_replica_that_dies_mid_stream_is_unavailable_and_no_longer_routed_to():
+def test_a_replica_that_dies_mid_stream_is_unavailable_without_migrations_and_no_longer_routed_to():
+    """With max_migrations=0 (tests/router/test_migration.py covers the default, where the stream moves on)."""
     from tandem.router.lifecycle import ReplicaLostError
     from tandem.router.mock_replicas import DyingDecode
 
     dying, healthy = DyingDecode("decode-0", after=2), MockDecode("decode-1")
-    d = driver([MockPrefill("prefill-0")], [dying, healthy])
+    d = driver([MockPrefill("prefill-0")], [dying, healthy], max_migrations=0)
     seen = []
 
     async def run():
         async for p in d.run(request(max_tokens=10)):
             seen.append(p)
 
-    with pytest.raises(ReplicaLostError, match="decode-0 died") as failure:
+    with pytest.raises(ReplicaLostError, match="decode-0 died.*max_migrations=0") as failure:
         asyncio.run(run())
     assert status_for(failure.value)[0] is grpc.StatusCode.UNAVAILABLE
     assert len(seen) == 2 and d.lost == ["decode-0"]
