@@ -5,7 +5,7 @@ driver, routing and KV feed, and the control plane's real per-pool scaling loops
 the pools' minimum and at their maximum. Reports, per deployment and phase, the SLO attainment (TTFT and mean
 ITL within the SLO) of the requests that arrived in it, and of the burst's requests that arrived once it had
 been absorbed (--absorb start-up delays after it began); decisions per pool and phase; requests lost (failed
-once admitted) and refused (RESOURCE_EXHAUSTED: no decode room within --queue-timeout); replica-seconds (what
+once admitted) and refused (RESOURCE_EXHAUSTED: no room within --queue-timeout); replica-seconds (what
 the deployment cost); and plots the replica counts over time (PNG).
 
     python bench/autoscale.py                      # virtual time: exact step costs, minutes of load in seconds
@@ -113,7 +113,8 @@ async def run_deployment(args, phases, conversations, *, autoscale: bool, initia
     settings = ScalingSettings(interval_s=1.0, up_window_s=args.up_window, down_window_s=args.down_window)
     # The driver's own queue may hold the burst while capacity comes (the router's admission control, in front of
     # the driver in a real cluster, is not what this measures); requests it still refuses count as refused.
-    driver = DriverSettings(max_queued_requests=100_000, queue_timeout_s=args.queue_timeout)
+    driver = DriverSettings(max_queued_requests=100_000, queue_timeout_s=args.queue_timeout,
+                            prefill_queue_tokens=args.prefill_queue_tokens)
     cluster = MockCluster("disaggregated", costs, initial={p: initial for p in POOLS},
                           bounds={p: (args.min, args.max) for p in POOLS}, slo=SLO(args.ttft, args.itl),
                           settings=settings, start_delay_s=args.start_delay, autoscale=autoscale,
@@ -127,7 +128,7 @@ async def run_deployment(args, phases, conversations, *, autoscale: bool, initia
                 driver = cluster.driver
                 row = {"t": clock.now(), "queued_prefill_tokens": sum(r.load.queued_prefill_tokens
                                                                       for r in driver.prefill),
-                       "waiting_for_room": driver.num_queued,
+                       "waiting_for_room": driver.num_queued, "waiting_for_prefill": driver.num_waiting_prefill,
                        "decode_in_flight": sum(r.load.in_flight for r in driver.decode)}
                 for pool in POOLS:
                     counts = cluster.counts(pool)
@@ -230,6 +231,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-batched-tokens", type=int, default=8192)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--queue-timeout", type=float, default=300.0, help="how long a request may wait for decode room")
+    p.add_argument("--prefill-queue-tokens", type=int, default=8192,
+                   help="router.prefill_queue_tokens: late binding to prefill replicas (0: off)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--real-time", action="store_true", help="run on the wall clock instead of virtual time")
     p.add_argument("--peers", default="fixed-min,fixed-max", help="static deployments to compare with ('' none)")
@@ -254,8 +257,8 @@ def main(argv=None) -> dict:
         results[label] = report(args, phases, runs[label])
         r = results[label]
         print(f"  attainment by phase {({k: v['attainment'] for k, v in r['phases'].items()})}, after absorbing "
-              f"{r['attainment_after_absorb']}, lost {r['lost']}, refused {r['refused']}, peak {r['peak_replicas']}, replica-seconds "
-              f"{r['replica_seconds']}, wall {r['wall_s']} s", file=sys.stderr)
+              f"{r['attainment_after_absorb']}, lost {r['lost']}, refused {r['refused']}, peak "
+              f"{r['peak_replicas']}, replica-seconds {r['replica_seconds']}, wall {r['wall_s']} s", file=sys.stderr)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     plot(out / "replicas.png", phases, runs, args)

@@ -57,7 +57,8 @@ def driver_settings(manifest: Manifest) -> DriverSettings:
                               session_affinity=r.session_affinity, affinity_max_gap=r.affinity_max_gap)
     return DriverSettings(mode=manifest.mode, max_queued_requests=r.max_queued_requests,
                           queue_timeout_s=r.queue_timeout_s, routing=routing,
-                          kv_events_interval_s=r.kv_events_interval_s, max_migrations=r.max_migrations)
+                          kv_events_interval_s=r.kv_events_interval_s, max_migrations=r.max_migrations,
+                          prefill_queue_tokens=r.prefill_queue_tokens)
 
 
 def serving_limits(manifest: Manifest) -> ServingLimits:

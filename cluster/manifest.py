@@ -28,6 +28,7 @@ YAML.
       max_queued_requests: 256
       queue_timeout_s: 30
       max_migrations: 3             # moves of one request to another replica after a replica serving it died
+      prefill_queue_tokens: 0       # late binding: wait at the router while the prefill replica has this many queued
       request_timeout_s: 600        # every request's deadline (a client may ask for less: gRPC deadline, `timeout`)
       limits: {max_body_bytes: 4MiB, max_n: 8, max_batch_prompts: 32, ...}   # router/limits.py RequestLimits
     transport: {kind: ucx, host: null, lease_s: 30}
@@ -239,7 +240,10 @@ class RouterSettings(_Strict):
     request_timeout_s: every request's deadline (a client may ask for less); when it passes the request is
     aborted everywhere (DEADLINE_EXCEEDED / HTTP 504). max_migrations: how many times one request may continue
     on another replica after one serving it died (decode: by token replay; prefill: prefilled again); 0 ends it
-    UNAVAILABLE at the first death. limits: what one request may ask for (router/limits.py)."""
+    UNAVAILABLE at the first death. prefill_queue_tokens: late binding; a request whose prefill replica has this many
+    uncached tokens queued waits at the router, holding no decode room, until a prefill replica's queue is shorter
+    (a replica that joins the pool then takes the backlog's next request; 0: send every request at once).
+    limits: what one request may ask for (router/limits.py)."""
 
     policy: Literal["cache_aware", "least_loaded", "round_robin", "random"] = "cache_aware"
     weights: RoutingWeightsSettings = RoutingWeightsSettings()
@@ -253,6 +257,7 @@ class RouterSettings(_Strict):
     kv_events_interval_s: float = Field(0.05, gt=0, le=10)
     request_timeout_s: float = Field(600.0, gt=0)
     max_migrations: int = Field(3, ge=0)
+    prefill_queue_tokens: int = Field(0, ge=0)
     limits: RequestLimits = RequestLimits()
 
 
@@ -385,10 +390,10 @@ class TLSSettings(_Strict):
 
 
 class RaySettings(_Strict):
-    """address: null connects to a running local cluster or starts one; 'auto' requires a running cluster
-    (`ray up`); 'HOST:PORT' connects there. namespace: where the cluster's named actors live. host: the address a
-    local Ray head that `tandem up` starts listens on (Ray authenticates nothing by default: anyone who reaches its ports
-    can run code, so the default is loopback; see docs/SECURITY.md before widening it)."""
+    """address: null connects to a running local cluster or starts one; 'auto' requires a running cluster (`ray up`);
+    'HOST:PORT' connects there. namespace: where the cluster's named actors live. host: the address a local Ray head
+    that `tandem up` starts listens on (Ray authenticates nothing by default: anyone who reaches its ports can run
+    code, so the default is loopback; see docs/SECURITY.md before widening it)."""
 
     address: str | None = None
     namespace: str = "tandem"

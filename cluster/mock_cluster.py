@@ -76,7 +76,9 @@ class MockCluster:
 
     async def load(self, pool: str) -> PoolLoad:
         replicas = self.driver.prefill if pool == "prefill" else self.driver.decode
-        return self.signals.load(pool, replicas, queued=self.driver.num_queued if pool == "decode" else 0)
+        d = self.driver
+        return self.signals.load(pool, replicas, queued=d.num_queued if pool == "decode" else 0,
+                                 waiting_tokens=d.prefill_waiting_tokens if pool == "prefill" else 0)
 
     def start(self, pool: str, count: int) -> None:
         for _ in range(count):

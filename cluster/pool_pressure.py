@@ -10,10 +10,10 @@ Prefill pool (disaggregated):
   the window (1 before any), backlog the queued tokens projected to when replicas started now would serve
   (queued + (arriving - replicas x rate) x start-up time, when positive) and horizon the time that backlog should
   take to clear once they do (the longer of the TTFT SLO and the start-up time). Arrivals, not completions: a
-  saturated pool completes only what it can; requests refused at once for lack of capacity count as arrivals
-  like the admitted ones (else admission control would hide the overload from the autoscaler). Sized so, a burst is absorbed about two start-up times after the
-  decision, in one decision; the replicas added for the backlog leave once the pool has been under target for a
-  down window.
+  saturated pool completes only what it can; requests refused at once for lack of capacity count as arrivals like
+  the admitted ones (else admission control would hide the overload from the autoscaler). Sized so, a burst is
+  absorbed about two start-up times after the decision, in one decision; the replicas added for the backlog leave
+  once the pool has been under target for a down window.
 Decode pool (and a colocated pool, which also answers for TTFT):
   pressure = max(ITL p90 / (ITL SLO x u), KV use / kv_high [, TTFT p90 / (TTFT SLO x u) when colocated])
   needed   = max(output tokens asked per second x share generated / (capacity / (u x ITL SLO)),

@@ -1,9 +1,10 @@
 """An asyncio event loop on virtual time, for tests and simulations of code that sleeps on the loop's clock (the
-autoscaling loops, the batching mock replicas; tests/cluster/test_autoscaling.py, bench/autoscale.py): whenever nothing is ready to run, time jumps to the next timer instead of waiting for
-it, so minutes of simulated load take as long as their computation. Nothing else changes: callbacks run in the
-same order as on a real loop, and a loop with nothing scheduled at all still waits for real I/O (threads that
-call back with call_soon_threadsafe). While it runs, time.monotonic() reads the loop's virtual clock too, so code
-that stamps times with it (the router's request driver) agrees with code that sleeps on the loop.
+autoscaling loops, the batching mock replicas; tests/cluster/test_autoscaling.py, bench/autoscale.py): whenever
+nothing is ready to run, time jumps to the next timer instead of waiting for it, so minutes of simulated load take
+as long as their computation. Nothing else changes: callbacks run in the same order as on a real loop, and a loop
+with nothing scheduled at all still waits for real I/O (threads that call back with call_soon_threadsafe). While
+it runs, time.monotonic() reads the loop's virtual clock too, so code that stamps times with it (the router's
+request driver) agrees with code that sleeps on the loop.
 
     result = run_virtual(main())
 """

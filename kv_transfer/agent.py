@@ -339,6 +339,22 @@ class KVTransferAgent:
                 raise ValueError(f"{self.staging.num_in_use} staging slots held, {in_flight} messages in flight")
             self.staging.check_integrity()
 
+    def drop_connections(self, reason: str = "the connection dropped") -> int:
+        """What a network drop does to this rank, for failure drills (ReplicaShell.inject_fault): every
+        outbound transfer still running fails (its receivers are told, over a new connection) and every
+        connection this agent opened is closed. Returns how many transfers failed."""
+        with self._lock:
+            failed = 0
+            peers = set()
+            for key, out in self._out.items():
+                peers.update(out.descriptor.addresses)
+                if out.end(TransferState.FAILED, reason):
+                    failed += 1
+                    self.replies.tell_receivers(key, out)
+        for peer in peers:
+            self.transport.forget_peer(peer)
+        return failed
+
     def close(self) -> None:
         """Stops the pump and the transport (idempotent). Transfers still running here end with the peers'
         leases."""

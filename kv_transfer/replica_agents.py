@@ -59,6 +59,10 @@ class ReplicaAgents:
         """Every rank forgets the transfer (aborting it first where it still runs: no more writes after this)."""
         self._on_every_rank(KVTransferAgent.release, transfer_id)
 
+    def drop_connections(self, reason: str) -> int:
+        """KVTransferAgent.drop_connections on every rank; the transfers failed, summed."""
+        return sum(self._on_every_rank(KVTransferAgent.drop_connections, reason).values())
+
     def check_integrity(self) -> None:
         """Raises ValueError if any rank's staging bookkeeping is inconsistent."""
         self._on_every_rank(KVTransferAgent.check_integrity)

@@ -151,6 +151,17 @@ class ReplicaShell:
 
         await self.server.call(check)
 
+    async def inject_fault(self, fault: str) -> str:
+        """A failure drill, for fault-injection tests and game days (not part of the router's contract):
+        "drop_kv_connections" fails every KV transfer this replica's ranks are sending and closes their
+        connections, as a network drop would. Returns what it did. Raises ValueError for another fault."""
+        if fault != "drop_kv_connections":
+            raise ValueError(f"unknown fault {fault!r}; known: drop_kv_connections")
+        if self.connector is None:
+            raise ValueError(f"{self.name} has no KV transfer agents (colocated)")
+        failed = await self.server.call(lambda _e: self.connector.agents.drop_connections("dropped by a drill"))
+        return f"{failed} transfer(s) failed on {self.name}"
+
     async def shutdown(self) -> None:
         await self.server.stop()
         await asyncio.to_thread(self.engine.shutdown)

@@ -109,10 +109,13 @@ class DriverSettings:
     routing: RoutingSettings = field(default_factory=RoutingSettings)
     kv_events_interval_s: float = 0.05  # how often the router polls every replica's KV events and load
     max_migrations: int = 3
+    prefill_queue_tokens: int = 0  # late binding: see RequestDriver._wait_for_prefill_room (0: off)
 
     def __post_init__(self) -> None:
         if self.max_migrations < 0:
             raise ValueError(f"max_migrations must be at least 0, got {self.max_migrations}")
+        if self.prefill_queue_tokens < 0:
+            raise ValueError(f"prefill_queue_tokens must be at least 0, got {self.prefill_queue_tokens}")
 
 
 @dataclass
@@ -145,7 +148,9 @@ class RequestDriver:
             block_size = next((r.info.block_size for r in prefill + decode if r.info is not None), 16)
         self.routing = Routing(settings.routing, block_size)
         self.feed = KVFeed(self.routing.indexes)
-        self.num_queued = 0
+        self.num_queued = 0  # requests waiting for decode room (step 1)
+        self.num_waiting_prefill = 0  # requests waiting for a prefill replica's queue to shorten (late binding)
+        self.prefill_waiting_tokens = 0  # their uncached prompt tokens
         self.lost: list[str] = []  # replicas found dead, no longer routed to
         self._replicas = {r.name: r for r in prefill + decode}
 
@@ -208,6 +213,8 @@ class RequestDriver:
         touched: list[tuple[Replica, str]] = []  # (replica, the request's id there)
         replay = Replay(request.request_id, self.settings.max_migrations)
         try:
+            if plan.prefill is not None and self.settings.prefill_queue_tokens:
+                plan = await self._wait_for_prefill_room(request, plan, local)
             if plan.prefill is None:
                 replica = self._decode(next(plan.decode))
                 self.routing.record(plan, prefill=None, decode=replica.name, session=request.session_id)
@@ -220,6 +227,44 @@ class RequestDriver:
             for replica, _ in touched:
                 replica.load.in_flight -= 1
             await asyncio.shield(self._abort_everywhere(request.request_id, touched))
+
+    async def _wait_for_prefill_room(self, request: ParsedRequest, plan: RoutePlan, local: str | None) -> RoutePlan:
+        """Late binding (step 0, with prefill_queue_tokens set): while the planned prefill replica has that many
+        uncached tokens queued, the request waits here holding nothing (no decode reservation: a prefill
+        backlog does not tie up decode room) and is planned again whenever a prefill replica's queue is below
+        the limit, so a replica that joins the pool or empties its queue takes the next request. Waits count
+        in num_waiting_prefill / prefill_waiting_tokens (the prefill pool's backlog, for the autoscaler) and
+        against max_queued_requests and queue_timeout_s like a wait for decode room."""
+        limit = self.settings.prefill_queue_tokens
+        start = time.monotonic()
+        waiting = 0  # the tokens counted as waiting (0: not waiting)
+        try:
+            while plan.prefill is not None and plan.prefill.queued_prefill_tokens >= limit:
+                if not waiting:
+                    if self.num_queued + self.num_waiting_prefill >= self.settings.max_queued_requests:
+                        raise NoCapacityError(f"every prefill replica has {limit} or more tokens queued and "
+                                              f"{self.num_queued + self.num_waiting_prefill} requests are "
+                                              f"already waiting")
+                    waiting = max(1, plan.uncached_tokens)
+                    self.num_waiting_prefill += 1
+                    self.prefill_waiting_tokens += waiting
+                if time.monotonic() - start > self.settings.queue_timeout_s:
+                    raise NoCapacityError(f"no prefill replica had fewer than {limit} tokens queued within "
+                                          f"{self.settings.queue_timeout_s:g} s")
+                await asyncio.sleep(RETRY_INTERVAL_S)
+                if not self.decode:
+                    raise NoReplicaError("no ready replica in the decode pool")
+                if plan.prefill.name in self._replicas and min(
+                        (r.load.queued_prefill_tokens for r in self.prefill), default=0) >= limit:
+                    continue  # nothing changed that could let it go: no need to plan again
+                plan = self.routing.plan(request.prompt_token_ids, prefill=[r.load for r in self.prefill],
+                                         decode=[r.load for r in self.decode], local_reason=local,
+                                         cache_salt=request.cache_salt, session=request.session_id)
+        finally:
+            if waiting:
+                self.num_waiting_prefill -= 1
+                self.prefill_waiting_tokens -= waiting
+        return plan
 
     async def _call(self, replica: Replica, call: Awaitable[T]) -> T:
         """Awaits a call on replica; if the replica died, stops routing to it and raises ReplicaLostError."""

@@ -148,6 +148,8 @@ class _DriverCollector:
         yield dropped
         yield _gauge("tandem_active_requests", "Requests being served", self.active())
         yield _gauge("tandem_queued_requests", "Requests waiting for a decode replica with room", d.num_queued)
+        yield _gauge("tandem_waiting_for_prefill_requests", "Requests waiting at the router for a prefill replica "
+                     "with fewer than router.prefill_queue_tokens queued (late binding)", d.num_waiting_prefill)
         replicas = GaugeMetricFamily("tandem_replicas", "Replicas routed to, by pool", labels=["pool"])
         for pool, members in (("prefill", d.prefill), ("decode", d.decode)):
             replicas.add_metric([pool], len(members))

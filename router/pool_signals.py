@@ -37,12 +37,12 @@ class PoolLoad:
     queued_prefill_tokens: sent and not answered yet. in_flight: requests on the pool's replicas; queued: requests
     waiting for a decode reservation (decode pool). kv_usage: mean fraction of KV blocks in use (last polls).
     decoding: requests past their first token and not finished, over the pool's replicas (a decode replica's
-    in_flight also counts requests whose blocks it reserved and whose prefill has not answered yet: those wait,
-    they do not make its steps slower). token_weighted_decoding: sum of decoding^2 / sum of decoding over the
-    replicas: the requests sharing a replica with a typical token (what an ITL percentile over all tokens sees
-    when replicas are unevenly loaded, e.g. right after new ones joined). itl_points: per decode replica with enough tokens in the last recent_s,
-    (its requests decoding now, its ITL median over recent_s): what one replica's step costs at its batch. first_tokens: requests that got their first token in
-    the window."""
+    in_flight also counts requests whose blocks it reserved and whose prefill has not answered yet: those wait, they do
+    not make its steps slower). token_weighted_decoding: sum of decoding^2 / sum of decoding over the replicas: the
+    requests sharing a replica with a typical token (what an ITL percentile over all tokens sees when replicas are
+    unevenly loaded, e.g. right after new ones joined). itl_points: per decode replica with enough tokens in the
+    last recent_s, (its requests decoding now, its ITL median over recent_s): what one replica's step costs at its
+    batch. first_tokens: requests that got their first token in the window."""
 
     pool: str
     replicas: int
@@ -184,9 +184,11 @@ class PoolSignals:
         if gaps:
             self.gaps(gaps, replica, now)
 
-    def load(self, pool: str, replicas: list[Replica], *, queued: int = 0) -> PoolLoad:
+    def load(self, pool: str, replicas: list[Replica], *, queued: int = 0, waiting_tokens: int = 0) -> PoolLoad:
         """The pool's PoolLoad now, over the replicas routed to in it. queued: requests waiting for a decode
-        reservation (the driver's num_queued), counted against the decode pool."""
+        reservation (the driver's num_queued), counted against the decode pool. waiting_tokens: uncached prompt
+        tokens of requests waiting at the router for a prefill replica (late binding), counted as the prefill
+        pool's queue like the tokens sent to its replicas."""
         now = self.clock()
         start = now - self.window_s
         while self._prefills and self._prefills[0][1] < start:
@@ -225,7 +227,7 @@ class PoolSignals:
             return replace(load, prefill_p90=percentile(self._prefill_latency.values(now), 90),
                             prefill_tokens=sum(p[3] for p in done), prefill_prompt_tokens=sum(p[4] for p in done),
                             prefill_busy_s=_busy_seconds(done, start),
-                            queued_prefill_tokens=sum(r.load.queued_prefill_tokens for r in replicas))
+                            queued_prefill_tokens=sum(r.load.queued_prefill_tokens for r in replicas) + waiting_tokens)
         return replace(load, queue_p90=percentile(self._queue.values(now), 90),
                         itl_recent_p50=percentile([g for v in recent.values() for g in v], 50), itl_points=points,
                         itl_p90=percentile(gaps, 90), queued=queued,

@@ -120,7 +120,8 @@ class RouterActor:
         """What the router measured of one pool ("prefill" | "decode") over its window, for the autoscaler."""
         driver = self._driver()
         replicas = driver.prefill if pool == "prefill" else driver.decode
-        return self.serving.signals.load(pool, replicas, queued=driver.num_queued if pool == "decode" else 0)
+        return self.serving.signals.load(pool, replicas, queued=driver.num_queued if pool == "decode" else 0,
+                                         waiting_tokens=driver.prefill_waiting_tokens if pool == "prefill" else 0)
 
     async def report_scaling(self, states: list[PoolScaling]) -> None:
         """The control plane's view of each pool's scaling, exposed on /metrics until the next report."""

@@ -1,9 +1,10 @@
 """What the router's two front doors (gRPC in grpc_service.py, OpenAI HTTP in http_service.py) share: one
 request driver, authentication, per-tenant admission (tenant_gate.py), admission under overload (admission.py:
 a request the cluster cannot start in time is refused at once), validation off the event loop, the
-registry of running requests (ids are scoped by tenant and unique across both APIs; a tenant's Abort reaches
-its own requests of either API and no one else's), deadlines, usage and timings, and metrics. Errors are named by gRPC status (error_code); each front
-door maps those names to its own wire format, so both APIs fail the same way for the same cause."""
+registry of running requests (ids are scoped by tenant and unique across both APIs; a tenant's Abort reaches its own
+requests of either API and no one else's), deadlines, usage and timings, and metrics. Errors are named by gRPC
+status (error_code); each front door maps those names to its own wire format, so both APIs fail the same way for the
+same cause."""
 
 from __future__ import annotations
 

@@ -65,7 +65,8 @@ def wait_idle(cluster: launcher.RunningCluster, timeout_s: float = 20.0) -> list
     deadline = time.monotonic() + timeout_s
     while True:
         replicas = cluster.status()["replicas"]
-        busy = [r for r in replicas if r["kv_blocks_in_use"] or r["running"] or r["waiting"] or r["waiting_for_kv"]]
+        busy = [r for r in replicas
+                if any(r.get(k) for k in ("kv_blocks_in_use", "running", "waiting", "waiting_for_kv"))]
         if not busy:
             return replicas
         if time.monotonic() > deadline:

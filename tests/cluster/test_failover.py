@@ -1,10 +1,17 @@
 """The control plane on a real cluster of the embedded model (deploy/manifests/local-failover.yaml on the simulated
 multi-node Ray cluster: one prefill replica, two decode replicas): `tandem scale` grows and drains a pool while it
-serves, a dead replica is detected, leaves routing and is replaced, and a killed router is replaced on the same
-ports. One cluster for the whole module (each replica takes half a minute to start on two cores)."""
+serves, a dead replica is detected, leaves routing and is replaced, and faults are injected while requests run: a
+decode rank SIGKILLed mid-stream (its streams continue on the other decode replica by replay), a prefill rank
+SIGKILLed mid-prefill and a dropped KV transfer connection (the prompt is prefilled again), and a killed router
+(replaced on the same ports). Every request in flight ends with the tokens of an uninterrupted run and every
+surviving replica holds no block. One cluster for the whole module (a replica takes half a minute to start on two
+cores)."""
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
 import time
 
 import httpx
@@ -19,14 +26,18 @@ NODES = {"prefill": dict(num_cpus=2, resources={"prefill": 4}),
 
 
 RESOURCE_TIMEOUT_S = 8.0
+PREFILL_CHUNK = 256
 
 
 def failover_manifest():
-    """local-failover.yaml on free ports, with a short wait for resources (the shortfall test)."""
+    """local-failover.yaml on free ports, with a short wait for resources (the shortfall test) and prefill in
+    chunks of PREFILL_CHUNK tokens (a long prompt's transfer then spans engine steps, so a drill can reach it)."""
     manifest = manifest_for_test("local-failover.yaml")
-    decode = manifest.pools.decode
+    decode, prefill = manifest.pools.decode, manifest.pools.prefill
     autoscaling = decode.autoscaling.model_copy(update={"resource_timeout_s": RESOURCE_TIMEOUT_S})
-    pools = manifest.pools.model_copy(update={"decode": decode.model_copy(update={"autoscaling": autoscaling})})
+    engine = prefill.engine.model_copy(update={"max_num_batched_tokens": PREFILL_CHUNK})
+    pools = manifest.pools.model_copy(update={"decode": decode.model_copy(update={"autoscaling": autoscaling}),
+                                              "prefill": prefill.model_copy(update={"engine": engine})})
     return manifest.model_copy(update={"pools": pools})
 
 
@@ -136,6 +147,119 @@ def test_a_pool_asks_ray_for_resources_and_reports_a_shortfall_when_none_come(cl
     wait_for(cluster, lambda s: s["pools"]["decode"]["ready"] == 2 and not s["pools"]["decode"]["draining"], 120,
              "back to two")
     cluster.scale("decode", None)
+
+
+# -- faults injected while requests run -------------------------------------------------------------------------
+
+
+def long_prompt(tag: str) -> str:
+    """About 1000 tokens, unique per tag (no prefix cache hit): several prefill chunks."""
+    return f"[{tag}] " + " ".join(f"Item {i} of the {tag} list is a line the model has to read." for i in range(70))
+
+
+def ready_replicas(cluster, pool: str) -> list[dict]:
+    return [r for r in cluster.status()["replicas"] if r["pool"] == pool and r["state"] == "ready"]
+
+
+def kill_rank(replica: dict, rank: int) -> None:
+    """SIGKILLs one rank process of a replica (the simulated nodes share this machine)."""
+    pid = next(p["pid"] for p in replica["rank_placements"] if p["rank"] == rank)
+    os.kill(pid, signal.SIGKILL)
+
+
+def when_prefilling(cluster, action) -> None:
+    """Calls action() as soon as a decode replica holds a reservation (the prompt is being prefilled)."""
+    handles = cluster.replica_handles()
+    decode = [handles[r["name"]] for r in ready_replicas(cluster, "decode")]
+    deadline = time.monotonic() + 60
+    while not any(s.waiting_for_kv for s in ray.get([h.stats.remote() for h in decode])):
+        assert time.monotonic() < deadline, "no prefill began"
+        time.sleep(0.01)
+    action()
+
+
+def tokens_of(stream) -> list[int]:
+    return [t for chunk in stream for t in chunk.token_ids]
+
+
+def in_thread(fn, *args):
+    """Runs fn(*args) in a thread; returns a join() that gives its result or raises its error."""
+    box = {}
+
+    def run():
+        try:
+            box["result"] = fn(*args)
+        except BaseException as e:  # handed to join()
+            box["error"] = e
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+
+    def join():
+        thread.join(300)
+        assert not thread.is_alive(), "the request did not end"
+        if "error" in box:
+            raise box["error"]
+        return box["result"]
+
+    return join
+
+
+def test_a_decode_rank_killed_mid_stream_hands_its_streams_to_the_other_decode_replica(cluster):
+    wait_for(cluster, lambda s: s["pools"]["decode"]["ready"] == 2 and not s["pools"]["decode"]["pending"], 180,
+             "two decode replicas")
+    kinds = {"greedy": dict(temperature=0), "seeded": dict(temperature=0.8, top_p=0.95, seed=5,
+                                                           frequency_penalty=0.3)}
+    asks = {kind: dict(prompt=f"Tell me a long story about a {kind} dragon.", max_tokens=48, ignore_eos=True,
+                       **params) for kind, params in kinds.items()}
+    with TandemClient(cluster.endpoint, timeout_s=300) as client:
+        whole = {kind: client.generate(**ask).token_ids[0] for kind, ask in asks.items()}  # uninterrupted
+        before = cluster.status()["router"]["migrations"]
+        streams = {kind: client.stream(**ask) for kind, ask in asks.items()}
+        firsts = {kind: next(stream) for kind, stream in streams.items()}
+        victim = firsts["greedy"].decode_replica
+        kill_rank(next(r for r in ready_replicas(cluster, "decode") if r["name"] == victim), rank=1)
+        got = {kind: list(firsts[kind].token_ids) + tokens_of(stream) for kind, stream in streams.items()}
+    assert got == whole  # no duplicated or missing token, on either stream
+    status = wait_for(cluster, lambda s: victim in s["router"]["replicas_lost"], 10, f"{victim} lost")
+    moved = sum(1 for kind in kinds if firsts[kind].decode_replica == victim)
+    assert status["router"]["migrations"] - before >= moved >= 1
+    assert any(f"{victim} is dead" in line for line in cluster.log())
+    wait_idle(cluster)
+
+
+def test_a_dropped_transfer_connection_has_the_prompt_prefilled_again(cluster):
+    wait_for(cluster, lambda s: s["pools"]["prefill"]["ready"] >= 1, 180, "a prefill replica")
+    handles = cluster.replica_handles()
+    prefill = [handles[r["name"]] for r in ready_replicas(cluster, "prefill")]
+    ask = dict(prompt=long_prompt("dropped"), max_tokens=12, temperature=0)
+    with TandemClient(cluster.endpoint, timeout_s=300) as client:
+        before = cluster.status()["router"]["transfer_fallbacks"]
+        result = in_thread(lambda: client.generate(**ask))
+        drills = []
+        when_prefilling(cluster, lambda: drills.extend(
+            ray.get([h.inject_fault.remote("drop_kv_connections") for h in prefill])))
+        faulted = result()
+        assert any(not d.startswith("0 ") for d in drills), drills  # the transfer was running when it dropped
+        assert faulted.token_ids == client.generate(**ask).token_ids  # as if nothing had happened
+    assert cluster.status()["router"]["transfer_fallbacks"] == before + 1
+    wait_idle(cluster)
+
+
+def test_a_prefill_rank_killed_mid_prefill_has_the_prompt_prefilled_again(cluster):
+    wait_for(cluster, lambda s: s["pools"]["prefill"]["ready"] >= 1, 180, "a prefill replica")
+    victims = ready_replicas(cluster, "prefill")
+    ask = dict(prompt=long_prompt("killed"), max_tokens=12, temperature=0)
+    with TandemClient(cluster.endpoint, timeout_s=300) as client:
+        before = cluster.status()["router"]["prefill_retries"]
+        result = in_thread(lambda: client.generate(**ask))
+        when_prefilling(cluster, lambda: [kill_rank(victim, rank=1) for victim in victims])
+        faulted = result()
+        assert faulted.token_ids == client.generate(**ask).token_ids
+    status = wait_for(cluster, lambda s: all(v["name"] in s["router"]["replicas_lost"] for v in victims), 10,
+                      "the prefill replicas lost")
+    assert status["router"]["prefill_retries"] == before + 1
+    wait_idle(cluster)  # its replacement starts meanwhile (the dead replica test waits for one)
 
 
 def test_a_killed_router_is_replaced_and_clients_reconnect_within_10_s(cluster):

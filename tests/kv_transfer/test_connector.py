@@ -111,6 +111,24 @@ def test_dropped_connection(pair, prompts, colocated):
     next_transfer_succeeds(pair, prompts, colocated)
 
 
+def test_a_drill_that_drops_the_connections_mid_transfer_fails_it_on_both_sides(pair, prompts, colocated):
+    """KVTransferAgent.drop_connections (ReplicaShell.inject_fault's drill) once layer 0 is on the wire: the
+    transfer fails on the sender, the receiver is told, nothing stays held and the next transfer reconnects."""
+    desc = pair.reserve("r", prompts[0], GREEDY)
+    dropped = []
+    tap = LayerTap(pair.prefill.agent, lambda layer: dropped.append(pair.prefill.agent.drop_connections())
+                   if layer == 1 else None)
+    pair.prefill.engine.runner.layer_observer = tap
+    pair.pc.submit("r", prompts[0], GREEDY, desc)
+    pair.run_prefill()
+    assert dropped == [1]
+    assert pair.settle("r") == (TransferState.FAILED, TransferState.FAILED)
+    assert "source rank 0" in pair.decode.events["r"].error
+    pair.prefill.engine.runner.layer_observer = pair.prefill.agent
+    pair.assert_clean()
+    next_transfer_succeeds(pair, prompts, colocated)
+
+
 def test_a_corrupted_message_is_dropped_and_the_lease_ends_the_transfer(pair, prompts, colocated):
     """A flipped payload bit fails the message's MAC: the receiver drops it unread (it cannot tell corruption
     from forgery) and counts it; the transfer, one message short, ends with its lease on both sides."""

@@ -191,3 +191,61 @@ def test_a_replica_found_dead_while_reserving_leaves_the_pool():
         asyncio.run(collect(d, request()))
     with pytest.raises(NoReplicaError):
         asyncio.run(collect(d, request("r2")))
+
+
+# -- late binding (DriverSettings.prefill_queue_tokens) ------------------------------------------------------------
+
+
+def long_prompt(i: int) -> tuple[int, ...]:
+    return tuple(range(1000 * (i + 1), 1000 * (i + 1) + 80))  # 80 tokens, no prefix shared with another i
+
+
+def long_request(i: int) -> ParsedRequest:
+    return ParsedRequest(f"late-{i}", long_prompt(i), SamplingParams(max_tokens=3, temperature=0), 0)
+
+
+def test_late_binding_holds_no_decode_room_while_the_prefill_queue_is_long_and_a_new_replica_takes_the_backlog():
+    slow = MockPrefill("prefill-0", step_s=0.05)
+    decode = MockDecode("decode-0")
+    d = driver([slow], [decode], prefill_queue_tokens=100)  # one 80-token prompt may queue behind another
+
+    async def main():
+        tasks = [asyncio.create_task(collect(d, long_request(i))) for i in range(6)]
+        await asyncio.sleep(0.02)
+        seen = (d.num_waiting_prefill, d.prefill_waiting_tokens, len(decode.reservations), d.num_queued)
+        d.add(Replica("prefill-1", "prefill", fresh := MockPrefill("prefill-1", step_s=0.05)))
+        results = await asyncio.gather(*tasks)
+        return seen, results, fresh
+
+    seen, results, fresh = asyncio.run(main())
+    # two sent (80 < 100 queued before the second), four wait at the router holding nothing on the decode replica
+    assert seen == (4, 4 * 80, 2, 0)
+    for i, progress in enumerate(results):
+        assert tokens_of(progress) == [token_for(long_prompt(i), k) for k in range(3)]
+    assert fresh.prefilled, "the replica that joined took requests from the backlog"
+    assert len(slow.prefilled) + len(fresh.prefilled) == 6
+    assert (d.num_waiting_prefill, d.prefill_waiting_tokens, decode.reservations) == (0, 0, {})
+
+
+def test_late_binding_waits_within_the_queue_timeout_and_the_queue_limit():
+    d = driver([MockPrefill("prefill-0", step_s=0.5)], [MockDecode("decode-0")], prefill_queue_tokens=50,
+               queue_timeout_s=0.1, max_queued_requests=1)
+
+    async def main():
+        first = asyncio.create_task(collect(d, long_request(0)))  # sent: the queue was empty
+        await asyncio.sleep(0.01)
+        waiting = asyncio.create_task(collect(d, long_request(1)))
+        await asyncio.sleep(0.01)
+        with pytest.raises(NoCapacityError, match="already waiting"):
+            await collect(d, long_request(2))  # max_queued_requests=1 is taken by the one waiting
+        with pytest.raises(NoCapacityError, match="fewer than 50 tokens queued within 0.1 s"):
+            await waiting
+        assert len(tokens_of(await first)) == 3
+
+    asyncio.run(main())
+    assert (d.num_waiting_prefill, d.prefill_waiting_tokens) == (0, 0)
+
+
+def test_driver_settings_refuse_a_negative_prefill_queue():
+    with pytest.raises(ValueError, match="prefill_queue_tokens"):
+        DriverSettings(prefill_queue_tokens=-1)
