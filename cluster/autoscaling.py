@@ -8,7 +8,8 @@ Every tick the pool is summarised by two numbers (cluster/pool_signals.py comput
     tokens and the measured prefill rate, or from sequences in flight and the measured decode capacity). It decides
     HOW MANY, so that a burst is met in one decision instead of one replica at a time.
 
-Scale-up: the pressure stays above 1 for a whole up window. The window only counts samples taken after the
+Scale-up: the pressure stays above 1 for a whole up window, or at panic_pressure or more for the shorter panic
+window (a burst far over capacity is met at once; a moderate rise waits out the up window). The window only counts samples taken after the
 pool's capacity last changed (a decision, or a starting replica becoming ready), so replicas that are still
 starting are capacity that is coming: while any is starting the pool scales up again only if what it needs is at
 least twice what it has and is getting (a load that kept growing), never because the start is slow. The new
@@ -39,20 +40,27 @@ class ScalingSettings:
     """interval_s: seconds between ticks. up_window_s / down_window_s: how long a signal must hold before the
     pool grows / shrinks. target_utilization: the share of a replica's capacity (and of the SLO) the pool is
     sized for: pressure 1 means the SLO's latency times target_utilization. down_utilization: the pool shrinks
-    only when its busiest tick of the down window would have used less than this share of it."""
+    only when its busiest tick of the down window would have used less than this share of it. panic_window_s /
+    panic_pressure: a pressure at panic_pressure or more for panic_window_s scales up without waiting out the
+    up window (a burst far over capacity)."""
 
     interval_s: float = 1.0
     up_window_s: float = 10.0
     down_window_s: float = 60.0
     target_utilization: float = 0.8
     down_utilization: float = 0.5
+    panic_window_s: float = 3.0
+    panic_pressure: float = 2.0
 
     def __post_init__(self) -> None:
         if not self.interval_s > 0:
             raise ValueError(f"interval_s must be positive, got {self.interval_s!r}")
-        if not self.interval_s <= self.up_window_s < self.down_window_s:
-            raise ValueError(f"need interval_s <= up_window_s < down_window_s, got {self.interval_s:g}, "
-                             f"{self.up_window_s:g}, {self.down_window_s:g}")
+        if not self.interval_s <= self.panic_window_s <= self.up_window_s < self.down_window_s:
+            raise ValueError(f"need interval_s <= panic_window_s <= up_window_s < down_window_s, got "
+                             f"{self.interval_s:g}, {self.panic_window_s:g}, {self.up_window_s:g}, "
+                             f"{self.down_window_s:g}")
+        if not self.panic_pressure > 1:
+            raise ValueError(f"panic_pressure must be above 1, got {self.panic_pressure:g}")
         if not 0 < self.down_utilization < self.target_utilization <= 1:
             raise ValueError(f"need 0 < down_utilization < target_utilization <= 1, got {self.down_utilization:g}, "
                              f"{self.target_utilization:g}")
@@ -132,9 +140,12 @@ class PoolPolicy:
             return self._change(sample, self.minimum, f"below min ({self.minimum})")
         if current > self.maximum:
             return self._change(sample, self.maximum, f"above max ({self.maximum})")
+        panic = self._window(sample.t, s.panic_window_s)
+        if panic and all(_pressure(x) >= s.panic_pressure for x in panic):
+            return self._up(sample, panic, s.panic_window_s)
         up = self._window(sample.t, s.up_window_s)
         if up and all(_pressure(x) > 1.0 for x in up):
-            return self._up(sample, up)
+            return self._up(sample, up, s.up_window_s)
         down = self._window(sample.t, s.down_window_s)
         if down and sample.starting == 0 and sample.draining == 0 and all(_pressure(x) < 1.0 for x in down):
             return self._down(sample, down)
@@ -150,19 +161,19 @@ class PoolPolicy:
             return None
         return window
 
-    def _up(self, sample: PoolSample, window: list[PoolSample]) -> Decision:
+    def _up(self, sample: PoolSample, window: list[PoolSample], length: float) -> Decision:
         current = sample.capacity
         needed = _needed(sample)
         want = min(self.maximum, math.ceil(needed - 1e-9) if sample.needed is not None else current + 1)
         if want <= current:
-            return self._hold(sample, f"over target for {self.settings.up_window_s:g} s but already at max "
+            return self._hold(sample, f"over target for {length:g} s but already at max "
                                       f"({self.maximum})" if current >= self.maximum else
                               f"over target while a backlog drains (the work needs {needed:.1f} replica(s))")
         if sample.starting and needed < 2 * current:
             return self._hold(sample, f"over target; {sample.starting} starting replica(s) are coming "
                                       f"(needs {needed:.1f}, getting {current})")
         return self._change(sample, want, f"pressure {min(_pressure(x) for x in window):.2f} or more for "
-                                          f"{self.settings.up_window_s:g} s; needs {needed:.1f} replica(s)")
+                                          f"{length:g} s; needs {needed:.1f} replica(s)")
 
     def _down(self, sample: PoolSample, window: list[PoolSample]) -> Decision:
         s = self.settings

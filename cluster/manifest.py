@@ -15,7 +15,8 @@ YAML.
                  device: auto, dtype: null}   # auto: CUDA when the ranks ask for GPUs; null: bfloat16 on CUDA
         cpu_affinity: null          # or host CPUs, [0, 1] or "0-3,8": rank r pins to the r-th equal share
         autoscaling: {interval_s: 1, up_window_s: 10, down_window_s: 60, target_utilization: 0.8,
-                      down_utilization: 0.5, kv_high: 0.8, drain_timeout_s: 300, resource_timeout_s: 300}
+                      down_utilization: 0.5, panic_window_s: 3, panic_pressure: 2, kv_high: 0.8,
+                      drain_timeout_s: 300, resource_timeout_s: 300}
       decode: ...
     slo: {ttft_s: null, itl_s: null}  # what the autoscaler sizes the pools for (prefill: TTFT; decode: ITL)
     router:
@@ -151,6 +152,8 @@ class AutoscalingSettings(_Strict):
     down_window_s: float = Field(60.0, gt=0)
     target_utilization: float = Field(0.8, gt=0, le=1)
     down_utilization: float = Field(0.5, gt=0, lt=1)
+    panic_window_s: float = Field(3.0, gt=0)
+    panic_pressure: float = Field(2.0, gt=1)
     kv_high: float = Field(0.8, gt=0, le=1)
     drain_timeout_s: float = Field(300.0, gt=0)
     resource_timeout_s: float = Field(300.0, gt=0)
@@ -163,7 +166,8 @@ class AutoscalingSettings(_Strict):
     def policy(self) -> ScalingSettings:
         return ScalingSettings(interval_s=self.interval_s, up_window_s=self.up_window_s,
                                down_window_s=self.down_window_s, target_utilization=self.target_utilization,
-                               down_utilization=self.down_utilization)
+                               down_utilization=self.down_utilization, panic_window_s=self.panic_window_s,
+                               panic_pressure=self.panic_pressure)
 
 
 class SLOSettings(_Strict):

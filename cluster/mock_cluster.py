@@ -77,8 +77,9 @@ class MockCluster:
     async def load(self, pool: str) -> PoolLoad:
         replicas = self.driver.prefill if pool == "prefill" else self.driver.decode
         d = self.driver
-        return self.signals.load(pool, replicas, queued=d.num_queued if pool == "decode" else 0,
-                                 waiting_tokens=d.prefill_waiting_tokens if pool == "prefill" else 0)
+        if pool == "prefill":
+            return self.signals.load(pool, replicas, waiting_tokens=d.prefill_waiting_tokens)
+        return self.signals.load(pool, replicas, queued=d.num_queued, waiting=d.num_waiting_prefill)
 
     def start(self, pool: str, count: int) -> None:
         for _ in range(count):

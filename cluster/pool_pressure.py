@@ -15,10 +15,16 @@ Prefill pool (disaggregated):
   absorbed about two start-up times after the decision, in one decision; the replicas added for the backlog leave
   once the pool has been under target for a down window.
 Decode pool (and a colocated pool, which also answers for TTFT):
-  pressure = max(ITL p90 / (ITL SLO x u), KV use / kv_high [, TTFT p90 / (TTFT SLO x u) when colocated])
-  needed   = max(output tokens asked per second x share generated / (capacity / (u x ITL SLO)),
+  pressure = max(ITL p90 / (ITL SLO x u), KV use / kv_high, needed / replicas (with an ITL SLO)
+                 [, TTFT p90 / (TTFT SLO x u) when colocated])
+  needed   = max((output tokens asked per second + coming / horizon) x share generated / (capacity / (u x ITL SLO)),
                  replicas x KV use x decoding share x (in flight + waiting for room) / in flight / kv_high)
-  where capacity / (u x ITL SLO) is the tokens per second one replica generates with its ITL at u x the ITL SLO,
+  where coming is the output tokens asked by the requests admitted and not decoding yet (waiting for a prefill
+  replica or decode room, or prefilling), projected like the prefill backlog to when replicas started now would
+  serve (plus (requests arriving - requests starting to decode) per second x start-up time, when they arrive
+  more than PILING times faster than they start: a pile-up, not noise): a
+  prefill backlog reaches the decode pool as fast as the prefill pool clears it, within the horizon above; capacity / (u x ITL SLO) is the tokens per second one replica generates
+  with its ITL at u x the ITL SLO,
   capacity the sequences it then holds: a line ITL = a + b x n fitted
   to (a replica's requests decoding, its ITL median over the last second), one point per replica and tick, with
   exponential forgetting; before the points spread, n x (u x SLO) / ITL with n the requests sharing a replica
@@ -44,6 +50,7 @@ from tandem.router.pool_signals import PoolLoad
 
 MIN_BUSY_S = 0.5  # replica-seconds of prefill in a window before its rate is trusted
 FORGET = 0.95  # per tick, how much of the ITL fit's past a tick keeps
+PILING = 2.0  # requests arriving this many times faster than they start decoding: a pile-up, not noise
 
 
 @dataclass(frozen=True)
@@ -111,16 +118,25 @@ class PoolGauge:
         capacity = self._capacity(load)
         inputs["seqs_per_replica"] = capacity
         if self.slo.itl_s:
-            asked = load.arrived_output_tokens / load.rate_window_s * (
-                load.output_share if load.output_share is not None else 1.0) * _with_refused(load)
-            inputs["asked_tokens_per_s"] = asked
-            needed = asked * self.u * self.slo.itl_s / capacity
+            share = load.output_share if load.output_share is not None else 1.0
+            asked = load.arrived_output_tokens / load.rate_window_s * share * _with_refused(load)
+            per_request = load.arrived_output_tokens / load.arrived_requests * share if load.arrived_requests else 0.0
+            # requests arriving much faster than they start decoding pile up upstream while new replicas start
+            arriving = load.arrived_requests / load.rate_window_s * _with_refused(load)
+            starting = load.started_requests / load.rate_window_s
+            piling = (arriving - starting) * self.startup_s if arriving > PILING * starting else 0.0
+            coming = (load.upstream + piling) * per_request
+            horizon = max(self.slo.ttft_s or 0.0, self.startup_s, 1.0)
+            inputs["asked_tokens_per_s"], inputs["coming_tokens"] = asked, coming
+            needed = (asked + coming / horizon) * self.u * self.slo.itl_s / capacity
         else:
             needed = seqs / capacity
         if load.kv_usage is not None and load.in_flight:
             decoding_share = min(1.0, load.decoding / load.in_flight)
             inputs["decoding"] = load.decoding
             needed = max(needed, ready * load.kv_usage * decoding_share * seqs / load.in_flight / self.kv_high)
+        if self.slo.itl_s and ready:
+            terms.append(needed / ready)  # the work asked for and on its way, before the ITL shows it
         return (max(terms) if terms else None), needed, inputs
 
     def _capacity(self, load: PoolLoad) -> float:

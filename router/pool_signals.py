@@ -32,6 +32,7 @@ class PoolLoad:
     a shorter window than the latencies', so that a step in the load shows in full soon); arrived_output_tokens:
     the output tokens they asked for (max_tokens x n); output_share: of the output tokens asked for by requests
     that finished in the window, the share generated (stops end requests early; None: none finished).
+    started_requests: requests that got their first token in the last rate_window_s (any pool).
     arrived_requests / refused_requests: requests admitted / refused at once for lack of capacity
     (router/admission.py) in the last rate_window_s: demand the pools did not see as tokens, but should grow for.
     queued_prefill_tokens: sent and not answered yet. in_flight: requests on the pool's replicas; queued: requests
@@ -42,7 +43,9 @@ class PoolLoad:
     requests sharing a replica with a typical token (what an ITL percentile over all tokens sees when replicas are
     unevenly loaded, e.g. right after new ones joined). itl_points: per decode replica with enough tokens in the
     last recent_s, (its requests decoding now, its ITL median over recent_s): what one replica's step costs at its
-    batch. first_tokens: requests that got their first token in the window."""
+    batch. first_tokens: requests that got their first token in the window. upstream (decode pool): requests
+    admitted that the pool has not begun decoding (waiting at the router for a prefill replica or for decode room,
+    or being prefilled): decode work on its way."""
 
     pool: str
     replicas: int
@@ -58,12 +61,14 @@ class PoolLoad:
     arrived_tokens: int = 0
     arrived_requests: int = 0
     refused_requests: int = 0
+    started_requests: int = 0
     arrived_output_tokens: int = 0
     output_share: float | None = None
     rate_window_s: float = 5.0
     queued_prefill_tokens: int = 0
     in_flight: int = 0
     queued: int = 0
+    upstream: int = 0
     kv_usage: float | None = None
     first_tokens: int = 0
     decoding: int = 0
@@ -131,6 +136,7 @@ class PoolSignals:
         self._arrivals = _Window(self.rate_window_s)
         self._asked = _Window(self.rate_window_s)
         self._refused = _Window(self.rate_window_s)
+        self._started = _Window(self.rate_window_s)  # first tokens (any route)
         self._finished: deque[tuple[float, int, int]] = deque()  # (time, generated, asked)
         self._decoding: dict[str, int] = {}  # decode replica -> requests decoding there
 
@@ -160,6 +166,7 @@ class PoolSignals:
         ttft = now - arrival
         pool = "prefill" if progress.prefill_route == PREFILL_POOL else "decode"
         self._ttft[pool].add(now, ttft)
+        self._started.add(now, 1)
         self._prefill_latency.add(now, max(0.0, ttft - progress.queue_s))
         self._queue.add(now, progress.queue_s)
         if progress.prefill_route == PREFILL_POOL and progress.outputs:
@@ -184,9 +191,11 @@ class PoolSignals:
         if gaps:
             self.gaps(gaps, replica, now)
 
-    def load(self, pool: str, replicas: list[Replica], *, queued: int = 0, waiting_tokens: int = 0) -> PoolLoad:
+    def load(self, pool: str, replicas: list[Replica], *, queued: int = 0, waiting: int = 0,
+             waiting_tokens: int = 0) -> PoolLoad:
         """The pool's PoolLoad now, over the replicas routed to in it. queued: requests waiting for a decode
-        reservation (the driver's num_queued), counted against the decode pool. waiting_tokens: uncached prompt
+        reservation (the driver's num_queued), counted against the decode pool. waiting: requests waiting at the
+        router for a prefill replica (the driver's num_waiting_prefill; decode pool). waiting_tokens: uncached prompt
         tokens of requests waiting at the router for a prefill replica (late binding), counted as the prefill
         pool's queue like the tokens sent to its replicas."""
         now = self.clock()
@@ -217,6 +226,7 @@ class PoolSignals:
                         arrived_tokens=int(sum(self._arrivals.values(now))), rate_window_s=self.rate_window_s,
                         arrived_requests=len(self._arrivals.values(now)),
                         refused_requests=int(sum(self._refused.values(now))),
+                        started_requests=len(self._started.values(now)),
                         arrived_output_tokens=int(sum(self._asked.values(now))),
                         output_share=sum(g for _, g, _ in self._finished) / asked if asked else None,
                         in_flight=sum(r.load.in_flight for r in replicas), first_tokens=len(ttft),
@@ -231,6 +241,7 @@ class PoolSignals:
         return replace(load, queue_p90=percentile(self._queue.values(now), 90),
                         itl_recent_p50=percentile([g for v in recent.values() for g in v], 50), itl_points=points,
                         itl_p90=percentile(gaps, 90), queued=queued,
+                        upstream=waiting + queued + max(0, load.in_flight - load.decoding),
                         prefill_p90=percentile(self._prefill_latency.values(now), 90))
 
 

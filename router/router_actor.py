@@ -120,8 +120,9 @@ class RouterActor:
         """What the router measured of one pool ("prefill" | "decode") over its window, for the autoscaler."""
         driver = self._driver()
         replicas = driver.prefill if pool == "prefill" else driver.decode
-        return self.serving.signals.load(pool, replicas, queued=driver.num_queued if pool == "decode" else 0,
-                                         waiting_tokens=driver.prefill_waiting_tokens if pool == "prefill" else 0)
+        if pool == "prefill":
+            return self.serving.signals.load(pool, replicas, waiting_tokens=driver.prefill_waiting_tokens)
+        return self.serving.signals.load(pool, replicas, queued=driver.num_queued, waiting=driver.num_waiting_prefill)
 
     async def report_scaling(self, states: list[PoolScaling]) -> None:
         """The control plane's view of each pool's scaling, exposed on /metrics until the next report."""

@@ -40,12 +40,27 @@ def run_policy(policy: PoolPolicy, seconds: int, pressure, needed, *, start_dela
 
 
 def test_a_sustained_overload_scales_up_once_to_what_is_needed_within_the_window():
+    policy = PoolPolicy("prefill", 2, 16, SETTINGS)
+    work = lambda t: 1.0 if t < 20 else 3.0  # replicas' worth of work at target: a step at t = 20 (pressure 1.5)
+    decisions, counts = run_policy(policy, 60, lambda t, r: work(t) / r, lambda t, r: work(t), start_delay=8,
+                                   ready=2)
+    assert [(d.action, d.current, d.desired) for d in decisions] == [("up", 2, 3)]
+    assert 20 + SETTINGS.up_window_s <= decisions[0].t <= 20 + SETTINGS.up_window_s + 1
+    assert counts[-1] == 3
+
+
+def test_a_burst_far_over_capacity_scales_up_within_the_panic_window():
     policy = PoolPolicy("prefill", 1, 16, SETTINGS)
-    work = lambda t: 1.0 if t < 20 else 6.0  # replicas' worth of work at target: a step at t = 20
+    work = lambda t: 1.0 if t < 20 else 6.0  # pressure 6 from t = 20
     decisions, counts = run_policy(policy, 60, lambda t, r: work(t) / r, lambda t, r: work(t), start_delay=8)
     assert [(d.action, d.current, d.desired) for d in decisions] == [("up", 1, 6)]
-    assert 20 + SETTINGS.up_window_s <= decisions[0].t <= 20 + SETTINGS.up_window_s + 1
-    assert counts[-1] == 6
+    assert 20 + SETTINGS.panic_window_s <= decisions[0].t <= 20 + SETTINGS.panic_window_s + 1
+    assert decisions[0].t < 20 + SETTINGS.up_window_s
+    assert "for 3 s" in decisions[0].reason and counts[-1] == 6
+    with pytest.raises(ValueError, match="panic_window_s"):
+        ScalingSettings(panic_window_s=20.0)
+    with pytest.raises(ValueError, match="panic_pressure"):
+        ScalingSettings(panic_pressure=1.0)
 
 
 def test_a_blip_shorter_than_the_window_does_nothing():
