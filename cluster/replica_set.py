@@ -80,6 +80,7 @@ class Shortfall:
     replicas: int
     since: float
     cluster: dict[str, float]  # the cluster's resources then: asking again once they grow
+    placed: int = 0  # the pool's replicas holding resources then: fewer since (one died or left) frees room
 
 
 class ReplicaSet:
@@ -193,14 +194,15 @@ class ReplicaSet:
             self._spawn(entry, self._drain(entry))
 
     def can_grow(self, pool: str) -> bool:
-        """False while the pool's last replicas could not be placed and the cluster has not grown since."""
+        """False while the pool's last replicas could not be placed, the cluster has not grown since, and the
+        pool holds as many replicas as it did then (a replica that died or left freed the room for one)."""
         shortfall = self.shortfalls.get(pool)
         if shortfall is None:
             return True
         if _grew(ray.cluster_resources(), shortfall.cluster):
             del self.shortfalls[pool]
             return True
-        return False
+        return sum(1 for e in self.entries if e.pool == pool) < shortfall.placed
 
     def _launch(self, entry: ReplicaEntry) -> None:
         async def launch() -> None:
@@ -210,6 +212,7 @@ class ReplicaSet:
             except RuntimeError as e:
                 self._short(entry, str(e))
                 return
+            self.shortfalls.pop(entry.pool, None)  # there was room for this one: a shortfall is found anew
             try:
                 await self._start_actor(entry)
             except RuntimeError as e:
@@ -223,8 +226,9 @@ class ReplicaSet:
 
     def _short(self, entry: ReplicaEntry, error: str) -> None:
         pending = [e for e in self.entries if e.pool == entry.pool and e.state == "placing"]
+        placed = sum(1 for e in self.entries if e.pool == entry.pool) - len(pending)
         self.shortfalls[entry.pool] = Shortfall(dict(entry.plan.bundle), len(pending), time.time(),
-                                                dict(ray.cluster_resources()))
+                                                dict(ray.cluster_resources()), placed)
         self.say(f"{entry.name}: {error}. Pool {entry.pool} serves with what it has and asks for no more "
                  f"until the cluster grows")
         for e in pending:

@@ -37,6 +37,7 @@ import asyncio
 import dataclasses
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Awaitable, Callable, Generic, TypeVar
 
@@ -151,6 +152,7 @@ class RequestDriver:
         self.num_queued = 0  # requests waiting for decode room (step 1)
         self.num_waiting_prefill = 0  # requests waiting for a prefill replica's queue to shorten (late binding)
         self.prefill_waiting_tokens = 0  # their uncached prompt tokens
+        self._prefill_waiters: deque[asyncio.Future] = deque()  # in arrival order
         self.lost: list[str] = []  # replicas found dead, no longer routed to
         self._replicas = {r.name: r for r in prefill + decode}
 
@@ -182,6 +184,7 @@ class RequestDriver:
         (self.prefill if replica.pool == "prefill" else self.decode).remove(replica)
         self.routing.forget_replica(replica.pool, name)
         self.feed.forget(name)
+        self._wake_prefill_waiter()  # with the prefill pool empty, the decode replicas prefill
         return True
 
     def add(self, replica: Replica) -> None:
@@ -190,6 +193,7 @@ class RequestDriver:
             raise ValueError(f"replica {replica.name} is already routed to")
         self._replicas[replica.name] = replica
         (self.prefill if replica.pool == "prefill" else self.decode).append(replica)
+        self._wake_prefill_waiter()
 
     def _prefill(self, load: ReplicaLoad) -> Replica[PrefillReplicaAPI]:
         return self._replicas[load.name]
@@ -231,10 +235,11 @@ class RequestDriver:
     async def _wait_for_prefill_room(self, request: ParsedRequest, plan: RoutePlan, local: str | None) -> RoutePlan:
         """Late binding (step 0, with prefill_queue_tokens set): while the planned prefill replica has that many
         uncached tokens queued, the request waits here holding nothing (no decode reservation: a prefill
-        backlog does not tie up decode room) and is planned again whenever a prefill replica's queue is below
-        the limit, so a replica that joins the pool or empties its queue takes the next request. Waits count
-        in num_waiting_prefill / prefill_waiting_tokens (the prefill pool's backlog, for the autoscaler) and
-        against max_queued_requests and queue_timeout_s like a wait for decode room."""
+        backlog does not tie up decode room), in arrival order, and is planned again when it is woken: a
+        prefill replica's queue went below the limit, or the pool changed (so a replica that joins the pool, or
+        empties its queue, takes the next request). Waits count in num_waiting_prefill / prefill_waiting_tokens
+        (the prefill pool's backlog, for the autoscaler) and against max_queued_requests and queue_timeout_s
+        like a wait for decode room."""
         limit = self.settings.prefill_queue_tokens
         start = time.monotonic()
         waiting = 0  # the tokens counted as waiting (0: not waiting)
@@ -248,15 +253,20 @@ class RequestDriver:
                     waiting = max(1, plan.uncached_tokens)
                     self.num_waiting_prefill += 1
                     self.prefill_waiting_tokens += waiting
-                if time.monotonic() - start > self.settings.queue_timeout_s:
+                woken = asyncio.get_running_loop().create_future()
+                self._prefill_waiters.append(woken)
+                try:
+                    await asyncio.wait_for(woken, self.settings.queue_timeout_s - (time.monotonic() - start))
+                except asyncio.TimeoutError:
+                    if woken.done() and not woken.cancelled():
+                        self._wake_prefill_waiter()  # woken as it timed out: the next one takes the turn
                     raise NoCapacityError(f"no prefill replica had fewer than {limit} tokens queued within "
-                                          f"{self.settings.queue_timeout_s:g} s")
-                await asyncio.sleep(RETRY_INTERVAL_S)
+                                          f"{self.settings.queue_timeout_s:g} s") from None
+                finally:
+                    if not woken.done() or woken.cancelled():
+                        self._forget_waiter(woken)
                 if not self.decode:
                     raise NoReplicaError("no ready replica in the decode pool")
-                if plan.prefill.name in self._replicas and min(
-                        (r.load.queued_prefill_tokens for r in self.prefill), default=0) >= limit:
-                    continue  # nothing changed that could let it go: no need to plan again
                 plan = self.routing.plan(request.prompt_token_ids, prefill=[r.load for r in self.prefill],
                                          decode=[r.load for r in self.decode], local_reason=local,
                                          cache_salt=request.cache_salt, session=request.session_id)
@@ -265,6 +275,27 @@ class RequestDriver:
                 self.num_waiting_prefill -= 1
                 self.prefill_waiting_tokens -= waiting
         return plan
+
+    def _forget_waiter(self, woken: asyncio.Future) -> None:
+        try:
+            self._prefill_waiters.remove(woken)
+        except ValueError:
+            pass
+
+    def _wake_prefill_waiter(self) -> None:
+        """Wakes the longest-waiting request of the late-binding queue if a prefill replica's queue is below the
+        limit or the prefill pool is empty (it plans again: it goes, or waits at the back). The one that goes
+        wakes the next (_disaggregated), so a replica with room for several takes several."""
+        limit = self.settings.prefill_queue_tokens
+        if not limit or not self._prefill_waiters:
+            return
+        if self.prefill and min(r.load.queued_prefill_tokens for r in self.prefill) >= limit:
+            return
+        while self._prefill_waiters:
+            woken = self._prefill_waiters.popleft()
+            if not woken.done():
+                woken.set_result(None)
+                return
 
     async def _call(self, replica: Replica, call: Awaitable[T]) -> T:
         """Awaits a call on replica; if the replica died, stops routing to it and raises ReplicaLostError."""
@@ -366,6 +397,7 @@ class RequestDriver:
         # Counted as queued on the prefill replica from the decision on, so that a burst of requests spreads
         # by load before any of them reaches it.
         prefill.load.queued_prefill_tokens += plan.uncached_tokens
+        self._wake_prefill_waiter()  # room left for the next one too?
         decode = None
         failure: Exception | None = None
         try:
@@ -384,6 +416,7 @@ class RequestDriver:
             failure = e  # the prefill replica died
         finally:
             prefill.load.queued_prefill_tokens -= plan.uncached_tokens
+            self._wake_prefill_waiter()
         if isinstance(failure, ReplicaLostError):
             async for progress in self._prefill_again(request, decode, failure, touched, replay):
                 yield progress

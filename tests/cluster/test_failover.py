@@ -75,7 +75,7 @@ def metric(cluster, name: str, **labels) -> float | None:
     return None
 
 
-def test_scale_pins_a_pool_grows_it_and_drains_it_while_it_serves(cluster):
+def test_scale_pins_a_pool_and_grows_it(cluster):
     status = cluster.status()
     assert status["pools"]["decode"]["autoscaling"] and status["pools"]["decode"]["desired"] == 2
     assert "pinned at 3" in cluster.scale("decode", 3)
@@ -86,7 +86,27 @@ def test_scale_pins_a_pool_grows_it_and_drains_it_while_it_serves(cluster):
     assert ask(cluster).usage.completion_tokens == 8
     assert wait_for_metric(cluster, "tandem_pool_replicas", 3, pool="decode", state="desired")
 
-    # Shrink back while a long stream runs: whichever replica it is on, it finishes whole.
+
+def test_a_pool_asks_ray_for_resources_and_reports_a_shortfall_when_none_come(cluster):
+    """The decode node has room for three decode replicas; a fourth asks Ray's autoscaler for its bundle (no
+    autoscaler runs here, so nothing comes), is given up after resource_timeout_s, and the pool keeps serving
+    with what it has and asks for no more."""
+    wait_for(cluster, lambda s: s["pools"]["decode"]["ready"] == 3, 180, "three decode replicas")
+    cluster.scale("decode", 4)
+    status = wait_for(cluster, lambda s: s["resource_request"]["asks"] >= 1 and len(
+        s["resource_request"]["bundles"]) == 5, 10, "Ray's autoscaler asked for five replica bundles")
+    assert {"CPU": 1.0, "decode": 2.0} in status["resource_request"]["bundles"]
+    status = wait_for(cluster, lambda s: s["pools"]["decode"]["shortfall"] is not None, RESOURCE_TIMEOUT_S + 10,
+                      "the shortfall reported")
+    short = status["pools"]["decode"]["shortfall"]
+    assert short["replicas"] == 1 and short["bundle"] == {"CPU": 1.0, "decode": 2.0}
+    assert status["pools"]["decode"]["pending"] == 0 and status["pools"]["decode"]["ready"] == 3
+    assert len(status["resource_request"]["bundles"]) == 4  # the request for the fourth is withdrawn
+    assert ask(cluster).usage.completion_tokens == 8
+
+
+def test_scale_down_drains_a_replica_while_it_serves(cluster):
+    """Shrink from three to two while a long stream runs: whichever replica it is on, it finishes whole."""
     with TandemClient(cluster.endpoint, timeout_s=300) as client:
         stream = client.stream(prompt="Once upon a time", max_tokens=120, temperature=0, ignore_eos=True)
         first = next(stream)
@@ -122,31 +142,6 @@ def test_a_dead_replica_is_detected_within_5_s_and_replaced(cluster):
     detail = {r["name"]: r for r in status["replicas"]}
     for r in detail.values():
         assert r["pid"] and r["node"] and r["rank_placements"]
-
-
-def test_a_pool_asks_ray_for_resources_and_reports_a_shortfall_when_none_come(cluster):
-    """The decode node has room for three decode replicas; a fourth asks Ray's autoscaler for its bundle (no
-    autoscaler runs here, so nothing comes), is given up after resource_timeout_s, and the pool keeps serving
-    with what it has and asks for no more."""
-    wait_for(cluster, lambda s: s["pools"]["decode"]["ready"] == 2 and not s["pools"]["decode"]["pending"], 180,
-             "two decode replicas")
-    cluster.scale("decode", 3)
-    wait_for(cluster, lambda s: s["pools"]["decode"]["ready"] == 3, 180, "a third decode replica")
-    cluster.scale("decode", 4)
-    status = wait_for(cluster, lambda s: s["resource_request"]["asks"] >= 1 and len(
-        s["resource_request"]["bundles"]) == 5, 10, "Ray's autoscaler asked for five replica bundles")
-    assert {"CPU": 1.0, "decode": 2.0} in status["resource_request"]["bundles"]
-    status = wait_for(cluster, lambda s: s["pools"]["decode"]["shortfall"] is not None, RESOURCE_TIMEOUT_S + 10,
-                      "the shortfall reported")
-    short = status["pools"]["decode"]["shortfall"]
-    assert short["replicas"] == 1 and short["bundle"] == {"CPU": 1.0, "decode": 2.0}
-    assert status["pools"]["decode"]["pending"] == 0 and status["pools"]["decode"]["ready"] == 3
-    assert len(status["resource_request"]["bundles"]) == 4  # the request for the fourth is withdrawn
-    assert ask(cluster).usage.completion_tokens == 8
-    cluster.scale("decode", 2)
-    wait_for(cluster, lambda s: s["pools"]["decode"]["ready"] == 2 and not s["pools"]["decode"]["draining"], 120,
-             "back to two")
-    cluster.scale("decode", None)
 
 
 # -- faults injected while requests run -------------------------------------------------------------------------
