@@ -344,7 +344,9 @@ class ReplicaSet:
         except ray.exceptions.RayError as e:
             return base | {"state": "dead", "error": str(cause(e))}
         state = entry.state if stats.state == "ready" else stats.state
-        return base | dataclasses.asdict(stats) | {"state": state}
+        ranks = [p | {"state": "alive" if alive else "dead"}
+                 for p, alive in zip(base["rank_placements"], stats.ranks_alive)] or base["rank_placements"]
+        return base | dataclasses.asdict(stats) | {"state": state, "rank_placements": ranks}
 
     async def shutdown(self) -> None:
         for entry in list(self.entries):

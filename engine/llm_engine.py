@@ -284,6 +284,10 @@ class LLMEngine:
         """The rank processes of a multi-process replica that have exited, described (safe from any thread)."""
         return self.runner.dead_ranks() if hasattr(self.runner, "dead_ranks") else []
 
+    def ranks_alive(self) -> list[bool]:
+        """Whether each rank's process runs (one rank in this process: it does). Safe from any thread."""
+        return self.runner.ranks_alive() if hasattr(self.runner, "ranks_alive") else [True]
+
     def shutdown(self) -> None:
         """Stops the ranks of a multi-process replica, or this process's KV transfer agent. Idempotent."""
         if self.local_kv_agent is not None:

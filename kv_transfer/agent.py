@@ -344,15 +344,13 @@ class KVTransferAgent:
         outbound transfer still running fails (its receivers are told, over a new connection) and every
         connection this agent opened is closed. Returns how many transfers failed."""
         with self._lock:
+            for peer in {peer for out in self._out.values() for peer in out.descriptor.addresses}:
+                self.transport.forget_peer(peer)  # first: the ABORTs below go over new connections
             failed = 0
-            peers = set()
             for key, out in self._out.items():
-                peers.update(out.descriptor.addresses)
                 if out.end(TransferState.FAILED, reason):
                     failed += 1
                     self.replies.tell_receivers(key, out)
-        for peer in peers:
-            self.transport.forget_peer(peer)
         return failed
 
     def close(self) -> None:
@@ -510,9 +508,11 @@ class KVTransferAgent:
                 busy = True
                 self.staging.release(slot)
                 if (error := handle.error()) is not None:
+                    # The connection is broken: close it first, so the ABORT below goes over a new one (closed
+                    # after it, the ABORT could be cut on the wire and reach the peer garbled).
+                    self.transport.forget_peer(peer)
                     if out.end(TransferState.FAILED, f"send failed: {error}"):
                         self.replies.tell_receivers(key, out)
-                    self.transport.forget_peer(peer)  # the connection is broken: the next send reconnects
             out.pending = still
             if (not out.state.terminal and not out.pending and len(out.sent) == len(out.messages)
                     and out.acked >= {m.dst_rank for m in out.messages}):
@@ -527,8 +527,8 @@ class KVTransferAgent:
                 if isinstance(t, Inbound):
                     self.replies.tell_senders(key, t)
                 else:
-                    self.replies.tell_receivers(key, t)
                     for peer in {peer for _, _, peer in t.pending}:
-                        self.transport.forget_peer(peer)  # ends sends stuck on a silent peer
+                        self.transport.forget_peer(peer)  # ends sends stuck on a silent peer (before the ABORT)
+                    self.replies.tell_receivers(key, t)
         cutoff = now - self.config.tombstone_s
         self._tombstones = {k: t for k, t in self._tombstones.items() if t.ended_at >= cutoff}

@@ -75,6 +75,7 @@ class ReplicaStats:
     num_preemptions: int
     num_steps: int
     kv_messages_dropped: MessageDrops = MessageDrops()
+    ranks_alive: tuple[bool, ...] = ()  # whether each rank's process runs, in rank order
 
 
 @dataclass(frozen=True)

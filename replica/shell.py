@@ -105,7 +105,8 @@ class ReplicaShell:
                             kv_blocks_total=s.num_blocks_total, kv_blocks_in_use=s.num_blocks_in_use,
                             kv_blocks_cached=s.num_blocks_cached, kv_usage=s.kv_usage,
                             prefix_hit_rate=s.prefix_hit_rate, num_preemptions=s.num_preemptions,
-                            num_steps=s.num_steps, kv_messages_dropped=self._kv_drops)
+                            num_steps=s.num_steps, kv_messages_dropped=self._kv_drops,
+                            ranks_alive=tuple(self.engine.ranks_alive()))
 
     async def health(self) -> str | None:
         """None while the engine runs and every rank process lives; else why not (read without waiting for the

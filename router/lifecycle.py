@@ -2,7 +2,9 @@
 
   0. Route. routing.Routing plans the request (no replica is asked): decode candidates in policy order, and
      either a prefill replica or the reason the decode replica prefills the prompt itself (conditional
-     disaggregation: a short uncached prompt, a saturated or empty prefill pool).
+     disaggregation: a short uncached prompt, a saturated or empty prefill pool). With late binding
+     (DriverSettings.prefill_queue_tokens) a request whose prefill replica has that many tokens queued waits
+     here, holding nothing, and is planned again when a prefill queue shortens or the pool changes.
   1. Reserve. Decode replicas are asked in the plan's order until one holds blocks for the prompt and returns
      a transfer descriptor. When none has room the request waits (polling, re-ranked each round) up to
      queue_timeout_s, and at most max_queued_requests requests wait at once; past either, RESOURCE_EXHAUSTED.

@@ -152,13 +152,16 @@ class MultiprocExecutor:
         stats = self._collect(list(range(self.layout.world_size)), "stats", time.monotonic() + self.step_timeout_s)
         return [stats[rank] for rank in range(self.layout.world_size)]
 
+    def ranks_alive(self) -> list[bool]:
+        """Whether each rank's process runs, in rank order. Safe from any thread: it only looks at them."""
+        return [proc.is_alive() for proc in self._procs]
+
     def dead_ranks(self) -> list[str]:
-        """The ranks whose process has exited, described (empty once shut down: they were stopped). Safe from
-        any thread: it only looks at the processes."""
+        """The ranks whose process has exited, described (empty once shut down: they were stopped)."""
         if self._dead:
             return []
         return [f"{self._describe(rank)} (pid {proc.pid}, exit code {proc.exitcode})"
-                for rank, proc in enumerate(self._procs) if not proc.is_alive()]
+                for rank, (proc, alive) in enumerate(zip(self._procs, self.ranks_alive())) if not alive]
 
     def rank_rss_bytes(self) -> list[int | None]:
         """Resident memory of each rank's process (None where the OS does not say), read from /proc."""

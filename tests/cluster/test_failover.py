@@ -130,7 +130,7 @@ def wait_for_metric(cluster, name: str, value: float, timeout_s: float = 10.0, *
 
 
 def test_a_dead_replica_is_detected_within_5_s_and_replaced(cluster):
-    victim = "decode-1"
+    victim = ready_replicas(cluster, "decode")[-1]["name"]
     ray.kill(cluster.replica_handles()[victim])
     killed = time.monotonic()
     wait_for(cluster, lambda s: victim not in {r["name"] for r in s["replicas"]}, 10, f"{victim} removed")
@@ -140,8 +140,10 @@ def test_a_dead_replica_is_detected_within_5_s_and_replaced(cluster):
     assert status["replicas_replaced"] >= 1 and victim in status["router"]["replicas_lost"]
     assert ask(cluster).usage.completion_tokens == 8
     detail = {r["name"]: r for r in status["replicas"]}
-    for r in detail.values():
+    for r in (r for r in detail.values() if r["state"] == "ready"):
         assert r["pid"] and r["node"] and r["rank_placements"]
+        assert [p["state"] for p in r["rank_placements"]] == ["alive"] * len(r["ranks"]), r
+        assert "running" in r and "kv_blocks_in_use" in r
 
 
 # -- faults injected while requests run -------------------------------------------------------------------------
@@ -232,8 +234,13 @@ def test_a_dropped_transfer_connection_has_the_prompt_prefilled_again(cluster):
         before = cluster.status()["router"]["transfer_fallbacks"]
         result = in_thread(lambda: client.generate(**ask))
         drills = []
-        when_prefilling(cluster, lambda: drills.extend(
-            ray.get([h.inject_fault.remote("drop_kv_connections") for h in prefill])))
+
+        def drill() -> None:  # again until it reaches the transfer (the prefill call may not have armed it yet)
+            deadline = time.monotonic() + 30
+            while not any(not d.startswith("0 ") for d in drills) and time.monotonic() < deadline:
+                drills.extend(ray.get([h.inject_fault.remote("drop_kv_connections") for h in prefill]))
+
+        when_prefilling(cluster, drill)
         faulted = result()
         assert any(not d.startswith("0 ") for d in drills), drills  # the transfer was running when it dropped
         assert faulted.token_ids == client.generate(**ask).token_ids  # as if nothing had happened
