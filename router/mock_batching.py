@@ -15,9 +15,10 @@ A transferred request (BatchedDecode.reserve + decode) joins the decode batch kv
 token it carries at once. A resumed request (BatchedDecode.resume, a migration) is admitted like a generated one,
 its delivered tokens computed with its prompt, and emits from the token after them. Steps follow each other on
 the loop's own clock: a step that ended late because the event loop was busy is made up by shorter sleeps (up to
-CATCH_UP_S behind), so a replica's throughput stays the model's while many replicas share one process. Prompt
-tokens found in the replica's prefix cache when it is admitted are not computed (at least one token always is).
-KV capacity (beyond max_num_seqs), preemption and attention's dependence on context length are not modelled.
+StepCosts.catch_up_s behind), so a replica's throughput stays the model's while many replicas share one process
+(or one process with a busy router, which a real replica's does not). Prompt tokens found in the replica's prefix
+cache when it is admitted are not computed (at least one token always is). KV capacity (beyond max_num_seqs),
+preemption and attention's dependence on context length are not modelled.
 """
 
 from __future__ import annotations
@@ -35,13 +36,13 @@ from tandem.kv_transfer.descriptor import TransferDescriptor, TransferFailedErro
 from tandem.replica.contract import PrefillResult, ReplicaStats, RequestAbortedError
 from tandem.router.mock_replicas import _KV, _LAYOUT, BLOCK_SIZE, LEASE_S, _MockReplica, _output, token_for
 
-CATCH_UP_S = 0.05  # how far behind its own clock a step loop may be made up; beyond it, the time is lost
-
 
 @dataclass(frozen=True)
 class StepCosts:
     """What one engine step costs (seconds) and what it may hold. kv_bytes_per_token: one token's KV over every
-    layer (K and V); transfer_bytes_per_s: the KV transport's rate between a prefill and a decode replica."""
+    layer (K and V); transfer_bytes_per_s: the KV transport's rate between a prefill and a decode replica.
+    catch_up_s: how far behind its own clock the step loop may fall and still make the time up with shorter
+    sleeps (time the event loop was held beyond it is lost to the replica, as a stall)."""
 
     step_s: float = 0.0
     decode_token_s: float = 0.0
@@ -50,10 +51,12 @@ class StepCosts:
     transfer_bytes_per_s: float = 1.7e9
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 128
+    catch_up_s: float = 0.05
 
     def __post_init__(self) -> None:
         for name, low in (("step_s", 0), ("decode_token_s", 0), ("prefill_token_s", 0), ("kv_bytes_per_token", 0),
-                          ("transfer_bytes_per_s", 1), ("max_num_batched_tokens", 1), ("max_num_seqs", 1)):
+                          ("transfer_bytes_per_s", 1), ("max_num_batched_tokens", 1), ("max_num_seqs", 1),
+                          ("catch_up_s", 0)):
             if not getattr(self, name) >= low:
                 raise ValueError(f"StepCosts.{name} must be at least {low:g}, got {getattr(self, name)!r}")
 
@@ -160,7 +163,7 @@ class StepLoop:
                 await self._wake.wait()
                 end = loop.time()
                 continue
-            end = max(end, loop.time() - CATCH_UP_S) + self.costs.step_time(
+            end = max(end, loop.time() - self.costs.catch_up_s) + self.costs.step_time(
                 len(decodes), sum(n for _, n in chunks))
             await asyncio.sleep(max(0.0, end - loop.time()))
             self.num_steps += 1

@@ -7,7 +7,10 @@ requests starting within the SLO, and the router and the replica holding a bound
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
 import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
 
 import grpc
 import httpx
@@ -249,7 +252,11 @@ class Front(BackgroundLoop):
 
     def __init__(self, *, initial_waiting: int = SLOTS):
         super().__init__()
-        self.decode = BatchedDecode("decode-0", StepCosts(step_s=STEP_S, max_num_seqs=SLOTS))
+        # The replica shares this process and its GIL with the router and the burst's client, which a real
+        # replica's process does not: its step loop makes up any time they held it (catch_up_s), so its start
+        # rate stays the one it was measured at, however busy the router was refusing the burst.
+        costs = StepCosts(step_s=STEP_S, max_num_seqs=SLOTS, catch_up_s=10 * SLO_S)
+        self.decode = BatchedDecode("decode-0", costs)
         facts = model_facts()
         self.peak = {"waiting": 0, "active": 0, "replica": 0}
 
@@ -352,17 +359,44 @@ def front():
     f.close()
 
 
-def test_a_burst_of_ten_times_capacity_is_refused_at_once_and_the_admitted_meet_the_slo(front):
-    asyncio.run(warm_up(front.target, 2.5, 3 * SLOTS))
-    wait_idle(front)
-    measured = front.run(front.start_rate())
-    assert RATE * 0.6 < measured < RATE * 1.6, measured
-    front.peak.update(waiting=0, active=0, replica=0)
+@dataclass
+class BurstOutcome:
+    """What a burst through a fresh Front saw: the start rate measured after the warm-up, each request's
+    (status, seconds to its first response or refusal, router TTFT, refusal metadata), the most requests the
+    router and the replica held, and /metrics once everything ended."""
 
-    results = asyncio.run(burst(front.target, BURST))
+    measured: float
+    results: list[tuple[grpc.StatusCode, float, float | None, dict]]
+    peak: dict[str, int]
+    metrics: str
 
-    admitted = [r for r in results if r[0] == grpc.StatusCode.OK]
-    refused = [r for r in results if r[0] != grpc.StatusCode.OK]
+
+def run_burst() -> BurstOutcome:
+    """Warms a fresh Front up, measures its start rate, then sends BURST requests at once. Runs in a process of
+    its own (spawned by the test): a thousand tests before it leave this process's gRPC asyncio machinery with
+    state that once stalled the router's loop for 7-13 s in the middle of the burst, which no fresh router process
+    does."""
+    front = Front()
+    try:
+        asyncio.run(warm_up(front.target, 2.5, 3 * SLOTS))
+        wait_idle(front)
+        measured = front.run(front.start_rate())
+        front.peak.update(waiting=0, active=0, replica=0)
+        results = asyncio.run(burst(front.target, BURST))
+        peak = dict(front.peak)
+        wait_idle(front)
+        return BurstOutcome(measured, results, peak, httpx.get(f"{front.http_url}/metrics").text)
+    finally:
+        front.close()
+
+
+def test_a_burst_of_ten_times_capacity_is_refused_at_once_and_the_admitted_meet_the_slo():
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        outcome = pool.submit(run_burst).result(timeout=180)
+    assert RATE * 0.6 < outcome.measured < RATE * 1.6, outcome.measured
+
+    admitted = [r for r in outcome.results if r[0] == grpc.StatusCode.OK]
+    refused = [r for r in outcome.results if r[0] != grpc.StatusCode.OK]
     assert CAPACITY // 2 <= len(admitted) <= 2 * CAPACITY, len(admitted)
     for status, seconds, _, metadata in refused:
         assert status == grpc.StatusCode.RESOURCE_EXHAUSTED and seconds < 1.0, (status, seconds)
@@ -370,19 +404,15 @@ def test_a_burst_of_ten_times_capacity_is_refused_at_once_and_the_admitted_meet_
     # The controller assumes a steady flow of starts; the replica starts SLOTS at a time once per slot cycle,
     # so one may start up to a cycle later than that flow would start it. And the measured rate runs a few
     # percent high (the window also holds the warm-up's first steps, when free slots started requests at once).
-    # So: the SLO, plus 10% of it, plus one cycle (seen: about 2.16 s against 2.4). The mock replica's steps are
-    # real sleeps: on a loaded 2-core CI machine one stalled step may delay the last starts, so the bound is for
-    # 95% of the admitted (the SLO's usual reading) and every one stays within twice the SLO.
+    # So: the SLO, plus 10% of it, plus one cycle (seen: about 2.16 s against 2.4).
     ttfts = sorted(ttft for _, _, ttft, _ in admitted)
-    within = sum(1 for t in ttfts if t < SLO_S * 1.1 + CYCLE_S)
-    assert within >= 0.95 * len(ttfts) and ttfts[-1] < 2 * SLO_S, (len(admitted), ttfts)
+    assert ttfts[-1] < SLO_S * 1.1 + CYCLE_S, (len(admitted), ttfts)
     # What the router and the replica held stayed near the capacity, nowhere near the burst.
-    assert front.peak["waiting"] <= 2 * CAPACITY and front.peak["active"] <= 2 * CAPACITY + SLOTS, front.peak
-    assert front.peak["replica"] <= 2 * CAPACITY + SLOTS, front.peak
-    wait_idle(front)
-    metrics = httpx.get(f"{front.http_url}/metrics").text
-    assert f'tandem_admission_refusals_total{{reason="slo"}} {len(refused)}.0' in metrics
-    assert "tandem_requests_waiting_to_start 0.0" in metrics
+    peak = outcome.peak
+    assert peak["waiting"] <= 2 * CAPACITY and peak["active"] <= 2 * CAPACITY + SLOTS, peak
+    assert peak["replica"] <= 2 * CAPACITY + SLOTS, peak
+    assert f'tandem_admission_refusals_total{{reason="slo"}} {len(refused)}.0' in outcome.metrics
+    assert "tandem_requests_waiting_to_start 0.0" in outcome.metrics
 
 
 def test_refusals_carry_retry_after_on_both_apis(front):
