@@ -260,11 +260,17 @@ def test_a_prefill_rank_killed_mid_prefill_has_the_prompt_prefilled_again(cluste
         assert faulted.token_ids == client.generate(**ask).token_ids
     status = wait_for(cluster, lambda s: all(v["name"] in s["router"]["replicas_lost"] for v in victims), 10,
                       "the prefill replicas lost")
-    assert status["router"]["prefill_retries"] == before + 1
+    # One retry per dead replica at most: with two prefill replicas (the pool may have grown) the first retry can
+    # land on the other one before its death is noticed.
+    assert 1 <= status["router"]["prefill_retries"] - before <= len(victims), (status["router"], len(victims))
     wait_idle(cluster)  # its replacement starts meanwhile (the dead replica test waits for one)
 
 
 def test_a_killed_router_is_replaced_and_clients_reconnect_within_10_s(cluster):
+    # A whole cluster first (the prefill test above leaves a replacement prefill replica starting): the 10 s are
+    # the router's, and the new router's index is rebuilt from every replica's snapshot.
+    wait_for(cluster, lambda s: all(s["pools"][p]["ready"] >= 1 and not s["pools"][p]["pending"]
+                                    for p in ("prefill", "decode")), 180, "every pool ready")
     router = ray.get_actor(f"{cluster.name}-router", namespace=cluster.namespace)
     ray.kill(router)
     killed = time.monotonic()
