@@ -135,6 +135,16 @@ def _run(generator, prompt_ids: list[int], params, as_json: bool) -> int:
     return 0
 
 
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
+    return value
+
+
 def _add_cluster(sub: argparse._SubParsersAction) -> None:
     from tandem.cluster import commands
 
@@ -154,6 +164,11 @@ def _add_cluster(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ask", default=None, metavar="MESSAGE",
                    help="once ready, send this chat message through the gRPC client and print the streamed answer")
     p.add_argument("--max-tokens", type=int, default=128, help="tokens for --ask (default 128)")
+    p.add_argument("--placement-timeout", type=_positive_seconds, default=120.0, metavar="SECONDS",
+                   help="how long each initial replica may wait for Ray to find room for it (default 120; on a "
+                        "cloud cluster whose autoscaler must first add GPU nodes, e.g. 1800)")
+    p.add_argument("--ready-timeout", type=_positive_seconds, default=600.0, metavar="SECONDS",
+                   help="how long each initial replica may then take to load its model (default 600)")
     p.set_defaults(func=commands.up)
 
     for name, helptext in (("down", "stop a running cluster"),

@@ -49,7 +49,8 @@ def up(args: argparse.Namespace) -> int:
     _print_warnings(checked, args.manifest)
     manifest = checked.manifest
     launcher.stop_on_signals()
-    cluster = launcher.up(manifest, address=args.address, detach=args.detach)
+    cluster = launcher.up(manifest, address=args.address, detach=args.detach,
+                           placement_timeout_s=args.placement_timeout, ready_timeout_s=args.ready_timeout)
     try:
         _serving(args, manifest, cluster)
     except BaseException:  # e.g. Ctrl-C during --ask: a foreground cluster goes down with this process

@@ -177,8 +177,10 @@ class RunningCluster:
 
 
 def up(manifest: Manifest, *, address: str | None = None, detach: bool = False, out: TextIO = sys.stderr,
-       placement_timeout_s: float = 120.0) -> RunningCluster:
-    """Starts the manifest's cluster and returns once it serves. Raises RuntimeError (nothing left running)."""
+       placement_timeout_s: float = 120.0, ready_timeout_s: float = 600.0) -> RunningCluster:
+    """Starts the manifest's cluster and returns once it serves. Raises RuntimeError (nothing left running).
+    placement_timeout_s: how long each initial replica may wait for Ray to find room for it (on a cloud cluster,
+    for the autoscaler to add its node); ready_timeout_s: how long it may then take to load its model."""
     namespace = manifest.ray.namespace
     started = connect(address or manifest.ray.address, namespace, start_if_missing=resources_needed(manifest),
                       host=manifest.ray.host, out=out)
@@ -197,7 +199,8 @@ def up(manifest: Manifest, *, address: str | None = None, detach: bool = False, 
         controller = ray.remote(Controller).options(
             name=name, namespace=namespace, num_cpus=0, lifetime="detached" if detach else None,
             max_concurrency=100, scheduling_strategy=here,
-        ).remote(manifest, placement_timeout_s=placement_timeout_s, started_ray=started)
+        ).remote(manifest, placement_timeout_s=placement_timeout_s, ready_timeout_s=ready_timeout_s,
+                  started_ray=started)
         cluster = RunningCluster(manifest.name, namespace, controller, None, started)
         pending = controller.start.remote()
         shown = 0
