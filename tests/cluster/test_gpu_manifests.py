@@ -6,7 +6,6 @@ replica split over several ranks cannot share a GPU, and device: cuda needs GPUs
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 import pytest
@@ -15,21 +14,10 @@ import yaml
 from tandem.cluster.manifest_checks import validate_file
 from tandem.cluster.manifest_yaml import ManifestInvalid
 from tandem.cluster.replica_plans import replica_plans, resources_needed
+from tests.deploy.model_shapes import LLAMA3_8B, write_hf_shaped_folder
+from tests.deploy.model_shapes import manifest_with_model as replace_model
 
 MANIFESTS = Path(__file__).resolve().parents[2] / "deploy" / "manifests"
-
-# Meta-Llama-3-8B-Instruct's config.json, as published.
-LLAMA3_8B = {
-    "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
-    "bos_token_id": 128000, "eos_token_id": 128009, "hidden_act": "silu", "hidden_size": 4096,
-    "initializer_range": 0.02, "intermediate_size": 14336, "max_position_embeddings": 8192, "model_type": "llama",
-    "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8, "pretraining_tp": 1,
-    "rms_norm_eps": 1e-05, "rope_scaling": None, "rope_theta": 500000.0, "tie_word_embeddings": False,
-    "torch_dtype": "bfloat16", "transformers_version": "4.40.0.dev0", "use_cache": True, "vocab_size": 128256,
-}
-NUM_SHARDS = 4
-LAYER_TENSORS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
-                 "mlp.up_proj", "mlp.down_proj", "input_layernorm", "post_attention_layernorm")
 
 
 @pytest.fixture(autouse=True)
@@ -37,45 +25,21 @@ def _load_embedded_once(embedded_shape_once):
     """validate_file loads the embedded model's shape once for the session (tests/conftest.py)."""
 
 
-def write_llama3_8b_folder(folder: Path, tokenizer) -> Path:
-    """A Hugging Face folder shaped like Meta-Llama-3-8B-Instruct: its config.json, a tokenizer (the given tandem
-    Tokenizer's files, as tests/engine/tiny_models.py writes them: validation never compares the vocabularies),
-    and model.safetensors.index.json naming 4 shards. The shard files exist but hold nothing: validation and a
-    driver whose ranks load their own shards check that they are there and never read them."""
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(LLAMA3_8B, indent=2))
-    (folder / "generation_config.json").write_text(json.dumps(
-        {"bos_token_id": 128000, "eos_token_id": [128001, 128009], "do_sample": True}))
-    tokenizer.backend.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({
-        "chat_template": tokenizer.chat_template, "bos_token": tokenizer.bos_token, "eos_token": tokenizer.eos_token,
-    }))
-    layers = LLAMA3_8B["num_hidden_layers"]
-    shard = [f"model-{i + 1:05d}-of-{NUM_SHARDS:05d}.safetensors" for i in range(NUM_SHARDS)]
-    weight_map = {"model.embed_tokens.weight": shard[0]}
-    for layer in range(layers):
-        for name in LAYER_TENSORS:
-            weight_map[f"model.layers.{layer}.{name}.weight"] = shard[layer * NUM_SHARDS // layers]
-    weight_map |= {"model.norm.weight": shard[-1], "lm_head.weight": shard[-1]}
-    (folder / "model.safetensors.index.json").write_text(json.dumps(
-        {"metadata": {"total_size": 16060522496}, "weight_map": weight_map}, indent=2))
-    for name in shard:
-        (folder / name).touch()
-    return folder
-
-
 def manifest_with_model(tmp_path: Path, name: str, model: Path) -> Path:
     """A copy of deploy/manifests/<name> whose `model:` line names model instead."""
-    text, count = re.subn(r"(?m)^model: .*$", f"model: {model}", (MANIFESTS / name).read_text())
-    assert count == 1, f"{name} must have exactly one top-level `model:` line"
     path = tmp_path / name
-    path.write_text(text)
+    path.write_text(replace_model((MANIFESTS / name).read_text(), model))
     return path
 
 
 @pytest.fixture
 def llama3_8b(tmp_path, embedded_shape) -> Path:
-    return write_llama3_8b_folder(tmp_path / "Meta-Llama-3-8B-Instruct", embedded_shape.tokenizer)
+    """A folder shaped like Meta-Llama-3-8B-Instruct (tests/deploy/model_shapes.py: its config.json, the embedded
+    model's tokenizer, a safetensors index naming empty shards) and its generation_config.json."""
+    folder = write_hf_shaped_folder(tmp_path / "Meta-Llama-3-8B-Instruct", LLAMA3_8B, embedded_shape.tokenizer)
+    (folder / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": 128000, "eos_token_id": [128001, 128009], "do_sample": True}))
+    return folder
 
 
 def test_gpu_1_shares_one_gpu_between_a_prefill_and_a_decode_replica():
