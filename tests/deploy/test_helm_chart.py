@@ -9,6 +9,7 @@ Ray resources that match the manifest) holds; and bad values fail the install wi
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import re
 from pathlib import Path
@@ -112,8 +113,10 @@ def test_every_pod_template_validates_as_a_pod(value_set):
             assert_valid(pod, version, f"{name}: the pod of {template['metadata']['labels']}")
 
 
+@functools.cache
 def crd_schema() -> dict:
-    crd = yaml.safe_load(CRD.read_text())
+    """The KubeRay CRD's v1 schema (parsed once: the file is large)."""
+    crd = yaml.load(CRD.read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
     version = next(v for v in crd["spec"]["versions"] if v["name"] == "v1")
     return version["schema"]["openAPIV3Schema"]
 
