@@ -87,7 +87,8 @@ replica does not fit on one node. Call with (dict "root" $ "pool" NAME). */}}
 {{- end -}}
 {{- $perNode := div $ranksPerNode $world -}}
 {{- $r := $pool.replicas -}}
-{{- $initial := $r.initial | default (max $r.min 1) -}}
+{{- $initial := max $r.min 1 -}}{{/* as the manifest's Replicas.start: initial when given (0 included) */}}
+{{- if not (kindIs "invalid" $r.initial) }}{{ $initial = $r.initial }}{{ end -}}
 worldSize: {{ $world }}
 ranksPerNode: {{ $ranksPerNode }}
 replicasPerNode: {{ $perNode }}
