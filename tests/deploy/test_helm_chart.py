@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import copy
 import functools
-import json
+import math
 import re
 from pathlib import Path
 
@@ -21,40 +21,14 @@ import pytest
 import yaml
 
 from tandem.cluster.manifest_checks import validate_file
+from tests.deploy.helm_render import (CHART, NAMESPACE, RELEASE, ROOT, VALUE_SETS, control_pod, manifest_text, merged,
+                                      one, ray_offers, render, values_of)
 from tests.deploy.model_shapes import LLAMA3_8B, LLAMA3_70B, write_hf_shaped_folder
 from tests.router.test_tls import _issue, _write
 
-ROOT = Path(__file__).resolve().parents[2]
-CHART = ROOT / "deploy" / "helm" / "tandem"
 CRD = ROOT.parent / "shared" / "schemas" / "kuberay" / "ray.io_rayclusters.yaml"
-VALUE_SETS = {"default": None, **{p.name.removesuffix("-values.yaml"): p for p in sorted((CHART / "ci").glob("*-values.yaml"))}}
 KUBE_VERSIONS = ("1.27.0", "1.37.0")  # the chart's kubeVersion floor, and the newest kubernetes-validate knows
 CORE_GROUPS = ("v1", "apps/", "policy/", "networking.k8s.io/", "batch/", "autoscaling/", "rbac.authorization.k8s.io/")
-RELEASE, NAMESPACE = "demo", "serving"
-
-
-def values_of(name: str) -> dict | None:
-    path = VALUE_SETS[name]
-    return None if path is None else yaml.safe_load(path.read_text())
-
-
-def render(values: dict | None) -> list[dict]:
-    """Every object the chart renders for values (the chart's defaults under them), NOTES excluded."""
-    with helm.Chart.load(CHART) as chart:
-        out = chart.render(values=values, name=RELEASE, namespace=NAMESPACE, is_install=True)
-    return [doc for name, text in sorted(out.items()) if name.endswith(".yaml")
-            for doc in yaml.safe_load_all(text) if doc]
-
-
-def one(objects: list[dict], kind: str, name: str | None = None) -> dict:
-    found = [o for o in objects if o["kind"] == kind and (name is None or o["metadata"]["name"] == name)]
-    assert len(found) == 1, f"expected one {kind} {name or ''}, found {[o['metadata']['name'] for o in found]}"
-    return found[0]
-
-
-def merged(name: str) -> dict:
-    with helm.Chart.load(CHART) as chart:
-        return chart.merge_values(values_of(name))
 
 
 @pytest.fixture(scope="module", params=list(VALUE_SETS))
@@ -166,10 +140,6 @@ def test_the_crd_checks_catch_a_wrong_raycluster():
 
 # -- the manifest in the ConfigMap -------------------------------------------------------------------------------
 
-def manifest_text(objects: list[dict]) -> str:
-    return one(objects, "ConfigMap", f"{RELEASE}-tandem-manifest")["data"]["manifest.yaml"]
-
-
 def as_local_files(text: str, values: dict, tmp_path: Path, tokenizer) -> Path:
     """The ConfigMap's manifest as `tandem up` sees it in the control pod, with this machine's stand-ins for the
     pod's files: a model folder shaped like the one named (config and tokenizer, no weights), the API key files
@@ -220,18 +190,6 @@ def test_the_configmap_manifest_passes_tandem_validate(name, tmp_path, embedded_
     assert (manifest.tls is not None) == values["tls"]["enabled"]
 
 
-def ray_offers(group: dict) -> dict[str, float]:
-    """What a worker group's pods offer Ray: GPUs and CPUs from the container's limits, custom resources from
-    rayStartParams (KubeRay's quoted JSON, '"{\\"name\\": n}"')."""
-    limits = group["template"]["spec"]["containers"][0]["resources"]["limits"]
-    offers = {"CPU": float(limits["cpu"]), "GPU": float(limits.get("nvidia.com/gpu", 0))}
-    raw = group["rayStartParams"].get("resources")
-    if raw is not None:
-        assert raw.startswith('"') and raw.endswith('"'), raw
-        offers |= json.loads(raw[1:-1].replace('\\"', '"'))
-    return offers
-
-
 def test_every_pool_has_a_node_group_that_offers_what_its_replicas_ask(value_set):
     """The manifest's ranks ask for tandem_<pool>, GPUs and CPUs; one replica (all its ranks, one placement-group
     bundle) must fit one pod of a group that offers tandem_<pool>, and the group must reach replicas.max."""
@@ -243,7 +201,7 @@ def test_every_pool_has_a_node_group_that_offers_what_its_replicas_ask(value_set
         holders = [g for g in groups if resource in ray_offers(g)]
         assert len(holders) == 1, f"{name}: {resource} offered by {[g['groupName'] for g in holders]}"
         group, offers = holders[0], ray_offers(holders[0])
-        ranks = math_prod(pool["parallelism"].get(k, 1) for k in ("tp", "pp", "ep"))
+        ranks = math.prod(pool["parallelism"].get(k, 1) for k in ("tp", "pp", "ep"))
         need = {"CPU": ranks * pool["resources"]["cpus"], "GPU": ranks * pool["resources"]["gpus"], resource: ranks}
         per_pod = min(int(offers[k] // v) for k, v in need.items() if v)
         assert per_pod >= 1, f"{name}: one {pool_name} replica needs {need}; a {group['groupName']} pod offers {offers}"
@@ -251,19 +209,7 @@ def test_every_pool_has_a_node_group_that_offers_what_its_replicas_ask(value_set
         assert group["minReplicas"] <= group["replicas"] <= group["maxReplicas"]
 
 
-def math_prod(numbers) -> int:
-    product = 1
-    for n in numbers:
-        product *= n
-    return product
-
-
 # -- what the objects promise ------------------------------------------------------------------------------------
-
-def control_pod(objects: list[dict]) -> dict:
-    groups = one(objects, "RayCluster")["spec"]["workerGroupSpecs"]
-    return next(g for g in groups if g["groupName"] == "control")["template"]
-
 
 def test_probes_check_the_served_model_and_the_router(value_set):
     name, objects = value_set
