@@ -127,6 +127,16 @@ def test_the_raycluster_validates_against_the_kuberay_crd(value_set):
     assert pruned_fields(cluster, schema) == [], f"{name}: fields the CRD does not know"
 
 
+def test_the_raycluster_autoscales_keeps_the_head_free_and_recreates_its_pods_on_upgrade(value_set):
+    name, objects = value_set
+    spec = one(objects, "RayCluster")["spec"]
+    assert spec["enableInTreeAutoscaling"] is True  # the controller's request_resources becomes pods
+    assert spec["upgradeStrategy"] == {"type": "Recreate"}  # tandem up reads its manifest once
+    head = spec["headGroupSpec"]["rayStartParams"]
+    assert (head["num-cpus"], head["num-gpus"], head["dashboard-host"]) == ("0", "0", "127.0.0.1")
+    assert "resources" not in head  # no tandem_<pool>: no replica lands on the head
+
+
 def test_the_crd_checks_catch_a_wrong_raycluster():
     """The two checks above can fail: a wrong type, and a field the CRD does not have."""
     cluster = one(render(None), "RayCluster")
