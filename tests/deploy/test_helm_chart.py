@@ -23,7 +23,7 @@ import yaml
 from tandem.cluster.manifest_checks import validate_file
 from tests.deploy.helm_render import (CHART, NAMESPACE, RELEASE, ROOT, VALUE_SETS, control_pod, manifest_text, merged,
                                       one, ray_offers, render, values_of)
-from tests.deploy.model_shapes import LLAMA3_8B, LLAMA3_70B, write_hf_shaped_folder
+from tests.deploy.model_shapes import LLAMA3_8B, LLAMA3_70B, manifest_with_model, write_hf_shaped_folder
 from tests.router.test_tls import _issue, _write
 
 CRD = ROOT.parent / "shared" / "schemas" / "kuberay" / "ray.io_rayclusters.yaml"
@@ -150,7 +150,7 @@ def test_the_crd_checks_catch_a_wrong_raycluster():
 
 # -- the manifest in the ConfigMap -------------------------------------------------------------------------------
 
-def as_local_files(text: str, values: dict, tmp_path: Path, tokenizer) -> Path:
+def as_local_files(text: str, tmp_path: Path, tokenizer) -> Path:
     """The ConfigMap's manifest as `tandem up` sees it in the control pod, with this machine's stand-ins for the
     pod's files: a model folder shaped like the one named (config and tokenizer, no weights), the API key files
     and the TLS PEM files the Secrets mount under /etc/tandem."""
@@ -160,7 +160,7 @@ def as_local_files(text: str, values: dict, tmp_path: Path, tokenizer) -> Path:
     if model != "embedded":
         config = LLAMA3_70B if "70B" in model else LLAMA3_8B
         folder = write_hf_shaped_folder(tmp_path / Path(model).name, config, tokenizer)
-        text = text.replace(f"model: {model}", f"model: {folder}")
+        text = manifest_with_model(text, folder)
     for entry in manifest.get("auth", {}).get("api_keys", []):
         path = etc / Path(entry["key_file"]).relative_to("/etc/tandem")
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -182,7 +182,7 @@ def as_local_files(text: str, values: dict, tmp_path: Path, tokenizer) -> Path:
 def test_the_configmap_manifest_passes_tandem_validate(name, tmp_path, embedded_shape, embedded_shape_once):
     values = merged(name)
     objects = render(values_of(name))
-    manifest = validate_file(as_local_files(manifest_text(objects), values, tmp_path, embedded_shape.tokenizer),
+    manifest = validate_file(as_local_files(manifest_text(objects), tmp_path, embedded_shape.tokenizer),
                              check_ports=False)
     assert manifest.ray.address == "auto"
     assert (manifest.listen.grpc, manifest.listen.http) == ("0.0.0.0:50051", "0.0.0.0:8000")
