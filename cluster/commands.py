@@ -153,7 +153,8 @@ def status(args: argparse.Namespace) -> int:
     router = report["router"]
     print(f"  router: {router.get('state')}, active {router.get('active_requests', 0)}, queued "
           f"{router.get('queued_requests', 0)}, finished {router.get('finished_requests', 0)}, failed "
-          f"{router.get('failed_requests', 0)}, policy {router.get('policy', '-')}")
+          f"{router.get('failed_requests', 0)}, policy {router.get('policy', '-')}, standby "
+          f"{router.get('standby', 'absent')}")
     if router.get("prefill_decisions"):
         print("  prefilled: " + ", ".join(f"{k} {v}" for k, v in sorted(router["prefill_decisions"].items())))
     if args.log:

@@ -44,6 +44,8 @@ from tandem.router.routing import RoutingSettings
 
 _log = logging.getLogger(__name__)
 ROUTER_RESTART_TRIES = 10
+STANDBY_RETRY_S = 5.0  # after a standby router failed to start or died
+GONE_TIMEOUT_S = 5.0  # how long a replaced router may take to die before its successor binds its ports anyway
 DEFAULT_STARTUP_S = 60.0  # a replica's start-up time until one was measured
 MAX_LOG_LINES = 2000  # progress and decision lines kept for `tandem up` and `tandem status --log`
 
@@ -73,6 +75,19 @@ def serving_limits(manifest: Manifest) -> ServingLimits:
                          admission=admission)
 
 
+async def _gone(actor: Any, timeout_s: float = GONE_TIMEOUT_S) -> None:
+    """Waits until a killed actor is dead (a call to it fails as the actor's death), at most timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            await asyncio.wait_for(actor.stats.remote(), 0.5)
+        except ray.exceptions.RayActorError:
+            return
+        except (asyncio.TimeoutError, ray.exceptions.RayError):
+            pass
+        await asyncio.sleep(0.1)
+
+
 def controller_name(cluster_name: str) -> str:
     return f"{cluster_name}-controller"
 
@@ -83,6 +98,9 @@ class Controller:
         self.manifest = manifest
         self.started_ray = started_ray  # `tandem down` stops the local Ray it started
         self.router = None
+        self.standby = None  # a warm router that takes over when the router dies (_keep_standby)
+        self.standby_state = "absent"  # "starting" | "ready" | "absent"
+        self._router_generation = 0  # router actors made: names the next one
         self.endpoint: str | None = None
         self.http_endpoint: str | None = None
         self.state = "starting"
@@ -145,6 +163,7 @@ class Controller:
         self._tasks.append(loop.create_task(self.replicas.monitor()))
         self._tasks.append(loop.create_task(self._report_scaling()))
         self._tasks.append(loop.create_task(self._watch_router()))
+        self._tasks.append(loop.create_task(self._keep_standby()))
 
     async def _report_scaling(self) -> None:
         """Tells the router each pool's scaling state every second, for its /metrics."""
@@ -191,39 +210,68 @@ class Controller:
         self._say(message)
         return message
 
-    async def _start_router(self) -> None:
+    def _new_router(self) -> Any:
+        """A router actor that has loaded the tokenizer and config but serves nothing until its start()."""
         from tandem.router.router_actor import RouterActor
 
-        router = self.manifest.router
-        settings = driver_settings(self.manifest)
-        self.router = ray.remote(RouterActor).options(
-            name=f"{self.manifest.name}-router", namespace=self.manifest.ray.namespace, num_cpus=0,
+        name = f"{self.manifest.name}-router" + (f"-{self._router_generation}" if self._router_generation else "")
+        self._router_generation += 1
+        return ray.remote(RouterActor).options(
+            name=name, namespace=self.manifest.ray.namespace, num_cpus=0,
             max_concurrency=10000,  # on the controller's node, which is the node `tandem up` ran on
             scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False),
-        ).remote(absolute_model(self.manifest), settings)
+        ).remote(absolute_model(self.manifest), driver_settings(self.manifest))
+
+    async def _start_router(self, router: Any = None) -> None:
+        """Starts serving on router (None: a new actor). Raises RuntimeError if it cannot."""
+        router = router if router is not None else self._new_router()
         ready = self.replicas.ready()
         listen, tls = self.manifest.listen, self.manifest.tls
         try:
             # A replacement router takes the addresses its predecessor had bound (port 0 in the manifest: a free
             # one, the first time), so clients reconnect where they were.
-            endpoints = await self.router.start.remote(ready, self.endpoint or listen.grpc,
-                                                       self.http_endpoint or listen.http,
-                                                       self.manifest.auth.resolve() or None,
-                                                       limits=serving_limits(self.manifest),
-                                                       tls=None if tls is None else tls.router_config())
+            endpoints = await router.start.remote(ready, self.endpoint or listen.grpc,
+                                                  self.http_endpoint or listen.http,
+                                                  self.manifest.auth.resolve() or None,
+                                                  limits=serving_limits(self.manifest),
+                                                  tls=None if tls is None else tls.router_config())
         except ray.exceptions.RayError as e:
+            ray.kill(router)
             raise RuntimeError(f"the router failed to start: {cause(e)}") from None
+        self.router = router
         self.endpoint, self.http_endpoint = endpoints["grpc"], endpoints["http"]
         http = f", HTTP on {self.http_endpoint}" if self.http_endpoint else ""
         auth = f", API keys for {len(self.manifest.auth.api_keys)} tenant(s)" if self.manifest.auth.api_keys else ""
         secure = "" if tls is None else ", mutual TLS" if tls.client_ca_file else ", TLS"
-        self._say(f"router serving gRPC on {self.endpoint}{http} ({self.manifest.mode}, policy {router.policy}"
-                  f"{auth}{secure})")
+        self._say(f"router serving gRPC on {self.endpoint}{http} ({self.manifest.mode}, policy "
+                  f"{self.manifest.router.policy}{auth}{secure})")
         self.replicas.router = self.router
 
+    async def _keep_standby(self) -> None:
+        """Keeps a standby router warm: a second router actor on this node, its process started, its modules
+        imported and its tokenizer loaded, which a dead router's replacement only has to start serving (about a
+        second instead of a new process's several). One that dies is made again."""
+        while True:
+            standby = self.standby
+            if standby is None:
+                standby = self.standby = self._new_router()
+                self.standby_state = "starting"
+            try:
+                await standby.warm.remote()
+                if self.standby is standby:  # not taken over meanwhile
+                    self.standby_state = "ready"
+            except ray.exceptions.RayError as e:
+                if self.standby is standby:
+                    _log.warning("standby router: %s", cause(e))
+                    self.standby, self.standby_state = None, "absent"
+                await asyncio.sleep(STANDBY_RETRY_S)
+                continue
+            await asyncio.sleep(HEARTBEAT_S)
+
     async def _watch_router(self) -> None:
-        """Heartbeats the router; one that died or stopped answering is replaced by a new one on the same
-        addresses, which rebuilds its prefix index from the replicas' snapshots (its KV feed starts with none)."""
+        """Heartbeats the router; one that died or stopped answering is replaced on the same addresses by the warm
+        standby (or a new router if there is none), which rebuilds its prefix index from the replicas' snapshots
+        (its KV feed starts with none)."""
         while True:
             await asyncio.sleep(HEARTBEAT_S)
             try:
@@ -240,6 +288,15 @@ class Controller:
             ray.kill(old)
         except Exception as e:  # already gone
             _log.info("router kill: %r", e)
+        await _gone(old)  # its ports are free before another binds them
+        standby, self.standby, self.standby_state = self.standby, None, "absent"  # _keep_standby makes another
+        if standby is not None:
+            try:
+                await self._start_router(standby)
+                self._say("router: the standby router took over")
+                return
+            except RuntimeError as e:
+                self._say(f"router: the standby could not take over ({e}); starting a new router")
         for attempt in range(ROUTER_RESTART_TRIES):
             try:
                 await self._start_router()
@@ -264,6 +321,7 @@ class Controller:
                 router = dataclasses.asdict(await asyncio.wait_for(self.router.stats.remote(), STATS_TIMEOUT_S))
             except (asyncio.TimeoutError, ray.exceptions.RayError) as e:
                 router = {"state": "unreachable", "error": str(cause(e))}
+        router["standby"] = self.standby_state
         in_flight = router.get("in_flight", {})
         for replica in replicas:
             replica["in_flight"] = in_flight.get(replica["name"], 0)
@@ -314,6 +372,9 @@ class Controller:
                 _log.warning("router stop: %r", e)
             ray.kill(self.router)
             self.router = None
+        if self.standby is not None:
+            ray.kill(self.standby)
+            self.standby, self.standby_state = None, "absent"
         await self.replicas.shutdown()
         self.state = "stopped"
         self._say("stopped")

@@ -16,17 +16,19 @@ engine step at most crosses to the router, however many tokens it carries.
 
 from __future__ import annotations
 
-from typing import AsyncIterator, Sequence
+from typing import TYPE_CHECKING, AsyncIterator, Sequence
 
 from tandem.engine.output_processor import RequestOutput
 from tandem.engine.resume import ResumeState
 from tandem.engine.sampled_token import SampledToken
 from tandem.engine.sampling_params import SamplingParams
 from tandem.kv_transfer.config import TransferConfig
-from tandem.kv_transfer.connector import DecodeConnector
 from tandem.kv_transfer.descriptor import TransferDescriptor, TransferFailedError, TransferState
 from tandem.replica.shell import ReplicaShell
 from tandem.replica.spec import ReplicaSpec
+
+if TYPE_CHECKING:  # the runtime is imported when the replica is built (replica/shell.py says why)
+    from tandem.kv_transfer.connector import DecodeConnector
 
 
 class DecodeReplica(ReplicaShell):
@@ -36,6 +38,8 @@ class DecodeReplica(ReplicaShell):
     def __init__(self, name: str, spec: ReplicaSpec, transfer: TransferConfig | None):
         """transfer None: a colocated replica (no KV agents; reserve/decode are refused). transfer.host "": this
         node's address."""
+        from tandem.kv_transfer.connector import DecodeConnector
+
         super().__init__(name, spec, transfer, DecodeConnector)
 
     async def reserve(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *,

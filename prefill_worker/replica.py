@@ -9,15 +9,17 @@ from __future__ import annotations
 
 import time
 
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from tandem.engine.sampling_params import SamplingParams
 from tandem.kv_transfer.config import TransferConfig
-from tandem.kv_transfer.connector import PrefillConnector, TransferEvent, first_token_of
 from tandem.kv_transfer.descriptor import TransferDescriptor, TransferFailedError, TransferState
 from tandem.replica.contract import PrefillResult
 from tandem.replica.shell import ReplicaShell
 from tandem.replica.spec import ReplicaSpec
+
+if TYPE_CHECKING:  # the runtime is imported when the replica is built (replica/shell.py says why)
+    from tandem.kv_transfer.connector import PrefillConnector, TransferEvent
 
 
 class PrefillReplica(ReplicaShell):
@@ -28,6 +30,8 @@ class PrefillReplica(ReplicaShell):
         """transfer.host "": this node's address."""
         if transfer is None:
             raise ValueError(f"prefill replica {name} needs a transfer config: it only serves disaggregated prompts")
+        from tandem.kv_transfer.connector import PrefillConnector
+
         super().__init__(name, spec, transfer, lambda engine, _transfer: PrefillConnector(engine))
 
     def _transfer_failed(self, event: TransferEvent) -> None:
@@ -40,6 +44,8 @@ class PrefillReplica(ReplicaShell):
                       cache_salt: str | None = None) -> PrefillResult:
         """cache_salt: the tenant's prefix-cache salt (None: none). Raises ValueError for a request this replica
         cannot serve, TransferFailedError if the KV did not reach the decode replica (nothing is held here then)."""
+        from tandem.kv_transfer.connector import first_token_of
+
         self._check_not_aborted(request_id)
         stream = self.server.open_stream(request_id)
         try:

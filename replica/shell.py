@@ -5,6 +5,10 @@ stats, kv_events, abort, check_integrity, shutdown); ready() reports its KV agen
 messages they dropped. It remembers recently aborted request ids, so that a call arriving after its abort
 (calls and aborts may race across processes) is refused instead of holding blocks nobody frees. The role's own
 calls live in prefill_worker/replica.py and decode_worker/replica.py.
+
+This module and the two role modules import the runtime (torch, the engine, the KV agents) only when a replica is
+built: every process that receives a replica's Ray handle imports its actor class's module (Ray reads the class's
+methods from it), the router's process included, and the router stays torch-free (tests/replica/test_contract.py).
 """
 
 from __future__ import annotations
@@ -12,18 +16,17 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from typing import Callable, ClassVar
+from typing import TYPE_CHECKING, Callable, ClassVar
 
-from tandem.engine.async_engine import AsyncEngine
 from tandem.engine.kv_events import KVEventBatch, KVEventLog, KVSnapshot
-from tandem.engine.llm_engine import LLMEngine
-from tandem.kv_transfer.agent_factory import AgentFactory
 from tandem.kv_transfer.config import TransferConfig
-from tandem.kv_transfer.connector import DecodeConnector, PrefillConnector, TransferEvent
-from tandem.kv_transfer.connector_loop import ConnectorLoop
 from tandem.kv_transfer.drops import MessageDrops
 from tandem.replica.contract import KVEventsReply, ReplicaInfo, ReplicaStats, RequestAbortedError
 from tandem.replica.spec import ReplicaSpec
+
+if TYPE_CHECKING:
+    from tandem.engine.llm_engine import LLMEngine
+    from tandem.kv_transfer.connector import DecodeConnector, PrefillConnector, TransferEvent
 
 ABORT_MEMORY_S = 120.0
 
@@ -49,7 +52,7 @@ def node_address() -> str:
     return ray.util.get_node_ip_address() if ray else "127.0.0.1"
 
 
-Connect = Callable[[LLMEngine, TransferConfig], PrefillConnector | DecodeConnector]
+Connect = Callable[["LLMEngine", TransferConfig], "PrefillConnector | DecodeConnector"]
 
 
 class ReplicaShell:
@@ -63,6 +66,10 @@ class ReplicaShell:
         """transfer None: no KV agents and no connector (a colocated decode replica). transfer.host "": this
         node's address. connect(engine, transfer): the role's connector, built once before the engine thread
         starts. Raises ModelLoadError / ValueError / ReplicaFailedError if the engine cannot start."""
+        from tandem.engine.async_engine import AsyncEngine
+        from tandem.kv_transfer.agent_factory import AgentFactory
+        from tandem.kv_transfer.connector_loop import ConnectorLoop
+
         if transfer is not None and not transfer.host:
             transfer = transfer.on_host(node_address())
         self.name = name

@@ -98,6 +98,15 @@ class RouterActor:
             self.endpoints["http"] = f"{http_address.rpartition(':')[0]}:{port}"
         return dict(self.endpoints)
 
+    async def warm(self) -> bool:
+        """Imports what start() needs, so that a standby router serves as soon as it is started; the control plane
+        calls it as the standby's heartbeat."""
+        import tandem.router.grpc_service  # noqa: F401
+        import tandem.router.http_service  # noqa: F401
+        import tandem.router.serving  # noqa: F401
+
+        return True
+
     async def stats(self) -> RouterStats:
         serving = self.serving
         if serving is None:

@@ -21,6 +21,7 @@ import contextlib
 import ipaddress
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -179,6 +180,7 @@ def test_up_traffic_and_stop_four_times_in_a_row(cluster, tmp_path, tiny_model):
     status = tandem("status", "--name", "cli-test")
     assert status.returncode == 0, status.stderr
     assert "decode-0" in status.stdout and "ready" in status.stdout
+    assert re.search(r"router: serving, .* standby (starting|ready)", status.stdout), status.stdout
     report = json.loads(tandem("status", "--name", "cli-test", "--json").stdout)
     assert [(r["name"], r["kv_blocks_in_use"]) for r in report["replicas"]] == [("decode-0", 0)]
     remote = tandem("generate", "--target", endpoint, "--prompt", "The capital of France is", "--max-tokens", "6",

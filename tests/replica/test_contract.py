@@ -89,10 +89,13 @@ def test_values_crossing_the_seam_are_frozen_dataclasses():
 
 def test_the_router_imports_no_torch():
     """DESIGN.md: the router needs the tokenizer and the model's config, never the runtime; it reads them with the
-    torch-free loader."""
+    torch-free loader. The replica actor classes' modules are here too: Ray imports an actor's class module in
+    every process that receives its handle (to read its methods), so the router imports them when the control
+    plane hands it the replicas (importing torch there cost a replacement router seconds before it served)."""
     modules = ["tandem.router.serving", "tandem.router.lifecycle", "tandem.router.http_service",
                "tandem.router.grpc_service", "tandem.router.router_actor", "tandem.router.mock_replicas",
-               "tandem.replica.contract", "tandem.replica.remote"]
+               "tandem.replica.contract", "tandem.replica.remote", "tandem.prefill_worker.replica",
+               "tandem.decode_worker.replica"]
     code = ("import sys\n" + "".join(f"import {m}\n" for m in modules)
             + "from tandem.router.router_actor import RouterActor\n"
             + "from tandem.router.lifecycle import DriverSettings\n"
