@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 
 import pytest
@@ -12,6 +13,16 @@ torch.set_num_threads(min(2, os.cpu_count() or 1))
 # Without a GPU, Triton kernels run on Triton's CPU interpreter (read when a kernel module is imported).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_collection_finish(session):
+    """Every test module is imported now: what lives (the libraries' modules, classes and functions, ~0.4 M
+    objects) lives to the end, so the cyclic collector stops scanning it, and full collections come 10x less
+    often. Measured with gc.callbacks over a full run on a 2-core machine: 110 s of the suite went to the
+    collector (~0.5 s a full collection), 20 s with this."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(700, 10, 100)
 
 
 @pytest.fixture(scope="session")
