@@ -25,6 +25,13 @@ def pytest_collection_finish(session):
     gc.set_threshold(700, 10, 100)
 
 
+def pytest_unconfigure(config):
+    """Shutdown frees what was frozen as it would have (native extensions such as Triton's report objects still
+    alive at exit as leaks)."""
+    gc.unfreeze()
+    gc.collect()
+
+
 @pytest.fixture(scope="session")
 def embedded():
     from tandem.engine.loader import load_model
