@@ -1,23 +1,24 @@
-"""Every projection kernel this CPU runs, timed on the embedded model's shapes against plain `F.linear`.
+"""The measured kernel choice against the fixed one and against plain `F.linear`, per projection shape and rows.
 
-For each weight shape (the embedded model's fused QKV, gate/up, down and LM head) and row count (1 = batch-1
-decode, up to a prefill chunk), each kernel of `engine/models/linear.py` that the CPU probe says runs here
-(forced through CpuFeatures, so an AVX-512 machine times the AVX2 paths too) is timed per call, best of
---repeats batches, and compared with `F.linear` on the same weights and dtype in the same run (the peer: what
-torch does with no kernel choice). Kernels the CPU cannot run are listed under `not_run` with the reason.
+For each weight shape of the embedded model (fused QKV, O, gate/up, down, LM head) and dtype, three ways to run
+the product, each over enough copies of the weight to read it from memory (as a decode step over 30 layers does):
+- tuned: the plan this CPU's measurement chose (engine/models/linear.py `tuned_plan`, what the engine runs);
+- fixed: the plan without measurement (`fixed_plan`, the choices measured on the CI machines, what ran before);
+- F.linear: torch with no kernel choice (the peer).
+The tuner's cache (engine/kernel_tuning.py) is used as the engine uses it: a first run measures and stores.
 
-    .venv/bin/python bench/linear_kernels.py [--threads 2] [--rows 1,4,8,16,64,512] [--repeats 5]
+    .venv/bin/python bench/linear_kernels.py [--threads 2] [--rows 1,4,16,64,256] [--dtypes float32,bfloat16]
 
+To measure an AVX2 CPU's paths on an AVX-512 machine: ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2.
 The last line of output is one JSON object with every number.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
+import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -26,69 +27,50 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.machine import cpu_report, machine_line  # noqa: E402
 from tandem.engine.cpu_features import cpu_features  # noqa: E402
-from tandem.engine.models.linear import Linear, choose_kernel  # noqa: E402
+from tandem.engine.kernel_tuning import KernelTuner, copies_for, time_per_call  # noqa: E402
+from tandem.engine.models.linear import Linear, fixed_plan, tuned_plan  # noqa: E402
 
-SHAPES = {"qkv": (960, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}
+SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}
 CPU = torch.device("cpu")
-# kernel -> (dtype, the feature that must run here, the features that make choose_kernel pick it)
-CANDIDATES = {
-    "split": (torch.float32, "onednn", {}),
-    "onednn": (torch.bfloat16, "onednn_bf16", {}),
-    "widen": (torch.bfloat16, None, {"onednn_bf16": False}),
-}
-
-
-def per_call_us(fn, budget_s: float, repeats: int) -> float:
-    """Best over `repeats` batches of the mean time per call, each batch about budget_s / repeats long."""
-    fn()
-    start = time.perf_counter()
-    fn()
-    calls = max(1, int(budget_s / repeats / max(time.perf_counter() - start, 1e-6)))
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        best = min(best, (time.perf_counter() - start) / calls)
-    return best * 1e6
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--rows", default="1,4,8,16,64,512")
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--budget-s", type=float, default=0.5, help="time per measurement (all repeats)")
+    parser.add_argument("--rows", default="1,4,16,64,256")
+    parser.add_argument("--dtypes", default="float32,bfloat16")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    here = cpu_features()
-    results = {"machine": machine_line(), "cpu": cpu_report(), "threads": args.threads, "not_run": {},
+    tuner = KernelTuner(cpu_features())
+    results = {"machine": machine_line(), "cpu": cpu_report(), "threads": args.threads, "tuner": tuner.describe(),
                "runs": []}
-    for kernel, (dtype, needs, forced) in CANDIDATES.items():
-        if needs and not getattr(here, needs):
-            results["not_run"][kernel] = here.why_not[needs]
-            print(f"{kernel}: not on this CPU ({here.why_not[needs]})", file=sys.stderr)
-    g = torch.Generator().manual_seed(0)
-    for shape_name, (out_features, in_features) in SHAPES.items():
-        weight = torch.randn(out_features, in_features, generator=g)
-        for rows in map(int, args.rows.split(",")):
-            x = torch.randn(rows, in_features, generator=g)
-            for kernel, (dtype, needs, forced) in CANDIDATES.items():
-                if kernel in results["not_run"]:
-                    continue
-                features = dataclasses.replace(here, **forced)
-                assert choose_kernel(dtype, CPU, features) == kernel
-                layer = Linear(weight, None, dtype=dtype, device=CPU, cpu=features)
-                peer_weight, xd = weight.to(dtype), x.to(dtype)
+    for dtype in (getattr(torch, name) for name in args.dtypes.split(",")):
+        name = str(dtype).removeprefix("torch.")
+        for shape_name, (out_features, in_features) in SHAPES.items():
+            tuned, fixed = tuned_plan(tuner, dtype, out_features, in_features), fixed_plan(dtype, CPU)
+            weights = [(torch.rand(out_features, in_features) - 0.5).to(dtype)
+                       for _ in range(copies_for(out_features * in_features * dtype.itemsize))]
+            layers = {plan: [Linear(w, None, dtype=dtype, device=CPU, plan=plan) for w in weights]
+                      for plan in (tuned, fixed)}
+            print(f"{name} {shape_name} {out_features}x{in_features}: tuned {tuned.describe()}; fixed "
+                  f"{fixed.describe()}", file=sys.stderr)
+            for rows in map(int, args.rows.split(",")):
+                x = (torch.rand(rows, in_features) - 0.5).to(dtype)
                 with torch.inference_mode():
-                    ours = per_call_us(lambda: layer(xd), args.budget_s, args.repeats)
-                    peer = per_call_us(lambda: F.linear(xd, peer_weight), args.budget_s, args.repeats)
-                row = {"shape": shape_name, "out": out_features, "in": in_features, "rows": rows, "kernel": kernel,
-                       "dtype": str(dtype).removeprefix("torch."), "kernel_us": ours, "f_linear_us": peer,
-                       "speedup_vs_f_linear": peer / ours}
+                    us = {"tuned": time_per_call([lambda layer=layer: layer(x) for layer in layers[tuned]]),
+                          "fixed": time_per_call([lambda layer=layer: layer(x) for layer in layers[fixed]]),
+                          "f_linear": time_per_call([lambda w=w: F.linear(x, w) for w in weights])}
+                us = {k: v * 1e6 for k, v in us.items()}
+                row = {"dtype": name, "shape": shape_name, "out": out_features, "in": in_features, "rows": rows,
+                       "tuned_kernel": tuned.by_rows.kernel_for(rows), "fixed_kernel": fixed.by_rows.kernel_for(rows),
+                       **{f"{k}_us": v for k, v in us.items()},
+                       "tuned_vs_fixed": us["fixed"] / us["tuned"], "tuned_vs_f_linear": us["f_linear"] / us["tuned"]}
                 results["runs"].append(row)
-                print(f"{shape_name} {out_features}x{in_features} rows {rows:4d} {kernel:7s} {row['dtype']:8s} "
-                      f"{ours:10.0f} us  F.linear {peer:10.0f} us  {peer / ours:5.2f}x", file=sys.stderr)
+                print(f"  rows {rows:4d}: tuned {row['tuned_kernel']:13s} {us['tuned']:9.0f} us, fixed "
+                      f"{row['fixed_kernel']:9s} {us['fixed']:9.0f} us ({row['tuned_vs_fixed']:.2f}x), F.linear "
+                      f"{us['f_linear']:9.0f} us ({row['tuned_vs_f_linear']:.2f}x)", file=sys.stderr)
+    for key in ("tuned_vs_fixed", "tuned_vs_f_linear"):
+        results[f"geomean_{key}"] = statistics.geometric_mean(r[key] for r in results["runs"])
     print(json.dumps(results))
 
 

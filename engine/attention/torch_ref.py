@@ -3,6 +3,12 @@
 It is the correctness baseline (CPU, tests) that the Triton kernels are checked against. One layer's cache is
 [2, num_blocks, Hk, block_size, D] (K at 0, V at 1): head-major inside a block, so gathering a sequence's blocks
 head by head yields K and V already laid out [Hk, tokens, D], the layout attention products read fastest.
+
+Decode-only batches gather each sequence's K/V into a padded batch and run one of DECODE_KERNELS on it: "grouped"
+(each KV head's group of query heads as the query length: two batched products and a softmax) or "sdpa" (torch's
+scaled_dot_product_attention with the grouped heads). Which is faster depends on the CPU, the dtype and the batch
+size; `tuned_decode_plan` times both on this CPU (engine/kernel_tuning.py) and the backend runs the plan's choice
+by number of sequences.
 """
 
 from __future__ import annotations
@@ -11,6 +17,15 @@ import torch
 import torch.nn.functional as F
 
 from tandem.engine.attention.metadata import AttentionMetadata
+from tandem.engine.kernel_tuning import BucketPlan, KernelTuner, copies_for, time_per_call
+
+DECODE_KERNELS = {
+    "grouped": "two batched products and a softmax, the query-head group as the query length",
+    "sdpa": "scaled_dot_product_attention",
+}
+FIXED_DECODE_PLAN = BucketPlan(((1, "grouped"),))  # measured about 2x SDPA's enable_gqa path (docs/BENCHMARKS.md)
+DECODE_BUCKETS = (1, 4, 16, 64)  # sequences timed when tuning
+DECODE_TUNING_CONTEXT = 512  # tokens of context per sequence when tuning
 
 
 class TorchAttentionBackend:
@@ -18,6 +33,7 @@ class TorchAttentionBackend:
     uses around attention (the Triton backend's), or None for the model's own torch ops."""
 
     fused = None
+    decode_plan: BucketPlan = FIXED_DECODE_PLAN  # which DECODE_KERNELS entry runs a decode batch, by its size
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor, meta: AttentionMetadata) -> None:
         """Stores new K/V ([T, Hk, D]) into one layer's cache kv at meta.slot_mapping."""
@@ -53,9 +69,8 @@ class TorchAttentionBackend:
         keys, values = (_gather_blocks(kv[i], meta.block_tables[:, :nblocks])
                         .view(b, hk, nblocks * bs, d)[:, :, :max_len] for i in (0, 1))
         grouped = q.view(b, hk, q.shape[1] // hk, d)  # query heads of one KV head are adjacent
-        scores = torch.matmul(grouped, keys.transpose(-1, -2)).mul_(scale)  # [B, Hk, group, S]
-        scores.masked_fill_(meta.decode_hidden(window)[:, None, None, :], float("-inf"))
-        out = torch.matmul(torch.softmax(scores, dim=-1), values)
+        kernel = self.decode_plan.kernel_for(b)
+        out = decode_kernel(kernel, grouped, keys, values, meta.decode_hidden(window), scale)
         return out.reshape(b, q.shape[1], d)
 
     def _mixed(self, q, k, v, kv, meta, scale, window):
@@ -85,6 +100,46 @@ class TorchAttentionBackend:
                 attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True,
             ).transpose(0, 1)
         return out
+
+
+def decode_kernel(kernel: str, grouped: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                  hidden: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query per sequence: grouped [B, Hk, group, D] against keys/values [B, Hk, S, D]; hidden [B, S] is True
+    where a key is not visible. Returns [B, Hk, group, D]."""
+    if kernel == "grouped":
+        scores = torch.matmul(grouped, keys.transpose(-1, -2)).mul_(scale)  # [B, Hk, group, S]
+        scores.masked_fill_(hidden[:, None, None, :], float("-inf"))
+        return torch.matmul(torch.softmax(scores, dim=-1), values)
+    if kernel == "sdpa":
+        return F.scaled_dot_product_attention(grouped, keys, values, attn_mask=~hidden[:, None, None, :],
+                                              scale=scale)
+    raise ValueError(f"unknown decode attention kernel {kernel!r}; known: {', '.join(DECODE_KERNELS)}")
+
+
+def tuned_decode_plan(tuner: KernelTuner, dtype: torch.dtype, num_kv_heads: int, group: int,
+                      head_dim: int) -> BucketPlan:
+    """The decode kernel measured fastest on this CPU for each batch-size bucket (cached by the tuner), over
+    DECODE_TUNING_CONTEXT tokens of context per sequence (the last few hidden, as padding is)."""
+    def measure() -> dict:
+        ms: dict[str, list[float]] = {name: [] for name in DECODE_KERNELS}
+        for b in DECODE_BUCKETS:
+            shape = (b, num_kv_heads, DECODE_TUNING_CONTEXT, head_dim)
+            element = torch.empty((), dtype=dtype).element_size()
+            kv = [(torch.rand(shape).to(dtype), torch.rand(shape).to(dtype))
+                  for _ in range(copies_for(2 * element * b * num_kv_heads * DECODE_TUNING_CONTEXT * head_dim))]
+            grouped = torch.rand(b, num_kv_heads, group, head_dim).to(dtype)
+            hidden = torch.zeros(b, DECODE_TUNING_CONTEXT, dtype=torch.bool)
+            hidden[:, -7:] = True
+            for name in DECODE_KERNELS:
+                calls = [lambda k=k, v=v: decode_kernel(name, grouped, k, v, hidden, head_dim ** -0.5) for k, v in kv]
+                ms[name].append(time_per_call(calls) * 1e3)
+        per_bucket = [min(DECODE_KERNELS, key=lambda n: ms[n][i]) for i in range(len(DECODE_BUCKETS))]
+        plan = BucketPlan.from_buckets(per_bucket, DECODE_BUCKETS)
+        return {"kernels": plan.to_json(), "sequences": list(DECODE_BUCKETS),
+                "ms": {n: [round(t, 4) for t in v] for n, v in ms.items()}, "summary": plan.describe("sequence")}
+
+    entry = f"decode attention {str(dtype).removeprefix('torch.')} {num_kv_heads}x{group}x{head_dim}"
+    return BucketPlan.from_json(tuner.choose(entry, measure).choice["kernels"])
 
 
 def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,8 @@ from tandem.engine.loader.hf_folder import load_hf_folder, shard_files
 from tandem.engine.loader.model_info import load_model_info, resolve_model_path
 from tandem.engine.model_config import ModelConfig
 from tandem.engine.models import LlamaModel, build_model
-from tandem.engine.models.linear import KERNELS, choose_kernel
+from tandem.engine.kernel_tuning import KernelTuner
+from tandem.engine.models.linear import fixed_plan
 from tandem.engine.tokenizer import Tokenizer
 
 
@@ -60,35 +61,43 @@ class LoadedModel:
     device: torch.device = torch.device("cpu")
 
     def describe_kernels(self) -> list[str]:
-        """What runs the weight products, for `tandem generate --verbose`: the CPU's probe (on the CPU) and how many
-        projections run on each kernel (without weights: the kernel each rank will choose for this dtype)."""
+        """What runs the weight products, for `tandem generate --verbose`: the CPU's probe and how kernels were
+        chosen (on the CPU), how many projections run on each plan, each weight shape's plan and the decode
+        attention plan (without weights: each rank chooses its own, as its probe and tuner say)."""
         on_cpu = self.device.type == "cpu"
         cpu = (self.model.cpu if self.model is not None else None) or (cpu_features() if on_cpu else None)
-        titles = KERNELS | {"int4": "packed 4-bit, torch's int4 CPU kernel"}
-        if self.model is not None:
-            kernels = ", ".join(f"{n} x {k} ({titles[k]})" for k, n in self.model.kernel_counts().items())
-        else:
-            kernel = choose_kernel(self.dtype, self.device, cpu)
-            kernels = f"{kernel} ({titles[kernel]}), as each rank's own probe chooses"
         dtype = str(self.dtype).removeprefix("torch.")
-        return ([cpu.describe()] if cpu else []) + [f"{dtype} projections on {self.device}: {kernels}"]
+        lines = [cpu.describe()] if cpu else []
+        if self.model is None:
+            how = "as each rank's probe and tuner choose" if on_cpu else fixed_plan(self.dtype, self.device).describe()
+            return lines + [f"{dtype} projections on {self.device}: {how}"]
+        if on_cpu:
+            tuner = self.model.tuner
+            lines.append(tuner.describe() if tuner else KernelTuner(cpu, enabled=False).describe())
+        kernels = "; ".join(f"{n} x {k}" for k, n in self.model.kernel_counts().items())
+        lines.append(f"{dtype} projections on {self.device}: {kernels}")
+        lines += [f"  {shape} ({n} x): {plan}" for shape, (n, plan) in self.model.kernel_plans().items()]
+        lines.append(f"decode attention: {self.model.decode_plan.describe('sequence')}")
+        return lines
 
 
 def load_model(path: str | Path | None = None, *, dtype: torch.dtype = torch.float32,
                device: torch.device | str = "cpu", progress: bool = True, packed: bool = False,
-               weights: bool = True, cpu: CpuFeatures | None = None) -> LoadedModel:
+               weights: bool = True, cpu: CpuFeatures | None = None,
+               tuner: KernelTuner | None = None) -> LoadedModel:
     """Loads weights and tokenizer from `path` (None: the embedded model). Raises ModelLoadError on bad input.
 
     packed: run a GGUF file's Q4_0/Q4_1 projections on the packed 4-bit kernel (needs dtype=torch.bfloat16).
     weights: False reads only the config and tokenizer (model is None).
     cpu: what the CPU runs, for the kernel choice (default: this process's probe, engine/cpu_features.py).
+    tuner: measures the kernel choice on this CPU (default: as the environment says, engine/kernel_tuning.py).
     """
     start = time.perf_counter()
     checkpoint = load_checkpoint(path, progress=progress, packed=packed, weights=weights)
     model = None
     if weights:
         model = build_model(checkpoint.config, checkpoint.weights, dtype=dtype, device=device,
-                            source=str(checkpoint.source), cpu=cpu)
+                            source=str(checkpoint.source), cpu=cpu, tuner=tuner)
     return LoadedModel(model=model, tokenizer=checkpoint.tokenizer, config=checkpoint.config,
                        source=checkpoint.source, load_seconds=time.perf_counter() - start, dtype=dtype,
                        device=torch.device(device))

@@ -18,12 +18,14 @@ import torch
 import torch.nn.functional as F
 
 from tandem.engine.attention import AttentionMetadata, TorchAttentionBackend
+from tandem.engine.attention.torch_ref import FIXED_DECODE_PLAN, tuned_decode_plan
 from tandem.engine.cpu_features import FEATURES, CpuFeatures, cpu_features
+from tandem.engine.kernel_tuning import KernelTuner
 from tandem.engine.errors import ModelLoadError
 from tandem.engine.kv_cache import PagedKVCache
 from tandem.engine.model_config import ModelConfig
 from tandem.engine.models.int4 import Int4Linear, Int4Weight
-from tandem.engine.models.linear import Linear
+from tandem.engine.models.linear import Linear, tuned_plan
 from tandem.engine.models.mlp import GatedMLP
 from tandem.engine.models.moe import MoEBlock
 from tandem.engine.models.rope import RotaryEmbedding
@@ -167,22 +169,30 @@ class LlamaModel:
 
     def __init__(self, config: ModelConfig, weights: dict[str, Weight], *, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu", max_positions: int | None = None, source: str = "weights",
-                 shard: RankShard | None = None, comm: ParallelComm | None = None, cpu: CpuFeatures | None = None):
+                 shard: RankShard | None = None, comm: ParallelComm | None = None, cpu: CpuFeatures | None = None,
+                 tuner: KernelTuner | None = None):
         """Consumes `weights`: the entries this rank holds are popped (to keep peak memory low) and read, a
         LazyWeight only for the rows or columns of this rank's shard, straight into `dtype` on `device`; other
         stages' layers and other EP indices' experts stay in the dict, unread. Int4Weight entries stay packed when
         every part of a fused projection is packed, the rank holds the whole projection and the CPU runs the int4
         kernel (otherwise they are expanded to bfloat16, with a warning). cpu: what the CPU runs, for the kernel
-        choice (default: this process's probe; ignored off the CPU). Raises ModelLoadError on bad shapes,
+        choice (default: this process's probe; ignored off the CPU). tuner: times the candidate kernels of each
+        projection shape and of decode attention on this CPU and keeps the fastest (default: as the environment
+        says, engine/kernel_tuning.py; a disabled tuner keeps the probe's fixed choices). Raises ModelLoadError
+        on bad shapes,
         ValueError if packed weights are combined with a dtype other than bfloat16 or a device other than the CPU."""
         check_weights(config, weights, source)  # source names the checkpoint in errors
         self.config = config
         self.dtype = dtype
         self.device = torch.device(device)
         self.scale = config.head_dim**-0.5
-        self.attention = TorchAttentionBackend()
         self.comm = comm
         self.cpu = (cpu or cpu_features()) if self.device.type == "cpu" else None
+        self.tuner = None
+        if self.cpu is not None:
+            self.tuner = tuner or KernelTuner.from_environment(self.cpu)
+            if not self.tuner.enabled:
+                self.tuner = None
         if shard is None:
             shard = ReplicaLayout.build(ParallelConfig(), num_layers=config.num_layers, num_heads=config.num_heads,
                                         num_kv_heads=config.num_kv_heads, num_experts=config.num_experts).shard(0)
@@ -219,7 +229,11 @@ class LlamaModel:
                 return Int4Linear(Int4Weight.cat(parts), bias, device=self.device)
             weight = torch.cat([read_weight(p, r, columns, dtype=dtype, device=self.device)
                                 for p, r in zip(parts, rows)])
-            return Linear(weight, bias, dtype=dtype, device=self.device, cpu=self.cpu)
+            return dense(weight, bias)
+
+        def dense(weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
+            plan = None if self.tuner is None else tuned_plan(self.tuner, dtype, *weight.shape)
+            return Linear(weight, bias, dtype=dtype, device=self.device, cpu=self.cpu, plan=plan)
 
         def mlp(names: tuple[str, str, str], size: int) -> GatedMLP:
             cols = range(0, size) if tp == 1 else split_evenly(size, tp)[shard.tp_index]
@@ -264,13 +278,26 @@ class LlamaModel:
             self.norm = take("model.norm.weight")
             # A tied head gets its own copy in the product layout; the embedding stays [vocab, hidden] for lookups.
             tied = config.tie_word_embeddings
-            self.lm_head = Linear(self.embed, None, dtype=dtype, device=self.device, cpu=self.cpu) if tied \
-                else linear(["lm_head"])
+            self.lm_head = dense(self.embed, None) if tied else linear(["lm_head"])
             if not shard.is_first_stage:
                 self.embed = None
         positions = max_positions or config.max_position_embeddings
         self.rope = RotaryEmbedding(config.rope, config.head_dim, positions, dtype, self.device)
-        _log.info("%s projections on %s by kernel: %s", dtype, self.device, self.kernel_counts())
+        self.decode_plan = FIXED_DECODE_PLAN if self.tuner is None or not self.num_kv_heads else tuned_decode_plan(
+            self.tuner, dtype, self.num_kv_heads, self.num_heads // self.num_kv_heads, config.head_dim)
+        self.attention = TorchAttentionBackend()
+        _log.info("%s projections on %s by kernel: %s; decode attention: %s", dtype, self.device,
+                  self.kernel_counts(), self.decode_plan.describe("sequence"))
+
+    @property
+    def attention(self) -> TorchAttentionBackend:
+        return self._attention
+
+    @attention.setter
+    def attention(self, backend: TorchAttentionBackend) -> None:
+        """A backend set later (the engine's select_backend) runs this model's decode plan too."""
+        backend.decode_plan = self.decode_plan
+        self._attention = backend
 
     def projections(self) -> Iterator[Linear | Int4Linear]:
         """Every weight product this rank runs: each layer's QKV, O and MLP (each expert's), then the LM head."""
@@ -286,8 +313,16 @@ class LlamaModel:
             yield self.lm_head
 
     def kernel_counts(self) -> dict[str, int]:
-        """How many projections run on each kernel (Linear.kernel names, "int4" for packed ones)."""
+        """How many projections run on each plan (Linear.kernel describes one, "int4" names packed ones)."""
         return dict(Counter(p.kernel for p in self.projections()))
+
+    def kernel_plans(self) -> dict[str, tuple[int, str]]:
+        """Per weight shape ("960x576", [out x in]): how many projections have it, and their plan."""
+        plans: dict[str, tuple[int, str]] = {}
+        for p in self.projections():
+            shape = f"{p.out_features}x{p.in_features}"
+            plans[shape] = (plans.get(shape, (0, ""))[0] + 1, p.kernel)
+        return plans
 
     def weight_bytes_per_token(self) -> int:
         """Bytes a batch-1 decode step reads: every projection, every norm and the LM head (the embedding

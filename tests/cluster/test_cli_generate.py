@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -120,27 +121,33 @@ def test_verbose_names_the_probed_cpu_and_each_projections_kernel(capsys):
     import torch
 
     from tandem.engine.cpu_features import cpu_features
-    from tandem.engine.models.linear import choose_kernel
+    from tandem.engine.kernel_tuning import KernelTuner
+    from tandem.engine.models.linear import tuned_plan
 
     assert main(["generate", "--json", "--prompt", "Hi", "--max-tokens", "2", "--dtype", "bfloat16",
                  "--verbose", "--device", "cpu"]) == 0
     err = capsys.readouterr().err
     assert "device: cpu bfloat16 (device: cpu)" in err
     assert cpu_features().describe() in err
-    kernel = choose_kernel(torch.bfloat16, torch.device("cpu"))
-    assert f"bfloat16 projections on cpu: 121 x {kernel} (" in err  # 30 layers x 4, and the tied LM head
+    tuner = KernelTuner(cpu_features())
+    assert f"kernels: measured on this CPU with {torch.get_num_threads()} thread(s)" in err
+    # The measured plan of each shape (30 layers x 4 projections of 4 shapes, and the tied LM head).
+    for shape, count in {(960, 576): 30, (576, 576): 30, (3072, 576): 30, (576, 1536): 30, (49152, 576): 1}.items():
+        plan = tuned_plan(tuner, torch.bfloat16, *shape)
+        assert f"  {shape[0]}x{shape[1]} ({count} x): {plan.describe()}" in err
+    assert "decode attention: " in err
 
 
 # What an AVX2-only CPU runs, reproduced on any x86-64 machine (on an AVX2 machine these change nothing).
 AVX2_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 
 
-@pytest.mark.parametrize("flags, disable, kernels", [
-    (["--dtype", "bfloat16"], "", "121 x widen"),
-    (["--weights", "packed"], "", "120 x int4 (packed 4-bit, torch's int4 CPU kernel), 1 x widen"),
-    (["--weights", "packed"], "int4", "121 x widen"),  # the int4 kernel turned off by the setting as well
+@pytest.mark.parametrize("flags, disable, int4_shapes", [
+    (["--dtype", "bfloat16"], "", 0),
+    (["--weights", "packed"], "", 4),  # QKV, O, gate/up and down packed; the tied LM head dense
+    (["--weights", "packed"], "int4", 0),  # the int4 kernel turned off by the setting as well
 ], ids=["bf16", "packed", "packed-no-int4"])
-def test_bfloat16_modes_run_on_an_avx2_cpu(embedded, flags, disable, kernels):
+def test_bfloat16_modes_run_on_an_avx2_cpu(embedded, flags, disable, int4_shapes):
     """The modes that crashed on AVX2 CPUs (oneDNN has no bfloat16 inner product there) run, name the path
     they took, and give the same greedy tokens as the same path in this process."""
     import dataclasses
@@ -159,7 +166,11 @@ def test_bfloat16_modes_run_on_an_avx2_cpu(embedded, flags, disable, kernels):
                           env=os.environ | AVX2_ENV | {DISABLE_ENV: disable})
     assert proc.returncode == 0, proc.stderr
     assert "oneDNN bfloat16 inner product: no" in proc.stderr
-    assert f"bfloat16 projections on cpu: {kernels}" in proc.stderr
+    assert "bfloat16 projections on cpu: " in proc.stderr
+    plans = [line.split("): ")[1] for line in proc.stderr.splitlines() if re.match(r"  \d+x\d+ \(\d+ x\): ", line)]
+    assert len(plans) == 5 and plans.count("int4") == int4_shapes
+    for plan in plans:  # what an AVX2 CPU runs: no oneDNN bfloat16
+        assert plan == "int4" or ("onednn" not in plan and ("linear" in plan or "widen" in plan)), plan
     features = dataclasses.replace(cpu_features(), onednn_bf16=False, int4=cpu_features().int4 and not disable)
     loaded = load_model(progress=False, dtype=torch.bfloat16, packed="packed" in flags, cpu=features)
     expected = Generator(loaded, max_model_len=64).generate(

@@ -1,5 +1,6 @@
-"""Every projection kernel against float64 math, whichever the CPU would pick: the choice is forced through
-CpuFeatures, so an AVX-512 machine checks the AVX2 paths too. A kernel the CPU cannot run is skipped with why."""
+"""Every projection kernel against float64 math on every machine (each is forced through its plan, so an AVX-512
+machine checks what an AVX2 one would pick too; a kernel the CPU cannot run is skipped with why), the fixed plans
+the probe picks without measurement, and how a measured plan is chosen."""
 
 from __future__ import annotations
 
@@ -7,8 +8,10 @@ import pytest
 import torch
 
 from tandem.engine.cpu_features import CpuFeatures, cpu_features
+from tandem.engine.kernel_tuning import BucketPlan, KernelTuner
 from tandem.engine.models import linear as linear_module
-from tandem.engine.models.linear import KERNELS, WIDEN_FROM_ROWS, Linear, choose_kernel
+from tandem.engine.models.linear import (KERNELS, ROW_BUCKETS, WIDEN_FROM_ROWS, Linear, LinearPlan, candidates,
+                                         fixed_plan, tuned_plan)
 
 CPU = torch.device("cpu")
 
@@ -17,51 +20,30 @@ def _features(**on: bool) -> CpuFeatures:
     return CpuFeatures(capability="test", flags=(), **({"onednn": True, "onednn_bf16": True, "int4": True} | on))
 
 
-# kernel -> (weight dtype, the features that make choose_kernel pick it)
-CASES = {
-    "split": (torch.float32, _features()),
-    "linear": (torch.float32, _features(onednn=False)),
-    "onednn": (torch.bfloat16, _features()),
-    "widen": (torch.bfloat16, _features(onednn_bf16=False)),
-}
+# (kernel, dtype): every kernel with every dtype it runs
+CASES = [(name, dtype) for name, spec in KERNELS.items() for dtype in spec.needs]
 
 
-def test_every_kernel_has_a_case():
-    assert set(CASES) == set(KERNELS)
-
-
-def test_kernel_choice_follows_the_features():
-    for kernel, (dtype, features) in CASES.items():
-        assert choose_kernel(dtype, CPU, features) == kernel
-    # Off the CPU, and for dtypes without a CPU kernel of their own, F.linear.
-    assert choose_kernel(torch.bfloat16, torch.device("cuda"), _features()) == "linear"
-    assert choose_kernel(torch.float16, CPU, _features()) == "linear"
-
-
-def _runs_here(kernel: str) -> None:
+def _runs_here(kernel: str, dtype: torch.dtype) -> None:
+    needs = KERNELS[kernel].needs[dtype]
     here = cpu_features()
-    if kernel == "onednn" and not here.onednn_bf16:
-        pytest.skip(f"oneDNN's bfloat16 inner product does not run on this CPU ({here.capability}): "
-                    f"{here.why_not['onednn_bf16']}")
-    if kernel == "split" and not here.onednn:
-        pytest.skip(f"no oneDNN float32 linear here: {here.why_not['onednn']}")
+    if needs is not None and not getattr(here, needs):
+        pytest.skip(f"{kernel} needs {needs}, which does not run on this CPU ({here.capability}): "
+                    f"{here.why_not[needs]}")
 
 
-@pytest.mark.parametrize("kernel", list(CASES))
-@pytest.mark.parametrize("rows", [1, 3, WIDEN_FROM_ROWS - 1, WIDEN_FROM_ROWS, 70])  # one row, both sides of
-# WIDEN_FROM_ROWS, a batch
-@pytest.mark.parametrize("out_features,with_bias", [(45, True), (64, False)])  # odd: the split layout pads
-def test_kernel_matches_float64_math(kernel, rows, out_features, with_bias, monkeypatch):
-    _runs_here(kernel)
-    dtype, features = CASES[kernel]
+@pytest.mark.parametrize("kernel,dtype", CASES, ids=[f"{k}-{str(d)[6:]}" for k, d in CASES])
+@pytest.mark.parametrize("rows", [1, 3, WIDEN_FROM_ROWS, 70])
+@pytest.mark.parametrize("out_features,with_bias", [(45, True), (64, False)])  # odd: the columns layout pads
+def test_kernel_matches_float64_math(kernel, dtype, rows, out_features, with_bias, monkeypatch):
+    _runs_here(kernel, dtype)
     # Chunks of 8 rows of 96 inputs: a widened product runs over 6 chunks, the last one short.
     monkeypatch.setattr(linear_module, "WIDEN_CHUNK_ELEMENTS", 8 * 96)
     g = torch.Generator().manual_seed(rows * 100 + out_features)
     weight = torch.randn(out_features, 96, generator=g).to(dtype)
     bias = torch.randn(out_features, generator=g).to(dtype) if with_bias else None
     x = torch.randn(rows, 96, generator=g).to(dtype)
-    layer = Linear(weight, bias, dtype=dtype, device=CPU, cpu=features)
-    assert layer.kernel == kernel
+    layer = Linear(weight, bias, dtype=dtype, device=CPU, plan=LinearPlan.of(KERNELS[kernel].layout, (1, kernel)))
     out = layer(x)
     assert out.shape == (rows, out_features) and out.dtype == dtype
     expected = x.double() @ weight.double().t() + (0 if bias is None else bias.double())
@@ -70,28 +52,79 @@ def test_kernel_matches_float64_math(kernel, rows, out_features, with_bias, monk
     assert ((out.double() - expected).abs() <= tolerance * (1 + expected.abs())).all()
 
 
-def test_widened_rows_equal_the_one_row_product():
-    """A row's result does not depend on how many rows share the call (both accumulate in float32 and round the
-    output once), up to summation order: within one bfloat16 step of each other."""
-    g = torch.Generator().manual_seed(3)
-    weight = torch.randn(300, 576, generator=g).to(torch.bfloat16)
-    x = torch.randn(WIDEN_FROM_ROWS + 4, 576, generator=g).to(torch.bfloat16)
-    layer = Linear(weight, None, dtype=torch.bfloat16, device=CPU, cpu=_features(onednn_bf16=False))
-    together = layer(x).float()
-    alone = torch.cat([layer(x[i:i + 1]) for i in range(x.shape[0])]).float()
-    assert ((together - alone).abs() <= 2 ** -7 * alone.abs() + 1e-6).all()
-    assert (together == alone).float().mean() > 0.9
+def test_candidates_follow_the_features():
+    f32, bf16 = torch.float32, torch.bfloat16
+    assert set(candidates(f32, _features())) == {"split", "onednn_t", "linear", "onednn", "onednn_packed"}
+    assert set(candidates(f32, _features(onednn=False))) == {"split", "linear"}
+    assert set(candidates(bf16, _features())) == {"linear", "onednn", "widen", "onednn_packed"}
+    assert set(candidates(bf16, _features(onednn_bf16=False))) == {"linear", "widen"}  # an AVX2 CPU
 
 
-@pytest.mark.parametrize("first_in_inference_mode", [True, False])
-def test_widened_products_run_in_and_out_of_inference_mode(first_in_inference_mode):
-    """The widening buffer is reused across calls, whichever grad mode the first call ran in."""
-    linear_module._widen_buffer.__dict__.clear()
-    layer = Linear(torch.randn(40, 64).to(torch.bfloat16), None, dtype=torch.bfloat16, device=CPU,
-                   cpu=_features(onednn_bf16=False))
-    x = torch.randn(WIDEN_FROM_ROWS, 64).to(torch.bfloat16)
-    results = []
-    for inference in (first_in_inference_mode, not first_in_inference_mode):
-        with torch.inference_mode(inference):
-            results.append(layer(x))
-    assert torch.equal(results[0], results[1])
+def test_fixed_plans_follow_the_features():
+    f32, bf16 = torch.float32, torch.bfloat16
+    assert fixed_plan(f32, CPU, _features()) == LinearPlan.of("columns", (1, "split"), (2, "onednn_t"))
+    assert fixed_plan(f32, CPU, _features(onednn=False)) == LinearPlan.of("rows", (1, "linear"))
+    assert fixed_plan(bf16, CPU, _features()) == LinearPlan.of("rows", (1, "onednn"))
+    assert fixed_plan(bf16, CPU, _features(onednn_bf16=False)) == \
+        LinearPlan.of("rows", (1, "linear"), (WIDEN_FROM_ROWS, "widen"))
+    # Off the CPU, and for dtypes without a CPU kernel of their own, F.linear.
+    assert fixed_plan(bf16, torch.device("cuda"), _features()) == LinearPlan.of("rows", (1, "linear"))
+    assert fixed_plan(torch.float16, CPU, _features()) == LinearPlan.of("rows", (1, "linear"))
+
+
+def test_a_plan_runs_each_kernel_on_its_rows():
+    plan = BucketPlan.from_buckets(["split", "onednn_t", "onednn_t", "split", "split"], ROW_BUCKETS)
+    assert plan.kernels == ((1, "split"), (2, "onednn_t"), (32, "split"))  # 2 = between buckets 1 and 4 (log)
+    assert [plan.kernel_for(r) for r in (1, 2, 7, 31, 32, 5000)] == ["split", "onednn_t", "onednn_t", "onednn_t",
+                                                                      "split", "split"]
+    assert plan.describe("row") == "split (1 row), onednn_t (2-31 rows), split (32+ rows)"
+    with pytest.raises(ValueError, match="columns layout"):
+        LinearPlan.of("rows", (1, "split"))
+    with pytest.raises(ValueError, match="ascend from 1"):
+        BucketPlan(((2, "split"),))
+
+
+def test_a_layer_switches_kernels_by_rows_and_keeps_its_results():
+    """One stored weight, two kernels: a row's result does not depend on which ran it (float32 summation order
+    only)."""
+    g = torch.Generator().manual_seed(5)
+    weight, x = torch.randn(300, 576, generator=g), torch.randn(20, 576, generator=g)
+    layer = Linear(weight, None, dtype=torch.float32, device=CPU,
+                   plan=LinearPlan.of("columns", (1, "split"), (8, "onednn_t" if cpu_features().onednn else "split")))
+    together = layer(x)
+    alone = torch.cat([layer(x[i:i + 1]) for i in range(x.shape[0])])
+    torch.testing.assert_close(together, alone, rtol=1e-5, atol=1e-5)
+
+
+def test_the_measured_plan_takes_the_layout_that_loses_least_and_the_fastest_kernel_per_bucket(tmp_path,
+                                                                                                monkeypatch):
+    """With timings made up per kernel and bucket: the layout whose best kernels lose least (summed over the
+    buckets, relative to the fastest of any layout) is chosen, then the fastest kernel of that layout in each
+    bucket; the answer is cached for the next tuner of the same machine."""
+    ms = {"split": [1.0, 9.0, 9.0, 9.0, 9.0], "onednn_t": [2.0, 3.0, 3.0, 3.0, 3.0],
+          "onednn_packed": [1.5, 2.0, 2.0, 4.0, 4.0], "onednn": [9.0] * 5, "linear": [9.0] * 5}
+    timed = []
+
+    def fake_time(calls):
+        kernel, bucket = timed_now[0]
+        timed.append((kernel, bucket))
+        return ms[kernel][ROW_BUCKETS.index(bucket)] / 1e3
+
+    real_run = linear_module.run
+    timed_now = [None]
+
+    def tracking_run(kernel, x, weight, in_features):
+        timed_now[0] = (kernel, x.shape[0])
+        return real_run(kernel, x, weight, in_features)
+
+    monkeypatch.setattr(linear_module, "run", tracking_run)
+    monkeypatch.setattr(linear_module, "time_per_call", lambda calls: (calls[0](), fake_time(calls))[1])
+    tuner = KernelTuner(_features(), threads=1, cache_dir=tmp_path)
+    plan = tuned_plan(tuner, torch.float32, 64, 96)
+    # Losses against the best per bucket (1.0, 2.0, 2.0, 3.0, 3.0): columns 1 + 1.5 + 1.5 + 1 + 1 = 6; blocked
+    # 1.5 + 1 + 1 + 1.33 + 1.33 = 6.17; rows 9 + 4.5 + 4.5 + 3 + 3. Columns wins, split at 1 row, then onednn_t.
+    assert plan == LinearPlan.of("columns", (1, "split"), (2, "onednn_t"))
+    assert {k for k, _ in timed} == set(candidates(torch.float32, _features()))
+    timed.clear()
+    again = tuned_plan(KernelTuner(_features(), threads=1, cache_dir=tmp_path), torch.float32, 64, 96)
+    assert again == plan and not timed  # read from the cache file, nothing timed
