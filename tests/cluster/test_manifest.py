@@ -45,8 +45,20 @@ def _busy_port():
 # --- the shipped manifests ---------------------------------------------------------------------------------------
 
 
-def test_local_manifest_is_valid():
+def test_local_manifest_gives_each_pool_its_own_core():
+    """What `make run` starts: one process per pool, each pinned to its own CPU with one torch thread."""
     manifest = validate_file(MANIFESTS / "local.yaml", check_ports=False)
+    assert manifest.mode == "disaggregated" and manifest.model_path is None
+    prefill, decode = manifest.pools.prefill, manifest.pools.decode
+    assert prefill.parallelism.world_size == decode.parallelism.world_size == 1
+    assert (prefill.cpu_affinity, decode.cpu_affinity) == ((0,), (1,))
+    assert prefill.resources.bundle() == {"CPU": 1.0, "prefill": 1}
+    assert decode.resources.bundle() == {"CPU": 1.0, "decode": 1}
+    assert manifest.listen.grpc == "127.0.0.1:50051" and manifest.listen.http == "127.0.0.1:8000"
+
+
+def test_local_parallel_manifest_is_valid():
+    manifest = validate_file(MANIFESTS / "local-parallel.yaml", check_ports=False)
     assert manifest.mode == "disaggregated"
     assert manifest.model_path is None  # embedded
     assert [name for name, _ in manifest.pool_items()] == ["prefill", "decode"]
@@ -74,8 +86,9 @@ def test_local_colocated_manifest_is_valid():
     assert manifest.pools.prefill is None
     assert [name for name, _ in manifest.pool_items()] == ["decode"]
     decode = manifest.pools.decode
-    assert (decode.parallelism.tp, decode.parallelism.pp, decode.parallelism.ep) == (1, 2, 1)
-    assert decode.engine.kv_cache_bytes == 512 << 20
+    assert (decode.parallelism.tp, decode.parallelism.pp, decode.parallelism.ep) == (1, 1, 1)  # one process
+    assert decode.resources.cpus == 2.0 and decode.cpu_affinity is None  # two torch threads, wherever Ray runs it
+    assert decode.engine.kv_cache_bytes == 512 << 20 and decode.engine.max_num_seqs == 64
     assert manifest.listen.grpc == "127.0.0.1:50051" and manifest.listen.http == "127.0.0.1:8000"
 
 
@@ -311,7 +324,7 @@ def test_router_admission_defaults_to_the_queue_timeout_and_slo_mode_needs_a_ttf
 
 
 def test_cli_validate_accepts_the_local_manifest(capsys):
-    path = MANIFESTS / "local.yaml"
+    path = MANIFESTS / "local-parallel.yaml"
     assert main(["validate", "--no-port-check", str(path)]) == 0
     out = capsys.readouterr().out
     assert f"{path}: valid (disaggregated;" in out
@@ -474,7 +487,7 @@ def test_a_router_open_to_other_machines_without_keys_is_a_warning(tmp_path, cap
     assert check_file(keyed, check_ports=False).warnings == []
     loopback = _write(tmp_path, EXPOSED.format(grpc="localhost:50051", http="'[::1]:8000'", extra=""), "lo.yaml")
     assert check_file(loopback, check_ports=False).warnings == []
-    for shipped in ("local.yaml", "local-colocated.yaml"):
+    for shipped in ("local.yaml", "local-colocated.yaml", "local-parallel.yaml"):
         assert check_file(MANIFESTS / shipped, check_ports=False).warnings == []
 
 

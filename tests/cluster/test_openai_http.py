@@ -1,4 +1,4 @@
-"""The official `openai` client, unchanged, against deploy/manifests/local.yaml (tp=2 prefill, pp=2 decode, real
+"""The official `openai` client, unchanged, against deploy/manifests/local-parallel.yaml (tp=2 prefill, pp=2 decode, real
 UCX, the embedded model) on a simulated multi-node Ray cluster, with API keys for two tenants: chat and
 completions, streaming and not, n=2, stop strings, logprobs and usage; greedy outputs equal the gRPC path's;
 missing or wrong keys get 401 / UNAUTHENTICATED; two tenants sending the same prompt never share cached blocks;
@@ -29,7 +29,7 @@ SYSTEM = ("You are a careful assistant for a library. You answer questions about
 @pytest.fixture(scope="module")
 def cluster():
     auth = AuthSettings(api_keys=[ApiKey(tenant="acme", key=ACME), ApiKey(tenant="beta", key=BETA)])
-    manifest = manifest_for_test("local.yaml", auth=auth)
+    manifest = manifest_for_test("local-parallel.yaml", auth=auth)
     # Conditional disaggregation on: a prompt with fewer than 48 uncached tokens on its decode replica is
     # prefilled there (a follow-up turn, a repeated prompt).
     manifest = manifest.model_copy(update={"router": manifest.router.model_copy(
