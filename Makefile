@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.tandem-installed
 PROMPT ?= Explain in two sentences why the sky is blue.
 
-.PHONY: setup run test test-avx2 test-gpu clean
+.PHONY: setup run test test-avx2 test-gpu bench-peers clean
 
 setup: $(STAMP)
 
@@ -49,6 +49,13 @@ test-gpu: setup
 	{ $(NO_INTERPRETER) $(PY) bench/engine_throughput.py --device cuda 2>&1; \
 		echo $$? > $(GPU_RESULTS)/engine_throughput.rc; } | tee $(GPU_RESULTS)/engine_throughput.log
 	@$(PY) bench/gpu_summary.py $(GPU_RESULTS)
+
+# The peers the benchmarks compare with beyond transformers (bench/peers/): llama.cpp through llama-cpp-python, built
+# from source for this CPU (several minutes on 2 cores). Not part of `make test`.
+LLAMA_CPP_PYTHON := llama-cpp-python==0.3.36
+
+bench-peers: setup
+	CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(PY) -m pip install $(LLAMA_CPP_PYTHON)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,6 +1,7 @@
 """Serving through the cluster: disaggregated (deploy/manifests/local.yaml) against colocated
-(local-colocated.yaml, the same model and cores) and against the engine in this process (no Ray, no gRPC: the
-floor of what serving costs), in one run on the same requests.
+(local-colocated.yaml, one process with both cores) and against the engine in this process (no Ray, no gRPC: the
+floor of what serving costs), in one run on the same requests. The serving path's cost per token is the
+colocated cluster's ITL minus the in-process ITL (both one replica of one process, two torch threads).
 
 For each: --requests chat requests one at a time (TTFT and mean ITL as the gRPC client sees them; medians), then
 the same requests all at once (output tokens/s, TTFT p50/p99). Greedy, ignore_eos, --tokens tokens each; one
@@ -115,17 +116,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--modes", default="disaggregated,colocated,in_process")
     args = parser.parse_args()
     results = {"requests": args.requests, "tokens": args.tokens}
-    for mode, run in (("disaggregated", lambda: bench_cluster("local.yaml", args.requests, args.tokens)),
-                      ("colocated", lambda: bench_cluster("local-colocated.yaml", args.requests, args.tokens)),
-                      ("in_process", lambda: bench_in_process(args.requests, args.tokens))):
+    runs = {"disaggregated": lambda: bench_cluster("local.yaml", args.requests, args.tokens),
+            "colocated": lambda: bench_cluster("local-colocated.yaml", args.requests, args.tokens),
+            "in_process": lambda: bench_in_process(args.requests, args.tokens)}
+    for mode in args.modes.split(","):
         print(f"== {mode}", file=sys.stderr, flush=True)
-        results[mode] = run()
+        results[mode] = runs[mode]()
         print(f"{mode}: {json.dumps(results[mode])}", file=sys.stderr, flush=True)
-    d, c = results["disaggregated"], results["colocated"]
-    results["ratios_disaggregated_to_colocated"] = {
-        key: d[key] / c[key] for key in ("ttft_ms_p50", "itl_ms_mean", "concurrent_tokens_per_s")}
+    if "disaggregated" in results and "colocated" in results:
+        d, c = results["disaggregated"], results["colocated"]
+        results["ratios_disaggregated_to_colocated"] = {
+            key: d[key] / c[key] for key in ("ttft_ms_p50", "itl_ms_mean", "concurrent_tokens_per_s")}
+    if "colocated" in results and "in_process" in results:
+        results["serving_path_ms_per_token"] = results["colocated"]["itl_ms_mean"] - results["in_process"]["itl_ms_mean"]
     print(json.dumps(results))
 
 

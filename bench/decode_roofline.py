@@ -7,6 +7,7 @@ tandem's and transformers' decode tokens/s on the same prompts (greedy, fixed le
 each system's fraction of the roofline and tandem's speed-up over transformers. With --profile it also prints where tandem's time goes.
 
     .venv/bin/python bench/decode_roofline.py [--tokens 64] [--threads 2] [--modes float32,bfloat16,packed-int4]
+    .venv/bin/python bench/decode_roofline.py --modes packed-int4 --llama-cpp   # after `make bench-peers`
 
 Modes: float32 and bfloat16 expand every weight (the peer is transformers in the same dtype); packed-int4
 keeps the GGUF's Q4_1 weights 4-bit (bfloat16 compute; the peer is transformers in bfloat16, which expands
@@ -14,6 +15,9 @@ them: its bytes per token are counted from its own tensors). Each mode runs on t
 (recorded per mode as `tandem_kernels`, with the probe under `cpu`); a mode that fails on this machine is
 recorded with its error instead of numbers, and the others still run. To measure an AVX2 CPU's paths on an
 AVX-512 machine, run with ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2.
+
+--llama-cpp adds llama.cpp's batch-1 decode of the same GGUF file (bench/peers/llama_cpp.py, the same threads and
+method) to every round: the laptop user's alternative, reported as `speedup_vs_llama_cpp`.
 
 The last line of output is one JSON object with every number.
 """
@@ -130,6 +134,7 @@ def main() -> None:
     parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, from: {', '.join(MODES)}")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved measurement rounds (median is reported)")
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--llama-cpp", action="store_true", help="add llama.cpp's batch-1 decode (make bench-peers)")
     args = parser.parse_args()
     unknown = [m for m in args.modes.split(",") if m not in MODES]
     if unknown:
@@ -157,10 +162,19 @@ def measure_mode(name: str, args: argparse.Namespace, peers: dict) -> dict:
     if peer_dtype not in peers:
         peers[peer_dtype] = transformers_runner(peer_dtype)
     hf_run, hf_bytes = peers[peer_dtype]
-    # This machine's speed drifts (shared host): interleave the two systems and the bandwidth probe, and
+    llama = None
+    if args.llama_cpp:
+        if "llama_cpp" not in peers:
+            from bench.peers import llama_cpp
+            from tandem.engine.loader import default_model_path
+
+            llm = llama_cpp.load(str(default_model_path()), args.threads, n_ctx=2048)
+            peers["llama_cpp"] = lambda: llama_cpp.batch1_rate(llm, prompts, args.tokens)
+        llama = peers["llama_cpp"]
+    # This machine's speed drifts (shared host): interleave the systems and the bandwidth probe, and
     # report medians over rounds, so a ratio compares measurements taken seconds apart.
     rounds = [(read_bandwidth(gib=0.5, repeats=3), decode_rate(run, prompts, args.tokens),
-               decode_rate(hf_run, prompts, args.tokens)) for _ in range(args.rounds)]
+               decode_rate(hf_run, prompts, args.tokens), llama() if llama else None) for _ in range(args.rounds)]
     bw = statistics.median(r[0] for r in rounds)
     tandem_tps = statistics.median(r[1] for r in rounds)
     hf_tps = statistics.median(r[2] for r in rounds)
@@ -178,6 +192,11 @@ def measure_mode(name: str, args: argparse.Namespace, peers: dict) -> dict:
         "speedup_vs_transformers": statistics.median(r[1] / r[2] for r in rounds),
         "speedup_per_round": [r[1] / r[2] for r in rounds],
     }
+    if llama:
+        run_result["llama_cpp_tokens_per_s"] = statistics.median(r[3] for r in rounds)
+        run_result["speedup_vs_llama_cpp"] = statistics.median(r[1] / r[3] for r in rounds)
+        print(f"{name}: llama.cpp (the GGUF file as it is) {run_result['llama_cpp_tokens_per_s']:.1f} tok/s; "
+              f"tandem {run_result['speedup_vs_llama_cpp']:.2f}x", file=sys.stderr)
     print(f"{name}: tandem {tandem_tps:.1f} tok/s ({per_token / 1e6:.0f} MB/token, "
           f"{100 * run_result['tandem_roofline_fraction']:.0f}% of roofline); transformers {peer_dtype} "
           f"{hf_tps:.1f} tok/s ({hf_bytes / 1e6:.0f} MB/token); speed-up "

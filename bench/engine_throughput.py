@@ -3,8 +3,9 @@
 Throughput: C requests (C = 1, 8, 32, 64 by default) enter the engine at once; each has its own prompt (a fixed
 question behind a distinct request number, so no prefix is shared and the cache cannot help) and generates
 --tokens tokens greedily with ignore_eos. Output tokens/s = all generated tokens / wall time from the first add
-to the last token, after one untimed warm-up run of the largest level. The peer is transformers `generate` on the same model, dtype and requests, one request at a
-time (the first --hf-requests of them), in the same run.
+to the last token, after one untimed warm-up run of the largest level. Two peers, transformers `generate` on the
+same model, dtype and requests in the same run: one request at a time (the first --hf-requests of them), and
+static batching (the largest level's requests left-padded into one batch, one `generate` call).
 
 Prefix cache: a 500-token system prompt shared by every request. TTFT (add -> first token) of a request whose
 system prompt is cached vs the same request on a cold cache, alternating, median over --ttft-rounds.
@@ -19,6 +20,10 @@ an AVX-512 machine, run with ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2.
 --device cuda runs the engine and the transformers peer on the GPU (both in --dtype, bfloat16 by default there),
 synchronizes the device around every timed span, gives each engine an explicit KV budget (the two engines and the
 peer share the GPU), and names the GPU (`gpu`, torch.cuda.get_device_name) instead of the CPU probe.
+
+--llama-cpp adds llama.cpp's batched decode of the largest level's requests on the same GGUF file (one context,
+a sequence each; bench/peers/llama_cpp.py, after `make bench-peers`) to every round, reported as
+`speedup_vs_llama_cpp_batched` (tandem float32 or bfloat16 against llama.cpp on the file's own Q4_1 weights).
 
 The last line of output is one JSON object with every number.
 """
@@ -90,6 +95,21 @@ def transformers_runner(dtype: torch.dtype, device: str = "cpu"):
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype).to(device).eval()
 
     @torch.inference_mode()
+    def static(requests: list[list[int]], tokens: int) -> dict:
+        """All requests as one left-padded batch: transformers' static batching."""
+        width = max(len(ids) for ids in requests)
+        ids = torch.tensor([[0] * (width - len(r)) + r for r in requests], device=device)
+        mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in requests], device=device)
+        sync(device)
+        start = time.perf_counter()
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=tokens, min_new_tokens=tokens,
+                             do_sample=False, pad_token_id=0)
+        sync(device)
+        elapsed = time.perf_counter() - start
+        assert out.shape == (len(requests), width + tokens)
+        return {"tokens_per_s": tokens * len(requests) / elapsed, "seconds": elapsed, "requests": len(requests)}
+
+    @torch.inference_mode()
     def run(requests: list[list[int]], tokens: int) -> dict:
         sync(device)
         start = time.perf_counter()
@@ -102,7 +122,7 @@ def transformers_runner(dtype: torch.dtype, device: str = "cpu"):
         return {"tokens_per_s": tokens * len(requests) / elapsed, "seconds": elapsed, "requests": len(requests)}
 
     run([[1, 2, 3]], 4)  # warm-up
-    return run
+    return run, static
 
 
 def prefix_ttft(loaded, config_cls, engine_cls, rounds: int, device: str = "cpu") -> dict:
@@ -164,6 +184,7 @@ def main() -> None:
     parser.add_argument("--hf-requests", type=int, default=4, help="requests transformers runs one by one")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved measurement rounds (medians reported)")
     parser.add_argument("--ttft-rounds", type=int, default=5)
+    parser.add_argument("--llama-cpp", action="store_true", help="add llama.cpp's batched decode (make bench-peers)")
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit(f"engine_throughput.py: --device cuda, but torch {torch.__version__} sees no CUDA device (a CPU "
@@ -199,13 +220,25 @@ def measure(args: argparse.Namespace) -> dict:
     # a VM the first write to a page costs a host page fault, a one-time cost a long-running server never pays
     # again; the timed runs measure the steady state.
     engine_tokens_per_s(engine, requests[:max(levels)], args.tokens, device)
-    hf_run = transformers_runner(dtype, device)
+    hf_run, hf_static = transformers_runner(dtype, device)
+    llama = None
+    if args.llama_cpp:
+        from bench.peers import llama_cpp
+        from tandem.engine.loader import default_model_path
+
+        top_requests = requests[:max(levels)]
+        llm = llama_cpp.load(str(default_model_path()), args.threads, n_seq_max=len(top_requests),
+                             n_ctx=len(top_requests) * (max(map(len, top_requests)) + args.tokens))
+        llama = lambda: llama_cpp.batched_rate(llm, top_requests, args.tokens)  # noqa: E731
     # This machine's speed drifts (shared host): each round measures every level and the peer back to back, and
     # the reported numbers are medians over rounds (speed-ups: median of the per-round ratios).
     rounds = []
     for r in range(args.rounds):
         row = {str(level): engine_tokens_per_s(engine, requests[:level], args.tokens, device) for level in levels}
         row["transformers"] = hf_run(requests[:args.hf_requests], args.tokens)
+        row["transformers_static"] = hf_static(requests[:max(levels)], args.tokens)
+        if llama:
+            row["llama_cpp_batched"] = llama()
         rounds.append(row)
         print(f"round {r + 1}: " + ", ".join(f"{k}: {v['tokens_per_s']:.1f} tok/s" for k, v in row.items()),
               file=sys.stderr)
@@ -213,6 +246,16 @@ def measure(args: argparse.Namespace) -> dict:
                "speedup_vs_transformers": {}, "speedup_per_round": {}}
     results["transformers_sequential_tokens_per_s"] = statistics.median(
         row["transformers"]["tokens_per_s"] for row in rounds)
+    results["transformers_static_tokens_per_s"] = statistics.median(
+        row["transformers_static"]["tokens_per_s"] for row in rounds)
+    top = str(max(levels))
+    results["speedup_vs_transformers_static"] = statistics.median(
+        row[top]["tokens_per_s"] / row["transformers_static"]["tokens_per_s"] for row in rounds)
+    if llama:
+        results["llama_cpp_batched_tokens_per_s"] = statistics.median(
+            row["llama_cpp_batched"]["tokens_per_s"] for row in rounds)
+        results["speedup_vs_llama_cpp_batched"] = statistics.median(
+            row[top]["tokens_per_s"] / row["llama_cpp_batched"]["tokens_per_s"] for row in rounds)
     for level in map(str, levels):
         results["engine_tokens_per_s"][level] = statistics.median(row[level]["tokens_per_s"] for row in rounds)
         ratios = [row[level]["tokens_per_s"] / row["transformers"]["tokens_per_s"] for row in rounds]
@@ -222,6 +265,13 @@ def measure(args: argparse.Namespace) -> dict:
           + f"; transformers sequential {results['transformers_sequential_tokens_per_s']:.1f}", file=sys.stderr)
     print("speed-up vs transformers (median of rounds): " + ", ".join(
         f"{k}: {v:.1f}x" for k, v in results["speedup_vs_transformers"].items()), file=sys.stderr)
+    print(f"{top} concurrent vs transformers static batching of the same {top} requests "
+          f"({results['transformers_static_tokens_per_s']:.1f} tok/s): "
+          f"{results['speedup_vs_transformers_static']:.2f}x", file=sys.stderr)
+    if llama:
+        print(f"{top} concurrent vs llama.cpp batched decode of the same {top} requests "
+              f"({results['llama_cpp_batched_tokens_per_s']:.1f} tok/s): "
+              f"{results['speedup_vs_llama_cpp_batched']:.2f}x", file=sys.stderr)
     del engine
     results["prefix_cache"] = prefix = prefix_ttft(loaded, EngineConfig, LLMEngine, args.ttft_rounds, device)
     print(f"500-token system prompt: TTFT cold {prefix['cold_ttft_s'] * 1e3:.0f} ms, cached "

@@ -222,6 +222,14 @@ class Linear:
         total = self.weight.numel() * self.weight.element_size()
         return total + (0 if self.bias is None else self.bias.numel() * self.bias.element_size())
 
+    def dense_weight(self) -> torch.Tensor:
+        """The weight as [out, in] in plain memory, whatever the layout (a copy unless the layout is rows)."""
+        if self.plan.layout == "columns":
+            return self.weight.t()[: self.out_features].contiguous()
+        if self.plan.layout == "blocked":
+            return self.weight.to_dense()
+        return self.weight
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         kernel = self._only or self.plan.by_rows.kernel_for(x.shape[0])
         if kernel == "linear":

@@ -136,7 +136,7 @@ def model_tensors(model: LlamaModel) -> list[torch.Tensor]:
     for layer in model.layers:
         out += [layer.input_norm, layer.post_norm]
     for p in model.projections():
-        out += [p.weight] + ([] if p.bias is None else [p.bias])
+        out += [p.dense_weight()] + ([] if p.bias is None else [p.bias])
     return out
 
 

@@ -128,3 +128,13 @@ def test_the_measured_plan_takes_the_layout_that_loses_least_and_the_fastest_ker
     timed.clear()
     again = tuned_plan(KernelTuner(_features(), threads=1, cache_dir=tmp_path), torch.float32, 64, 96)
     assert again == plan and not timed  # read from the cache file, nothing timed
+
+
+@pytest.mark.parametrize("layout", ["rows", "columns", "blocked"])
+def test_every_layout_gives_back_the_dense_weight(layout):
+    if layout == "blocked" and not cpu_features().onednn:
+        pytest.skip(f"no oneDNN here: {cpu_features().why_not['onednn']}")
+    weight = torch.randn(45, 96)  # odd: the columns layout pads it
+    kernel = {"rows": "linear", "columns": "split", "blocked": "onednn_packed"}[layout]
+    layer = Linear(weight, None, dtype=torch.float32, device=CPU, plan=LinearPlan.of(layout, (1, kernel)))
+    assert torch.equal(layer.dense_weight(), weight)
