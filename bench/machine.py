@@ -8,13 +8,7 @@ import platform
 
 import torch
 
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or "unknown CPU"
+from tandem.engine.cpu_features import cpu_model
 
 
 def machine_line() -> str:

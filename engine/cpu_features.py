@@ -65,6 +65,17 @@ class CpuFeatures:
         return "; ".join(parts)
 
 
+def cpu_model() -> str:
+    """The CPU's model name ("AMD EPYC", ...), from /proc/cpuinfo where there is one."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        import platform
+
+        return platform.processor() or platform.machine() or "unknown CPU"
+
+
 def _cpu_flags() -> tuple[str, ...]:
     try:
         text = Path("/proc/cpuinfo").read_text()

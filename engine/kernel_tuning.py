@@ -32,7 +32,7 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
-from tandem.engine.cpu_features import FEATURES, CpuFeatures
+from tandem.engine.cpu_features import FEATURES, CpuFeatures, cpu_model
 
 TUNING_ENV = "TANDEM_KERNEL_TUNING"
 CACHE_ENV = "TANDEM_CACHE_DIR"
@@ -45,19 +45,9 @@ COLD_BYTES = 160 << 20
 _log = logging.getLogger(__name__)
 
 
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        import platform
-
-        return platform.processor() or platform.machine() or "unknown CPU"
-
-
 def machine_key(cpu: CpuFeatures, threads: int) -> dict[str, object]:
     """What a measured choice depends on, as JSON-ready values."""
-    return {"cpu_model": _cpu_model(), "capability": cpu.capability, "flags": list(cpu.flags),
+    return {"cpu_model": cpu_model(), "capability": cpu.capability, "flags": list(cpu.flags),
             "features": {name: getattr(cpu, name) for name in FEATURES},
             "onednn_max_isa": os.environ.get("ONEDNN_MAX_CPU_ISA", ""), "torch": torch.__version__,
             "threads": threads, "format": FORMAT}
@@ -148,18 +138,9 @@ class BucketPlan:
         return cls(tuple((int(first), str(kernel)) for first, kernel in value))
 
 
-@dataclass(frozen=True)
-class Measured:
-    """One tuned choice: `choice` is the family's JSON-ready answer; `seconds` the time measuring took (0 when
-    it came from the cache)."""
-
-    choice: dict
-    seconds: float
-
-
 class KernelTuner:
     """Measures once per machine key and entry, remembers in memory and on disk. enabled False: choose() is never
-    called by the families (they take their fixed choice); see `tuning_enabled`."""
+    called by the families (they take their fixed choice)."""
 
     def __init__(self, cpu: CpuFeatures, *, threads: int | None = None, cache_dir: Path | None = None,
                  enabled: bool = True):
@@ -185,16 +166,16 @@ class KernelTuner:
             return f"kernels: the probe's fixed choices ({TUNING_ENV}=off)"
         return f"kernels: measured on this CPU with {self.threads} thread(s), cached in {self.path}"
 
-    def choose(self, entry: str, measure: Callable[[], dict]) -> Measured:
+    def choose(self, entry: str, measure: Callable[[], dict]) -> dict:
         """The cached answer for `entry` (a family's name for what it tunes, e.g. "linear float32 960x576"), or
         measure()'s, which is then cached. measure runs under the cache's file lock."""
         entries = self._load()
         if entry in entries:
-            return Measured(entries[entry], 0.0)
+            return entries[entry]
         with self._locked():
             entries = self._load(fresh=True)  # another process may have measured it while we waited
             if entry in entries:
-                return Measured(entries[entry], 0.0)
+                return entries[entry]
             start = time.perf_counter()
             with torch.inference_mode():
                 choice = measure()
@@ -202,7 +183,7 @@ class KernelTuner:
             entries[entry] = choice
             self._store(entries)
         _log.info("tuned %s in %.2f s: %s", entry, seconds, choice.get("summary", choice))
-        return Measured(choice, seconds)
+        return choice
 
     def _load(self, fresh: bool = False) -> dict[str, dict]:
         if self._entries is None or fresh:

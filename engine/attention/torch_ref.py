@@ -139,7 +139,7 @@ def tuned_decode_plan(tuner: KernelTuner, dtype: torch.dtype, num_kv_heads: int,
                 "ms": {n: [round(t, 4) for t in v] for n, v in ms.items()}, "summary": plan.describe("sequence")}
 
     entry = f"decode attention {str(dtype).removeprefix('torch.')} {num_kv_heads}x{group}x{head_dim}"
-    return BucketPlan.from_json(tuner.choose(entry, measure).choice["kernels"])
+    return BucketPlan.from_json(tuner.choose(entry, measure)["kernels"])
 
 
 def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:

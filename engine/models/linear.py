@@ -145,7 +145,7 @@ def tuned_plan(tuner: KernelTuner, dtype: torch.dtype, out_features: int, in_fea
         return {"layout": plan.layout, "kernels": plan.by_rows.to_json(), "rows": list(ROW_BUCKETS),
                 "ms": {n: [round(t, 4) for t in v] for n, v in ms.items()}, "summary": plan.describe()}
 
-    choice = tuner.choose(f"linear {str(dtype).removeprefix('torch.')} {out_features}x{in_features}", measure).choice
+    choice = tuner.choose(f"linear {str(dtype).removeprefix('torch.')} {out_features}x{in_features}", measure)
     return LinearPlan(choice["layout"], BucketPlan.from_json(choice["kernels"]))
 
 
