@@ -16,7 +16,7 @@ them: its bytes per token are counted from its own tensors). Each mode runs on t
 recorded with its error instead of numbers, and the others still run. To measure an AVX2 CPU's paths on an
 AVX-512 machine, run with ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2.
 
---llama-cpp adds llama.cpp's batch-1 decode of the same GGUF file (bench/peers/llama_cpp.py, the same threads and
+--llama-cpp adds llama.cpp's batch-1 decode of the same GGUF file (bench/peers/llama_cpp_peer.py, the same threads and
 method) to every round: the laptop user's alternative, reported as `speedup_vs_llama_cpp`.
 
 The last line of output is one JSON object with every number.
@@ -165,7 +165,7 @@ def measure_mode(name: str, args: argparse.Namespace, peers: dict) -> dict:
     llama = None
     if args.llama_cpp:
         if "llama_cpp" not in peers:
-            from bench.peers import llama_cpp
+            from bench.peers import llama_cpp_peer as llama_cpp
             from tandem.engine.loader import default_model_path
 
             llm = llama_cpp.load(str(default_model_path()), args.threads, n_ctx=2048)

@@ -22,7 +22,7 @@ synchronizes the device around every timed span, gives each engine an explicit K
 peer share the GPU), and names the GPU (`gpu`, torch.cuda.get_device_name) instead of the CPU probe.
 
 --llama-cpp adds llama.cpp's batched decode of the largest level's requests on the same GGUF file (one context,
-a sequence each; bench/peers/llama_cpp.py, after `make bench-peers`) to every round, reported as
+a sequence each; bench/peers/llama_cpp_peer.py, after `make bench-peers`) to every round, reported as
 `speedup_vs_llama_cpp_batched` (tandem float32 or bfloat16 against llama.cpp on the file's own Q4_1 weights).
 
 The last line of output is one JSON object with every number.
@@ -223,13 +223,11 @@ def measure(args: argparse.Namespace) -> dict:
     hf_run, hf_static = transformers_runner(dtype, device)
     llama = None
     if args.llama_cpp:
-        from bench.peers import llama_cpp
+        from bench.peers import llama_cpp_peer as llama_cpp
         from tandem.engine.loader import default_model_path
 
-        top_requests = requests[:max(levels)]
-        llm = llama_cpp.load(str(default_model_path()), args.threads, n_seq_max=len(top_requests),
-                             n_ctx=len(top_requests) * (max(map(len, top_requests)) + args.tokens))
-        llama = lambda: llama_cpp.batched_rate(llm, top_requests, args.tokens)  # noqa: E731
+        llm = llama_cpp.load(str(default_model_path()), args.threads, n_ctx=2048)
+        llama = lambda: llama_cpp.batched_rate(llm, requests[:max(levels)], args.tokens, args.threads)  # noqa: E731
     # This machine's speed drifts (shared host): each round measures every level and the peer back to back, and
     # the reported numbers are medians over rounds (speed-ups: median of the per-round ratios).
     rounds = []
@@ -238,7 +236,7 @@ def measure(args: argparse.Namespace) -> dict:
         row["transformers"] = hf_run(requests[:args.hf_requests], args.tokens)
         row["transformers_static"] = hf_static(requests[:max(levels)], args.tokens)
         if llama:
-            row["llama_cpp_batched"] = llama()
+            row["llama_cpp_batched"] = {k: v for k, v in llama().items() if k != "token_ids"}
         rounds.append(row)
         print(f"round {r + 1}: " + ", ".join(f"{k}: {v['tokens_per_s']:.1f} tok/s" for k, v in row.items()),
               file=sys.stderr)

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from bench.peers import llama_cpp
+from bench.peers import llama_cpp_peer as llama_cpp
 
 
 def test_a_missing_peer_says_how_to_install_it(monkeypatch):

@@ -1,7 +1,7 @@
 """llama.cpp on the same GGUF file as tandem's embedded model, through llama-cpp-python (`make bench-peers` builds
 it for this CPU): batch-1 decode, and batched decode of many sequences at once, greedy, with the same threads.
 
-    .venv/bin/python bench/peers/llama_cpp.py [--threads 2] [--tokens 64] [--sequences 64]
+    .venv/bin/python bench/peers/llama_cpp_peer.py [--threads 2] [--tokens 64] [--sequences 64]
 
 Batch-1 decode rate is measured as bench/decode_roofline.py measures tandem: (tokens - 1) / (time of a
 `tokens`-token generation - time of a 1-token one), so prefill and set-up cancel out. Batched decode: `sequences`
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -21,7 +22,10 @@ from pathlib import Path
 import numpy as np
 
 
-def load(model_path: str, threads: int, n_ctx: int, n_seq_max: int = 1):
+BATCH = 512  # tokens per llama_decode call of the batched run (llama.cpp's default batch)
+
+
+def load(model_path: str, threads: int, n_ctx: int):
     """A llama_cpp.Llama on model_path (raises ImportError with how to install it when it is missing)."""
     try:
         import llama_cpp
@@ -29,7 +33,7 @@ def load(model_path: str, threads: int, n_ctx: int, n_seq_max: int = 1):
         raise ImportError("llama-cpp-python is not installed: run `make bench-peers` (it builds llama.cpp for "
                           "this CPU)") from e
     return llama_cpp.Llama(model_path=model_path, n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
-                           n_batch=2048, n_ubatch=2048, n_seq_max=n_seq_max, verbose=False)
+                           n_batch=BATCH, n_ubatch=BATCH, verbose=bool(os.environ.get("LLAMA_VERBOSE")))
 
 
 def greedy(llm, ids: list[int], tokens: int) -> list[int]:
@@ -55,50 +59,57 @@ def batch1_rate(llm, prompts: list[list[int]], tokens: int) -> float:
     return len(prompts) * (tokens - 1) / (full - one)
 
 
-def batched_rate(llm, prompts: list[list[int]], tokens: int) -> dict:
-    """Every prompt its own sequence in one context; one llama_decode per step for all of them."""
+def batched_rate(llm, prompts: list[list[int]], tokens: int, threads: int) -> dict:
+    """Every prompt its own sequence in one context of llm's model (a unified KV cache, one sequence id each):
+    the prompts in batches of up to BATCH tokens, then one llama_decode per step for all of them."""
     import llama_cpp
 
-    ctx, n_vocab = llm.ctx, llm.n_vocab()
-    capacity = max(sum(len(p) for p in prompts), len(prompts))
-    batch = llama_cpp.llama_batch_init(capacity, 0, len(prompts))
+    n_vocab = llm.n_vocab()
+    params = llama_cpp.llama_context_default_params()
+    params.n_ctx = len(prompts) * (max(map(len, prompts)) + tokens)
+    params.n_batch = params.n_ubatch = BATCH
+    params.n_seq_max, params.kv_unified = len(prompts), True
+    params.n_threads = params.n_threads_batch = threads
+    ctx = llama_cpp.llama_init_from_model(llm.model, params)
+    if not ctx:
+        raise RuntimeError("llama.cpp could not make a context for the batched run")
+    batch = llama_cpp.llama_batch_init(BATCH, 0, 1)
 
-    def fill(entries: list[tuple[int, int, int, bool]]) -> None:
-        batch.n_tokens = len(entries)
-        for i, (token, pos, seq, logits) in enumerate(entries):
-            batch.token[i], batch.pos[i], batch.n_seq_id[i] = token, pos, 1
-            batch.seq_id[i][0] = seq
-            batch.logits[i] = logits
-
-    def argmax(row: int) -> int:
-        logits = llama_cpp.llama_get_logits_ith(ctx, row)
-        return int(np.argmax(np.ctypeslib.as_array(logits, shape=(n_vocab,))))
+    def decode(entries: list[tuple[int, int, int, bool]]) -> dict[int, int]:
+        """Decodes (token, position, sequence, wants logits) entries, BATCH at a time; returns the greedy next
+        token of each sequence that wanted logits."""
+        chosen = {}
+        for first in range(0, len(entries), BATCH):
+            chunk = entries[first:first + BATCH]
+            batch.n_tokens = len(chunk)
+            for i, (token, pos, seq, logits) in enumerate(chunk):
+                batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = token, pos, 1, logits
+                batch.seq_id[i][0] = seq
+            if llama_cpp.llama_decode(ctx, batch) != 0:
+                raise RuntimeError("llama_decode failed")
+            for i, (_, _, seq, logits) in enumerate(chunk):
+                if logits:
+                    row = llama_cpp.llama_get_logits_ith(ctx, i)
+                    chosen[seq] = int(np.argmax(np.ctypeslib.as_array(row, shape=(n_vocab,))))
+        return chosen
 
     try:
-        llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(ctx), True)
         start = time.perf_counter()
-        entries, rows = [], []
-        for seq, ids in enumerate(prompts):
-            for pos, token in enumerate(ids):
-                entries.append((token, pos, seq, pos == len(ids) - 1))
-            rows.append(len(entries) - 1)
-        fill(entries)
-        if llama_cpp.llama_decode(ctx, batch) != 0:
-            raise RuntimeError("llama_decode failed on the prompts")
-        last = [argmax(r) for r in rows]
+        last = decode([(token, pos, seq, pos == len(ids) - 1)
+                       for seq, ids in enumerate(prompts) for pos, token in enumerate(ids)])
         positions = [len(p) for p in prompts]
-        generated = len(prompts)
+        outputs = [[last[s]] for s in range(len(prompts))]
         for _ in range(tokens - 1):
-            fill([(last[s], positions[s], s, True) for s in range(len(prompts))])
-            if llama_cpp.llama_decode(ctx, batch) != 0:
-                raise RuntimeError("llama_decode failed in a decode step")
-            last = [argmax(s) for s in range(len(prompts))]
+            last = decode([(last[s], positions[s], s, True) for s in range(len(prompts))])
             positions = [p + 1 for p in positions]
-            generated += len(prompts)
+            for s, out in enumerate(outputs):
+                out.append(last[s])
         elapsed = time.perf_counter() - start
     finally:
         llama_cpp.llama_batch_free(batch)
-    return {"tokens_per_s": generated / elapsed, "seconds": elapsed, "sequences": len(prompts)}
+        llama_cpp.llama_free(ctx)
+    return {"tokens_per_s": tokens * len(prompts) / elapsed, "seconds": elapsed, "sequences": len(prompts),
+            "token_ids": outputs}
 
 
 def main() -> None:
@@ -118,12 +129,10 @@ def main() -> None:
     path = str(default_model_path())
     llm = load(path, args.threads, n_ctx=2048)
     rate = batch1_rate(llm, requests[:3], args.tokens)
-    del llm
-    llm = load(path, args.threads, n_ctx=args.sequences * (max(map(len, requests)) + args.tokens),
-               n_seq_max=args.sequences)
-    batched = batched_rate(llm, requests, args.tokens)
+    batched = batched_rate(llm, requests, args.tokens, args.threads)
     print(f"llama.cpp: batch-1 decode {rate:.1f} tok/s; {args.sequences} sequences "
           f"{batched['tokens_per_s']:.1f} tok/s", file=sys.stderr)
+    batched.pop("token_ids")
     print(json.dumps({"machine": machine_line(), "model": path, "threads": args.threads, "tokens": args.tokens,
                       "batch1_tokens_per_s": rate, "batched": batched}))
 
