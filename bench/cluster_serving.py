@@ -116,11 +116,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=32)
-    parser.add_argument("--modes", default="disaggregated,colocated,in_process")
+    parser.add_argument("--modes", default="disaggregated,colocated,in_process",
+                        help="also: parallel (local-parallel.yaml: prefill tp=2, decode pp=2)")
     args = parser.parse_args()
     results = {"requests": args.requests, "tokens": args.tokens}
     runs = {"disaggregated": lambda: bench_cluster("local.yaml", args.requests, args.tokens),
             "colocated": lambda: bench_cluster("local-colocated.yaml", args.requests, args.tokens),
+            "parallel": lambda: bench_cluster("local-parallel.yaml", args.requests, args.tokens),
             "in_process": lambda: bench_in_process(args.requests, args.tokens)}
     for mode in args.modes.split(","):
         print(f"== {mode}", file=sys.stderr, flush=True)
