@@ -1,0 +1,64 @@
+"""The example manifests of deploy/manifests as shipped: each is valid and has the layout its comments promise (the
+checks every manifest gets, and their errors, are test_manifest.py's)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tandem.cluster.manifest_checks import validate_file
+
+MANIFESTS = Path(__file__).resolve().parents[2] / "deploy" / "manifests"
+
+
+@pytest.fixture(autouse=True)
+def _load_embedded_once(embedded_shape_once):
+    """validate_file loads the embedded model's shape once for the session (tests/conftest.py)."""
+
+
+def test_local_manifest_gives_each_pool_its_own_core():
+    """What `make run` starts: one process per pool, each pinned to its own CPU with one torch thread."""
+    manifest = validate_file(MANIFESTS / "local.yaml", check_ports=False)
+    assert manifest.mode == "disaggregated" and manifest.model_path is None
+    prefill, decode = manifest.pools.prefill, manifest.pools.decode
+    assert prefill.parallelism.world_size == decode.parallelism.world_size == 1
+    assert (prefill.cpu_affinity, decode.cpu_affinity) == ((0,), (1,))
+    assert prefill.resources.bundle() == {"CPU": 1.0, "prefill": 1}
+    assert decode.resources.bundle() == {"CPU": 1.0, "decode": 1}
+    assert manifest.listen.grpc == "127.0.0.1:50051" and manifest.listen.http == "127.0.0.1:8000"
+
+
+def test_local_parallel_manifest_is_valid():
+    manifest = validate_file(MANIFESTS / "local-parallel.yaml", check_ports=False)
+    assert manifest.mode == "disaggregated"
+    assert manifest.model_path is None  # embedded
+    assert [name for name, _ in manifest.pool_items()] == ["prefill", "decode"]
+    prefill, decode = manifest.pools.prefill, manifest.pools.decode
+    assert (prefill.parallelism.tp, prefill.parallelism.pp, prefill.parallelism.ep) == (2, 1, 1)
+    assert (decode.parallelism.tp, decode.parallelism.pp, decode.parallelism.ep) == (1, 2, 1)
+    assert prefill.parallelism.world_size == decode.parallelism.world_size == 2
+    assert prefill.engine.kv_cache_bytes == decode.engine.kv_cache_bytes == 256 << 20
+    assert prefill.engine.block_size == decode.engine.block_size == 16
+    assert prefill.engine.max_model_len == 2048
+    assert prefill.resources.bundle() == {"CPU": 0.5, "prefill": 1}
+    assert decode.resources.bundle() == {"CPU": 0.5, "decode": 1}
+    assert prefill.replicas.start == decode.replicas.start == 1
+    assert manifest.router.policy == "cache_aware" and manifest.router.weights.queued_prefill_tokens == 0.5
+    assert manifest.router.local_prefill_max_tokens == 0 and not manifest.router.session_affinity
+    assert manifest.transport.kind == "ucx" and manifest.transport.lease_s == 30
+    assert manifest.listen.grpc == "127.0.0.1:50051" and manifest.listen.http == "127.0.0.1:8000"
+    assert manifest.auth.api_keys == []
+    assert manifest.ray.address is None
+
+
+def test_local_colocated_manifest_is_valid():
+    manifest = validate_file(MANIFESTS / "local-colocated.yaml", check_ports=False)
+    assert manifest.mode == "colocated"
+    assert manifest.pools.prefill is None
+    assert [name for name, _ in manifest.pool_items()] == ["decode"]
+    decode = manifest.pools.decode
+    assert (decode.parallelism.tp, decode.parallelism.pp, decode.parallelism.ep) == (1, 1, 1)  # one process
+    assert decode.resources.cpus == 2.0 and decode.cpu_affinity is None  # two torch threads, wherever Ray runs it
+    assert decode.engine.kv_cache_bytes == 512 << 20 and decode.engine.max_num_seqs == 64
+    assert manifest.listen.grpc == "127.0.0.1:50051" and manifest.listen.http == "127.0.0.1:8000"
