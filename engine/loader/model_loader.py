@@ -11,13 +11,13 @@ import torch
 
 from tandem.engine.cpu_features import CpuFeatures, cpu_features
 from tandem.engine.errors import ModelLoadError
+from tandem.engine.kernel_tuning import KernelTuner
 from tandem.engine.loader.checkpoint import Checkpoint
 from tandem.engine.loader.gguf_file import load_gguf
 from tandem.engine.loader.hf_folder import load_hf_folder, shard_files
 from tandem.engine.loader.model_info import load_model_info, resolve_model_path
 from tandem.engine.model_config import ModelConfig
 from tandem.engine.models import LlamaModel, build_model
-from tandem.engine.kernel_tuning import KernelTuner
 from tandem.engine.models.linear import fixed_plan
 from tandem.engine.tokenizer import Tokenizer
 

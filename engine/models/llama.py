@@ -20,8 +20,8 @@ import torch.nn.functional as F
 from tandem.engine.attention import AttentionMetadata, TorchAttentionBackend
 from tandem.engine.attention.torch_ref import FIXED_DECODE_PLAN, tuned_decode_plan
 from tandem.engine.cpu_features import FEATURES, CpuFeatures, cpu_features
-from tandem.engine.kernel_tuning import KernelTuner
 from tandem.engine.errors import ModelLoadError
+from tandem.engine.kernel_tuning import KernelTuner
 from tandem.engine.kv_cache import PagedKVCache
 from tandem.engine.model_config import ModelConfig
 from tandem.engine.models.int4 import Int4Linear, Int4Weight
@@ -179,8 +179,8 @@ class LlamaModel:
         choice (default: this process's probe; ignored off the CPU). tuner: times the candidate kernels of each
         projection shape and of decode attention on this CPU and keeps the fastest (default: as the environment
         says, engine/kernel_tuning.py; a disabled tuner keeps the probe's fixed choices). Raises ModelLoadError
-        on bad shapes,
-        ValueError if packed weights are combined with a dtype other than bfloat16 or a device other than the CPU."""
+        on bad shapes, ValueError if packed weights are combined with a dtype other than bfloat16 or a device other
+        than the CPU."""
         check_weights(config, weights, source)  # source names the checkpoint in errors
         self.config = config
         self.dtype = dtype
