@@ -47,19 +47,20 @@ LAYOUTS = {
 
 @dataclass(frozen=True)
 class KernelSpec:
+    """What a kernel (described in the module docstring) runs on: its layout, and the dtypes it runs."""
+
     layout: str
-    title: str
     needs: dict[torch.dtype, str | None]  # the dtypes it runs, each with the CpuFeatures flag it needs (or None)
 
 
 _F32, _BF16 = torch.float32, torch.bfloat16
 KERNELS = {
-    "split": KernelSpec("columns", "column-split bmm", {_F32: None}),
-    "onednn_t": KernelSpec("columns", "oneDNN on the transposed view", {_F32: "onednn"}),
-    "linear": KernelSpec("rows", "F.linear", {_F32: None, _BF16: None}),
-    "onednn": KernelSpec("rows", "oneDNN", {_F32: "onednn", _BF16: "onednn_bf16"}),
-    "widen": KernelSpec("rows", "float32 over widened weight chunks", {_BF16: None}),
-    "onednn_packed": KernelSpec("blocked", "oneDNN, blocked weight", {_F32: "onednn", _BF16: "onednn_bf16"}),
+    "split": KernelSpec("columns", {_F32: None}),
+    "onednn_t": KernelSpec("columns", {_F32: "onednn"}),
+    "linear": KernelSpec("rows", {_F32: None, _BF16: None}),
+    "onednn": KernelSpec("rows", {_F32: "onednn", _BF16: "onednn_bf16"}),
+    "widen": KernelSpec("rows", {_BF16: None}),
+    "onednn_packed": KernelSpec("blocked", {_F32: "onednn", _BF16: "onednn_bf16"}),
 }
 # Rows timed when tuning: batch-1 decode up to a prefill chunk. A product of r rows takes the kernel of the bucket
 # nearest to r on a log scale.
