@@ -120,6 +120,9 @@ class EngineLimits(_Strict):
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: CUDA when Ray gave the rank a GPU (resources.gpus)
     dtype: Literal["float32", "bfloat16"] | None = None  # None: bfloat16 on CUDA, float32 on the CPU
     attention_backend: Literal["auto", "torch", "triton"] = "auto"  # auto: Triton on CUDA, torch elsewhere
+    # Compile the decode step at start-up (engine/models/compiled.py). None: on for the pools that decode (unless
+    # TANDEM_COMPILE=off), off for a disaggregated cluster's prefill pool.
+    compile: bool | None = None
 
     @field_validator("kv_cache_bytes", mode="before")
     @classmethod

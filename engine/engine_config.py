@@ -26,6 +26,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     check_integrity: bool = False  # verify KV ownership after every step (debug; costs O(blocks) per step)
     attention_backend: str = "auto"  # one of ATTENTION_BACKENDS
+    # Compile the decode step (engine/models/compiled.py) at start-up; None: as TANDEM_COMPILE says (default on).
+    compile: bool | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

@@ -53,10 +53,20 @@ def machine_key(cpu: CpuFeatures, threads: int) -> dict[str, object]:
             "threads": threads, "format": FORMAT}
 
 
+def machine_digest(cpu: CpuFeatures, threads: int) -> str:
+    """machine_key as a short name: what a file or folder of per-machine answers is called."""
+    return hashlib.sha256(json.dumps(machine_key(cpu, threads), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def cache_root() -> Path:
+    """Where tandem keeps what it measures or compiles per machine: $TANDEM_CACHE_DIR, else
+    $XDG_CACHE_HOME/tandem, else ~/.cache/tandem."""
+    return Path(os.environ.get(CACHE_ENV) or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "tandem"))
+
+
 def default_cache_dir() -> Path:
-    base = os.environ.get(CACHE_ENV) or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "tandem")
-    return Path(base) / "kernels"
+    return cache_root() / "kernels"
 
 
 def time_per_call(calls: Sequence[Callable[[], object]], repeats: int = 3, budget_s: float = 0.01) -> float:
@@ -148,8 +158,7 @@ class KernelTuner:
         self.enabled = enabled
         self.threads = threads or torch.get_num_threads()
         self.key = machine_key(cpu, self.threads)
-        digest = hashlib.sha256(json.dumps(self.key, sort_keys=True).encode()).hexdigest()[:16]
-        self.path = (cache_dir or default_cache_dir()) / f"{digest}.json"
+        self.path = (cache_dir or default_cache_dir()) / f"{machine_digest(cpu, self.threads)}.json"
         self._entries: dict[str, dict] | None = None
 
     @classmethod

@@ -27,6 +27,7 @@ from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.scheduler_output import RunnerOutput, SchedulerOutput
 
 if TYPE_CHECKING:
+    from tandem.engine.models.compiled import CompiledDecode
     from tandem.engine.parallel.comm import ParallelComm
 
 
@@ -98,6 +99,8 @@ class ModelRunner:
         # Told after each layer which sequences' prompts this step completes (seq id -> block table): the KV
         # transfer agent sends their layer's KV from there (engine/llm_engine.py, kv_transfer/agent.py).
         self.layer_observer = None
+        # The model's compiled decode step (engine/models/compiled.py), or None: every step runs eager.
+        self.compiled: CompiledDecode | None = None
 
     def execute(self, chunks: Sequence[SequenceChunk]) -> torch.Tensor:
         """Computes every chunk, writing its K/V to the cache. Returns float32 logits [len(chunks), vocab] of
@@ -127,7 +130,7 @@ class ModelRunner:
                 hidden, work = receives[i]
                 self.comm.wait(work)
             start = time.perf_counter()
-            out = self.model.forward(ids, positions, meta, self.kv_cache, hidden, observers[i])
+            out = self.model.forward(ids, positions, meta, self.kv_cache, hidden, observers[i], self.compiled)
             self.times.forward += time.perf_counter() - start
             if shard.is_last_stage:
                 outputs.append(out[torch.tensor(meta.query_start_loc[1:], device=self.device) - 1])

@@ -10,6 +10,9 @@ import torch
 
 # Two cores on CI: one process, two threads.
 torch.set_num_threads(min(2, os.cpu_count() or 1))
+# Engines run eager unless a test asks for the compiled decode step (tests/engine/test_compiled.py): compiling
+# the step of each model a test builds would take minutes of the suite.
+os.environ.setdefault("TANDEM_COMPILE", "off")
 # Without a GPU, Triton kernels run on Triton's CPU interpreter (read when a kernel module is imported).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

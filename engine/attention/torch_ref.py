@@ -13,6 +13,8 @@ by number of sequences.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -36,12 +38,10 @@ class TorchAttentionBackend:
     decode_plan: BucketPlan = FIXED_DECODE_PLAN  # which DECODE_KERNELS entry runs a decode batch, by its size
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor, meta: AttentionMetadata) -> None:
-        """Stores new K/V ([T, Hk, D]) into one layer's cache kv at meta.slot_mapping."""
+        """Stores new K/V ([T, Hk, D]) into one layer's cache kv at meta.slot_mapping: one indexed copy for both."""
         d = kv.shape[4]
-        rows = meta.kv_rows(kv.shape[2])
-        flat = kv.view(2, -1, d)
-        flat[0].index_copy_(0, rows, k.reshape(-1, d))
-        flat[1].index_copy_(0, rows, v.reshape(-1, d))
+        rows = meta.kv_rows(kv.shape[2], kv.shape[1])
+        kv.view(-1, d).index_copy_(0, rows, torch.cat([k.reshape(-1, d), v.reshape(-1, d)]))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor,
                 meta: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
@@ -59,18 +59,17 @@ class TorchAttentionBackend:
 
         With one query per sequence, grouped-query attention is ordinary attention in which each KV head's
         group of query heads plays the role of the query length: [B, Hk, group, D] against [B, Hk, S, D].
-        Two batched products and a softmax over contiguous K/V run about twice as fast on the CPU as
-        scaled_dot_product_attention does for such short queries.
+        What every layer of the step shares (the gather's rows, the mask, the kernel) is worked out once per step
+        (DecodeGather), so a layer runs one indexed write, one gather of K and V together, and the kernel.
         """
-        bs = meta.block_size
-        max_len = max(meta.seq_lens)
-        nblocks = -(-max_len // bs)
+        step = meta.per_step(("decode", kv.shape[1:3], window), lambda: DecodeGather.build(
+            meta, kv.shape[1], kv.shape[2], window, self.decode_plan))
         b, hk, d = meta.num_seqs, kv.shape[2], kv.shape[4]
-        keys, values = (_gather_blocks(kv[i], meta.block_tables[:, :nblocks])
-                        .view(b, hk, nblocks * bs, d)[:, :, :max_len] for i in (0, 1))
+        both = F.embedding(step.rows, kv.view(-1, kv.shape[3] * d)).view(2, b, hk, -1, d)
+        if both.shape[3] != step.max_len:
+            both = both[:, :, :, : step.max_len]
         grouped = q.view(b, hk, q.shape[1] // hk, d)  # query heads of one KV head are adjacent
-        kernel = self.decode_plan.kernel_for(b)
-        out = decode_kernel(kernel, grouped, keys, values, meta.decode_hidden(window), scale)
+        out = decode_kernel(step.kernel, grouped, both[0], both[1], step.mask, scale)
         return out.reshape(b, q.shape[1], d)
 
     def _mixed(self, q, k, v, kv, meta, scale, window):
@@ -105,14 +104,15 @@ class TorchAttentionBackend:
 def decode_kernel(kernel: str, grouped: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                   hidden: torch.Tensor, scale: float) -> torch.Tensor:
     """One query per sequence: grouped [B, Hk, group, D] against keys/values [B, Hk, S, D]; hidden [B, S] is True
-    where a key is not visible. Returns [B, Hk, group, D]."""
+    where a key is not visible (None: every key is). Returns [B, Hk, group, D]."""
     if kernel == "grouped":
         scores = torch.matmul(grouped, keys.transpose(-1, -2)).mul_(scale)  # [B, Hk, group, S]
-        scores.masked_fill_(hidden[:, None, None, :], float("-inf"))
+        if hidden is not None:
+            scores.masked_fill_(hidden[:, None, None, :], float("-inf"))
         return torch.matmul(torch.softmax(scores, dim=-1), values)
     if kernel == "sdpa":
-        return F.scaled_dot_product_attention(grouped, keys, values, attn_mask=~hidden[:, None, None, :],
-                                              scale=scale)
+        mask = None if hidden is None else ~hidden[:, None, None, :]
+        return F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask, scale=scale)
     raise ValueError(f"unknown decode attention kernel {kernel!r}; known: {', '.join(DECODE_KERNELS)}")
 
 
@@ -140,6 +140,29 @@ def tuned_decode_plan(tuner: KernelTuner, dtype: torch.dtype, num_kv_heads: int,
 
     entry = f"decode attention {str(dtype).removeprefix('torch.')} {num_kv_heads}x{group}x{head_dim}"
     return BucketPlan.from_json(tuner.choose(entry, measure)["kernels"])
+
+
+@dataclass(frozen=True)
+class DecodeGather:
+    """What every layer of a decode-only step shares: rows [2, B, Hk, n] of a layer's cache viewed as
+    [2 * num_blocks * Hk, block_size * D] (K's rows, then V's), the longest sequence, which key positions are hidden
+    (None when none is: one sequence without a window) and the decode kernel for this many sequences."""
+
+    rows: torch.Tensor
+    max_len: int
+    mask: torch.Tensor | None
+    kernel: str
+
+    @classmethod
+    def build(cls, meta: AttentionMetadata, num_blocks: int, num_kv_heads: int, window: int | None,
+              plan: BucketPlan) -> DecodeGather:
+        max_len = max(meta.seq_lens)
+        table = meta.block_tables[:, : -(-max_len // meta.block_size)]
+        k_rows = table.unsqueeze(-2) * num_kv_heads + torch.arange(num_kv_heads, device=table.device)[:, None]
+        rows = torch.stack([k_rows, k_rows + num_blocks * num_kv_heads])
+        needs_mask = meta.num_seqs > 1 or (window is not None and max_len > window)
+        mask = meta.decode_hidden(window) if needs_mask else None
+        return cls(rows, max_len, mask, plan.kernel_for(meta.num_seqs))
 
 
 def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:

@@ -32,6 +32,7 @@ from tandem.engine.models.rope import RotaryEmbedding
 from tandem.engine.parallel.layout import ParallelConfig, RankShard, ReplicaLayout, split_evenly
 
 if TYPE_CHECKING:
+    from tandem.engine.models.compiled import CompiledDecode, CompiledOps
     from tandem.engine.parallel.comm import ParallelComm
 
 _log = logging.getLogger(__name__)
@@ -157,6 +158,23 @@ class _Layer:
     window: int | None
     q_norm: torch.Tensor | None = None  # [head_dim], Qwen3's per-head query/key norms
     k_norm: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class _EagerOps:
+    """Weight products and attention as plain calls: what forward runs when the step is not compiled."""
+
+    model: LlamaModel
+    meta: AttentionMetadata
+    kv_cache: PagedKVCache
+    on_layer: Callable[[int], None] | None
+
+    @staticmethod
+    def project(projection: Linear | Int4Linear, x: torch.Tensor) -> torch.Tensor:
+        return projection(x)
+
+    def attend(self, index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return self.model.attend(index, q, k, v, self.meta, self.kv_cache, self.on_layer)
 
 
 class LlamaModel:
@@ -359,18 +377,38 @@ class LlamaModel:
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_cache: PagedKVCache, hidden: torch.Tensor | None = None,
-                on_layer: Callable[[int], None] | None = None) -> torch.Tensor:
+                on_layer: Callable[[int], None] | None = None, compiled: CompiledDecode | None = None) -> torch.Tensor:
         """input_ids, positions: [T] int64 (the batch's new tokens, flattened). A later pipeline stage passes
         the previous stage's output as `hidden` [T, hidden_size] instead of embedding input_ids. Returns the
         hidden states [T, hidden_size]: normed on the last stage, the residual stream on the others.
 
         Mutates kv_cache: each new token's K/V is written at meta.slot_mapping in every layer this rank holds.
         on_layer(global layer index) is called as soon as a layer's K/V is written (KV transfer sends it while
-        the next layers compute).
+        the next layers compute). compiled: this model's compiled decode step (engine/models/compiled.py), which
+        runs a decode-only batch it was warmed up for.
         """
-        cfg = self.config
         if int(positions.max()) >= self.rope.max_positions:
             raise ValueError(f"position {int(positions.max())} is beyond the model's {self.rope.max_positions}")
+        if compiled is not None and hidden is None and meta.is_decode_only and meta.num_seqs <= compiled.max_batch:
+            out = compiled(input_ids, positions, meta, kv_cache, on_layer)
+            if out is not None:
+                return out
+        return self.run_layers(input_ids, positions, hidden, _EagerOps(self, meta, kv_cache, on_layer))
+
+    def attend(self, index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+               kv_cache: PagedKVCache, on_layer: Callable[[int], None] | None) -> torch.Tensor:
+        """Layer `index` (of this rank's) attention: writes k/v to its cache, tells on_layer, returns [T, Hq * D]."""
+        layer = self.layers[index]
+        out = self.attention.forward(q, k, v, kv_cache.layer(index), meta, self.scale, layer.window)
+        if on_layer is not None:
+            on_layer(self.shard.layers[index])
+        return out
+
+    def run_layers(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor | None,
+                   ops: _EagerOps | CompiledOps) -> torch.Tensor:
+        """forward's body, with weight products and attention through `ops` (eager calls, or the custom ops a
+        compiled step traces: engine/models/compiled.py)."""
+        cfg = self.config
         t = positions.shape[0]
         hq, hk = self.num_heads, self.num_kv_heads
         q_size, kv_size = hq * cfg.head_dim, hk * cfg.head_dim
@@ -380,7 +418,7 @@ class LlamaModel:
         pending = None  # the last MLP's output, added to h together with the next norm
         for index, layer in enumerate(self.layers):
             x, h = self._add_norm(h, pending, layer.input_norm, fused)
-            qkv = layer.qkv(x)
+            qkv = ops.project(layer.qkv, x)
             qk = qkv[:, : q_size + kv_size].view(t, hq + hk, cfg.head_dim)
             if layer.q_norm is not None:
                 q, k = qk.split([hq, hk], dim=1)
@@ -392,12 +430,10 @@ class LlamaModel:
                 qk = self.rope.rotate(qk, cos, sin)
             q, k = qk.split([hq, hk], dim=1)
             v = qkv[:, q_size + kv_size :].reshape(t, hk, cfg.head_dim)
-            attn = layer.o(self.attention.forward(q, k, v, kv_cache.layer(index), meta, self.scale, layer.window))
-            if on_layer is not None:
-                on_layer(self.shard.layers[index])
+            attn = ops.project(layer.o, ops.attend(index, q, k, v))
             x, h = self._add_norm(h, attn if self.comm is None else self.comm.all_reduce_tp(attn), layer.post_norm,
                                   fused)
-            out = layer.mlp(x)
+            out = layer.mlp(x, ops.project) if isinstance(layer.mlp, GatedMLP) else layer.mlp(x)
             pending = out if self.comm is None or isinstance(layer.mlp, MoEBlock) else self.comm.all_reduce_tp(out)
         if self.norm is None:
             return h if pending is None else h + pending

@@ -19,10 +19,16 @@ class GatedMLP:
     gate_up: Linear | Int4Linear  # [hidden] -> [2 * columns]: gate, then up
     down: Linear | Int4Linear  # [columns] -> [hidden]
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(F.silu(gate) * up)
+    def __call__(self, x: torch.Tensor, project=None) -> torch.Tensor:
+        """project(projection, x): how a product runs (default: calling it; a compiled step passes its op)."""
+        project = project or _call
+        gate, up = project(self.gate_up, x).chunk(2, dim=-1)
+        return project(self.down, F.silu(gate) * up)
 
     @property
     def nbytes(self) -> int:
         return self.gate_up.nbytes + self.down.nbytes
+
+
+def _call(projection: Linear | Int4Linear, x: torch.Tensor) -> torch.Tensor:
+    return projection(x)

@@ -62,3 +62,18 @@ def test_local_colocated_manifest_is_valid():
     assert decode.resources.cpus == 2.0 and decode.cpu_affinity is None  # two torch threads, wherever Ray runs it
     assert decode.engine.kv_cache_bytes == 512 << 20 and decode.engine.max_num_seqs == 64
     assert manifest.listen.grpc == "127.0.0.1:50051" and manifest.listen.http == "127.0.0.1:8000"
+
+
+def test_the_decode_pools_compile_their_step_and_the_prefill_pool_does_not():
+    """engine.compile unset: the replica's EngineConfig leaves it to TANDEM_COMPILE (on by default) where the pool
+    decodes, and turns it off for a disaggregated cluster's prefill pool; a value in the manifest wins."""
+    from tandem.cluster.manifest_yaml import parse_manifest
+    from tandem.cluster.replica_plans import replica_plans
+
+    manifest = validate_file(MANIFESTS / "local.yaml", check_ports=False)
+    assert {plan.pool: plan.spec.engine.compile for plan in replica_plans(manifest)} == {"prefill": False,
+                                                                                          "decode": None}
+    text = (MANIFESTS / "local.yaml").read_text()
+    assert "engine: {block_size: 16," in text
+    forced = parse_manifest(text.replace("engine: {block_size: 16,", "engine: {compile: true, block_size: 16,", 1))
+    assert {plan.pool: plan.spec.engine.compile for plan in replica_plans(forced)}["prefill"] is True

@@ -7,6 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from tandem.engine.attention import AttentionMetadata, TorchAttentionBackend
+from tandem.engine.attention.torch_ref import DECODE_KERNELS
+from tandem.engine.kernel_tuning import BucketPlan
 from tandem.engine.model_runner import ModelRunner, SequenceChunk
 
 HQ, HK, D, BS, NUM_BLOCKS = 6, 2, 16, 4, 64
@@ -52,15 +54,17 @@ def test_mixed_batch_matches_dense(window):
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("kernel", sorted(DECODE_KERNELS))
+@pytest.mark.parametrize("lengths", [[5, 17, 1, 12], [17]], ids=["batch", "one"])  # one: no padding mask
 @pytest.mark.parametrize("window", [None, 3])
-def test_batched_decode_matches_dense(window):
+def test_batched_decode_matches_dense(window, lengths, kernel):
     g = torch.Generator().manual_seed(1)
-    lengths = [5, 17, 1, 12]
     full = [(torch.randn(n, HQ, D, generator=g), torch.randn(n, HK, D, generator=g), torch.randn(n, HK, D, generator=g))
             for n in lengths]
     tables = [[8 * i + j for j in range(-(-n // BS))][::-1] for i, n in enumerate(lengths)]  # reversed order
     kv = torch.zeros(2, NUM_BLOCKS, HK, BS, D)
     backend = TorchAttentionBackend()
+    backend.decode_plan = BucketPlan(((1, kernel),))
     prior = [n - 1 for n in lengths]
     idx = [i for i, p in enumerate(prior) if p]
     pre = AttentionMetadata.build([prior[i] for i in idx], [0] * len(idx), [tables[i] for i in idx], BS,

@@ -1,0 +1,233 @@
+"""The compiled decode step: the model's layers under torch.compile, with attention and the weight products left
+as opaque calls.
+
+A decode step runs about a thousand small eager ops (norms, rotary, residual adds, SiLU, views) between the weight
+products and attention. Compiled with inductor (C++ on the CPU), the ops between two opaque calls become one fused
+kernel and the step is one call instead of a Python loop. What stays opaque, as torch custom ops:
+
+- `tandem::attend`: paged attention, which reads the step's block tables and writes the KV cache (neither is a
+  tensor the graph could own), run by the model's attention backend as in eager mode. The graph is thus cut
+  around attention, as vLLM cuts its piecewise graphs; on the CPU the pieces need no separate capture, so they
+  stay one compiled function with the attention calls inside.
+- `tandem::project`: each weight product, so that it keeps the kernel the tuner measured fastest for its shape
+  and row count on this CPU (engine/models/linear.py) and its weight layout (oneDNN's blocked layout cannot be a
+  graph input).
+
+Batch sizes come in two buckets, each compiled once at warm-up (engine start), never on a request: one sequence
+(static shapes) and 2..max_batch sequences (one graph with a symbolic batch size). After warm-up a call that would
+need another compilation runs eager instead, with a warning. Compilation that fails leaves the model eager, with
+the reason logged. Only a decode-only step of a whole model in one process is compiled; prefill chunks, mixed
+batches, multi-process replicas, MoE layers and CUDA devices run eager (the CUDA path with CUDA graphs over the
+pieces is not built yet).
+
+Settings: EngineConfig.compile (the manifest's `engine.compile`), and TANDEM_COMPILE=off, which turns it off
+where the config leaves it unset. Inductor's cache lives under tandem's cache directory, one folder per machine key
+(engine/kernel_tuning.py: CPU model, torch's capability, flags, oneDNN's ISA cap, torch version, threads), so the
+first start on a machine compiles (about half a minute per bucket on 2 cores for the embedded model) and later
+starts read the cache. Inductor's own key does not cover torch's capability setting: code cached under
+ATEN_CPU_CAPABILITY=avx512 and run under avx2 produced NaN (measured), so one shared folder is not safe where home
+directories are shared by different CPUs. A TORCHINDUCTOR_CACHE_DIR set before tandem starts is used as it is.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import types
+import weakref
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+import torch
+
+from tandem.engine.kernel_tuning import cache_root, machine_digest
+
+if TYPE_CHECKING:
+    from tandem.engine.attention import AttentionMetadata
+    from tandem.engine.kv_cache import PagedKVCache
+    from tandem.engine.models.llama import LlamaModel
+
+COMPILE_ENV = "TANDEM_COMPILE"
+
+_log = logging.getLogger(__name__)
+_projections: weakref.WeakValueDictionary[int, Callable] = weakref.WeakValueDictionary()
+_models: weakref.WeakValueDictionary[int, LlamaModel] = weakref.WeakValueDictionary()
+_handles = iter(range(1 << 62))
+_step = threading.local()  # the running step's StepContext (None during warm-up)
+_INDUCTOR_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
+_user_inductor_cache = os.environ.get(_INDUCTOR_CACHE_ENV)  # read before inductor writes its default there
+
+
+@dataclass(frozen=True)
+class StepContext:
+    meta: AttentionMetadata
+    kv_cache: PagedKVCache
+    on_layer: Callable[[int], None] | None
+
+
+def compile_enabled(setting: bool | None) -> bool:
+    """The config's setting, or where it is None, TANDEM_COMPILE (default on)."""
+    if setting is not None:
+        return setting
+    return os.environ.get(COMPILE_ENV, "on").lower() not in ("0", "off", "false", "no")
+
+
+def register_projection(projection: Callable) -> int:
+    handle = next(_handles)
+    _projections[handle] = projection
+    return handle
+
+
+# The ops are defined with torch.library.Library rather than the custom_op decorator: its dispatch costs about 2 us
+# less per call, and a step makes five calls per layer.
+_library = torch.library.Library("tandem", "DEF")
+_library.define("project(Tensor x, int handle) -> Tensor")
+_library.define("attend(Tensor q, Tensor k, Tensor v, int model, int layer) -> Tensor")
+
+
+def project(x: torch.Tensor, handle: int) -> torch.Tensor:
+    return _projections[handle](x)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, model: int, layer: int) -> torch.Tensor:
+    """The model's attention for one layer of the running step: writes k/v to its cache, returns [T, Hq * D].
+    During warm-up (no step) it returns zeros and touches nothing."""
+    step = getattr(_step, "context", None)
+    if step is None:
+        return q.new_zeros(q.shape[0], q.shape[1] * q.shape[2])
+    return _models[model].attend(layer, q, k, v, step.meta, step.kv_cache, step.on_layer)
+
+
+_library.impl("project", project, "CPU")
+_library.impl("attend", attend, "CPU")
+
+
+@torch.library.register_fake("tandem::project", lib=_library)
+def _(x: torch.Tensor, handle: int) -> torch.Tensor:
+    return x.new_empty(x.shape[0], _projections[handle].out_features)
+
+
+@torch.library.register_fake("tandem::attend", lib=_library)
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, model: int, layer: int) -> torch.Tensor:
+    return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+
+
+class CompiledOps:
+    """What the model's layer loop calls for products and attention when it is traced: the custom ops above."""
+
+    def __init__(self, model_handle: int):
+        self.model_handle = model_handle
+
+    @staticmethod
+    def project(projection, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.tandem.project(x, projection.compile_handle)
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return torch.ops.tandem.attend(q, k, v, self.model_handle, layer)
+
+
+def why_not_compiled(model: LlamaModel) -> str | None:
+    """Why this model's decode step cannot be compiled here, or None if it can."""
+    if model.device.type != "cpu":
+        return f"the compiled step runs on the CPU only so far ({model.device.type} runs eager)"
+    if model.comm is not None:
+        return "the replica spans processes (the compiled step is for a whole model in one process)"
+    if any(not hasattr(layer.mlp, "gate_up") for layer in model.layers):
+        return "MoE layers route tokens by data, which the compiled step does not trace"
+    return None
+
+
+class CompiledDecode:
+    """The model's decode step compiled for 1..max_batch sequences. Build it with `compile_decode`."""
+
+    def __init__(self, model: LlamaModel, max_batch: int):
+        self.max_batch = max_batch
+        self.compiles = 0  # graphs inductor compiled (one per bucket after warm-up)
+        self.fallbacks = 0  # steps run eager because they would have needed another compilation
+        handle = next(_handles)
+        _models[handle] = model
+        for projection in model.projections():  # a projection keeps its handle: graphs compiled earlier hold it
+            if not hasattr(projection, "compile_handle"):
+                projection.compile_handle = register_projection(projection)
+        ops = CompiledOps(handle)
+
+        def layers(input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+            return model.run_layers(input_ids, positions, None, ops)
+
+        # Dynamo keeps compiled graphs per code object, and every instance's `layers` would share one: give each its
+        # own, so that its cache holds exactly its two buckets (and the guards that tell them apart are the only
+        # ones a step checks, skip_guard_eval_unsafe below) however many models a process compiles.
+        code = layers.__code__.replace(co_name=f"decode_step_{handle}")
+        layers = types.FunctionType(code, layers.__globals__, code.co_name, None, layers.__closure__)
+        self._fn = torch.compile(layers, backend=self._backend, fullgraph=True)
+        self.steps = 0  # decode steps run compiled
+        self._warned = False
+
+    def _backend(self, graph: torch.fx.GraphModule, example_inputs):
+        from torch._inductor.compile_fx import compile_fx
+
+        self.compiles += 1
+        return compile_fx(graph, example_inputs)
+
+    def warm_up(self) -> float:
+        """Compiles every bucket (1, and 2..max_batch when max_batch > 1). Returns the seconds it took. Raises
+        what compilation raises."""
+        start = time.perf_counter()
+        sizes = [1] if self.max_batch == 1 else [1, 2]
+        with torch.inference_mode():
+            for size in sizes:
+                ids = torch.zeros(size, dtype=torch.int64)
+                positions = torch.zeros(size, dtype=torch.int64)
+                if size > 1:
+                    torch._dynamo.mark_dynamic(ids, 0, min=2, max=self.max_batch)
+                    torch._dynamo.mark_dynamic(positions, 0, min=2, max=self.max_batch)
+                self._fn(ids, positions)
+        return time.perf_counter() - start
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                 kv_cache: PagedKVCache, on_layer: Callable[[int], None] | None) -> torch.Tensor | None:
+        """The step's hidden states, or None if it needs a graph warm-up did not compile (the caller runs it
+        eager)."""
+        _step.context = StepContext(meta, kv_cache, on_layer)
+        try:
+            # Guards: only those that differ between this step's two graphs (the batch size) are checked; what the
+            # others check (the model and its weights) does not change after warm-up.
+            with torch.compiler.set_stance("fail_on_recompile", skip_guard_eval_unsafe=True):
+                out = self._fn(input_ids, positions)
+            self.steps += 1
+            return out
+        except RuntimeError as e:
+            if "recompil" not in str(e).lower():
+                raise
+            self.fallbacks += 1
+            if not self._warned:
+                self._warned = True
+                _log.warning("compiled decode step: a batch of %d sequences needs a graph warm-up did not compile; "
+                             "such steps run eager (%s)", input_ids.shape[0], str(e).splitlines()[0])
+            return None
+        finally:
+            _step.context = None
+
+
+def compile_decode(model: LlamaModel, max_batch: int) -> CompiledDecode | None:
+    """The model's compiled decode step, warmed up for 1..max_batch sequences; None (eager) where it cannot be
+    compiled or compilation fails, with the reason logged."""
+    reason = why_not_compiled(model)
+    if reason is not None:
+        _log.info("decode step runs eager: %s", reason)
+        return None
+    os.environ[_INDUCTOR_CACHE_ENV] = _user_inductor_cache or str(
+        cache_root() / "inductor" / machine_digest(model.cpu, torch.get_num_threads()))
+    buckets = "1" if max_batch == 1 else f"1 and 2-{max_batch}"
+    _log.info("compiling the decode step for %s sequences (the first time on this machine takes about half a "
+              "minute per bucket; later starts read %s)", buckets, os.environ[_INDUCTOR_CACHE_ENV])
+    try:
+        compiled = CompiledDecode(model, max_batch)
+        seconds = compiled.warm_up()
+    except Exception as e:  # noqa: BLE001 - any compiler failure leaves the model eager, which is always correct
+        _log.warning("decode step runs eager: compilation failed: %s: %s", type(e).__name__, " ".join(str(e).split()))
+        return None
+    _log.info("compiled the decode step for %s sequences in %.1f s", buckets, seconds)
+    return compiled
