@@ -163,7 +163,9 @@ class ReplicaSet:
         entry.become("ready")
         gpus = [r.visible_gpus for r in entry.info.ranks if r.visible_gpus]
         attention = entry.info.ranks[0].attention if entry.info.ranks else "?"
+        step = entry.info.ranks[0].decode_step if entry.info.ranks else ""
         self.say(f"{plan.name} ready on node {entry.info.node} ({entry.info.device}, attention {attention}"
+                 + (f", decode step {step}" if step else "")
                  + (f", GPUs {' | '.join(gpus)}" if gpus else "") + f"): {entry.info.kv_blocks_total} KV blocks; "
                  + "; ".join(entry.info.layout))
 

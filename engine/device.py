@@ -88,3 +88,4 @@ class RankPlacement:
     visible_gpus: str | None  # its CUDA_VISIBLE_DEVICES (None: not set)
     attention: str = ""  # the attention backend it runs and why, e.g. "triton (cuda)"
     cpus: tuple[int, ...] | None = None  # the host CPUs it may run on (os.sched_getaffinity; None: not Linux)
+    decode_step: str = ""  # compiled or eager, and why (engine/models/compiled.py decode_step_summary)

@@ -38,7 +38,7 @@ from tandem.engine.kv_cache_manager import KVCacheManager
 from tandem.engine.kv_events import KVEventSink, discard_events
 from tandem.engine.loader.model_loader import LoadedModel
 from tandem.engine.model_runner import ModelRunner
-from tandem.engine.models.compiled import compile_decode, compile_enabled
+from tandem.engine.models.compiled import compile_decode, compile_enabled, decode_step_summary
 from tandem.engine.parallel.layout import ParallelConfig, ReplicaLayout
 from tandem.engine.output_processor import OutputProcessor, RequestOutput
 from tandem.engine.request import RequestStatus, Sequence, token_stop_status
@@ -100,13 +100,15 @@ class LLMEngine:
             num_blocks = blocks_for(available_memory_bytes(device))  # after the weights were loaded
             loaded.model.attention = select_backend(config.attention_backend, device)
             self.runner = ModelRunner(loaded.model, PagedKVCache(self._kv_spec(num_blocks), device))
-            if compile_enabled(config.compile):
+            compiling = compile_enabled(config.compile)
+            if compiling:
                 self.runner.compiled = compile_decode(loaded.model, config.max_num_seqs)
             # This process's KV transfer agent (None without kv_agent, or when the ranks hold their own).
             self.local_kv_agent = kv_agent(0, self.layout, self.runner.kv_cache) if kv_agent else None
             self.runner.layer_observer = self.local_kv_agent
             self.rank_placements = (RankPlacement(0, os.getpid(), str(device), os.environ.get("CUDA_VISIBLE_DEVICES"),
-                                                  loaded.model.attention.choice.summary(), current_cpus()),)
+                                                  loaded.model.attention.choice.summary(), current_cpus(),
+                                                  decode_step_summary(loaded.model, compiling, self.runner.compiled)),)
         else:
             from tandem.engine.ranks.executor import MultiprocExecutor, free_port
             from tandem.engine.ranks.worker import WorkerSpec

@@ -165,6 +165,11 @@ class CompiledDecode:
         self.steps = 0  # decode steps run compiled
         self._warned = False
 
+    @property
+    def buckets(self) -> str:
+        """The batch sizes compiled, in words."""
+        return "1" if self.max_batch == 1 else f"1 and 2-{self.max_batch}"
+
     def _backend(self, graph: torch.fx.GraphModule, example_inputs):
         from torch._inductor.compile_fx import compile_fx
 
@@ -220,7 +225,7 @@ def compile_decode(model: LlamaModel, max_batch: int) -> CompiledDecode | None:
         return None
     os.environ[_INDUCTOR_CACHE_ENV] = _user_inductor_cache or str(
         cache_root() / "inductor" / machine_digest(model.cpu, torch.get_num_threads()))
-    buckets = "1" if max_batch == 1 else f"1 and 2-{max_batch}"
+    buckets = "1" if max_batch == 1 else f"1 and 2-{max_batch}"  # as CompiledDecode.buckets says it
     _log.info("compiling the decode step for %s sequences (the first time on this machine takes about half a "
               "minute per bucket; later starts read %s)", buckets, os.environ[_INDUCTOR_CACHE_ENV])
     try:
@@ -231,3 +236,14 @@ def compile_decode(model: LlamaModel, max_batch: int) -> CompiledDecode | None:
         return None
     _log.info("compiled the decode step for %s sequences in %.1f s", buckets, seconds)
     return compiled
+
+
+def decode_step_summary(model: LlamaModel, enabled: bool, compiled: CompiledDecode | None) -> str:
+    """How a rank runs decode steps, for the replica's ready line: compiled for which batch sizes, or eager
+    and why."""
+    if compiled is not None:
+        return f"compiled ({compiled.buckets} sequences)"
+    if not enabled:
+        return "eager (compile off)"
+    reason = why_not_compiled(model)
+    return f"eager ({reason or 'compilation failed; the replica log says why'})"

@@ -79,6 +79,7 @@ def run_worker(rank: int, spec: WorkerSpec, conn: Connection) -> None:
         from tandem.engine.loader.model_loader import load_checkpoint
         from tandem.engine.model_runner import ModelRunner
         from tandem.engine.models import build_model
+        from tandem.engine.models.compiled import decode_step_summary
         from tandem.engine.parallel.comm import ParallelComm
 
         torch.set_num_threads(pinned_threads(spec.threads, cpus, f"rank {rank}"))
@@ -108,7 +109,8 @@ def run_worker(rank: int, spec: WorkerSpec, conn: Connection) -> None:
         if spec.kv_agent is not None:
             agent = runner.layer_observer = spec.kv_agent(rank, layout, runner.kv_cache)
         conn.send(("ready", RankPlacement(rank, os.getpid(), str(device), os.environ.get("CUDA_VISIBLE_DEVICES"),
-                                          model.attention.choice.summary(), current_cpus())))
+                                          model.attention.choice.summary(), current_cpus(),
+                                          decode_step_summary(model, True, None))))  # eager: spans processes
         while True:
             message = pickle.loads(conn.recv_bytes())
             kind = message[0]

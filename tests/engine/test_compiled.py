@@ -11,7 +11,7 @@ import torch
 from tandem.engine.engine_config import EngineConfig
 from tandem.engine.llm_engine import LLMEngine
 from tandem.engine.loader import load_model
-from tandem.engine.models.compiled import compile_decode, compile_enabled, why_not_compiled
+from tandem.engine.models.compiled import compile_decode, compile_enabled, decode_step_summary, why_not_compiled
 from tandem.engine.sampling_params import SamplingParams
 from tests.engine.engine_helpers import run_all
 from tests.engine.test_parity_embedded import PROMPTS, _prompt_ids
@@ -39,10 +39,12 @@ def test_greedy_output_is_eager_output_on_the_parity_prompts(embedded):
     prompts = [_prompt_ids(embedded.tokenizer, spec) for _, spec in sorted(PROMPTS.items())]
     with _engine(embedded, False) as eager:
         assert eager.runner.compiled is None
+        assert eager.rank_placements[0].decode_step == "eager (compile off)"
         expected = _greedy(eager, prompts)
     with _engine(embedded, True) as engine:
         compiled = engine.runner.compiled
         assert compiled is not None and compiled.compiles == 2  # warm-up: one sequence, and 2-4
+        assert engine.rank_placements[0].decode_step == "compiled (1 and 2-4 sequences)"
         assert _greedy(engine, prompts) == expected
         assert compiled.steps > 0  # decode steps ran compiled ...
         assert compiled.compiles == 2 and compiled.fallbacks == 0  # ... and none needed a new graph
@@ -97,6 +99,7 @@ def test_compilation_failure_leaves_the_engine_eager(tiny, monkeypatch, caplog):
     with caplog.at_level(logging.WARNING, logger="tandem.engine.models.compiled"):
         with _engine(tiny, True) as engine:
             assert engine.runner.compiled is None
+            assert engine.rank_placements[0].decode_step.startswith("eager (compilation failed")
             monkeypatch.undo()
             prompts = [list(range(10, 20))]
             got = _greedy(engine, prompts, 8)
@@ -110,6 +113,7 @@ def test_what_is_not_compiled_says_why(embedded, tmp_path):
     moe = load_model(tmp_path, progress=False).model
     assert "MoE" in why_not_compiled(moe)
     assert compile_decode(moe, 4) is None
+    assert decode_step_summary(moe, True, None).startswith("eager (MoE layers")
     assert why_not_compiled(embedded.model) is None
 
 
