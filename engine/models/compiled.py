@@ -38,6 +38,7 @@ import time
 import types
 import weakref
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 import torch
@@ -55,9 +56,11 @@ _log = logging.getLogger(__name__)
 _projections: weakref.WeakValueDictionary[int, Callable] = weakref.WeakValueDictionary()
 _models: weakref.WeakValueDictionary[int, LlamaModel] = weakref.WeakValueDictionary()
 _handles = iter(range(1 << 62))
-_step = threading.local()  # the running step's StepContext (None during warm-up)
+# The running step's StepContext (None during warm-up), set and cleared around one compiled call: an op inside a
+# compiled graph takes tensors and numbers only, so the step's block tables and cache reach `attend` this way (as
+# vLLM's forward context does), the one place the engine keeps such a context.
+_step = threading.local()
 _INDUCTOR_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
-_user_inductor_cache = os.environ.get(_INDUCTOR_CACHE_ENV)  # read before inductor writes its default there
 
 
 @dataclass(frozen=True)
@@ -216,6 +219,16 @@ class CompiledDecode:
             _step.context = None
 
 
+def _use_inductor_cache(folder: Path) -> None:
+    """Points inductor's cache at `folder` unless the user chose one: inductor writes its own default into
+    TORCHINDUCTOR_CACHE_DIR the first time it looks, so that value counts as unset."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    chosen = os.environ.get(_INDUCTOR_CACHE_ENV)
+    if chosen is None or os.path.abspath(chosen) == os.path.abspath(default_cache_dir()):
+        os.environ[_INDUCTOR_CACHE_ENV] = str(folder)
+
+
 def compile_decode(model: LlamaModel, max_batch: int) -> CompiledDecode | None:
     """The model's compiled decode step, warmed up for 1..max_batch sequences; None (eager) where it cannot be
     compiled or compilation fails, with the reason logged."""
@@ -223,8 +236,7 @@ def compile_decode(model: LlamaModel, max_batch: int) -> CompiledDecode | None:
     if reason is not None:
         _log.info("decode step runs eager: %s", reason)
         return None
-    os.environ[_INDUCTOR_CACHE_ENV] = _user_inductor_cache or str(
-        cache_root() / "inductor" / machine_digest(model.cpu, torch.get_num_threads()))
+    _use_inductor_cache(cache_root() / "inductor" / machine_digest(model.cpu, torch.get_num_threads()))
     buckets = "1" if max_batch == 1 else f"1 and 2-{max_batch}"  # as CompiledDecode.buckets says it
     _log.info("compiling the decode step for %s sequences (the first time on this machine takes about half a "
               "minute per bucket; later starts read %s)", buckets, os.environ[_INDUCTOR_CACHE_ENV])

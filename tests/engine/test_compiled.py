@@ -4,6 +4,7 @@ start-up and none on a request, and eager wherever it cannot compile."""
 from __future__ import annotations
 
 import logging
+import os
 
 import pytest
 import torch
@@ -154,7 +155,6 @@ def test_the_compiled_cache_is_kept_per_cpu_capability(embedded, tmp_path):
     """Inductor's own cache key leaves out torch's CPU capability: code cached by an AVX-512 process and loaded by
     an AVX2 one (ATEN_CPU_CAPABILITY=avx2, as on a shared home directory) computed NaN. tandem keeps one inductor
     cache per machine key, so each process here compiles its own code and matches eager."""
-    import os
     import subprocess
     import sys
 
@@ -171,3 +171,19 @@ def test_the_compiled_cache_is_kept_per_cpu_capability(embedded, tmp_path):
         capabilities.append(done.stdout.split()[-1])
     assert capabilities[1] == "AVX2"
     assert len(list((tmp_path / "cache" / "inductor").iterdir())) == (1 if capabilities[0] == "AVX2" else 2)
+
+
+def test_a_cache_folder_the_user_chose_is_kept(monkeypatch, tmp_path):
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    from tandem.engine.models.compiled import _use_inductor_cache
+
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    _use_inductor_cache(tmp_path / "ours")
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "ours")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())  # what inductor writes when it looks first
+    _use_inductor_cache(tmp_path / "ours")
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "ours")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "theirs"))
+    _use_inductor_cache(tmp_path / "ours")
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "theirs")
