@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from tandem.engine.kernel_tuning import cache_root, machine_digest
+from tandem.engine.models.mlp import GatedMLP
 
 if TYPE_CHECKING:
     from tandem.engine.attention import AttentionMetadata
@@ -71,10 +72,14 @@ class StepContext:
 
 
 def compile_enabled(setting: bool | None) -> bool:
-    """The config's setting, or where it is None, TANDEM_COMPILE (default on)."""
+    """The config's setting, or where it is None, TANDEM_COMPILE (on or off; default on). Raises ValueError for
+    another value, as TANDEM_KERNEL_TUNING does."""
     if setting is not None:
         return setting
-    return os.environ.get(COMPILE_ENV, "on").lower() not in ("0", "off", "false", "no")
+    value = os.environ.get(COMPILE_ENV, "on").strip().lower() or "on"
+    if value not in ("on", "off"):
+        raise ValueError(f"{COMPILE_ENV} must be on or off, got {os.environ[COMPILE_ENV]!r}")
+    return value == "on"
 
 
 def register_projection(projection: Callable) -> int:
@@ -137,7 +142,7 @@ def why_not_compiled(model: LlamaModel) -> str | None:
         return f"the compiled step runs on the CPU only so far ({model.device.type} runs eager)"
     if model.comm is not None:
         return "the replica spans processes (the compiled step is for a whole model in one process)"
-    if any(not hasattr(layer.mlp, "gate_up") for layer in model.layers):
+    if any(not isinstance(layer.mlp, GatedMLP) for layer in model.layers):
         return "MoE layers route tokens by data, which the compiled step does not trace"
     return None
 
@@ -237,16 +242,15 @@ def compile_decode(model: LlamaModel, max_batch: int) -> CompiledDecode | None:
         _log.info("decode step runs eager: %s", reason)
         return None
     _use_inductor_cache(cache_root() / "inductor" / machine_digest(model.cpu, torch.get_num_threads()))
-    buckets = "1" if max_batch == 1 else f"1 and 2-{max_batch}"  # as CompiledDecode.buckets says it
-    _log.info("compiling the decode step for %s sequences (the first time on this machine takes about half a "
-              "minute per bucket; later starts read %s)", buckets, os.environ[_INDUCTOR_CACHE_ENV])
     try:
-        compiled = CompiledDecode(model, max_batch)
+        compiled = CompiledDecode(model, max_batch)  # compiles nothing yet: warm_up does
+        _log.info("compiling the decode step for %s sequences (the first time on this machine takes about half a "
+                  "minute per bucket; later starts read %s)", compiled.buckets, os.environ[_INDUCTOR_CACHE_ENV])
         seconds = compiled.warm_up()
     except Exception as e:  # noqa: BLE001 - any compiler failure leaves the model eager, which is always correct
         _log.warning("decode step runs eager: compilation failed: %s: %s", type(e).__name__, " ".join(str(e).split()))
         return None
-    _log.info("compiled the decode step for %s sequences in %.1f s", buckets, seconds)
+    _log.info("compiled the decode step for %s sequences in %.1f s", compiled.buckets, seconds)
     return compiled
 
 

@@ -125,6 +125,9 @@ def test_the_setting(monkeypatch):
     assert compile_enabled(None) is False and compile_enabled(True) is True
     monkeypatch.setenv("TANDEM_COMPILE", "on")
     assert compile_enabled(False) is False
+    monkeypatch.setenv("TANDEM_COMPILE", "no")  # a typo must not silently compile (or not)
+    with pytest.raises(ValueError, match="TANDEM_COMPILE must be on or off"):
+        compile_enabled(None)
 
 
 CHECK_SCRIPT = """
