@@ -1,10 +1,14 @@
-"""KV transfer throughput and layer-wise pipelining, over UCX between two processes on this host.
+"""KV transfer throughput and layer-wise pipelining between two processes on this host.
 
 Batched transfers: a sender and a receiver process, each one rank with the embedded model's KV shape
 (SmolLM2-135M: 30 layers x 3 KV heads x 64, 16-token blocks, float32 as the engine keeps it). The receiver
 reserves blocks for --requests requests of --tokens tokens each (for 1, 16 and 256 requests by default), the
-sender pushes them all (gather from the KV store, keyed BLAKE3 MAC, UCX send; receive, verify, scatter on the
-other side), and a request counts as done when the receiver has acknowledged it. Reported: payload GB/s, the
+sender pushes them all, and a request counts as done when the receiver has acknowledged it. Two paths, rounds
+interleaved in one run: "shared memory" (the descriptors name the receiver's shared-memory domain, as a decode
+replica's do: the sender gathers into its shared staging, only the MAC'd header and ref cross UCX, the receiver
+copies from the sender's slot into its blocks; kv_transfer/shm.py) and "transport" (no domain: gather, keyed
+BLAKE3 MAC, UCX send; receive, verify, scatter). Each request's blocks are one run on both sides, as a fresh
+request's are; --scattered permutes them (no plain strided copies). Reported: payload GB/s, the
 per-request latency (issue to acknowledgement; p50 and max), and a plain memory copy of the same bytes in the
 same run (np.copyto, request-sized chunks into a buffer far larger than the caches) as the peer: the ratio is
 transfer rate / memcpy rate. A second peer, the bare transport (16 MiB tagged messages between two processes,
@@ -21,7 +25,7 @@ receiver's acknowledgement. The same bytes are then sent again with no compute (
 Hidden share = 1 - exposed / standalone.
 
     .venv/bin/python bench/kv_transfer.py [--requests 1 16 256] [--tokens 512] [--prefill-tokens 2048] [--rounds 3]
-                                          [--device cpu|cuda]
+                                          [--device cpu|cuda] [--scattered]
 
 The last line of output is one JSON object with every number.
 """
@@ -84,18 +88,21 @@ def receiver(conn, max_blocks: int, device: str, secret: bytes) -> None:
         if message[0] == "stop":
             agent.close()
             return
-        if message[0] == "reserve":  # (ids, blocks per request, tokens per request, the sender's address)
-            _, ids, per, tokens, sender_address = message
+        if message[0] == "reserve":  # (ids, blocks per request, tokens per request, the sender's address,
+            _, ids, per, tokens, sender_address, shared, scattered = message  # shared memory, scattered blocks)
             descs = []
+            domains = (agent.shared_memory_domain(),) if shared else ()
             for i, transfer_id in enumerate(ids):
                 blocks = list(range(i * per, (i + 1) * per))
+                if scattered:
+                    blocks = blocks[1::2] + blocks[::2]
                 deadline = time.time() + 600
                 agent.expect(transfer_id, blocks, deadline, (sender_address,))
                 descs.append(TransferDescriptor(transfer_id, layout, (agent.address,), tuple(blocks), tokens, kv,
-                                                deadline))
+                                                deadline, domains))
             conn.send(("descs", descs))
         elif message[0] == "path":
-            conn.send(("path", agent.stats().path))
+            conn.send(("path", agent.stats().path, agent.shared_memory_domain()))
         elif message[0] == "release":
             for transfer_id in message[1]:
                 agent.release(transfer_id)
@@ -208,31 +215,40 @@ def raw_ucx_rate(nbytes: int, chunk: int) -> float:
     return nbytes / elapsed / 1e9
 
 
-def batched(agent, conn, requests: int, tokens: int, rounds: int, src_blocks: list[int], device: str) -> dict:
+def batched(agent, conn, requests: int, tokens: int, rounds: int, src_blocks: list[int], device: str,
+            paths: list[str], scattered: bool) -> dict:
+    """Every path's rate (median of rounds, the paths' rounds interleaved) against the peers; the first path's
+    is transfer_GBps."""
     per = -(-tokens // BLOCK)
     payload = LAYERS * KV_HEADS * per * 2 * BLOCK * HEAD_DIM * 4
-    rates, latencies = [], []
+    rates = {path: [] for path in paths}
+    latencies = {path: [] for path in paths}
+    by_reference = {path: 0 for path in paths}
     for r in range(rounds):
-        ids = [f"b{requests}-{r}-{i}" for i in range(requests)]
-        conn.send(("reserve", ids, per, tokens, agent.address))
-        descs = conn.recv()[1]
-        issued = {}
-        start = time.perf_counter()
-        for desc in descs:
-            issued[desc.transfer_id] = time.perf_counter()
-            agent.arm(desc)
-            agent.send_all(desc.transfer_id, src_blocks)
-        done = wait_done(agent, ids, issued)
-        elapsed = time.perf_counter() - start
-        rates.append(requests * payload / elapsed / 1e9)
-        latencies.extend(done.values())
-        for transfer_id in ids:
-            agent.release(transfer_id)
-        conn.send(("release", ids))
-        conn.recv()
+        for path in paths:
+            ids = [f"b{requests}-{r}-{path}-{i}" for i in range(requests)]
+            conn.send(("reserve", ids, per, tokens, agent.address, path == "shared memory", scattered))
+            descs = conn.recv()[1]
+            issued = {}
+            sent_by_reference = agent.stats().by_reference
+            start = time.perf_counter()
+            for desc in descs:
+                issued[desc.transfer_id] = time.perf_counter()
+                agent.arm(desc)
+                agent.send_all(desc.transfer_id, src_blocks)
+            done = wait_done(agent, ids, issued)
+            elapsed = time.perf_counter() - start
+            rates[path].append(requests * payload / elapsed / 1e9)
+            latencies[path].extend(done.values())
+            by_reference[path] += agent.stats().by_reference - sent_by_reference
+            for transfer_id in ids:
+                agent.release(transfer_id)
+            conn.send(("release", ids))
+            conn.recv()
     raw = raw_ucx_rate(min(requests, 64) * payload, 16 << 20)
-    rate = statistics.median(rates)
-    result = {"requests": requests, "tokens": tokens, "bytes_per_request": payload, "transfer_GBps": round(rate, 3)}
+    rate = statistics.median(rates[paths[0]])
+    result = {"requests": requests, "tokens": tokens, "bytes_per_request": payload, "path": paths[0],
+              "transfer_GBps": round(rate, 3)}
     if device == "cuda":
         d2d, d2h = cuda_copy_rates(requests * payload, payload, rounds)
         result.update({"d2d_GBps": round(d2d, 3), "ratio_to_d2d": round(rate / d2d, 3),
@@ -244,15 +260,25 @@ def batched(agent, conn, requests: int, tokens: int, rounds: int, src_blocks: li
         result.update({"memcpy_GBps": round(copy, 3), "ratio": round(rate / copy, 3)})
         peers = f"memcpy {copy:.2f} GB/s (ratio {rate / copy:.2f})"
     result.update({"raw_ucx_GBps": round(raw, 3), "ratio_to_raw_ucx": round(rate / raw, 3),
-                   "latency_ms_p50": round(1e3 * statistics.median(latencies), 2),
-                   "latency_ms_max": round(1e3 * max(latencies), 2), "rates_GBps": [round(x, 3) for x in rates]})
-    log(f"{requests:4d} x {tokens} tokens: {rate:.2f} GB/s vs {peers}, bare UCX {raw:.2f} GB/s "
-        f"(ratio {rate / raw:.2f}), latency p50 {result['latency_ms_p50']} ms, max {result['latency_ms_max']} ms")
+                   "latency_ms_p50": round(1e3 * statistics.median(latencies[paths[0]]), 2),
+                   "latency_ms_max": round(1e3 * max(latencies[paths[0]]), 2),
+                   "rates_GBps": [round(x, 3) for x in rates[paths[0]]]})
+    result["paths"] = {path: {"GBps": round(statistics.median(rates[path]), 3),
+                              "ratio_to_first": round(statistics.median(rates[path]) / rate, 3),
+                              "latency_ms_p50": round(1e3 * statistics.median(latencies[path]), 2),
+                              "messages_by_reference": by_reference[path]} for path in paths}
+    if device != "cuda":
+        for row in result["paths"].values():
+            row["ratio_to_memcpy"] = round(row["GBps"] / copy, 3)
+    log(f"{requests:4d} x {tokens} tokens: {rate:.2f} GB/s ({paths[0]}) vs {peers}, bare UCX {raw:.2f} GB/s "
+        f"(ratio {rate / raw:.2f}), latency p50 {result['latency_ms_p50']} ms, max {result['latency_ms_max']} ms; "
+        + ", ".join(f"{path}: {row['GBps']:.2f} GB/s" for path, row in result["paths"].items()))
     return result
 
 
-def pipelining(conn, prefill_tokens: int, rounds: int, device: str, secret: bytes) -> dict:
-    """The embedded model's prefill with layer-wise sends vs the same transfer alone (see the docstring)."""
+def pipelining(conn, prefill_tokens: int, rounds: int, device: str, secret: bytes, shared: bool) -> dict:
+    """The embedded model's prefill with layer-wise sends vs the same transfer alone (see the docstring);
+    shared: through shared memory (as between replicas of one host), else through the transport."""
     import torch
 
     from tandem.engine.engine_config import EngineConfig
@@ -274,7 +300,7 @@ def pipelining(conn, prefill_tokens: int, rounds: int, device: str, secret: byte
     for r in range(rounds):
         prompt = [(7 * i + r) % 40000 + 100 for i in range(prefill_tokens)]
         ids = [f"p-{r}", f"alone-{r}"]
-        conn.send(("reserve", ids, per, prefill_tokens, agent.address))
+        conn.send(("reserve", ids, per, prefill_tokens, agent.address, shared, False))
         piped, alone = conn.recv()[1]
         agent.arm(piped, seq_id=f"prompt-{r}#0")
         engine.add_request(f"prompt-{r}", prompt, SamplingParams(max_tokens=1, temperature=0))
@@ -312,13 +338,20 @@ def sender(conn, address: str, args, secret: bytes) -> None:
     cache = make_store(per, fill=True, device=args.device)
     agent, _ = make_agent(cache, TransferConfig(staging_bytes=256 << 20, secret=secret))
     conn.send(("path",))
-    paths = {"sender": agent.stats().path, "receiver": conn.recv()[1]}
-    log(f"KV stores on {args.device}; transfer paths: {paths}")
-    results = {"batched": [batched(agent, conn, n, args.tokens, args.rounds, list(range(per)), args.device)
-                           for n in args.requests]}
+    _, receiver_path, receiver_domain = conn.recv()
+    paths = {"sender": agent.stats().path, "receiver": receiver_path,
+             "shared_memory": {"sender": agent.stats().shared_memory, "receiver_domain": bool(receiver_domain)}}
+    shared = agent.stats().shared_memory == "on" and receiver_domain == agent.shared_memory_domain()
+    compared = ["shared memory", "transport"] if shared else ["transport"]
+    log(f"KV stores on {args.device}; transfer paths: {paths}; compared: {compared}")
+    src_blocks = list(range(per))
+    if args.scattered:
+        src_blocks = src_blocks[::-1]
+    results = {"batched": [batched(agent, conn, n, args.tokens, args.rounds, src_blocks, args.device, compared,
+                                   args.scattered) for n in args.requests]}
     agent.close()
     if args.prefill_tokens:
-        results["pipelining"] = pipelining(conn, args.prefill_tokens, args.rounds, args.device, secret)
+        results["pipelining"] = pipelining(conn, args.prefill_tokens, args.rounds, args.device, secret, shared)
     conn.send(("stop",))
     print(json.dumps({"peer_address": address, "device": args.device, "paths": paths, **results}), flush=True)
 
@@ -331,6 +364,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                         help="where both agents' KV stores live (cuda: the GPU, compared with GPU copies)")
+    parser.add_argument("--scattered", action="store_true",
+                        help="blocks in no run on either side (the copies go through index_select / index_copy_)")
     args = parser.parse_args()
     if args.device == "cuda":
         import torch

@@ -69,8 +69,8 @@ def transfer_config(manifest: Manifest, secret: bytes) -> TransferConfig:
     cluster's transfer secret (the controller makes one per cluster): every replica must get the same."""
     t = manifest.transport
     return TransferConfig(host=t.host or "", layer_group=t.layer_group, max_message_bytes=t.max_message_bytes,
-                          staging_bytes=t.staging_bytes, lease_s=t.lease_s, ucx_env=DEFAULT_UCX_ENV | t.ucx_env,
-                          secret=secret)
+                          staging_bytes=t.staging_bytes, lease_s=t.lease_s, shared_memory=t.shared_memory,
+                          ucx_env=DEFAULT_UCX_ENV | t.ucx_env, secret=secret)
 
 
 def resources_needed(manifest: Manifest) -> dict[str, float]:

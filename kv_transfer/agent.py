@@ -26,6 +26,14 @@ message i+1 is started before message i is sealed and sent (on a GPU the two ove
 synchronous). The transfer is DONE when every destination rank it feeds has acknowledged; a failed send, a
 negative acknowledgement or the lease passing end it otherwise, and its destination ranks are told (ABORT).
 
+Same host: where a destination rank's descriptor names this agent's shared-memory domain, its DATA messages go
+by reference (kv_transfer/shm.py): the staging buffer is a memfd that rank maps, only the header (with a ref
+and the MAC) crosses the transport, and the receiver copies the payload from the sender's slot into its blocks.
+Such slots are held until that rank's ACK (or, once the transfer ended otherwise, given back with their stamps
+cleared, which fails a copy still reading them). send_all waits up to config.room_wait_s for a
+shared slot when the pool is full; the runner's hook never waits. A message that found no shared slot goes
+with its payload. stats() says whether the path is on (and why not) and counts messages sent by reference.
+
 Devices: the KV store lives on the CPU or a CUDA device; a KVCopier (device_copy.py) does every copy between it
 and the staging slots, so this file is the same for both. The path, chosen once: "staged" (host slots, pinned
 beside a CUDA store) or "direct" (device-side slots the transport sends and receives as they are; their host
@@ -57,6 +65,7 @@ from tandem.kv_transfer.inbox import ControlMessage, DataMessage, Inbox, Receive
 from tandem.kv_transfer.plan import Message, plan_messages, plan_pieces
 from tandem.kv_transfer.rank_transfer import STATE_FOR, STATUS_FOR, Inbound, Outbound, Tombstone
 from tandem.kv_transfer.replies import Replies
+from tandem.kv_transfer.shm import PeerSegments, SharedStaging, ShmUnavailable, domain, readable
 from tandem.kv_transfer.staging import Slot, StagingPool
 from tandem.kv_transfer.transport import Transport
 from tandem.kv_transfer.wire import HEADER_BYTES, DataHeader, Kind, MessageKey, Status, make_tag, transfer_key
@@ -75,6 +84,8 @@ class AgentStats:
     device: str  # where the KV store lives: "cpu", "cuda:0", ...
     path: str  # "staged" (host staging slots) | "direct" (device-side slots handed to the transport)
     drops: MessageDrops  # messages dropped unread or unacted on, by reason, since the agent started
+    shared_memory: str = "off"  # "on", or "off (why)": same-host messages by reference (kv_transfer/shm.py)
+    by_reference: int = 0  # DATA messages sent by reference since the agent started
 
 
 @dataclass
@@ -106,13 +117,19 @@ class KVTransferAgent:
         self.key = MessageKey(config.secret)
         self.copier = KVCopier(kv_cache.data, self.layers, self.kv_heads)
         self.path = self.copier.choose_path(config.kv_path, transport.device_transports, rank)
+        self.shm, self.shared_memory = self._shared_staging()
+        self.shm_domain = domain() if self.shm is not None else ""
         self.staging = StagingPool(config.staging_bytes, self.copier.host_buffer,
-                                   self.copier.device_buffer if self.path == "direct" else None)
+                                   self.copier.device_buffer if self.path == "direct" else None,
+                                   buffer=None if self.shm is None else self.shm.buffer)
+        self.peer_segments = PeerSegments()
         self.one_off_buffers = 0
+        self.by_reference = 0
         self.drops = DropCounter(rank)
         self.inbox = Inbox(transport, self.key, self.staging, self.drops, self.copier.to_host)
         self.replies = Replies(transport, self.key, rank)
         self._lock = threading.RLock()
+        self._slot_freed = threading.Condition(self._lock)
         self._in: dict[int, Inbound] = {}
         self._out: dict[int, Outbound] = {}
         self._tombstones: dict[int, Tombstone] = {}
@@ -126,6 +143,25 @@ class KVTransferAgent:
     @property
     def address(self) -> str:
         return self.transport.address
+
+    def _shared_staging(self) -> tuple[SharedStaging | None, str]:
+        """The shared staging buffer, or None and why the same-host path is off."""
+        if not self.config.shared_memory:
+            return None, "off (shared_memory: false)"
+        if self.path != "staged" or self.copier.on_cuda:
+            return None, f"off (KV store on {self.copier.device})"
+        if not domain():
+            return None, "off (needs Linux on x86-64 with /proc)"
+        try:
+            return SharedStaging(self.config.staging_bytes), "on"
+        except OSError as e:
+            _log.warning("rank %d: no shared staging (%s); same-host transfers go through the transport",
+                         self.rank, e)
+            return None, f"off (cannot make a memfd: {e})"
+
+    def shared_memory_domain(self) -> str:
+        """The domain same-host senders must share to send this rank payloads by reference ("" : none)."""
+        return self.shm_domain
 
     # -- receiving side ------------------------------------------------------------------------------------
 
@@ -190,19 +226,20 @@ class KVTransferAgent:
             out = self._out.get(transfer_key(transfer_id))
         if out is None:
             raise ValueError(f"transfer {transfer_id!r} is not armed on rank {self.rank}")
-        self._send_messages(out, [m for m in out.messages if m.index not in out.sent], block_ids)
+        self._send_messages(out, [m for m in out.messages if m.index not in out.sent], block_ids, wait=True)
 
-    def _send_messages(self, out: Outbound, messages: list[Message], block_ids: Sequence[int]) -> None:
+    def _send_messages(self, out: Outbound, messages: list[Message], block_ids: Sequence[int],
+                       wait: bool = False) -> None:
         """Gathers and sends messages in order, one copy ahead: message i+1's copy is started before message
         i is sealed and sent. Stops at a terminal state or a release; a copy started and not sent gives
-        its slot back."""
+        its slot back. wait: a full shared staging pool is waited on (send_all), not sent around."""
         out.source_blocks = tuple(block_ids)
         ahead: _Gathered | None = None
         try:
             for m in messages:
                 if out.state.terminal:
                     break
-                current, ahead = ahead, self._gather(m, block_ids)
+                current, ahead = ahead, self._gather(m, block_ids, out if wait else None)
                 if current is not None and not self._post(out, current):
                     break
             else:
@@ -213,16 +250,17 @@ class KVTransferAgent:
             if ahead is not None:
                 self._drop(ahead)
 
-    def _gather(self, m: Message, block_ids: Sequence[int]) -> _Gathered:
-        """Takes a slot for m and starts copying m's slice of the KV store into it."""
-        slot = self._slot(HEADER_BYTES + m.nbytes(self.format.bytes_per_block_layer_head))
+    def _gather(self, m: Message, block_ids: Sequence[int], waiting: Outbound | None = None) -> _Gathered:
+        """Takes a slot for m (waiting for one on behalf of `waiting`, see _slot) and starts copying m's slice
+        of the KV store into it."""
+        slot = self._slot(HEADER_BYTES + m.nbytes(self.format.bytes_per_block_layer_head), waiting)
         rows = [block_ids[b] for b in m.blocks]
         device_payload = None if slot.device is None else slot.device[HEADER_BYTES:]
         try:
             copy = self.copier.gather_into(slot.view[HEADER_BYTES:], m.layers, m.kv_heads, rows, device_payload)
         except BaseException:
             with self._lock:
-                self.staging.release(slot)
+                self._give_back([slot])
             raise
         return _Gathered(m, slot, copy)
 
@@ -238,22 +276,35 @@ class KVTransferAgent:
             key = transfer_key(out.descriptor.transfer_id)
             nbytes = m.nbytes(self.format.bytes_per_block_layer_head)
             tag = make_tag(key, Kind.DATA, m.index)
-            header = DataHeader(m.index, out.counts[m.dst_rank], self.rank, m.layers, m.kv_heads, m.blocks, nbytes)
-            slot.view[:HEADER_BYTES] = np.frombuffer(header.seal(self.key, tag, slot.view[HEADER_BYTES:]),
-                                                     dtype=np.uint8)
-            if slot.device is not None:
-                self.copier.to_device(slot.view[:HEADER_BYTES], slot.device[:HEADER_BYTES])
+            by_reference = (self.shm is not None and slot.offset >= 0 and
+                            out.descriptor.shm_domain(m.dst_rank) == self.shm_domain)
+            ref = self.shm.ref(slot.offset + HEADER_BYTES, nbytes) if by_reference else None
+            header = DataHeader(m.index, out.counts[m.dst_rank], self.rank, m.layers, m.kv_heads, m.blocks, nbytes,
+                                ref)
+            sealed = np.frombuffer(header.seal(self.key, tag, slot.view[HEADER_BYTES:]), dtype=np.uint8)
+            if by_reference:  # the header and the ref go; the payload stays in the slot for the receiver
+                wire = np.concatenate([sealed, np.frombuffer(ref.pack(), dtype=np.uint8)])
+            else:
+                slot.view[:HEADER_BYTES] = sealed
+                if slot.device is not None:
+                    self.copier.to_device(slot.view[:HEADER_BYTES], slot.device[:HEADER_BYTES])
+                wire = slot.wire
             peer = out.descriptor.addresses[m.dst_rank]
-            handle = self.transport.send(peer, tag, slot.wire)
+            handle = self.transport.send(peer, tag, wire)
         except BaseException:
             self._drop(g)
             raise
         with self._lock:
             if self._out.get(key) is not out:  # released while this message was gathered
-                self._orphans.append((handle, slot, peer, time.monotonic()))
+                if by_reference:
+                    self._give_back([slot], reread=True)
+                self._orphans.append((handle, None if by_reference else slot, peer, time.monotonic()))
                 return False
             out.sent.add(m.index)
-            out.pending.append((handle, slot, peer))
+            out.pending.append((handle, None if by_reference else slot, peer))
+            if by_reference:
+                out.held.setdefault(m.dst_rank, []).append(slot)
+                self.by_reference += 1
             out.nbytes += nbytes
             if out.state is TransferState.RESERVED:
                 out.state = TransferState.TRANSFERRING
@@ -263,15 +314,43 @@ class KVTransferAgent:
         """Gives back the slot of a message that will not be sent, once its copy no longer writes into it."""
         g.copy.wait()
         with self._lock:
-            self.staging.release(g.slot)
+            self._give_back([g.slot])
 
-    def _slot(self, nbytes: int) -> Slot:
+    def _slot(self, nbytes: int, waiting: Outbound | None = None) -> Slot:
+        """A staging slot, else a one-off buffer (counted). With `waiting` and shared staging, a full pool is
+        waited on for up to config.room_wait_s, unless that transfer already holds half the pool itself (its
+        own slots come back only with its ACK) or already waited in vain once."""
         with self._lock:
             slot = self.staging.acquire(nbytes)
+            held = sum(s.size for slots in waiting.held.values() for s in slots) if waiting is not None else 0
+            if (slot is None and waiting is not None and self.shm is not None and not waiting.waited_in_vain and
+                    held + nbytes <= self.staging.capacity // 2):
+                deadline = time.monotonic() + self.config.room_wait_s
+                while slot is None and (left := deadline - time.monotonic()) > 0:
+                    self._slot_freed.wait(min(left, 0.01))
+                    slot = self.staging.acquire(nbytes)
+                waiting.waited_in_vain = slot is None
             if slot is None:
                 self.one_off_buffers += 1
                 slot = self.staging.one_off(nbytes)
             return slot
+
+    def _give_back(self, slots: Sequence[Slot], reread: bool = False) -> None:
+        """Returns slots to the pool (under the lock). reread: a receiver may still be reading them by
+        reference, so their stamps are cleared first (such a read then fails, kv_transfer/shm.py)."""
+        for slot in slots:
+            if reread and self.shm is not None and slot.offset >= 0:
+                self.shm.clear(slot.offset + HEADER_BYTES)
+            self.staging.release(slot)
+        self._slot_freed.notify_all()
+
+    def _give_back_held(self, out: Outbound, rank: int | None = None) -> None:
+        """Returns the shared slots out holds for destination rank (None: every rank). Those of a rank that
+        acknowledged OK were read; any others may still be (reread)."""
+        ranks = list(out.held) if rank is None else [rank]
+        for r in ranks:
+            if slots := out.held.pop(r, ()):
+                self._give_back(slots, reread=r not in out.acked)
 
     # -- both sides ----------------------------------------------------------------------------------------
 
@@ -312,6 +391,7 @@ class KVTransferAgent:
                     if not inbound:
                         now = time.monotonic()  # their slots come back when UCX is done with them
                         self._orphans.extend((h, slot, peer, now) for h, slot, peer in t.pending)
+                        self._give_back_held(t)
 
     def source_blocks(self, transfer_id: str) -> tuple[int, ...]:
         """The source blocks an armed transfer sends from (empty before its first send; tests, debugging)."""
@@ -327,14 +407,16 @@ class KVTransferAgent:
     def stats(self) -> AgentStats:
         with self._lock:
             return AgentStats(len(self._in), len(self._out), self.staging.num_in_use, self.staging.free_bytes,
-                              self.one_off_buffers, str(self.copier.device), self.path, self.drops.snapshot())
+                              self.one_off_buffers, str(self.copier.device), self.path, self.drops.snapshot(),
+                              self.shared_memory, self.by_reference)
 
     def check_integrity(self) -> None:
         """Raises ValueError if a staging slot is held with nothing in flight."""
         with self._lock:
             in_flight = self.inbox.slots_in_flight + sum(
-                1 for _, s, _, _ in self._orphans if s.offset >= 0) + sum(
-                1 for o in self._out.values() for _, s, _ in o.pending if s.offset >= 0)
+                1 for _, s, _, _ in self._orphans if s is not None and s.offset >= 0) + sum(
+                1 for o in self._out.values() for _, s, _ in o.pending if s is not None and s.offset >= 0) + sum(
+                len(held) for o in self._out.values() for held in o.held.values())
             if in_flight != self.staging.num_in_use:
                 raise ValueError(f"{self.staging.num_in_use} staging slots held, {in_flight} messages in flight")
             self.staging.check_integrity()
@@ -359,6 +441,8 @@ class KVTransferAgent:
         self._stop.set()
         self._pump.join(timeout=5)
         self.transport.close()
+        if self.shm is not None:
+            self.shm.close()
 
     # -- the pump ------------------------------------------------------------------------------------------
 
@@ -444,10 +528,16 @@ class KVTransferAgent:
             inbound.end(TransferState.FAILED, problem[1])
             self.replies.tell_senders(key, inbound, problem[0])
             return
-        end = HEADER_BYTES + header.payload_bytes
-        source = slot.view[HEADER_BYTES:end] if slot.device is None else slot.device[HEADER_BYTES:end]
-        self.copier.scatter_from(source, header.layers, header.kv_heads,
-                                 [inbound.block_ids[b] for b in header.blocks])
+        blocks = [inbound.block_ids[b] for b in header.blocks]
+        if header.ref is not None:
+            if (problem := self._scatter_by_reference(header, blocks)) is not None:
+                inbound.end(TransferState.FAILED, problem)
+                self.replies.tell_senders(key, inbound, Status.BAD_MESSAGE)
+                return
+        else:
+            end = HEADER_BYTES + header.payload_bytes
+            source = slot.view[HEADER_BYTES:end] if slot.device is None else slot.device[HEADER_BYTES:end]
+            self.copier.scatter_from(source, header.layers, header.kv_heads, blocks)
         if inbound.state is TransferState.RESERVED:
             inbound.state = TransferState.TRANSFERRING
         inbound.arrived.add(index)
@@ -456,6 +546,18 @@ class KVTransferAgent:
         if len(inbound.arrived) == inbound.expected:
             inbound.state = TransferState.DONE
             self.replies.tell_senders(key, inbound, Status.OK)
+
+    def _scatter_by_reference(self, header: DataHeader, blocks: list[int]) -> str | None:
+        """Copies the payload header.ref names from the sender's shared staging into blocks; the reason it
+        could not (the segment cannot be read as named, or the sender reused the slot during the copy)."""
+        ref = header.ref
+        try:
+            self.copier.scatter_from(readable(self.peer_segments.view(ref)), header.layers, header.kv_heads, blocks)
+            if not self.peer_segments.still_valid(ref):
+                return f"message {header.index}: the sender took its slot back while this rank read it"
+        except ShmUnavailable as e:
+            return f"message {header.index}: {e}"
+        return None
 
     def _answer_late(self, key: int, inbound: Inbound | None, src_rank: int) -> None:
         """An authentic DATA message of a transfer that ended here: its source rank is told the outcome (a
@@ -477,6 +579,7 @@ class KVTransferAgent:
         if kind is Kind.ACK and out is not None and not out.state.terminal:
             if status is Status.OK:
                 out.acked.add(rank)
+                self._give_back_held(out, rank)
             elif out.end(STATE_FOR[status], f"destination rank {rank} ended the transfer: {status.name.lower()}"):
                 self.replies.tell_receivers(key, out)
         elif kind is Kind.ABORT and inbound is not None and not inbound.state.terminal:
@@ -496,7 +599,8 @@ class KVTransferAgent:
             handle, slot, peer, since = orphan
             if handle.done():
                 self._orphans.remove(orphan)
-                self.staging.release(slot)
+                if slot is not None:
+                    self._give_back([slot])
             elif now - since > ORPHAN_GRACE_S:
                 self.transport.forget_peer(peer)
         for key, out in self._out.items():
@@ -506,7 +610,8 @@ class KVTransferAgent:
                     still.append((handle, slot, peer))
                     continue
                 busy = True
-                self.staging.release(slot)
+                if slot is not None:
+                    self._give_back([slot])
                 if (error := handle.error()) is not None:
                     # The connection is broken: close it first, so the ABORT below goes over a new one (closed
                     # after it, the ABORT could be cut on the wire and reach the peer garbled).
@@ -514,6 +619,8 @@ class KVTransferAgent:
                     if out.end(TransferState.FAILED, f"send failed: {error}"):
                         self.replies.tell_receivers(key, out)
             out.pending = still
+            if out.state.terminal and out.held:
+                self._give_back_held(out)
             if (not out.state.terminal and not out.pending and len(out.sent) == len(out.messages)
                     and out.acked >= {m.dst_rank for m in out.messages}):
                 out.state = TransferState.DONE

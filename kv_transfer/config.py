@@ -36,6 +36,12 @@ class TransferConfig:
     a host copy). A receiver drops DATA messages longer than its own max_message_bytes (plus a header): both
     sides must agree on it, as every replica of one manifest does.
 
+    shared_memory: between agents of one host (same kernel, PID namespace and user; KV stores on the CPU, on
+    Linux x86-64), DATA messages travel by reference: the payload stays in the sender's staging, which lives in
+    shared memory, and only the header crosses the transport (kv_transfer/shm.py). False: every payload is
+    sent through the transport. send_all waits up to room_wait_s for a shared staging slot to free up before it
+    sends a message through the transport instead.
+
     secret: the key every message's MAC is made under (kv_transfer/wire.py); agents with different secrets
     cannot talk. A cluster generates one at start and hands it to every replica through Ray (never a command
     line, never a log line: it is left out of repr). The default is fresh random bytes per TransferConfig
@@ -51,6 +57,8 @@ class TransferConfig:
     tombstone_s: float = 120.0
     idle_poll_s: float = 0.002
     kv_path: str = "auto"  # "auto" | "staged" | "direct"
+    shared_memory: bool = True
+    room_wait_s: float = 0.5
     ucx_env: dict[str, str] = field(default_factory=lambda: dict(DEFAULT_UCX_ENV))
     secret: bytes = field(default_factory=lambda: secrets.token_bytes(32), repr=False)
 
@@ -75,3 +83,5 @@ class TransferConfig:
         for name in ("lease_s", "tombstone_s", "idle_poll_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.room_wait_s < 0:
+            raise ValueError(f"room_wait_s must not be negative, got {self.room_wait_s}")

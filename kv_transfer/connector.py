@@ -6,7 +6,8 @@ engine steps. One request, disaggregated:
 
   1. decode:  DecodeConnector.reserve() holds blocks for the prompt (engine.reserve_for_transfer), registers
               them with every decode rank's agent together with the prefill replica's agent addresses (the
-              only peers the agents answer), and returns a TransferDescriptor (agent addresses, block ids, KV
+              only peers the agents answer), and returns a TransferDescriptor (agent addresses and their shared-memory
+              domains, block ids, KV
               format, lease deadline). State RESERVED. No room: None, nothing held.
   2. prefill: PrefillConnector.submit(descriptor) arms every prefill rank's agent and queues the prompt with
               max_tokens=1. As each layer of the prompt's last chunk is computed, the ranks push it to the
@@ -76,6 +77,7 @@ class _Connector:
         self.engine = engine
         self.agents = ReplicaAgents(engine)
         self.addresses = self.agents.listen_addresses()  # this replica's agents, by rank
+        self.shm_domains = self.agents.shared_memory_domains()
         self.clock = clock
         self.ranks = range(engine.layout.world_size)
         self._entries: dict[str, _Entry] = {}
@@ -163,7 +165,7 @@ class DecodeConnector(_Connector):
             raise
         self._entries[request_id] = _Entry(transfer_id, deadline)
         return TransferDescriptor(transfer_id, self.engine.layout, self.addresses, blocks, len(prompt_token_ids),
-                                  self.kv_format, deadline)
+                                  self.kv_format, deadline, self.shm_domains)
 
     def admit(self, request_id: str, first_token: SampledToken) -> list[RequestOutput]:
         """Starts a request whose KV has arrived (state DONE, as poll reported) with first_token, the prefill

@@ -62,7 +62,9 @@ class KVFormat:
 class TransferDescriptor:
     """Issued by the decode side for one request: where to push (one agent address per destination rank),
     into which blocks (the same ids on every destination rank, in token order), and until when (a wall-clock
-    deadline, time.time() seconds: the lease; after it the blocks are freed and late data is refused)."""
+    deadline, time.time() seconds: the lease; after it the blocks are freed and late data is refused).
+    shm_domains: each destination rank's shared-memory domain ("" or missing: none); a source rank in the same
+    domain sends it payloads by reference (kv_transfer/shm.py)."""
 
     transfer_id: str
     layout: ReplicaLayout
@@ -71,6 +73,10 @@ class TransferDescriptor:
     num_tokens: int
     kv: KVFormat
     deadline: float
+    shm_domains: tuple[str, ...] = ()
+
+    def shm_domain(self, rank: int) -> str:
+        return self.shm_domains[rank] if rank < len(self.shm_domains) else ""
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,8 @@ A payload is the slice a plan Message names, [layers, K|V, blocks, KV heads, blo
 store's dtype, as raw bytes; gather and scatter move bytes, never values (a NaN's bits arrive as they left).
 
 Beside a CPU store every copy is synchronous: gather is one index_select into the host slot, scatter one
-index_copy_ out of it (what the agent did before the copier existed).
+index_copy_ out of it; where the block ids are one ascending run (a freshly allocated request's usually are) both
+are a plain strided copy of that run instead, about 1.7x faster on one core (docs/BENCHMARKS.md).
 
 Beside a CUDA store the copier owns two streams, one per side:
   - send stream (the caller's thread: the runner's layer hook or the driver): gather_into queues index_select
@@ -28,6 +29,12 @@ import numpy as np
 import torch
 
 _log = logging.getLogger(__name__)
+
+
+def _run_start(ids: list[int]) -> int | None:
+    """ids[0] when ids are consecutive ascending block ids (a slice of the store), else None."""
+    first = ids[0]
+    return first if ids == list(range(first, first + len(ids))) else None
 
 
 class PendingCopy:
@@ -100,9 +107,11 @@ class KVCopier:
         source = self._region(layers, kv_heads)
         ids = self._check_blocks(block_ids)
         if not self.on_cuda:
-            rows = self._rows(ids)
-            into = host if device_payload is None else device_payload
-            torch.index_select(source, 2, rows, out=self._shaped(into, layers, kv_heads, len(ids)))
+            into = self._shaped(host if device_payload is None else device_payload, layers, kv_heads, len(ids))
+            if (start := _run_start(ids)) is not None:
+                into.copy_(source.narrow(2, start, len(ids)))
+            else:
+                torch.index_select(source, 2, self._rows(ids), out=into)
             if device_payload is not None:
                 host.copy_(device_payload)
             return PendingCopy()
@@ -133,7 +142,11 @@ class KVCopier:
         source = torch.from_numpy(payload) if isinstance(payload, np.ndarray) else payload
         target = self._region(layers, kv_heads)
         if not self.on_cuda:
-            target.index_copy_(2, self._rows(ids), self._shaped(source, layers, kv_heads, len(ids)))
+            shaped = self._shaped(source, layers, kv_heads, len(ids))
+            if (start := _run_start(ids)) is not None:
+                target.narrow(2, start, len(ids)).copy_(shaped)
+            else:
+                target.index_copy_(2, self._rows(ids), shaped)
             return
         self._shaped(source, layers, kv_heads, len(ids))  # checks the size before anything is queued
         # After whatever this thread queued on the device before (a reused block's last reads, say).

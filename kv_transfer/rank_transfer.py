@@ -91,5 +91,7 @@ class Outbound(RankTransfer):
     counts: dict[int, int] = field(default_factory=dict)  # destination rank -> its messages from every source
     sent: set[int] = field(default_factory=set)
     source_blocks: tuple[int, ...] = ()  # the blocks sent from, once sending started
-    pending: list[tuple[object, Slot, str]] = field(default_factory=list)  # (handle, slot, peer)
+    pending: list[tuple[object, Slot | None, str]] = field(default_factory=list)  # (handle, slot or None, peer)
     acked: set[int] = field(default_factory=set)
+    held: dict[int, list[Slot]] = field(default_factory=dict)  # destination rank -> slots it reads by reference
+    waited_in_vain: bool = False  # a wait for a shared staging slot timed out (it does not wait again)

@@ -36,6 +36,12 @@ class ReplicaAgents:
         found = self._on_every_rank(KVTransferAgent.listen_address)
         return tuple(found[rank] for rank in self.ranks)
 
+    def shared_memory_domains(self) -> tuple[str, ...]:
+        """Each rank's shared-memory domain, in rank order ("": none; what a descriptor carries beside the
+        addresses, kv_transfer/shm.py)."""
+        found = self._on_every_rank(KVTransferAgent.shared_memory_domain)
+        return tuple(found[rank] for rank in self.ranks)
+
     def expect(self, transfer_id: str, block_ids: Sequence[int], deadline: float,
                senders: Sequence[str] = ()) -> None:
         """Decode side: every rank accepts data for transfer_id into block_ids until deadline (time.time()),

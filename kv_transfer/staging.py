@@ -36,11 +36,12 @@ class Slot:
 
 class StagingPool:
     def __init__(self, nbytes: int, host: Callable[[int], np.ndarray] = _numpy_bytes,
-                 device: Callable[[int], object] | None = None):
-        """host(n) / device(n) allocate n bytes (uint8, sliceable); without device, slots are host bytes only."""
+                 device: Callable[[int], object] | None = None, buffer: np.ndarray | None = None):
+        """host(n) / device(n) allocate n bytes (uint8, sliceable); without device, slots are host bytes only.
+        buffer: the pool's host bytes, allocated by the caller (shared memory), instead of host(nbytes)."""
         self.capacity = nbytes
         self._host, self._device = host, device
-        self.buffer = host(nbytes)
+        self.buffer = host(nbytes) if buffer is None else buffer[:nbytes]
         self.device_buffer = device(nbytes) if device is not None else None
         self._free: list[tuple[int, int]] = [(0, nbytes)]  # (offset, size), sorted by offset
         self.num_in_use = 0

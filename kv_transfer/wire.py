@@ -7,7 +7,9 @@ kind with a mask, so a message for a transfer they do not know is still taken of
 
 DATA = header + payload. The payload is [layers, K|V, blocks, KV heads, block_size, head_dim] in the KV dtype:
 the slice a plan Message names. The header repeats the slice, says how many messages this destination rank
-gets in all, and ends with the message's MAC. ACK (receiver -> sender) and ABORT (sender -> receiver) are a
+gets in all, and ends with the message's MAC. A DATA message by reference (magic TKVR, between agents of one
+host: kv_transfer/shm.py) carries an ShmRef, where the payload lies in the sender's shared staging, in place
+of the payload; the MAC then covers the ref. ACK (receiver -> sender) and ABORT (sender -> receiver) are a
 status code, the sending rank and the MAC. No message carries an address: an agent answers only the peers it
 was told of when the transfer was set up (kv_transfer/agent.py).
 
@@ -107,13 +109,43 @@ class MessageKey:
 
 _FIELDS = struct.Struct("<4sIIIIIIIIIQ")
 _MAGIC = b"TKV2"
+_MAGIC_REF = b"TKVR"
 HEADER_BYTES = _FIELDS.size + MAC_BYTES
+_REF = struct.Struct("<II16sQQQ")  # pid, fd, nonce, offset, length, stamp
+
+
+@dataclass(frozen=True)
+class ShmRef:
+    """Where a DATA message's payload lies on the sender's host: bytes offset..offset+length of the memfd the
+    sending process `pid` holds as `fd`, whose segment starts with `nonce`; `stamp` is what the 8 bytes before
+    the payload hold while the slot is this message's (kv_transfer/shm.py)."""
+
+    pid: int
+    fd: int
+    nonce: bytes
+    offset: int
+    length: int
+    stamp: int
+
+    def pack(self) -> bytes:
+        return _REF.pack(self.pid, self.fd, self.nonce, self.offset, self.length, self.stamp)
+
+    @classmethod
+    def unpack(cls, raw) -> ShmRef:
+        """Raises MalformedMessage for bytes that are not one packed ref."""
+        if len(raw) != _REF.size:
+            raise MalformedMessage(f"a ref of {len(raw)} bytes (expected {_REF.size})")
+        return cls(*_REF.unpack(bytes(raw)))
+
+
+REF_BYTES = _REF.size
 
 
 @dataclass(frozen=True)
 class DataHeader:
     """msgs_for_dst: how many DATA messages the destination rank receives for this transfer in all.
-    Ranges are global layer / KV head indices and indices into the request's block table."""
+    Ranges are global layer / KV head indices and indices into the request's block table. ref: where the
+    payload lies when the message carries it by reference (payload_bytes is then its length there)."""
 
     index: int
     msgs_for_dst: int
@@ -122,10 +154,17 @@ class DataHeader:
     kv_heads: range
     blocks: range
     payload_bytes: int
+    ref: ShmRef | None = None
 
     def seal(self, key: MessageKey, tag: int, payload) -> bytes:
-        """The header's HEADER_BYTES (its fields, then the MAC of tag, fields and payload)."""
-        fields = _FIELDS.pack(_MAGIC, self.index, self.msgs_for_dst, self.src_rank, self.layers.start,
+        """The header's HEADER_BYTES (its fields, then the MAC of tag, fields and payload: the packed ref for a
+        header with one, which then follows the header on the wire)."""
+        if self.ref is not None:
+            payload = self.ref.pack()
+            if self.ref.length != self.payload_bytes:
+                raise ValueError(f"a ref to {self.ref.length} bytes for a payload of {self.payload_bytes}")
+        magic = _MAGIC if self.ref is None else _MAGIC_REF
+        fields = _FIELDS.pack(magic, self.index, self.msgs_for_dst, self.src_rank, self.layers.start,
                               len(self.layers), self.kv_heads.start, len(self.kv_heads), self.blocks.start,
                               len(self.blocks), self.payload_bytes)
         return fields + key.mac(tag, fields, payload)
@@ -139,11 +178,16 @@ class DataHeader:
         fields = message[:_FIELDS.size]
         key.check(message[_FIELDS.size:HEADER_BYTES], tag, fields, message[HEADER_BYTES:])
         magic, index, total, src, l0, nl, h0, nh, b0, nb, nbytes = _FIELDS.unpack(bytes(fields))
-        if magic != _MAGIC:
+        ref = None
+        if magic == _MAGIC_REF:
+            ref = ShmRef.unpack(message[HEADER_BYTES:])
+            if ref.length != nbytes:
+                raise MalformedMessage(f"the header names {nbytes} payload bytes, its ref {ref.length}")
+        elif magic != _MAGIC:
             raise MalformedMessage(f"bad magic {magic!r}")
-        if nbytes != len(message) - HEADER_BYTES:
+        elif nbytes != len(message) - HEADER_BYTES:
             raise MalformedMessage(f"the header names {nbytes} payload bytes, {len(message) - HEADER_BYTES} came")
-        return cls(index, total, src, range(l0, l0 + nl), range(h0, h0 + nh), range(b0, b0 + nb), nbytes)
+        return cls(index, total, src, range(l0, l0 + nl), range(h0, h0 + nh), range(b0, b0 + nb), nbytes, ref)
 
 
 _STATUS = struct.Struct("<IIQ")  # status, rank, bytes

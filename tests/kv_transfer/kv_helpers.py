@@ -74,13 +74,16 @@ class AgentReplica:
         return tuple(a.address for a in self.agents)
 
     def descriptor(self, transfer_id: str, block_ids, num_tokens: int, lease_s: float = 30.0,
-                   senders: tuple[str, ...] = ()) -> TransferDescriptor:
-        """Every rank expects the transfer (answering the sending replica's agents at senders, by rank)."""
+                   senders: tuple[str, ...] = (), shared_memory: bool = False) -> TransferDescriptor:
+        """Every rank expects the transfer (answering the sending replica's agents at senders, by rank).
+        shared_memory: the descriptor names the ranks' shared-memory domains, as a DecodeConnector's do (same-host
+        senders then send by reference)."""
         deadline = time.time() + lease_s
         for agent in self.agents:
             agent.expect(transfer_id, block_ids, deadline, senders)
+        domains = tuple(a.shared_memory_domain() for a in self.agents) if shared_memory else ()
         return TransferDescriptor(transfer_id, self.layout, tuple(a.address for a in self.agents), tuple(block_ids),
-                                  num_tokens, self.format, deadline)
+                                  num_tokens, self.format, deadline, domains)
 
     def holds(self, block_ids, expected: torch.Tensor) -> bool:
         """Every rank's share of block_ids equals its slice of `expected` ([layers, 2, blocks, heads, ...])."""
@@ -152,7 +155,8 @@ def run_side(conn, side: ProcessSide) -> None:
         config = TransferConfig(max_message_bytes=side.max_message_bytes, staging_bytes=side.staging_bytes,
                                 kv_path=side.kv_path, secret=side.secret)
         agent = AgentFactory(config)(0, side.layout(), cache)
-        conn.send(("ready", agent.address, agent.stats(), agent.transport.cuda_transports))
+        conn.send(("ready", agent.address, agent.stats(), agent.transport.cuda_transports,
+                   agent.shared_memory_domain()))
     except BaseException:
         conn.send(("error", traceback.format_exc()))
         return
@@ -208,7 +212,7 @@ class SideProcess:
         self.proc = ctx.Process(target=run_side, args=(child, side), daemon=True)
         self.proc.start()
         child.close()
-        _, self.address, self.stats, self.cuda_transports = self._reply("ready")
+        _, self.address, self.stats, self.cuda_transports, self.shm_domain = self._reply("ready")
 
     def _reply(self, expected: str) -> tuple:
         if not self.conn.poll(self.timeout_s):

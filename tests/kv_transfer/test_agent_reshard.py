@@ -31,9 +31,11 @@ def label(pair) -> str:
     return f"{name(src)}-to-{name(dst)}-{'moe' if shape is MOE else 'smollm2'}"
 
 
+@pytest.mark.parametrize("shared", [False, True], ids=["payloads", "by-reference"])
 @pytest.mark.parametrize("kind", TRANSPORTS)
 @pytest.mark.parametrize("pair", PAIRS, ids=[label(p) for p in PAIRS])
-def test_every_destination_rank_gets_exactly_its_share(pair, kind):
+def test_every_destination_rank_gets_exactly_its_share(pair, kind, shared):
+    """shared: the descriptor names the destination ranks' shared-memory domains (payloads by reference)."""
     src_cfg, dst_cfg, shape = pair
     fabric = Fabric()
     config = TransferConfig(max_message_bytes=1 << 20, staging_bytes=8 << 20)  # several messages per piece
@@ -43,7 +45,8 @@ def test_every_destination_rank_gets_exactly_its_share(pair, kind):
                        fabric=fabric, config=config, seed=2)
     try:
         before = dst.whole.clone()
-        desc = dst.descriptor("req-1/0", DST_BLOCKS, num_tokens=5 * 16 - 3, senders=src.addresses)
+        desc = dst.descriptor("req-1/0", DST_BLOCKS, num_tokens=5 * 16 - 3, senders=src.addresses,
+                              shared_memory=shared)
         for agent in src.agents:
             agent.arm(desc)
             agent.send_all("req-1/0", SRC_BLOCKS)
@@ -54,6 +57,7 @@ def test_every_destination_rank_gets_exactly_its_share(pair, kind):
         assert dst.holds(untouched, before[:, :, untouched])
         moved = sum(s.nbytes for s in dst.states("req-1/0"))
         assert moved == shape["num_layers"] * shape["num_kv_heads"] * 5 * 2 * 16 * 64 * 4 * _replicas(dst.layout)
+        assert (sum(a.stats().by_reference for a in src.agents) > 0) == shared
         for agent in src.agents + dst.agents:
             agent.release("req-1/0")
             agent.check_integrity()

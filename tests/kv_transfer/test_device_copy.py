@@ -5,6 +5,7 @@ byte, in one process and between two processes. The cuda cases need a GPU (marke
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import numpy as np
@@ -255,21 +256,24 @@ def test_cuda_transports_are_read_off_the_ucx_resource_list():
 
 # -- two processes ---------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("device, kv_path", [
-    ("cpu", "auto"),
-    ("cpu", "direct"),
-    pytest.param("cuda", "staged", marks=GPU),
-    pytest.param("cuda", "auto", marks=GPU),  # direct where UCX moves device memory between processes
-], ids=["cpu-staged", "cpu-direct", "cuda-staged", "cuda-auto"])
-def test_two_processes_move_kv_byte_for_byte(device, kv_path):
+@pytest.mark.parametrize("device, kv_path, shared", [
+    ("cpu", "auto", False),
+    ("cpu", "auto", True),
+    ("cpu", "direct", False),
+    pytest.param("cuda", "staged", False, marks=GPU),
+    pytest.param("cuda", "auto", False, marks=GPU),  # direct where UCX moves device memory between processes
+], ids=["cpu-staged", "cpu-shared-memory", "cpu-direct", "cuda-staged", "cuda-auto"])
+def test_two_processes_move_kv_byte_for_byte(device, kv_path, shared):
     """A sender and a receiver process over UCX, KV stores on `device` (bfloat16 random bytes): a transfer
-    sent at once and one sent layer by layer arrive exactly; no other block changes."""
+    sent at once, one sent layer by layer and one between runs of consecutive blocks arrive exactly; no other
+    block changes. shared: the descriptors name the receiver's shared-memory domain, so payloads go by
+    reference (some still with their payload: the sender's staging holds one message)."""
     sides = []
     try:
-        sides.append(SideProcess(ProcessSide(device, kv_path, seed=21)))
-        sides.append(SideProcess(ProcessSide(device, kv_path, seed=22)))
+        spec = ProcessSide(device, kv_path, num_blocks=24)
+        sides.append(SideProcess(dataclasses.replace(spec, seed=21)))
+        sides.append(SideProcess(dataclasses.replace(spec, seed=22)))
         sender, receiver = sides
-        spec = ProcessSide(device, kv_path)
         for side in sides:
             direct = kv_path == "direct" or (kv_path == "auto" and device == "cuda" and
                                              bool(between_processes(side.cuda_transports)))
@@ -277,12 +281,14 @@ def test_two_processes_move_kv_byte_for_byte(device, kv_path):
             assert side.stats.device.startswith(device)
         before = receiver.ask("bytes", "bytes")[1]
         transfers = {"all/0": ("send_all", [9, 2, 7, 0, 11, 4, 1, 5], [3, 10, 0, 6, 1, 8, 11, 2]),
-                     "layers/0": ("layer_by_layer", [13, 6, 15], [14, 4, 12])}
+                     "layers/0": ("layer_by_layer", [13, 6, 15], [14, 4, 12]),
+                     "run/0": ("send_all", [16, 17, 18, 19], [19, 20, 21, 22])}
+        domains = (receiver.shm_domain,) if shared else ()
         for transfer_id, (how, blocks_from, blocks_to) in transfers.items():
             deadline = time.time() + 60
             receiver.ask("ok", "expect", transfer_id, blocks_to, deadline, (sender.address,))
             desc = TransferDescriptor(transfer_id, spec.layout(), (receiver.address,), tuple(blocks_to),
-                                      len(blocks_to) * spec.block_size, spec.format(), deadline)
+                                      len(blocks_to) * spec.block_size, spec.format(), deadline, domains)
             sender.ask("ok", how, desc, blocks_from)
             for side in (receiver, sender):
                 status = side.ask("ended", "wait", transfer_id)[1]
@@ -296,7 +302,14 @@ def test_two_processes_move_kv_byte_for_byte(device, kv_path):
         assert np.array_equal(got[:, :, others], before[:, :, others])
         for side in sides:
             for transfer_id in transfers:
-                assert side.ask("released", "release", transfer_id)[1].staging_in_use == 0
+                stats = side.ask("released", "release", transfer_id)[1]
+                assert stats.staging_in_use == 0
+        by_reference = sender.ask("released", "release", "all/0")[1].by_reference
+        if shared:
+            assert sender.stats.shared_memory == "on" and receiver.shm_domain, sender.stats
+            assert by_reference > 0
+        else:
+            assert by_reference == 0
     finally:
         for side in sides:
             side.close()
