@@ -59,7 +59,8 @@ class ReplicaStats:
     """A replica's counters, read between engine steps. state: "ready", or "failed" once its engine died (the
     counters are then its last ones). Requests and blocks are counts; kv_usage and prefix_hit_rate fractions.
     kv_messages_dropped: KV transfer messages its ranks' agents dropped, by reason, summed over ranks (forged,
-    malformed, oversized, for unknown transfers, late; kv_transfer/drops.py)."""
+    malformed, oversized, for unknown transfers, late; kv_transfer/drops.py). kv_messages_by_reference: KV data
+    messages its ranks' agents sent by reference to replicas of the same host (kv_transfer/shm.py)."""
 
     name: str
     pool: str
@@ -75,6 +76,7 @@ class ReplicaStats:
     num_preemptions: int
     num_steps: int
     kv_messages_dropped: MessageDrops = MessageDrops()
+    kv_messages_by_reference: int = 0
     ranks_alive: tuple[bool, ...] = ()  # whether each rank's process runs, in rank order
 
 

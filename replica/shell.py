@@ -82,7 +82,8 @@ class ReplicaShell:
         self.server = AsyncEngine(self.engine, tick=self.transfers.tick if self.transfers else None)
         self.server.start()
         self._aborted: dict[str, float] = {}
-        self._kv_drops = MessageDrops()  # the agents' drop counts as last read (what a failed engine reports)
+        # the agents' drop counts and messages sent by reference, as last read (what a failed engine reports)
+        self._kv_counts: tuple[MessageDrops, int] = (MessageDrops(), 0)
 
     def _transfer_failed(self, event: TransferEvent) -> None:
         """Engine thread: a transfer ended badly (the connector already freed its blocks). Default: nothing."""
@@ -101,10 +102,10 @@ class ReplicaShell:
 
     async def stats(self) -> ReplicaStats:
         """Counters read on the engine thread between steps (exact, at the cost of waiting for a running step),
-        with every rank's KV agent's dropped messages summed; a failed engine reports its last counters with
-        state "failed"."""
+        with every rank's KV agent's dropped messages and messages sent by reference summed; a failed engine
+        reports its last counters with state "failed"."""
         if self.server.alive:
-            s, self._kv_drops = await self.server.call(lambda engine: (engine.stats(), self._read_kv_drops()))
+            s, self._kv_counts = await self.server.call(lambda engine: (engine.stats(), self._read_kv_counts()))
         else:
             s = self.server.stats()
         return ReplicaStats(name=self.name, pool=self.pool, state="ready" if self.server.alive else "failed",
@@ -112,7 +113,8 @@ class ReplicaShell:
                             kv_blocks_total=s.num_blocks_total, kv_blocks_in_use=s.num_blocks_in_use,
                             kv_blocks_cached=s.num_blocks_cached, kv_usage=s.kv_usage,
                             prefix_hit_rate=s.prefix_hit_rate, num_preemptions=s.num_preemptions,
-                            num_steps=s.num_steps, kv_messages_dropped=self._kv_drops,
+                            num_steps=s.num_steps, kv_messages_dropped=self._kv_counts[0],
+                            kv_messages_by_reference=self._kv_counts[1],
                             ranks_alive=tuple(self.engine.ranks_alive()))
 
     async def health(self) -> str | None:
@@ -123,11 +125,13 @@ class ReplicaShell:
         dead = self.engine.dead_ranks()
         return f"{', '.join(dead)} died" if dead else None
 
-    def _read_kv_drops(self) -> MessageDrops:
-        """Engine thread: the ranks' agents' drop counts, summed (none without agents)."""
+    def _read_kv_counts(self) -> tuple[MessageDrops, int]:
+        """Engine thread: the ranks' agents' drop counts and messages sent by reference, summed (none without
+        agents)."""
         if self.connector is None:
-            return MessageDrops()
-        return sum((stats.drops for stats in self.connector.agents.stats().values()), MessageDrops())
+            return MessageDrops(), 0
+        ranks = self.connector.agents.stats().values()
+        return sum((s.drops for s in ranks), MessageDrops()), sum(s.by_reference for s in ranks)
 
     async def kv_events(self, epoch: str | None, since: int) -> KVEventsReply:
         """The KV events from `since` on in the log of `epoch`, or a snapshot of the prefix cache (taken on the

@@ -3,7 +3,8 @@ request counters, and, read from the driver at scrape time, queue depth, routing
 the KV feed, and every replica's load as the router sees it. One registry per router (tests run several).
 
 The KV transfer messages each replica's agents dropped (tandem_kv_messages_dropped, by replica and reason: a
-peer sending forged, malformed or oversized messages shows here) come from the replicas' stats(): a scrape
+peer sending forged, malformed or oversized messages shows here), and those they sent by reference to replicas
+of the same host (tandem_kv_messages_by_reference), come from the replicas' stats(): a scrape
 starts asking every replica and shows what the previous one brought, so /metrics never waits on a replica and
 those counts are at most one scrape old."""
 
@@ -91,12 +92,13 @@ class RouterMetrics:
 
 class ReplicaDrops:
     """The KV transfer messages each replica's agents dropped, by reason, as its stats() last said: (pool,
-    replica name) -> MessageDrops. A replica that does not answer keeps its last counts; one no longer routed
-    to is left out."""
+    replica name) -> MessageDrops, and the messages they sent by reference (by_reference, same keys). A
+    replica that does not answer keeps its last counts; one no longer routed to is left out."""
 
     def __init__(self, driver: RequestDriver, timeout_s: float = STATS_TIMEOUT_S):
         self.driver, self.timeout_s = driver, timeout_s
         self.counts: dict[tuple[str, str], MessageDrops] = {}
+        self.by_reference: dict[tuple[str, str], int] = {}
         self._refreshing: asyncio.Task | None = None
 
     async def refresh(self) -> None:
@@ -104,16 +106,16 @@ class ReplicaDrops:
         replicas = self.driver.replicas()
         answers = await asyncio.gather(*(asyncio.wait_for(r.api.stats(), self.timeout_s) for r in replicas),
                                        return_exceptions=True)
-        counts = {}
+        counts, by_reference = {}, {}
         for replica, answer in zip(replicas, answers):
             key = (replica.pool, replica.name)
             if isinstance(answer, ReplicaStats):
-                counts[key] = answer.kv_messages_dropped
+                counts[key], by_reference[key] = answer.kv_messages_dropped, answer.kv_messages_by_reference
             else:
                 _log.debug("stats of %s for /metrics failed: %r", replica.name, answer)
                 if key in self.counts:
-                    counts[key] = self.counts[key]
-        self.counts = counts
+                    counts[key], by_reference[key] = self.counts[key], self.by_reference.get(key, 0)
+        self.counts, self.by_reference = counts, by_reference
 
     def start_refresh(self) -> None:
         """Starts refresh() on the running event loop unless one is still running (no running loop: nothing)."""
@@ -146,6 +148,12 @@ class _DriverCollector:
             for reason, count in drops.by_reason():
                 dropped.add_metric([pool, name, reason], count)
         yield dropped
+        by_reference = CounterMetricFamily("tandem_kv_messages_by_reference", "KV transfer data messages a "
+                                           "replica's agents sent by reference to replicas of the same host (shared "
+                                           "memory); as of the previous scrape", labels=["pool", "replica"])
+        for (pool, name), count in sorted(self.kv_drops.by_reference.items()):
+            by_reference.add_metric([pool, name], count)
+        yield by_reference
         yield _gauge("tandem_active_requests", "Requests being served", self.active())
         yield _gauge("tandem_queued_requests", "Requests waiting for a decode replica with room", d.num_queued)
         yield _gauge("tandem_waiting_for_prefill_requests", "Requests waiting at the router for a prefill replica "

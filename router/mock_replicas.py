@@ -108,6 +108,7 @@ class _MockReplica:
         self.aborted: list[str] = []
         self.running = 0
         self.kv_messages_dropped = MessageDrops()  # what stats() reports its KV agents dropped (settable)
+        self.kv_messages_by_reference = 0  # and sent by reference (settable)
 
     async def ready(self) -> ReplicaInfo:
         return ReplicaInfo(name=self.name, pool=self.pool, pid=os.getpid(), node="127.0.0.1", node_id=None,
@@ -124,7 +125,8 @@ class _MockReplica:
                             waiting_for_kv=0, kv_blocks_total=self.cache.capacity, kv_blocks_in_use=in_use,
                             kv_blocks_cached=len(self.cache.blocks), kv_usage=in_use / self.cache.capacity,
                             prefix_hit_rate=0.0, num_preemptions=0, num_steps=0,
-                            kv_messages_dropped=self.kv_messages_dropped)
+                            kv_messages_dropped=self.kv_messages_dropped,
+                            kv_messages_by_reference=self.kv_messages_by_reference)
 
     async def health(self) -> str | None:
         return "it died" if getattr(self, "dead", False) else None

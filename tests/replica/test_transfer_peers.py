@@ -48,8 +48,11 @@ def test_a_transfer_completes_when_the_reservation_names_the_prefill_agents(repl
     assert prefill_info.kv_addresses == prefill.connector.addresses and len(prefill_info.kv_addresses) == 1
     assert decode_info.kv_addresses == decode.connector.addresses
     prompt = tiny_llama.tokenizer.encode("The quick brown fox jumps over the lazy dog")
+    sent_before = asyncio.run(prefill.stats()).kv_messages_by_reference
     tokens = asyncio.run(disaggregated(prefill, decode, "named", prompt, prefill_info.kv_addresses))
     assert len(tokens) == PARAMS.max_tokens
+    # replicas of one process share a host: the payloads went by reference (one message per layer)
+    assert asyncio.run(prefill.stats()).kv_messages_by_reference - sent_before == tiny_llama.config.num_layers
 
 
 def test_with_no_senders_named_the_prefill_side_learns_nothing_and_its_lease_ends_it(replicas, tiny_llama):

@@ -37,6 +37,7 @@ def test_a_replica_without_info_is_reserved_with_no_senders():
 def test_metrics_export_the_replicas_dropped_kv_messages_by_reason():
     prefill, decode = MockPrefill("prefill-0"), MockDecode("decode-0")
     decode.kv_messages_dropped = MessageDrops(forged=3, oversized=1)
+    prefill.kv_messages_by_reference = 30
     metrics = RouterMetrics(driver_with_info(prefill, decode), lambda: 0)
 
     async def scrape_twice() -> tuple[str, str]:
@@ -51,3 +52,5 @@ def test_metrics_export_the_replicas_dropped_kv_messages_by_reason():
     assert 'tandem_kv_messages_dropped_total{pool="decode",reason="forged",replica="decode-0"} 3.0' in second
     assert 'tandem_kv_messages_dropped_total{pool="decode",reason="oversized",replica="decode-0"} 1.0' in second
     assert 'tandem_kv_messages_dropped_total{pool="prefill",reason="forged",replica="prefill-0"} 0.0' in second
+    assert 'tandem_kv_messages_by_reference_total{pool="prefill",replica="prefill-0"} 30.0' in second
+    assert 'tandem_kv_messages_by_reference_total{pool="decode",replica="decode-0"} 0.0' in second
