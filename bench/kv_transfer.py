@@ -5,10 +5,12 @@ Batched transfers: a sender and a receiver process, each one rank with the embed
 reserves blocks for --requests requests of --tokens tokens each (for 1, 16 and 256 requests by default), the
 sender pushes them all, and a request counts as done when the receiver has acknowledged it. Two paths, rounds
 interleaved in one run: "shared memory" (the descriptors name the receiver's shared-memory domain, as a decode
-replica's do: the sender gathers into its shared staging, only the MAC'd header and ref cross UCX, the receiver
-copies from the sender's slot into its blocks; kv_transfer/shm.py) and "transport" (no domain: gather, keyed
-BLAKE3 MAC, UCX send; receive, verify, scatter). Each request's blocks are one run on both sides, as a fresh
-request's are; --scattered permutes them (no plain strided copies). Reported: payload GB/s, the
+replica's do; the sender's KV store is shared memory, as a prefill replica's is: only the MAC'd header and a ref
+cross UCX, and the receiver copies each run of blocks straight from the sender's store into its own, one copy
+in all; kv_transfer/shm.py) and "transport" (no domain: gather, keyed BLAKE3 MAC, UCX send; receive, verify,
+scatter). Each request's blocks are one run on both sides, as a fresh request's are; --scattered permutes them,
+so the shared-memory path goes through the sender's shared staging instead (gather there, the receiver copies
+from the slot: two copies). Reported: payload GB/s, the
 per-request latency (issue to acknowledgement; p50 and max), and a plain memory copy of the same bytes in the
 same run (np.copyto, request-sized chunks into a buffer far larger than the caches) as the peer: the ratio is
 transfer rate / memcpy rate. A second peer, the bare transport (16 MiB tagged messages between two processes,
@@ -47,12 +49,15 @@ def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def make_store(num_blocks: int, fill: bool, device: str):
+def make_store(num_blocks: int, fill: bool, device: str, shared: bool = False):
+    """shared: in shared memory, as a prefill replica's store (AgentFactory.share_kv_store; CPU only)."""
     import torch
 
     from tandem.engine.kv_cache import KVCacheSpec, PagedKVCache
+    from tandem.kv_transfer.agent_factory import AgentFactory
 
-    cache = PagedKVCache(KVCacheSpec(LAYERS, num_blocks, BLOCK, KV_HEADS, HEAD_DIM, torch.float32), device)
+    memory = AgentFactory(share_kv_store=shared).store_memory(torch.device(device))
+    cache = PagedKVCache(KVCacheSpec(LAYERS, num_blocks, BLOCK, KV_HEADS, HEAD_DIM, torch.float32), device, memory)
     if fill:
         cache.data.normal_()
     else:
@@ -224,6 +229,7 @@ def batched(agent, conn, requests: int, tokens: int, rounds: int, src_blocks: li
     rates = {path: [] for path in paths}
     latencies = {path: [] for path in paths}
     by_reference = {path: 0 for path in paths}
+    from_store = agent.stats().from_store
     for r in range(rounds):
         for path in paths:
             ids = [f"b{requests}-{r}-{path}-{i}" for i in range(requests)]
@@ -245,6 +251,7 @@ def batched(agent, conn, requests: int, tokens: int, rounds: int, src_blocks: li
                 agent.release(transfer_id)
             conn.send(("release", ids))
             conn.recv()
+    from_store = agent.stats().from_store - from_store
     raw = raw_ucx_rate(min(requests, 64) * payload, 16 << 20)
     rate = statistics.median(rates[paths[0]])
     result = {"requests": requests, "tokens": tokens, "bytes_per_request": payload, "path": paths[0],
@@ -260,6 +267,7 @@ def batched(agent, conn, requests: int, tokens: int, rounds: int, src_blocks: li
         result.update({"memcpy_GBps": round(copy, 3), "ratio": round(rate / copy, 3)})
         peers = f"memcpy {copy:.2f} GB/s (ratio {rate / copy:.2f})"
     result.update({"raw_ucx_GBps": round(raw, 3), "ratio_to_raw_ucx": round(rate / raw, 3),
+                   "messages_from_store": from_store,
                    "latency_ms_p50": round(1e3 * statistics.median(latencies[paths[0]]), 2),
                    "latency_ms_max": round(1e3 * max(latencies[paths[0]]), 2),
                    "rates_GBps": [round(x, 3) for x in rates[paths[0]]]})
@@ -293,7 +301,7 @@ def pipelining(conn, prefill_tokens: int, rounds: int, device: str, secret: byte
     engine = LLMEngine(load_model(progress=False, device=device),
                        EngineConfig(num_kv_blocks=4 * (prefill_tokens // BLOCK + 2),
                                     max_num_batched_tokens=prefill_tokens),
-                       kv_agent=AgentFactory(config))
+                       kv_agent=AgentFactory(config, share_kv_store=shared))
     agent = engine.local_kv_agent
     per = -(-prefill_tokens // BLOCK)
     rows = []
@@ -303,6 +311,7 @@ def pipelining(conn, prefill_tokens: int, rounds: int, device: str, secret: byte
         conn.send(("reserve", ids, per, prefill_tokens, agent.address, shared, False))
         piped, alone = conn.recv()[1]
         agent.arm(piped, seq_id=f"prompt-{r}#0")
+        engine.hold_blocks_after(f"prompt-{r}", piped.transfer_id)  # as PrefillConnector does: read in place
         engine.add_request(f"prompt-{r}", prompt, SamplingParams(max_tokens=1, temperature=0))
         start = time.perf_counter()
         engine.step()
@@ -315,6 +324,7 @@ def pipelining(conn, prefill_tokens: int, rounds: int, device: str, secret: byte
         standalone = wait_done(agent, [alone.transfer_id], {alone.transfer_id: issued})[alone.transfer_id]
         for transfer_id in (piped.transfer_id, alone.transfer_id):
             agent.release(transfer_id)
+        engine.release_held_blocks(piped.transfer_id)
         conn.send(("release", [piped.transfer_id, alone.transfer_id]))
         conn.recv()
         rows.append({"compute_s": computed - start, "exposed_s": exposed, "standalone_s": standalone,
@@ -335,7 +345,7 @@ def sender(conn, address: str, args, secret: bytes) -> None:
 
     torch.set_num_threads(1)
     per = -(-args.tokens // BLOCK)
-    cache = make_store(per, fill=True, device=args.device)
+    cache = make_store(per, fill=True, device=args.device, shared=True)
     agent, _ = make_agent(cache, TransferConfig(staging_bytes=256 << 20, secret=secret))
     conn.send(("path",))
     _, receiver_path, receiver_domain = conn.recv()

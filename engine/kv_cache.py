@@ -6,6 +6,7 @@ Policy (which block belongs to whom) lives in the block pool; this file only own
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
@@ -32,15 +33,23 @@ class PagedKVCache:
     """data[layer, 0 | 1, block, kv_head, slot, dim]: K at 0, V at 1; head-major inside a block (see
     attention/torch_ref.py). One tensor, so it registers once for transfer."""
 
-    def __init__(self, spec: KVCacheSpec, device: torch.device | str = "cpu"):
+    def __init__(self, spec: KVCacheSpec, device: torch.device | str = "cpu",
+                 host_memory: Callable[[int], tuple[np.ndarray, object]] | None = None):
         """The store starts zeroed. Attention reads slots no token has written yet (the tail of a sequence's
         last block, padding) and masks them with zero weights, and 0 * NaN is NaN: left-over heap memory can
-        hold NaN. On the CPU the zeros come from calloc, so the pages stay untouched until first written."""
+        hold NaN. On the CPU the zeros come from calloc, so the pages stay untouched until first written.
+        host_memory(nbytes) -> (zeroed uint8 bytes, their owner): where a CPU store lives instead (shared memory
+        a KV transfer agent lets same-host peers read, kv_transfer/shm.py); the owner is kept as memory_owner."""
         self.spec = spec
+        self.memory_owner = None
         shape = (spec.num_layers, 2, spec.num_blocks, spec.num_kv_heads, spec.block_size, spec.head_dim)
         if torch.device(device).type == "cpu":
             nbytes = spec.bytes_per_block * spec.num_blocks
-            self.data = torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(spec.dtype).view(shape)
+            if host_memory is None:
+                raw = np.zeros(nbytes, dtype=np.uint8)
+            else:
+                raw, self.memory_owner = host_memory(nbytes)
+            self.data = torch.from_numpy(raw[:nbytes]).view(spec.dtype).view(shape)
         else:
             self.data = torch.zeros(shape, dtype=spec.dtype, device=device)
 
@@ -53,3 +62,10 @@ class PagedKVCache:
         src = torch.tensor([p[0] for p in pairs], dtype=torch.int64, device=self.data.device)
         dst = torch.tensor([p[1] for p in pairs], dtype=torch.int64, device=self.data.device)
         self.data[:, :, dst] = self.data[:, :, src]
+
+
+def store_memory_of(kv_agent: object, device: torch.device | str) -> Callable[[int], tuple[np.ndarray, object]] | None:
+    """Where a KV transfer agent factory wants a rank's CPU KV store (PagedKVCache's host_memory): what its
+    store_memory(device) returns, if it has that method (kv_transfer/agent_factory.py); else None."""
+    offer = getattr(kv_agent, "store_memory", None)
+    return offer(torch.device(device)) if offer is not None else None

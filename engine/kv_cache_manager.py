@@ -46,6 +46,7 @@ class KVCacheManager:
         self.cache = PrefixCache(block_size, event_sink)
         self.enable_prefix_caching = enable_prefix_caching
         self._tables: dict[str, _Table] = {}
+        self._held: dict[str, list[str]] = {}  # hold key -> the names of its tables in _tables
 
     @property
     def num_blocks(self) -> int:
@@ -133,6 +134,31 @@ class KVCacheManager:
         for block in source.blocks:
             self.pool.incref(block)
         self._tables[child.seq_id] = _Table(list(source.blocks), source.num_cached_blocks)
+
+    def hold(self, seq: Sequence, key: str) -> None:
+        """One more owner of each of seq's blocks, under key (several holds may share a key), until
+        release(key): the blocks outlive seq's free() (a peer may still read them)."""
+        table = self._tables.get(seq.seq_id)
+        if table is None:
+            return
+        for block in table.blocks:
+            self.pool.incref(block)
+        names = self._held.setdefault(key, [])
+        names.append(f"{key}#hold{len(names)}")  # never a sequence id: those end in #<sample index>
+        self._tables[names[-1]] = _Table(list(table.blocks))
+
+    def release(self, key: str) -> int:
+        """Ends every hold under key (their blocks are freed or parked as free() would). Returns how many."""
+        names = self._held.pop(key, [])
+        for name in names:
+            table = self._tables.pop(name)
+            for block in reversed(table.blocks):
+                self.pool.decref(block, park=self.cache.is_cached(block))
+        return len(names)
+
+    @property
+    def num_holds(self) -> int:
+        return sum(len(names) for names in self._held.values())
 
     def free(self, seq: Sequence) -> None:
         """Releases all of seq's blocks. Cached ones are parked for reuse, the last block released first so that

@@ -11,7 +11,11 @@ Every rank's KV cache has the same number of blocks (block ids are global), each
 and KV heads. Call shutdown() (or use the engine as a context manager) to stop the ranks.
 
 KV transfer (kv_transfer/, a layer above) plugs in through `kv_agent`: a picklable factory
-`(rank, layout, kv_cache) -> agent` called beside every rank's KV store (in the rank's process). The runner calls
+`(rank, layout, kv_cache) -> agent` called beside every rank's KV store (in the rank's process); a factory with
+a store_memory(device) method says where each rank's CPU KV store lives (store_memory_of).
+hold_blocks_after(request_id, key) keeps a request's blocks allocated after it ends or is preempted, until
+release_held_blocks(key): a prefill replica whose same-host peers read KV straight from its store needs
+them to outlive the request until the peer has read them. The runner calls
 the agent's on_layers_done(layer, tables) after each layer of a step that completes prompts, and
 call_kv_agents(fn, args_by_rank) runs fn(agent, *args) beside each named rank's agent (fn: a picklable callable
 such as an unbound agent method, never a method name). reserve_for_transfer() and admit_transferred() are the
@@ -33,7 +37,7 @@ from tandem.engine.cpu_affinity import current_cpus
 from tandem.engine.device import RankPlacement
 from tandem.engine.engine_config import EngineConfig, available_memory_bytes
 from tandem.engine.errors import ReplicaFailedError
-from tandem.engine.kv_cache import KVCacheSpec, PagedKVCache
+from tandem.engine.kv_cache import KVCacheSpec, PagedKVCache, store_memory_of
 from tandem.engine.kv_cache_manager import KVCacheManager
 from tandem.engine.kv_events import KVEventSink, discard_events
 from tandem.engine.loader.model_loader import LoadedModel
@@ -99,7 +103,8 @@ class LLMEngine:
 
             num_blocks = blocks_for(available_memory_bytes(device))  # after the weights were loaded
             loaded.model.attention = select_backend(config.attention_backend, device)
-            self.runner = ModelRunner(loaded.model, PagedKVCache(self._kv_spec(num_blocks), device))
+            self.runner = ModelRunner(loaded.model, PagedKVCache(self._kv_spec(num_blocks), device,
+                                                                 store_memory_of(kv_agent, device)))
             compiling = compile_enabled(config.compile)
             if compiling:
                 self.runner.compiled = compile_decode(loaded.model, config.max_num_seqs)
@@ -240,6 +245,18 @@ class LLMEngine:
         if self.local_kv_agent is not None:
             return {rank: fn(self.local_kv_agent, *args) for rank, args in args_by_rank.items()}
         return self.runner.call_agents(fn, args_by_rank)
+
+    def hold_blocks_after(self, request_id: str, key: str) -> None:
+        """From now on, blocks the request frees (when it ends, is aborted or preempted) stay allocated, held
+        under key, until release_held_blocks(key)."""
+        self.scheduler.hold_after[request_id] = key
+
+    def release_held_blocks(self, key: str) -> int:
+        """Stops holding under key and frees the blocks held (as the request's end would have). Returns how many
+        holds ended."""
+        for request_id in [r for r, k in self.scheduler.hold_after.items() if k == key]:
+            del self.scheduler.hold_after[request_id]
+        return self.scheduler.kv.release(key)
 
     def abort_request(self, request_id: str) -> list[RequestOutput]:
         """Ends a request now, freeing its blocks; returns its final outputs (empty for an unknown or finished id)."""

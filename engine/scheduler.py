@@ -83,6 +83,7 @@ class Scheduler:
         self.waiting: list[Sequence] = []  # sorted by sort_key
         self.running: list[Sequence] = []
         self.reserved: dict[str, Sequence] = {}  # WAITING_FOR_KV, by seq id
+        self.hold_after: dict[str, str] = {}  # request id -> the key its blocks are held under when freed
         self.seqs: dict[str, Sequence] = {}
         self._by_request: dict[str, list[str]] = {}
         self._dropped: set[str] = set()  # runner state to forget at the next step
@@ -179,7 +180,7 @@ class Scheduler:
             self.waiting.remove(seq)
         elif seq.status is RequestStatus.WAITING_FOR_KV:
             del self.reserved[seq.seq_id]
-        self.kv.free(seq)
+        self._free(seq)
         seq.status = status
         self.seqs.pop(seq.seq_id, None)
         ids = self._by_request.get(seq.request_id, [])
@@ -258,9 +259,15 @@ class Scheduler:
             budget -= count
         return budget
 
+    def _free(self, seq: Sequence) -> None:
+        """Frees seq's blocks, keeping them held under its request id if the request asked (hold_after)."""
+        if (key := self.hold_after.get(seq.request_id)) is not None:
+            self.kv.hold(seq, key)
+        self.kv.free(seq)
+
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self.kv.free(seq)
+        self._free(seq)
         seq.status = RequestStatus.PREEMPTED
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1

@@ -27,12 +27,14 @@ synchronous). The transfer is DONE when every destination rank it feeds has ackn
 negative acknowledgement or the lease passing end it otherwise, and its destination ranks are told (ABORT).
 
 Same host: where a destination rank's descriptor names this agent's shared-memory domain, its DATA messages go
-by reference (kv_transfer/shm.py): the staging buffer is a memfd that rank maps, only the header (with a ref
-and the MAC) crosses the transport, and the receiver copies the payload from the sender's slot into its blocks.
-Such slots are held until that rank's ACK (or, once the transfer ended otherwise, given back with their stamps
-cleared, which fails a copy still reading them). send_all waits up to config.room_wait_s for a
-shared slot when the pool is full; the runner's hook never waits. A message that found no shared slot goes
-with its payload. stats() says whether the path is on (and why not) and counts messages sent by reference.
+by reference (kv_transfer/shm.py): only the header (with a ref and the MAC) crosses the transport. A message
+whose source blocks are one run of a shared KV store points into the store (no copy here; the blocks' owner
+holds them until the transfer ends); any other goes through the staging buffer, a memfd too, and the receiver
+copies the payload from the sender's slot into its blocks. Such slots are held until that rank's ACK (or, once
+the transfer ended otherwise, given back with their stamps cleared, which fails a copy still reading them).
+send_all waits up to config.room_wait_s for a shared slot when the pool is full; the runner's hook never waits.
+A message that found no shared slot goes with its payload. stats() says whether the path is on (and why not)
+and counts messages sent by reference, and of those the ones sent from the store.
 
 Devices: the KV store lives on the CPU or a CUDA device; a KVCopier (device_copy.py) does every copy between it
 and the staging slots, so this file is the same for both. The path, chosen once: "staged" (host slots, pinned
@@ -65,10 +67,10 @@ from tandem.kv_transfer.inbox import ControlMessage, DataMessage, Inbox, Receive
 from tandem.kv_transfer.plan import Message, plan_messages, plan_pieces
 from tandem.kv_transfer.rank_transfer import STATE_FOR, STATUS_FOR, Inbound, Outbound, Tombstone
 from tandem.kv_transfer.replies import Replies
-from tandem.kv_transfer.shm import PeerSegments, SharedStaging, ShmUnavailable, domain, readable
+from tandem.kv_transfer.shm import HEADER_PAGE, PeerSegments, SharedSegment, ShmUnavailable, domain, readable
 from tandem.kv_transfer.staging import Slot, StagingPool
 from tandem.kv_transfer.transport import Transport
-from tandem.kv_transfer.wire import HEADER_BYTES, DataHeader, Kind, MessageKey, Status, make_tag, transfer_key
+from tandem.kv_transfer.wire import HEADER_BYTES, DataHeader, Kind, MessageKey, ShmRef, Status, make_tag, transfer_key
 
 ORPHAN_GRACE_S = 5.0
 _log = logging.getLogger(__name__)
@@ -86,6 +88,7 @@ class AgentStats:
     drops: MessageDrops  # messages dropped unread or unacted on, by reason, since the agent started
     shared_memory: str = "off"  # "on", or "off (why)": same-host messages by reference (kv_transfer/shm.py)
     by_reference: int = 0  # DATA messages sent by reference since the agent started
+    from_store: int = 0  # of those, the ones whose ref points into the KV store itself (no copy on this side)
 
 
 @dataclass
@@ -118,13 +121,16 @@ class KVTransferAgent:
         self.copier = KVCopier(kv_cache.data, self.layers, self.kv_heads)
         self.path = self.copier.choose_path(config.kv_path, transport.device_transports, rank)
         self.shm, self.shared_memory = self._shared_staging()
+        # The KV store itself in shared memory (AgentFactory.share_kv_store): same-host receivers read from it.
+        owner = kv_cache.memory_owner
+        self.store_segment = owner if isinstance(owner, SharedSegment) and self.shm is not None else None
         self.shm_domain = domain() if self.shm is not None else ""
         self.staging = StagingPool(config.staging_bytes, self.copier.host_buffer,
                                    self.copier.device_buffer if self.path == "direct" else None,
                                    buffer=None if self.shm is None else self.shm.buffer)
         self.peer_segments = PeerSegments()
         self.one_off_buffers = 0
-        self.by_reference = 0
+        self.by_reference = self.from_store = 0
         self.drops = DropCounter(rank)
         self.inbox = Inbox(transport, self.key, self.staging, self.drops, self.copier.to_host)
         self.replies = Replies(transport, self.key, rank)
@@ -144,7 +150,7 @@ class KVTransferAgent:
     def address(self) -> str:
         return self.transport.address
 
-    def _shared_staging(self) -> tuple[SharedStaging | None, str]:
+    def _shared_staging(self) -> tuple[SharedSegment | None, str]:
         """The shared staging buffer, or None and why the same-host path is off."""
         if not self.config.shared_memory:
             return None, "off (shared_memory: false)"
@@ -153,11 +159,16 @@ class KVTransferAgent:
         if not domain():
             return None, "off (needs Linux on x86-64 with /proc)"
         try:
-            return SharedStaging(self.config.staging_bytes), "on"
+            return SharedSegment(self.config.staging_bytes), "on"
         except OSError as e:
             _log.warning("rank %d: no shared staging (%s); same-host transfers go through the transport",
                          self.rank, e)
             return None, f"off (cannot make a memfd: {e})"
+
+    def shares_kv_store(self) -> bool:
+        """Whether same-host receivers read this rank's KV store itself (its blocks must outlive the requests
+        sent from them until the transfer ends: PrefillConnector holds them)."""
+        return self.store_segment is not None
 
     def shared_memory_domain(self) -> str:
         """The domain same-host senders must share to send this rank payloads by reference ("" : none)."""
@@ -239,6 +250,8 @@ class KVTransferAgent:
             for m in messages:
                 if out.state.terminal:
                     break
+                if self._send_from_store(out, m, block_ids):
+                    continue
                 current, ahead = ahead, self._gather(m, block_ids, out if wait else None)
                 if current is not None and not self._post(out, current):
                     break
@@ -294,20 +307,54 @@ class KVTransferAgent:
         except BaseException:
             self._drop(g)
             raise
+        return self._record(out, key, m, handle, peer, nbytes, slot, by_reference)
+
+    def _record(self, out: Outbound, key: int, m: Message, handle, peer: str, nbytes: int, slot: Slot | None,
+                by_reference: bool) -> bool:
+        """Books a message just sent (from slot, None: from the KV store); False if the transfer was released
+        meanwhile (the send is left to finish as an orphan)."""
+        pending = None if by_reference else slot
         with self._lock:
             if self._out.get(key) is not out:  # released while this message was gathered
-                if by_reference:
+                if by_reference and slot is not None:
                     self._give_back([slot], reread=True)
-                self._orphans.append((handle, None if by_reference else slot, peer, time.monotonic()))
+                self._orphans.append((handle, pending, peer, time.monotonic()))
                 return False
             out.sent.add(m.index)
-            out.pending.append((handle, None if by_reference else slot, peer))
+            out.pending.append((handle, pending, peer))
             if by_reference:
-                out.held.setdefault(m.dst_rank, []).append(slot)
+                if slot is not None:
+                    out.held.setdefault(m.dst_rank, []).append(slot)
                 self.by_reference += 1
             out.nbytes += nbytes
             if out.state is TransferState.RESERVED:
                 out.state = TransferState.TRANSFERRING
+        return True
+
+    def _send_from_store(self, out: Outbound, m: Message, block_ids: Sequence[int]) -> bool:
+        """Sends m as a ref into this rank's shared KV store (no copy here: the receiver reads the blocks) where
+        the store is shared, the destination rank is in this domain and m's source blocks are one run; False
+        (nothing sent) otherwise."""
+        if self.store_segment is None or out.descriptor.shm_domain(m.dst_rank) != self.shm_domain:
+            return False
+        rows = [block_ids[b] for b in m.blocks]
+        if rows != list(range(rows[0], rows[0] + len(rows))) or rows[0] < 0 or rows[-1] >= self.kv.data.shape[2]:
+            return False
+        data = self.kv.data
+        start = data[m.layers.start - self.layers.start, 0, rows[0], m.kv_heads.start - self.kv_heads.start]
+        size = data.element_size()
+        key = transfer_key(out.descriptor.transfer_id)
+        nbytes = m.nbytes(self.format.bytes_per_block_layer_head)
+        ref = ShmRef(self.store_segment.pid, self.store_segment.fd, self.store_segment.nonce,
+                     HEADER_PAGE + start.data_ptr() - data.data_ptr(), nbytes, 0,
+                     tuple(stride * size for stride in data.stride()[:3]))
+        tag = make_tag(key, Kind.DATA, m.index)
+        header = DataHeader(m.index, out.counts[m.dst_rank], self.rank, m.layers, m.kv_heads, m.blocks, nbytes, ref)
+        wire = np.frombuffer(header.seal(self.key, tag, b"") + ref.pack(), dtype=np.uint8)
+        peer = out.descriptor.addresses[m.dst_rank]
+        if self._record(out, key, m, self.transport.send(peer, tag, wire), peer, nbytes, None, True):
+            with self._lock:
+                self.from_store += 1
         return True
 
     def _drop(self, g: _Gathered) -> None:
@@ -408,7 +455,7 @@ class KVTransferAgent:
         with self._lock:
             return AgentStats(len(self._in), len(self._out), self.staging.num_in_use, self.staging.free_bytes,
                               self.one_off_buffers, str(self.copier.device), self.path, self.drops.snapshot(),
-                              self.shared_memory, self.by_reference)
+                              self.shared_memory, self.by_reference, self.from_store)
 
     def check_integrity(self) -> None:
         """Raises ValueError if a staging slot is held with nothing in flight."""
@@ -552,6 +599,14 @@ class KVTransferAgent:
         could not (the segment cannot be read as named, or the sender reused the slot during the copy)."""
         ref = header.ref
         try:
+            if ref.in_store:  # the sender's KV blocks themselves, held there until this transfer ends
+                _, _, _, _, block_size, head_dim = self.kv.data.shape
+                inner = len(header.kv_heads) * block_size * head_dim * self.kv.data.element_size()
+                raw = self.peer_segments.store_slice(ref, (len(header.layers), 2, len(header.blocks), inner))
+                source = readable(raw).view(self.kv.data.dtype).unflatten(3, (len(header.kv_heads), block_size,
+                                                                             head_dim))
+                self.copier.scatter_slice(source, header.layers, header.kv_heads, blocks)
+                return None
             self.copier.scatter_from(readable(self.peer_segments.view(ref)), header.layers, header.kv_heads, blocks)
             if not self.peer_segments.still_valid(ref):
                 return f"message {header.index}: the sender took its slot back while this rank read it"

@@ -113,7 +113,9 @@ class _Connector:
             if state.terminal and state is not TransferState.DONE:
                 self._end(request_id, error or state.value)
             elif state is TransferState.DONE and self._release_when_done:
-                self.agents.release(self._entries.pop(request_id).transfer_id)
+                entry = self._entries.pop(request_id)
+                self.agents.release(entry.transfer_id)
+                self._left(entry, done=True)
         return events
 
     _release_when_done = False
@@ -129,9 +131,16 @@ class _Connector:
         entry = self._entries.pop(request_id)
         self.agents.release(entry.transfer_id)  # aborts first where it still runs: no more writes after this
         self.engine.abort_request(request_id)
+        self._left(entry, done=False)
+
+    def _left(self, entry: _Entry, done: bool) -> None:
+        """A transfer this side forgot: DONE (every destination acknowledged) or not."""
 
     def _new_transfer_id(self, request_id: str) -> str:
         return f"{request_id}/{next(self._attempts)}"
+
+
+HOLD_GRACE_S = 5.0
 
 
 class DecodeConnector(_Connector):
@@ -181,8 +190,32 @@ class DecodeConnector(_Connector):
 
 class PrefillConnector(_Connector):
     def __init__(self, engine: LLMEngine, *, clock: Callable[[], float] = time.time):
-        """engine must have been built with kv_agent=AgentFactory(...)."""
+        """engine must have been built with kv_agent=AgentFactory(...). Where its ranks' KV stores are shared
+        with same-host receivers (AgentFactory.share_kv_store), each request's blocks are held past its end:
+        until its transfer is DONE, or HOLD_GRACE_S past the transfer's lease when it ends otherwise (a receiver
+        may read until its lease is over; released at the first poll after that)."""
         super().__init__(engine, clock)
+        self.holds = self.agents.shares_kv_store()
+        self._holds_due: list[tuple[float, str]] = []  # (when, transfer id): holds to release then
+
+    def poll(self) -> list[TransferEvent]:
+        if self._holds_due:
+            now, due = self.clock(), []
+            for when, transfer_id in self._holds_due:
+                if when <= now:
+                    self.engine.release_held_blocks(transfer_id)
+                else:
+                    due.append((when, transfer_id))
+            self._holds_due = due
+        return super().poll()
+
+    def _left(self, entry: _Entry, done: bool) -> None:
+        if not self.holds:
+            return
+        if done:
+            self.engine.release_held_blocks(entry.transfer_id)
+        else:
+            self._holds_due.append((entry.deadline + HOLD_GRACE_S, entry.transfer_id))
 
     def submit(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
                descriptor: TransferDescriptor, *, priority: int = 0, cache_salt: str | None = None) -> None:
@@ -191,11 +224,15 @@ class PrefillConnector(_Connector):
         if len(prompt_token_ids) != descriptor.num_tokens:
             raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens, the descriptor {descriptor.num_tokens}")
         self.agents.arm(descriptor, f"{request_id}#0")
+        if self.holds:
+            self.engine.hold_blocks_after(request_id, descriptor.transfer_id)
         try:
             self.engine.add_request(request_id, prompt_token_ids, dataclasses.replace(params, max_tokens=1),
                                     priority=priority, cache_salt=cache_salt)
         except BaseException:
             self.agents.release(descriptor.transfer_id)
+            if self.holds:
+                self.engine.release_held_blocks(descriptor.transfer_id)
             raise
         self._entries[request_id] = _Entry(descriptor.transfer_id, descriptor.deadline)
 

@@ -5,7 +5,8 @@ store's dtype, as raw bytes; gather and scatter move bytes, never values (a NaN'
 
 Beside a CPU store every copy is synchronous: gather is one index_select into the host slot, scatter one
 index_copy_ out of it; where the block ids are one ascending run (a freshly allocated request's usually are) both
-are a plain strided copy of that run instead, about 1.7x faster on one core (docs/BENCHMARKS.md).
+are a plain strided copy of that run instead (18 against 11 GB/s on one core of the CI machine, into private
+memory).
 
 Beside a CUDA store the copier owns two streams, one per side:
   - send stream (the caller's thread: the runner's layer hook or the driver): gather_into queues index_select
@@ -142,11 +143,7 @@ class KVCopier:
         source = torch.from_numpy(payload) if isinstance(payload, np.ndarray) else payload
         target = self._region(layers, kv_heads)
         if not self.on_cuda:
-            shaped = self._shaped(source, layers, kv_heads, len(ids))
-            if (start := _run_start(ids)) is not None:
-                target.narrow(2, start, len(ids)).copy_(shaped)
-            else:
-                target.index_copy_(2, self._rows(ids), shaped)
+            self._scatter_shaped(target, self._shaped(source, layers, kv_heads, len(ids)), ids)
             return
         self._shaped(source, layers, kv_heads, len(ids))  # checks the size before anything is queued
         # After whatever this thread queued on the device before (a reused block's last reads, say).
@@ -156,6 +153,26 @@ class KVCopier:
             data = source if source.device == self.device else source.to(self.device, non_blocking=True)
             target.index_copy_(2, rows, self._shaped(data, layers, kv_heads, len(ids)))
         self._receive_stream.synchronize()
+
+    def scatter_slice(self, source: torch.Tensor, layers: range, kv_heads: range, block_ids: Sequence[int]) -> None:
+        """Writes source, the slice [layers, 2, blocks, KV heads, block_size, head_dim] in the store's dtype (any
+        strides: a peer's KV store mapped from shared memory), into block_ids of a CPU store. Raises ValueError
+        as scatter_from does, or for a source of another shape."""
+        ids = self._check_blocks(block_ids)
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"destination block ids repeat: {list(ids)}")
+        _, _, _, _, block_size, head_dim = self.data.shape
+        shape = (len(layers), 2, len(ids), len(kv_heads), block_size, head_dim)
+        if self.on_cuda or tuple(source.shape) != shape or source.dtype != self.data.dtype:
+            raise ValueError(f"a {source.dtype} slice {tuple(source.shape)} for {shape} of a {self.data.dtype} "
+                             f"store on {self.device}")
+        self._scatter_shaped(self._region(layers, kv_heads), source, ids)
+
+    def _scatter_shaped(self, target: torch.Tensor, shaped: torch.Tensor, ids: list[int]) -> None:
+        if (start := _run_start(ids)) is not None:
+            target.narrow(2, start, len(ids)).copy_(shaped)
+        else:
+            target.index_copy_(2, self._rows(ids), shaped)
 
     def to_host(self, source: torch.Tensor, host: np.ndarray) -> None:
         """Copies device bytes into host bytes of the same length (a received device-side slot, to read its

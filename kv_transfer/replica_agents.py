@@ -42,6 +42,10 @@ class ReplicaAgents:
         found = self._on_every_rank(KVTransferAgent.shared_memory_domain)
         return tuple(found[rank] for rank in self.ranks)
 
+    def shares_kv_store(self) -> bool:
+        """Whether any rank's KV store is read by same-host receivers directly (KVTransferAgent.shares_kv_store)."""
+        return any(self._on_every_rank(KVTransferAgent.shares_kv_store).values())
+
     def expect(self, transfer_id: str, block_ids: Sequence[int], deadline: float,
                senders: Sequence[str] = ()) -> None:
         """Decode side: every rank accepts data for transfer_id into block_ids until deadline (time.time()),

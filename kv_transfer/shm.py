@@ -1,8 +1,14 @@
-"""Same-host KV transfer through shared memory: the sending agent's staging buffer lives in a memfd that
-receiving agents on the same host map, so a DATA message's payload never crosses the transport. Only its
+"""Same-host KV transfer through shared memory: a DATA message's payload never crosses the transport. Only its
 header travels (over UCX, as every message does), naming where the payload lies: an ShmRef (kv_transfer/wire.py).
-The receiver copies the payload from the sender's slot straight into its KV blocks; the sender keeps the slot
-until that destination rank acknowledges the transfer.
+Two places it can lie, both memfds that receiving agents on the same host map read-only:
+  - the sender's KV store itself (a prefill replica's: AgentFactory.share_kv_store), for a message whose source
+    blocks are one run: the receiver copies them straight into its own blocks, the only copy of the transfer.
+    The blocks must not change until the receiver has read them: PrefillConnector holds them past the
+    request's end (LLMEngine.hold_blocks_after) until the transfer's ACK, or until the receiver's lease and a
+    grace period are over when it ends otherwise (a receiver refuses to read past its lease);
+  - the sender's staging buffer, for any other message: the sender gathers the payload into a slot, the
+    receiver copies it out into its blocks, and the sender keeps the slot until that destination rank
+    acknowledges the transfer (see Reuse).
 
 Who may use it. A receiving agent advertises its domain, the host's boot id, its PID namespace and its user
 (domain()), in the descriptors it hands out (TransferDescriptor.shm_domains); a sending agent sends by reference
@@ -11,12 +17,14 @@ only to a rank whose domain equals its own. There the receiver can open the send
 container, another user, a CUDA store, a platform other than Linux on x86-64) messages carry their payload.
 
 Trust. The header, ref included, carries the cluster's MAC, so only an agent holding the secret can point a
-receiver at memory; the payload itself is not hashed (that pass cost more than the copy: docs/BENCHMARKS.md). The
+receiver at memory; the payload itself is not hashed (that pass cost more than the copy: docs/BENCHMARKS.md). A
 memfd has no name in any filesystem and is reachable only through the sending process (ptrace-level access:
-its own user, or root), which could change the payload in its own memory anyway. The segment begins with a nonce
-the ref must name, so a reused fd number or PID is refused, not read.
+its own user, or root), which could change the payload in its own memory anyway. A receiver that maps a prefill
+rank's store can read all of it: every tenant's KV on that rank, as the cluster's decode replicas receive every
+tenant's KV anyway. The segment begins with a nonce the ref must name, so a reused fd number or PID is refused,
+not read.
 
-Reuse. A slot goes back to the sender's pool once its destination rank acknowledged the transfer (it has
+Reuse (staging slots). A slot goes back to the sender's pool once its destination rank acknowledged the transfer (it has
 read every slot by then). When a transfer ends any other way, a receiver may still be reading, so the sender
 first clears the slot's stamp: each send by reference writes a fresh stamp (a counter, never 0) into the 8 bytes
 before the payload, and the ref names it. The receiver reads the stamp after its copy and fails the transfer
@@ -67,8 +75,9 @@ def domain() -> str:
     return f"{boot}/{pid_ns}/{os.geteuid()}"
 
 
-class SharedStaging:
-    """A sending agent's staging bytes in a memfd: `buffer` (uint8, nbytes) is what its StagingPool carves."""
+class SharedSegment:
+    """Bytes in a memfd that same-host receivers may map: a sending agent's staging (`buffer`, uint8, nbytes, is
+    what its StagingPool carves) or a prefill rank's KV store (PagedKVCache's host memory)."""
 
     def __init__(self, nbytes: int):
         """Raises OSError where memfds cannot be made or sized (the agent then stages in private memory)."""
@@ -126,6 +135,21 @@ class PeerSegments:
             raise ShmUnavailable(f"a ref to bytes {ref.offset}-{ref.offset + ref.length} of a segment of "
                                  f"{len(whole)}")
         return whole[ref.offset:ref.offset + ref.length]
+
+    def store_slice(self, ref: ShmRef, shape: tuple[int, int, int, int]) -> np.ndarray:
+        """The read-only slice of a sender's KV store a ref names (ref.in_store), as uint8 [layers, K|V, blocks,
+        bytes of the KV heads x block_size x head_dim] with the ref's strides. Raises ShmUnavailable as view()
+        does, and for strides that are not positive or a slice that leaves the segment."""
+        whole = self._segment(ref)
+        layers, halves, blocks, inner = shape
+        if min(ref.strides) <= 0 or ref.length != layers * halves * blocks * inner:
+            raise ShmUnavailable(f"a store ref with strides {ref.strides} and {ref.length} bytes for a slice "
+                                 f"{shape}")
+        last = ref.offset + sum((n - 1) * s for n, s in zip((layers, halves, blocks), ref.strides)) + inner
+        if ref.offset < HEADER_PAGE or last > len(whole):
+            raise ShmUnavailable(f"a store ref to bytes {ref.offset}-{last} of a segment of {len(whole)}")
+        return np.lib.stride_tricks.as_strided(whole[ref.offset:], shape=shape, strides=(*ref.strides, 1),
+                                               writeable=False)
 
     def still_valid(self, ref: ShmRef) -> bool:
         """Whether the stamp before ref's payload is still ref's (asked after copying the payload out)."""

@@ -111,14 +111,16 @@ _FIELDS = struct.Struct("<4sIIIIIIIIIQ")
 _MAGIC = b"TKV2"
 _MAGIC_REF = b"TKVR"
 HEADER_BYTES = _FIELDS.size + MAC_BYTES
-_REF = struct.Struct("<II16sQQQ")  # pid, fd, nonce, offset, length, stamp
+_REF = struct.Struct("<II16sQQQQQQ")  # pid, fd, nonce, offset, length, stamp, layer / K|V / block strides
 
 
 @dataclass(frozen=True)
 class ShmRef:
-    """Where a DATA message's payload lies on the sender's host: bytes offset..offset+length of the memfd the
-    sending process `pid` holds as `fd`, whose segment starts with `nonce`; `stamp` is what the 8 bytes before
-    the payload hold while the slot is this message's (kv_transfer/shm.py)."""
+    """Where a DATA message's payload lies on the sender's host, in the memfd the sending process `pid` holds as
+    `fd`, whose segment starts with `nonce` (kv_transfer/shm.py). Either a staging slot: bytes offset..offset+
+    length, and `stamp` is what the 8 bytes before them hold while the slot is this message's; or (strides not
+    all 0) the sender's KV store itself: the slice starts at offset, and its layers, K|V halves and blocks lie
+    `strides` bytes apart (KV heads x block_size x head_dim contiguous inside), no stamp."""
 
     pid: int
     fd: int
@@ -126,16 +128,22 @@ class ShmRef:
     offset: int
     length: int
     stamp: int
+    strides: tuple[int, int, int] = (0, 0, 0)
+
+    @property
+    def in_store(self) -> bool:
+        return any(self.strides)
 
     def pack(self) -> bytes:
-        return _REF.pack(self.pid, self.fd, self.nonce, self.offset, self.length, self.stamp)
+        return _REF.pack(self.pid, self.fd, self.nonce, self.offset, self.length, self.stamp, *self.strides)
 
     @classmethod
     def unpack(cls, raw) -> ShmRef:
         """Raises MalformedMessage for bytes that are not one packed ref."""
         if len(raw) != _REF.size:
             raise MalformedMessage(f"a ref of {len(raw)} bytes (expected {_REF.size})")
-        return cls(*_REF.unpack(bytes(raw)))
+        pid, fd, nonce, offset, length, stamp, *strides = _REF.unpack(bytes(raw))
+        return cls(pid, fd, nonce, offset, length, stamp, tuple(strides))
 
 
 REF_BYTES = _REF.size

@@ -75,7 +75,9 @@ class ReplicaShell:
         self.name = name
         self.clock = clock
         self.events = KVEventLog()
-        self.engine = spec.build(kv_agent=AgentFactory(transfer) if transfer is not None else None,
+        # A prefill replica's KV store is shared with same-host decode replicas, which read it directly.
+        agents = AgentFactory(transfer, share_kv_store=self.pool == "prefill") if transfer is not None else None
+        self.engine = spec.build(kv_agent=agents,
                                  event_sink=self.events)
         self.connector = connect(self.engine, transfer) if transfer is not None else None
         self.transfers = ConnectorLoop(self.connector, on_failed=self._transfer_failed) if self.connector else None

@@ -75,7 +75,7 @@ def run_worker(rank: int, spec: WorkerSpec, conn: Connection) -> None:
 
         from tandem.engine.attention.triton_backend import select_backend
         from tandem.engine.engine_config import available_memory_bytes
-        from tandem.engine.kv_cache import KVCacheSpec, PagedKVCache
+        from tandem.engine.kv_cache import KVCacheSpec, PagedKVCache, store_memory_of
         from tandem.engine.loader.model_loader import load_checkpoint
         from tandem.engine.model_runner import ModelRunner
         from tandem.engine.models import build_model
@@ -104,7 +104,8 @@ def run_worker(rank: int, spec: WorkerSpec, conn: Connection) -> None:
             raise ValueError(f"expected the KV cache's size, got {kind!r}")
         kv_spec = KVCacheSpec(len(shard.layers), num_blocks, spec.block_size, len(shard.kv_heads),
                               config.head_dim, dtype)
-        runner = ModelRunner(model, PagedKVCache(kv_spec, device), comm=comm,
+        kv_cache = PagedKVCache(kv_spec, device, store_memory_of(spec.kv_agent, device))
+        runner = ModelRunner(model, kv_cache, comm=comm,
                              samples=rank == layout.sampler_rank, micro_batches=spec.micro_batches)
         if spec.kv_agent is not None:
             agent = runner.layer_observer = spec.kv_agent(rank, layout, runner.kv_cache)

@@ -95,3 +95,26 @@ def test_bad_reservations_and_admissions_are_refused():
     with pytest.raises(KeyError):
         h.scheduler.admit_transferred("local", FakeSample(3))  # queued normally, not reserved
     assert h.kv.pool.num_in_use == 0
+
+
+def test_held_blocks_outlive_their_request_until_released():
+    """hold_after (LLMEngine.hold_blocks_after): a finished request's blocks stay allocated (and counted, and
+    consistent) under the hold's key, an aborted one's too; releasing one key frees only its blocks."""
+    h = Harness(num_blocks=32)
+    h.scheduler.hold_after.update({"a": "a/0", "b": "b/0"})
+    h.add("a", PROMPT, max_tokens=2)
+    h.add("b", PROMPT[:9], max_tokens=50)
+    while "a#0" in h.scheduler.seqs:
+        h.step()
+    assert "b#0" in h.scheduler.seqs and h.kv.num_holds == 1
+    with_b = h.kv.pool.num_in_use
+    h.scheduler.abort_request("b")
+    assert not h.scheduler.has_unfinished() and h.kv.num_holds == 2
+    assert h.kv.pool.num_in_use == with_b  # nothing freed: both requests' blocks are held
+    h.scheduler.check_integrity()
+    assert h.kv.release("a/0") == 1
+    only_b = h.kv.pool.num_in_use
+    assert 0 < only_b < with_b and h.kv.num_holds == 1
+    assert h.kv.release("a/0") == 0  # already released
+    assert h.kv.release("b/0") == 1 and h.kv.pool.num_in_use == 0 and h.kv.num_holds == 0
+    h.scheduler.check_integrity()

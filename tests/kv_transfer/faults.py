@@ -12,7 +12,8 @@ from tandem.engine.llm_engine import LLMEngine
 from tandem.engine.sampling_params import SamplingParams
 from tandem.kv_transfer.agent import KVTransferAgent
 from tandem.kv_transfer.config import TransferConfig
-from tandem.kv_transfer.connector import DecodeConnector, PrefillConnector, first_token_of
+from tandem.kv_transfer.agent_factory import AgentFactory
+from tandem.kv_transfer.connector import HOLD_GRACE_S, DecodeConnector, PrefillConnector, first_token_of
 from tandem.kv_transfer.descriptor import TransferState
 from tandem.kv_transfer.fake_transport import Fabric
 from tandem.kv_transfer.transport import Completed
@@ -90,34 +91,49 @@ class Side:
     events: dict = field(default_factory=dict)  # request id -> last TransferEvent
 
 
+class _SideFactory:
+    """Builds a side's agent over a FaultyTransport (kept in `made`); the prefill side's KV store is shared
+    memory (same-host receivers read its blocks directly), as a prefill replica's is."""
+
+    def __init__(self, pair: EnginePair, share_kv_store: bool):
+        self.pair, self.share_kv_store, self.made = pair, share_kv_store, {}
+
+    def store_memory(self, device):
+        return AgentFactory(self.pair.config, self.pair.fabric, self.share_kv_store).store_memory(device)
+
+    def __call__(self, rank, layout, cache):
+        self.made["transport"] = FaultyTransport(make_transport(self.pair.kind, self.pair.fabric))
+        self.made["agent"] = KVTransferAgent(cache, layout, rank, self.made["transport"], self.pair.config)
+        return self.made["agent"]
+
+
 class EnginePair:
-    """A prefill and a decode engine on one model, each with one agent over `kind`, plus their connectors."""
+    """A prefill and a decode engine on one model, each with one agent over `kind`, plus their connectors. The
+    prefill side's KV store is shared (its contiguous runs of blocks go by reference from the store itself)."""
 
     def __init__(self, loaded, kind: str, *, lease_s: float = 20.0, fabric: Fabric | None = None):
         self.loaded, self.kind, self.fabric = loaded, kind, fabric or Fabric()
         self.config = TransferConfig(transport=kind, lease_s=lease_s, max_message_bytes=1 << 20,
                                      staging_bytes=4 << 20)
-        self.prefill = self.new_side()
+        self.prefill_clock_offset = 0.0  # what assert_clean adds to the prefill connector's clock, for a moment
+        self.prefill = self.new_side(share_kv_store=True)
         self.decode = self.new_side()
-        self.pc = PrefillConnector(self.prefill.engine)
+        self.pc = self.prefill_connector()
         self.dc = DecodeConnector(self.decode.engine, self.config)
         self.first: dict[str, object] = {}
 
-    def new_side(self) -> Side:
-        made = {}
+    def prefill_connector(self) -> PrefillConnector:
+        return PrefillConnector(self.prefill.engine, clock=lambda: time.time() + self.prefill_clock_offset)
 
-        def factory(rank, layout, cache):
-            made["transport"] = FaultyTransport(make_transport(self.kind, self.fabric))
-            made["agent"] = KVTransferAgent(cache, layout, rank, made["transport"], self.config)
-            return made["agent"]
-
+    def new_side(self, share_kv_store: bool = False) -> Side:
+        factory = _SideFactory(self, share_kv_store)
         engine = LLMEngine(self.loaded, EngineConfig(num_kv_blocks=24, check_integrity=True), kv_agent=factory)
-        return Side(engine, made["agent"], made["transport"])
+        return Side(engine, factory.made["agent"], factory.made["transport"])
 
     def replace_prefill(self) -> None:
         self.prefill.engine.shutdown()
-        self.prefill = self.new_side()
-        self.pc = PrefillConnector(self.prefill.engine)
+        self.prefill = self.new_side(share_kv_store=True)
+        self.pc = self.prefill_connector()
 
     def replace_decode(self) -> None:
         self.decode.engine.shutdown()
@@ -166,7 +182,16 @@ class EnginePair:
         return self.decode_rest(request_id)
 
     def assert_clean(self) -> None:
-        """No KV block held on either side once everything ended; pools and agents consistent."""
+        """No KV block held on either side once everything ended (the prefill side's blocks held for a transfer
+        that failed are let go: its connector is polled as if the lease and the grace had passed); pools and
+        agents consistent."""
+        assert self.pc.holds and self.prefill.agent.shares_kv_store()
+        self.prefill_clock_offset = self.config.lease_s + HOLD_GRACE_S + 1
+        try:
+            self.pc.poll()
+        finally:
+            self.prefill_clock_offset = 0.0
+        assert self.prefill.engine.scheduler.kv.num_holds == 0
         for name, side in (("prefill", self.prefill), ("decode", self.decode)):
             wait_until(lambda: side.engine.stats().num_blocks_in_use == 0, what=f"{name} blocks to be freed")
             side.engine.check_integrity()

@@ -128,6 +128,7 @@ class ProcessSide:
     head_dim: int = 64
     max_message_bytes: int = 64 << 10
     staging_bytes: int = 128 << 10  # room for one message at a time: the pipeline's second copy takes a one-off
+    share_kv_store: bool = False  # the store in shared memory: same-host receivers read runs of blocks from it
     secret: bytes = b"tests: both sides of a pair share it"  # what a cluster hands every replica
 
     def layout(self) -> ReplicaLayout:
@@ -147,14 +148,16 @@ def run_side(conn, side: ProcessSide) -> None:
         from tandem.kv_transfer.agent_factory import AgentFactory
 
         torch.set_num_threads(1)
+        config = TransferConfig(max_message_bytes=side.max_message_bytes, staging_bytes=side.staging_bytes,
+                                kv_path=side.kv_path, secret=side.secret)
+        factory = AgentFactory(config, share_kv_store=side.share_kv_store)
         cache = PagedKVCache(KVCacheSpec(side.num_layers, side.num_blocks, side.block_size, side.num_kv_heads,
-                                         side.head_dim, getattr(torch, side.dtype)), side.device)
+                                         side.head_dim, getattr(torch, side.dtype)), side.device,
+                             factory.store_memory(torch.device(side.device)))
         gen = torch.Generator().manual_seed(side.seed)
         flat = cache.data.view(-1).view(torch.uint8)
         flat.copy_(torch.randint(0, 256, flat.shape, dtype=torch.uint8, generator=gen).to(cache.data.device))
-        config = TransferConfig(max_message_bytes=side.max_message_bytes, staging_bytes=side.staging_bytes,
-                                kv_path=side.kv_path, secret=side.secret)
-        agent = AgentFactory(config)(0, side.layout(), cache)
+        agent = factory(0, side.layout(), cache)
         conn.send(("ready", agent.address, agent.stats(), agent.transport.cuda_transports,
                    agent.shared_memory_domain()))
     except BaseException:

@@ -64,9 +64,16 @@ def next_transfer_succeeds(pair: EnginePair, prompts, colocated, request_id: str
 
 
 def test_decoding_after_transfer_equals_a_colocated_run(pair, prompts, colocated):
+    """Both sides in this process share a host: the prefill side's KV goes by reference, read by the decode side
+    straight from the prefill side's shared store (no staging slot is ever taken on the prefill side), and each
+    request's blocks there are held until its transfer is DONE."""
     for i, prompt in enumerate(prompts):
         for name, params in (("greedy", GREEDY), ("sampled", SAMPLED)):
             assert pair.transfer(f"{i}-{name}", prompt, params) == colocated[(i, name)], (i, name)
+            assert pair.prefill.engine.scheduler.kv.num_holds == 0  # released at DONE
+    sender = pair.prefill.agent.stats()
+    assert sender.by_reference == sender.from_store == 4 * pair.loaded.config.num_layers  # a message per layer
+    assert sender.one_off_buffers == 0
     pair.assert_clean()
     stats = pair.decode.engine.stats()
     assert stats.num_prompt_tokens_queried == sum(2 * len(p) for p in prompts)
@@ -128,6 +135,8 @@ def test_dropped_connection(rid, pair, prompts, colocated):
     # Either the receiver saw the connection go under a message, or the sender told it over a new connection,
     # or (payloads by reference) the receiver read a slot the failed sender had already taken back.
     assert_told_of_failure(pair, rid, ("receive failed", "source rank 0", "took its slot back"))
+    # the request's blocks stay held: the decode side may read them by reference until its lease is over
+    assert pair.prefill.engine.scheduler.kv.num_holds == 1 and pair.prefill.engine.stats().num_blocks_in_use > 0
     pair.assert_clean()
     next_transfer_succeeds(pair, prompts, colocated)
 

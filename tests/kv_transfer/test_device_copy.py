@@ -257,20 +257,22 @@ def test_cuda_transports_are_read_off_the_ucx_resource_list():
 # -- two processes ---------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("device, kv_path, shared", [
-    ("cpu", "auto", False),
-    ("cpu", "auto", True),
-    ("cpu", "direct", False),
-    pytest.param("cuda", "staged", False, marks=GPU),
-    pytest.param("cuda", "auto", False, marks=GPU),  # direct where UCX moves device memory between processes
-], ids=["cpu-staged", "cpu-shared-memory", "cpu-direct", "cuda-staged", "cuda-auto"])
+    ("cpu", "auto", ""),
+    ("cpu", "auto", "staging"),
+    ("cpu", "auto", "store"),
+    ("cpu", "direct", ""),
+    pytest.param("cuda", "staged", "", marks=GPU),
+    pytest.param("cuda", "auto", "", marks=GPU),  # direct where UCX moves device memory between processes
+], ids=["cpu-staged", "cpu-shared-staging", "cpu-shared-store", "cpu-direct", "cuda-staged", "cuda-auto"])
 def test_two_processes_move_kv_byte_for_byte(device, kv_path, shared):
     """A sender and a receiver process over UCX, KV stores on `device` (bfloat16 random bytes): a transfer
     sent at once, one sent layer by layer and one between runs of consecutive blocks arrive exactly; no other
     block changes. shared: the descriptors name the receiver's shared-memory domain, so payloads go by
-    reference (some still with their payload: the sender's staging holds one message)."""
+    reference (some still with their payload: the sender's staging holds one message); "store": the sender's
+    KV store is shared too, so the run of blocks is read from it directly."""
     sides = []
     try:
-        spec = ProcessSide(device, kv_path, num_blocks=24)
+        spec = ProcessSide(device, kv_path, num_blocks=24, share_kv_store=shared == "store")
         sides.append(SideProcess(dataclasses.replace(spec, seed=21)))
         sides.append(SideProcess(dataclasses.replace(spec, seed=22)))
         sender, receiver = sides
@@ -304,12 +306,13 @@ def test_two_processes_move_kv_byte_for_byte(device, kv_path, shared):
             for transfer_id in transfers:
                 stats = side.ask("released", "release", transfer_id)[1]
                 assert stats.staging_in_use == 0
-        by_reference = sender.ask("released", "release", "all/0")[1].by_reference
+        stats = sender.ask("released", "release", "all/0")[1]
         if shared:
             assert sender.stats.shared_memory == "on" and receiver.shm_domain, sender.stats
-            assert by_reference > 0
+            assert stats.by_reference > stats.from_store
         else:
-            assert by_reference == 0
+            assert stats.by_reference == 0
+        assert (stats.from_store > 0) == (shared == "store")  # only the run of blocks: "run/0"
     finally:
         for side in sides:
             side.close()

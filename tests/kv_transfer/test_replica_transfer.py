@@ -47,9 +47,11 @@ def single_process(path, prompts) -> list[list[int]]:
     return outputs
 
 
-def replica(path, parallel: ParallelConfig) -> LLMEngine:
+def replica(path, parallel: ParallelConfig, share_kv_store: bool = False) -> LLMEngine:
+    """share_kv_store: each rank's KV store in shared memory, as a prefill replica's (same-host decode ranks
+    read runs of blocks from it directly)."""
     loaded = load_model(path, weights=parallel.world_size == 1, progress=False)
-    return LLMEngine(loaded, CONFIG, parallel=parallel, kv_agent=AgentFactory(TRANSFER))
+    return LLMEngine(loaded, CONFIG, parallel=parallel, kv_agent=AgentFactory(TRANSFER, share_kv_store=share_kv_store))
 
 
 def whole_kv(engine: LLMEngine, transfer_blocks: dict[int, tuple[int, ...]]) -> np.ndarray:
@@ -79,7 +81,7 @@ def test_prefill_and_decode_replicas_of_different_layouts(models, embedded, mode
     path = models[model]
     prompts = [embedded.tokenizer.encode(t) for t in TEXTS]
     want = single_process(path, prompts)
-    with replica(path, src) as prefill, replica(path, dst) as decode:
+    with replica(path, src, share_kv_store=True) as prefill, replica(path, dst) as decode:
         pc, dc = PrefillConnector(prefill), DecodeConnector(decode, TRANSFER)
         descs = []
         for i, prompt in enumerate(prompts):  # both prompts complete in the same prefill step
@@ -110,6 +112,8 @@ def test_prefill_and_decode_replicas_of_different_layouts(models, embedded, mode
             for out in decode.step():
                 got[int(out.request_id)].extend(out.token_ids)
         assert got == want
+        sent = pc.agents.stats().values()
+        assert sum(s.from_store for s in sent) > 0 and all(s.shared_memory == "on" for s in sent)
         for engine in (prefill, decode):
             assert engine.stats().num_blocks_in_use == 0
             engine.check_integrity()

@@ -20,7 +20,7 @@ from tandem.kv_transfer import shm
 from tandem.kv_transfer.config import TransferConfig
 from tandem.kv_transfer.descriptor import TransferState
 from tandem.kv_transfer.fake_transport import Fabric
-from tandem.kv_transfer.shm import HEADER_PAGE, PeerSegments, SharedStaging, ShmUnavailable
+from tandem.kv_transfer.shm import HEADER_PAGE, PeerSegments, SharedSegment, ShmUnavailable
 from tandem.kv_transfer.wire import (HEADER_BYTES, KIND_SHIFT, REF_BYTES, DataHeader, ForgedMessage, Kind,
                                      MalformedMessage, MessageKey, ShmRef, make_tag, transfer_key)
 from tests.kv_transfer.kv_helpers import AgentReplica, layout_of, wait_until
@@ -144,7 +144,7 @@ def test_a_slot_given_back_during_the_read_fails_that_transfer_only():
 
 
 def test_refs_to_another_segment_or_past_its_end_are_refused():
-    staging = SharedStaging(1 << 16)
+    staging = SharedSegment(1 << 16)
     peers = PeerSegments()
     try:
         staging.buffer[64:68] = [1, 2, 3, 4]
@@ -282,12 +282,12 @@ def test_agents_say_why_the_path_is_off(config, why):
 def test_a_receiver_drops_mappings_of_senders_that_exited():
     """A sender process makes a segment and exits; the receiver maps it while it lives, and the mapping goes
     when the next segment is mapped."""
-    code = ("import os, sys, time; from tandem.kv_transfer.shm import SharedStaging; s = SharedStaging(4096); "
+    code = ("import os, sys, time; from tandem.kv_transfer.shm import SharedSegment; s = SharedSegment(4096); "
             "s.buffer[8:11] = [7, 8, 9]; r = s.ref(8, 3); "
             "print(r.pid, r.fd, r.nonce.hex(), r.offset, flush=True); sys.stdin.readline()")
     child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     peers = PeerSegments(max_mappings=4)
-    mine = SharedStaging(4096)
+    mine = SharedSegment(4096)
     try:
         pid, fd, nonce, offset = child.stdout.readline().split()
         ref = ShmRef(int(pid), int(fd), bytes.fromhex(nonce), int(offset), 3, 0)
@@ -301,3 +301,28 @@ def test_a_receiver_drops_mappings_of_senders_that_exited():
         if child.poll() is None:
             child.kill()
         mine.close()
+
+
+def test_store_refs_read_strided_slices_and_refuse_ones_that_leave_the_segment():
+    segment = SharedSegment(1 << 16)
+    peers = PeerSegments()
+    try:
+        segment.buffer[:4096] = np.arange(4096) % 251
+        whole = np.arange(4096) % 251
+        # 2 layers x K|V x 3 blocks of 8 bytes, layers 1024 bytes apart, halves 512, blocks 64, from byte 128
+        ref = ShmRef(segment.pid, segment.fd, segment.nonce, HEADER_PAGE + 128, 2 * 2 * 3 * 8, 0, (1024, 512, 64))
+        got = peers.store_slice(ref, (2, 2, 3, 8))
+        want = np.stack([np.stack([np.stack([whole[128 + layer * 1024 + half * 512 + b * 64:][:8] for b in range(3)])
+                                   for half in range(2)]) for layer in range(2)])
+        assert np.array_equal(got, want) and not got.flags.writeable
+        with pytest.raises(ShmUnavailable, match="leaves|to bytes"):
+            peers.store_slice(ShmRef(segment.pid, segment.fd, segment.nonce, HEADER_PAGE, 96, 0, (1 << 16, 512, 64)),
+                              (2, 2, 3, 8))
+        with pytest.raises(ShmUnavailable, match="strides"):
+            peers.store_slice(ShmRef(segment.pid, segment.fd, segment.nonce, HEADER_PAGE, 96, 0, (0, 512, 64)),
+                              (2, 2, 3, 8))
+        with pytest.raises(ShmUnavailable, match="strides"):  # a length that is not the slice's
+            peers.store_slice(ShmRef(segment.pid, segment.fd, segment.nonce, HEADER_PAGE, 95, 0, (1024, 512, 64)),
+                              (2, 2, 3, 8))
+    finally:
+        segment.close()
