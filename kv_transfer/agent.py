@@ -139,6 +139,9 @@ class KVTransferAgent:
         self._in: dict[int, Inbound] = {}
         self._out: dict[int, Outbound] = {}
         self._tombstones: dict[int, Tombstone] = {}
+        # Released transfers whose refs into the KV store some destination ranks may still read: key -> (those
+        # ranks, released at). A rank's ACK (any status) says it is done with them: it reads nothing after it.
+        self._store_readers: dict[int, tuple[set[int], float]] = {}
         # Sends of released transfers still on the wire: (handle, slot, peer, released at). One not done within
         # ORPHAN_GRACE_S has a silent or dead peer: its connection is closed, which ends it.
         self._orphans: list[tuple[object, Slot, str, float]] = []
@@ -355,6 +358,7 @@ class KVTransferAgent:
         if self._record(out, key, m, self.transport.send(peer, tag, wire), peer, nbytes, None, True):
             with self._lock:
                 self.from_store += 1
+                out.store_readers.add(m.dst_rank)
         return True
 
     def _drop(self, g: _Gathered) -> None:
@@ -439,6 +443,20 @@ class KVTransferAgent:
                         now = time.monotonic()  # their slots come back when UCX is done with them
                         self._orphans.extend((h, slot, peer, now) for h, slot, peer in t.pending)
                         self._give_back_held(t)
+                        if readers := t.store_readers - t.answered:
+                            self._store_readers[key] = (readers, self.clock())
+
+    def store_reads_pending(self, transfer_ids: Sequence[str]) -> set[str]:
+        """Those of transfer_ids whose refs into this rank's KV store a destination rank may still read: sent to
+        it, and no ACK from it since (an ACK of any status means it reads nothing more of the transfer)."""
+        with self._lock:
+            pending = set()
+            for transfer_id in transfer_ids:
+                key = transfer_key(transfer_id)
+                out = self._out.get(key)
+                if key in self._store_readers or (out is not None and out.store_readers - out.answered):
+                    pending.add(transfer_id)
+            return pending
 
     def source_blocks(self, transfer_id: str) -> tuple[int, ...]:
         """The source blocks an armed transfer sends from (empty before its first send; tests, debugging)."""
@@ -631,6 +649,14 @@ class KVTransferAgent:
     def _on_control(self, control: ControlMessage) -> None:
         key, kind, status, rank = control.key, control.kind, control.message.status, control.message.rank
         out, inbound = self._out.get(key), self._in.get(key)
+        if kind is Kind.ACK:
+            if out is not None:
+                out.answered.add(rank)
+            if key in self._store_readers:
+                readers = self._store_readers[key][0]
+                readers.discard(rank)
+                if not readers:
+                    del self._store_readers[key]
         if kind is Kind.ACK and out is not None and not out.state.terminal:
             if status is Status.OK:
                 out.acked.add(rank)
@@ -694,3 +720,4 @@ class KVTransferAgent:
                     self.replies.tell_receivers(key, t)
         cutoff = now - self.config.tombstone_s
         self._tombstones = {k: t for k, t in self._tombstones.items() if t.ended_at >= cutoff}
+        self._store_readers = {k: r for k, r in self._store_readers.items() if r[1] >= cutoff}

@@ -24,7 +24,8 @@ class AgentFactory:
     """share_kv_store: each rank's CPU KV store lives in shared memory, so same-host receivers copy a request's KV
     straight out of it (one copy; kv_transfer/shm.py). Whoever frees its blocks must then keep them until the
     receivers have read them: PrefillConnector holds them (LLMEngine.hold_blocks_after) until the transfer's ACK
-    or, when it ends otherwise, until the receivers' lease is over."""
+    or, when it ends otherwise, until the receivers answer (KVTransferAgent.store_reads_pending) or their lease is
+    over."""
 
     config: TransferConfig = TransferConfig()
     fabric: object = None  # a fake_transport.Fabric when config.transport == "fake"

@@ -192,8 +192,9 @@ class PrefillConnector(_Connector):
     def __init__(self, engine: LLMEngine, *, clock: Callable[[], float] = time.time):
         """engine must have been built with kv_agent=AgentFactory(...). Where its ranks' KV stores are shared
         with same-host receivers (AgentFactory.share_kv_store), each request's blocks are held past its end:
-        until its transfer is DONE, or HOLD_GRACE_S past the transfer's lease when it ends otherwise (a receiver
-        may read until its lease is over; released at the first poll after that)."""
+        until its transfer is DONE; when it ends otherwise, until every destination rank sent refs into the store
+        has answered (it reads nothing after its ACK), or at the latest HOLD_GRACE_S past the transfer's lease (a
+        receiver reads nothing past its lease). Checked at each poll."""
         super().__init__(engine, clock)
         self.holds = self.agents.shares_kv_store()
         self._holds_due: list[tuple[float, str]] = []  # (when, transfer id): holds to release then
@@ -201,13 +202,19 @@ class PrefillConnector(_Connector):
     def poll(self) -> list[TransferEvent]:
         if self._holds_due:
             now, due = self.clock(), []
+            pending = self.agents.store_reads_pending([transfer_id for _, transfer_id in self._holds_due])
             for when, transfer_id in self._holds_due:
-                if when <= now:
+                if when <= now or transfer_id not in pending:
                     self.engine.release_held_blocks(transfer_id)
                 else:
                     due.append((when, transfer_id))
             self._holds_due = due
         return super().poll()
+
+    @property
+    def num_pending(self) -> int:
+        """Transfers not ended, and holds waiting for their release (the serving loop keeps polling for both)."""
+        return super().num_pending + len(self._holds_due)
 
     def _left(self, entry: _Entry, done: bool) -> None:
         if not self.holds:

@@ -95,3 +95,5 @@ class Outbound(RankTransfer):
     acked: set[int] = field(default_factory=set)
     held: dict[int, list[Slot]] = field(default_factory=dict)  # destination rank -> slots it reads by reference
     waited_in_vain: bool = False  # a wait for a shared staging slot timed out (it does not wait again)
+    store_readers: set[int] = field(default_factory=set)  # destination ranks sent refs into the KV store
+    answered: set[int] = field(default_factory=set)  # destination ranks that sent an ACK (of any status)

@@ -46,6 +46,11 @@ class ReplicaAgents:
         """Whether any rank's KV store is read by same-host receivers directly (KVTransferAgent.shares_kv_store)."""
         return any(self._on_every_rank(KVTransferAgent.shares_kv_store).values())
 
+    def store_reads_pending(self, transfer_ids: Sequence[str]) -> set[str]:
+        """Those of transfer_ids whose refs into some rank's KV store a receiver may still read
+        (KVTransferAgent.store_reads_pending, on every rank)."""
+        return set().union(*self._on_every_rank(KVTransferAgent.store_reads_pending, list(transfer_ids)).values())
+
     def expect(self, transfer_id: str, block_ids: Sequence[int], deadline: float,
                senders: Sequence[str] = ()) -> None:
         """Decode side: every rank accepts data for transfer_id into block_ids until deadline (time.time()),

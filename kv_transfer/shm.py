@@ -4,8 +4,9 @@ Two places it can lie, both memfds that receiving agents on the same host map re
   - the sender's KV store itself (a prefill replica's: AgentFactory.share_kv_store), for a message whose source
     blocks are one run: the receiver copies them straight into its own blocks, the only copy of the transfer.
     The blocks must not change until the receiver has read them: PrefillConnector holds them past the
-    request's end (LLMEngine.hold_blocks_after) until the transfer's ACK, or until the receiver's lease and a
-    grace period are over when it ends otherwise (a receiver refuses to read past its lease);
+    request's end (LLMEngine.hold_blocks_after) until the transfer's ACK; when it ends otherwise, until every
+    receiver sent refs has answered (after its ACK of any status it reads nothing more), or at the latest until
+    the receivers' lease and a grace period are over (a receiver reads nothing past its lease);
   - the sender's staging buffer, for any other message: the sender gathers the payload into a slot, the
     receiver copies it out into its blocks, and the sender keeps the slot until that destination rank
     acknowledges the transfer (see Reuse).
