@@ -56,7 +56,9 @@ def make_store(num_blocks: int, fill: bool, device: str, shared: bool = False):
     from tandem.engine.kv_cache import KVCacheSpec, PagedKVCache
     from tandem.kv_transfer.agent_factory import AgentFactory
 
-    memory = AgentFactory(share_kv_store=shared).store_memory(torch.device(device))
+    from tandem.kv_transfer.config import TransferConfig
+
+    memory = AgentFactory(TransferConfig(shared_memory=True), share_kv_store=shared).store_memory(torch.device(device))
     cache = PagedKVCache(KVCacheSpec(LAYERS, num_blocks, BLOCK, KV_HEADS, HEAD_DIM, torch.float32), device, memory)
     if fill:
         cache.data.normal_()
@@ -83,7 +85,7 @@ def receiver(conn, max_blocks: int, device: str, secret: bytes) -> None:
     from tandem.kv_transfer.descriptor import KVFormat, TransferDescriptor
 
     torch.set_num_threads(1)
-    config = TransferConfig(staging_bytes=256 << 20, secret=secret)
+    config = TransferConfig(staging_bytes=256 << 20, secret=secret, shared_memory=True)
     cache = make_store(max_blocks, fill=False, device=device)
     agent, layout = make_agent(cache, config)
     kv = KVFormat(LAYERS, KV_HEADS, HEAD_DIM, BLOCK, "float32")
@@ -297,7 +299,7 @@ def pipelining(conn, prefill_tokens: int, rounds: int, device: str, secret: byte
     from tandem.kv_transfer.config import TransferConfig
 
     torch.set_num_threads(1)  # the receiver process and the UCX threads get the other core
-    config = TransferConfig(layer_group=1, staging_bytes=256 << 20, secret=secret)
+    config = TransferConfig(layer_group=1, staging_bytes=256 << 20, secret=secret, shared_memory=True)
     engine = LLMEngine(load_model(progress=False, device=device),
                        EngineConfig(num_kv_blocks=4 * (prefill_tokens // BLOCK + 2),
                                     max_num_batched_tokens=prefill_tokens),
@@ -346,7 +348,7 @@ def sender(conn, address: str, args, secret: bytes) -> None:
     torch.set_num_threads(1)
     per = -(-args.tokens // BLOCK)
     cache = make_store(per, fill=True, device=args.device, shared=True)
-    agent, _ = make_agent(cache, TransferConfig(staging_bytes=256 << 20, secret=secret))
+    agent, _ = make_agent(cache, TransferConfig(staging_bytes=256 << 20, secret=secret, shared_memory=True))
     conn.send(("path",))
     _, receiver_path, receiver_domain = conn.recv()
     paths = {"sender": agent.stats().path, "receiver": receiver_path,

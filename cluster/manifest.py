@@ -270,8 +270,8 @@ class RouterSettings(_Strict):
 
 class Transport(_Strict):
     """KV transfer settings (kv_transfer/config.py). host: null takes each node's IP address as Ray sees it.
-    shared_memory: replicas on one host (same kernel, PID namespace and user) pass payloads by reference through
-    shared staging instead of through UCX (kv_transfer/shm.py)."""
+    shared_memory (opt-in): replicas on one host (same kernel, PID namespace and user) pass KV by reference, the
+    decode replica reading the prefill replica's KV store, instead of through UCX (kv_transfer/shm.py)."""
 
     kind: Literal["ucx"] = "ucx"
     host: str | None = None
@@ -279,7 +279,7 @@ class Transport(_Strict):
     max_message_bytes: int = Field(16 << 20, ge=4096)
     staging_bytes: int = Field(128 << 20, ge=8192)
     lease_s: float = Field(30.0, gt=0)
-    shared_memory: bool = True
+    shared_memory: bool = False
     ucx_env: dict[str, str] = Field(default_factory=dict)
 
     @field_validator("max_message_bytes", "staging_bytes", mode="before")

@@ -36,8 +36,8 @@ class TransferConfig:
     a host copy). A receiver drops DATA messages longer than its own max_message_bytes (plus a header): both
     sides must agree on it, as every replica of one manifest does.
 
-    shared_memory: between agents of one host (same kernel, PID namespace and user; KV stores on the CPU, on
-    Linux x86-64), DATA messages travel by reference: the payload stays in the sender's staging, which lives in
+    shared_memory (opt-in): between agents of one host (same kernel, PID namespace and user; KV stores on the
+    CPU, on Linux x86-64), DATA messages travel by reference: the payload stays in the sender's staging, which lives in
     shared memory, and only the header crosses the transport (kv_transfer/shm.py). False: every payload is
     sent through the transport. send_all waits up to room_wait_s for a shared staging slot to free up before it
     sends a message through the transport instead.
@@ -57,7 +57,7 @@ class TransferConfig:
     tombstone_s: float = 120.0
     idle_poll_s: float = 0.002
     kv_path: str = "auto"  # "auto" | "staged" | "direct"
-    shared_memory: bool = True
+    shared_memory: bool = False
     room_wait_s: float = 0.5
     ucx_env: dict[str, str] = field(default_factory=lambda: dict(DEFAULT_UCX_ENV))
     secret: bytes = field(default_factory=lambda: secrets.token_bytes(32), repr=False)

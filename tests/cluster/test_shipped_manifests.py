@@ -79,14 +79,14 @@ def test_the_decode_pools_compile_their_step_and_the_prefill_pool_does_not():
     assert {plan.pool: plan.spec.engine.compile for plan in replica_plans(forced)}["prefill"] is True
 
 
-def test_replicas_of_one_host_pass_kv_by_reference_unless_the_manifest_says_no():
-    """transport.shared_memory (default true) reaches every replica's TransferConfig."""
+def test_replicas_of_one_host_pass_kv_by_reference_only_when_the_manifest_says_so():
+    """transport.shared_memory (opt-in, default false) reaches every replica's TransferConfig."""
     from tandem.cluster.manifest_yaml import parse_manifest
     from tandem.cluster.replica_plans import transfer_config
 
     manifest = validate_file(MANIFESTS / "local.yaml", check_ports=False)
-    assert transfer_config(manifest, b"s" * 32).shared_memory is True
+    assert transfer_config(manifest, b"s" * 32).shared_memory is False
     text = (MANIFESTS / "local.yaml").read_text()
     assert "transport:\n  kind: ucx\n" in text
-    off = parse_manifest(text.replace("transport:\n  kind: ucx\n", "transport:\n  kind: ucx\n  shared_memory: false\n"))
-    assert transfer_config(off, b"s" * 32).shared_memory is False
+    on = parse_manifest(text.replace("transport:\n  kind: ucx\n", "transport:\n  kind: ucx\n  shared_memory: true\n"))
+    assert transfer_config(on, b"s" * 32).shared_memory is True

@@ -113,7 +113,7 @@ class EnginePair:
 
     def __init__(self, loaded, kind: str, *, lease_s: float = 20.0, fabric: Fabric | None = None):
         self.loaded, self.kind, self.fabric = loaded, kind, fabric or Fabric()
-        self.config = TransferConfig(transport=kind, lease_s=lease_s, max_message_bytes=1 << 20,
+        self.config = TransferConfig(transport=kind, lease_s=lease_s, max_message_bytes=1 << 20, shared_memory=True,
                                      staging_bytes=4 << 20)
         self.prefill_clock_offset = 0.0  # what assert_clean adds to the prefill connector's clock, for a moment
         self.prefill = self.new_side(share_kv_store=True)

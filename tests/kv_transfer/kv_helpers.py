@@ -149,7 +149,7 @@ def run_side(conn, side: ProcessSide) -> None:
 
         torch.set_num_threads(1)
         config = TransferConfig(max_message_bytes=side.max_message_bytes, staging_bytes=side.staging_bytes,
-                                kv_path=side.kv_path, secret=side.secret)
+                                kv_path=side.kv_path, secret=side.secret, shared_memory=True)
         factory = AgentFactory(config, share_kv_store=side.share_kv_store)
         cache = PagedKVCache(KVCacheSpec(side.num_layers, side.num_blocks, side.block_size, side.num_kv_heads,
                                          side.head_dim, getattr(torch, side.dtype)), side.device,

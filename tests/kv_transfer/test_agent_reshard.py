@@ -38,7 +38,8 @@ def test_every_destination_rank_gets_exactly_its_share(pair, kind, shared):
     """shared: the descriptor names the destination ranks' shared-memory domains (payloads by reference)."""
     src_cfg, dst_cfg, shape = pair
     fabric = Fabric()
-    config = TransferConfig(max_message_bytes=1 << 20, staging_bytes=8 << 20)  # several messages per piece
+    config = TransferConfig(max_message_bytes=1 << 20, staging_bytes=8 << 20,  # several messages per piece
+                            shared_memory=True)
     src = AgentReplica(layout_of(src_cfg, **shape), num_blocks=10, block_size=16, head_dim=64, kind=kind,
                        fabric=fabric, config=config, seed=1)
     dst = AgentReplica(layout_of(dst_cfg, **shape), num_blocks=10, block_size=16, head_dim=64, kind=kind,

@@ -24,7 +24,7 @@ from tests.kv_transfer.kv_helpers import wait_until
 TEXTS = ["The capital of France is", "Once upon a time, there was a little robot who lived in a small town by"]
 PARAMS = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 CONFIG = EngineConfig(num_kv_blocks=32)
-TRANSFER = TransferConfig(layer_group=1, max_message_bytes=1 << 20, staging_bytes=8 << 20)
+TRANSFER = TransferConfig(layer_group=1, max_message_bytes=1 << 20, staging_bytes=8 << 20, shared_memory=True)
 
 
 @pytest.fixture(scope="module")

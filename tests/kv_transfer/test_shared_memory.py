@@ -64,7 +64,7 @@ def settle(src, dst, transfer_id: str):
 
 
 def test_payloads_by_reference_arrive_exactly_and_slots_come_back_with_the_ack():
-    config = TransferConfig(max_message_bytes=2 * PER_BLOCK, staging_bytes=16 * PER_BLOCK)
+    config = TransferConfig(shared_memory=True, max_message_bytes=2 * PER_BLOCK, staging_bytes=16 * PER_BLOCK)
     src, dst = pair(config)
     sender, receiver = src.agents[0], dst.agents[0]
     try:
@@ -94,7 +94,7 @@ def test_payloads_by_reference_arrive_exactly_and_slots_come_back_with_the_ack()
 
 
 def test_a_descriptor_without_the_domain_gets_payloads():
-    src, dst = pair(TransferConfig(max_message_bytes=2 * PER_BLOCK, staging_bytes=16 * PER_BLOCK))
+    src, dst = pair(TransferConfig(shared_memory=True, max_message_bytes=2 * PER_BLOCK, staging_bytes=16 * PER_BLOCK))
     try:
         desc = dst.descriptor("plain/0", [1, 2], 32, senders=src.addresses)  # no shm_domains
         src.agents[0].arm(desc)
@@ -112,7 +112,8 @@ def test_a_slot_given_back_during_the_read_fails_that_transfer_only():
     the first's slots come back at once with their stamps cleared, and the receiver, reading them afterwards,
     refuses that transfer instead of keeping bytes that may have been overwritten; the other transfer, whose
     slots were sent before and read after, arrives whole."""
-    src, dst = pair(TransferConfig(max_message_bytes=2 * PER_BLOCK, staging_bytes=16 * PER_BLOCK), gate=True)
+    src, dst = pair(TransferConfig(shared_memory=True, max_message_bytes=2 * PER_BLOCK, staging_bytes=16 * PER_BLOCK),
+                    gate=True)
     sender, receiver = src.agents[0], dst.agents[0]
     try:
         receiver.transport.closed = True
@@ -171,7 +172,7 @@ def test_refs_to_another_segment_or_past_its_end_are_refused():
 def test_a_receiver_refuses_a_ref_it_cannot_read_and_fails_only_that_transfer():
     """An authentic message (sealed with the cluster's key) whose ref names no segment of the sender: the
     transfer fails with the reason; a MAC-less forgery of the same is dropped without touching it."""
-    config = TransferConfig(max_message_bytes=2 * PER_BLOCK, staging_bytes=16 * PER_BLOCK)
+    config = TransferConfig(shared_memory=True, max_message_bytes=2 * PER_BLOCK, staging_bytes=16 * PER_BLOCK)
     src, dst = pair(config)
     sender, receiver = src.agents[0], dst.agents[0]
     try:
@@ -219,8 +220,8 @@ def test_send_all_waits_for_room_and_the_layer_hook_sends_around_a_full_pool():
     come back only with its ACK: it does not wait on itself); the next transfer, sent while the first's slots
     are still held, waits until the receiver acknowledges the first and goes by reference; layer-wise sends
     never wait."""
-    config = TransferConfig(max_message_bytes=PER_BLOCK, staging_bytes=3 * (PER_BLOCK + HEADER_BYTES + 64),
-                            room_wait_s=10.0)
+    config = TransferConfig(shared_memory=True, max_message_bytes=PER_BLOCK,
+                            staging_bytes=3 * (PER_BLOCK + HEADER_BYTES + 64), room_wait_s=10.0)
     src, dst = pair(config, gate=True, num_blocks=16)
     sender, receiver = src.agents[0], dst.agents[0]
     try:
@@ -267,7 +268,7 @@ def test_send_all_waits_for_room_and_the_layer_hook_sends_around_a_full_pool():
 
 @pytest.mark.parametrize("config, why", [
     (TransferConfig(shared_memory=False), "off (shared_memory: false)"),
-    (TransferConfig(kv_path="direct"), "off (KV store on cpu)"),
+    (TransferConfig(shared_memory=True, kv_path="direct"), "off (KV store on cpu)"),
 ])
 def test_agents_say_why_the_path_is_off(config, why):
     src, dst = pair(config)

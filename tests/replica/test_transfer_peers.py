@@ -27,7 +27,8 @@ PARAMS = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
 @pytest.fixture(scope="module")
 def replicas(tiny_llama):
     spec = ReplicaSpec(model=str(tiny_llama.source), device="cpu", engine=EngineConfig(num_kv_blocks=24))
-    transfer = TransferConfig(lease_s=2.0, max_message_bytes=1 << 20, staging_bytes=4 << 20)  # one secret
+    transfer = TransferConfig(lease_s=2.0, max_message_bytes=1 << 20, staging_bytes=4 << 20,  # one secret
+                              shared_memory=True)
     prefill = PrefillReplica("prefill-0", spec, transfer)
     decode = DecodeReplica("decode-0", spec, transfer)
     yield prefill, decode
