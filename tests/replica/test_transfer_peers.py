@@ -27,8 +27,7 @@ PARAMS = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
 @pytest.fixture(scope="module")
 def replicas(tiny_llama):
     spec = ReplicaSpec(model=str(tiny_llama.source), device="cpu", engine=EngineConfig(num_kv_blocks=24))
-    transfer = TransferConfig(lease_s=2.0, max_message_bytes=1 << 20, staging_bytes=4 << 20,  # one secret
-                              shared_memory=True)
+    transfer = TransferConfig(lease_s=2.0, max_message_bytes=1 << 20, staging_bytes=4 << 20)  # one secret
     prefill = PrefillReplica("prefill-0", spec, transfer)
     decode = DecodeReplica("decode-0", spec, transfer)
     yield prefill, decode
@@ -49,11 +48,9 @@ def test_a_transfer_completes_when_the_reservation_names_the_prefill_agents(repl
     assert prefill_info.kv_addresses == prefill.connector.addresses and len(prefill_info.kv_addresses) == 1
     assert decode_info.kv_addresses == decode.connector.addresses
     prompt = tiny_llama.tokenizer.encode("The quick brown fox jumps over the lazy dog")
-    sent_before = asyncio.run(prefill.stats()).kv_messages_by_reference
     tokens = asyncio.run(disaggregated(prefill, decode, "named", prompt, prefill_info.kv_addresses))
     assert len(tokens) == PARAMS.max_tokens
-    # replicas of one process share a host: the payloads went by reference (one message per layer)
-    assert asyncio.run(prefill.stats()).kv_messages_by_reference - sent_before == tiny_llama.config.num_layers
+    assert asyncio.run(prefill.stats()).kv_messages_by_reference == 0  # same-host shared memory is opt-in
 
 
 def test_with_no_senders_named_the_prefill_side_learns_nothing_and_its_lease_ends_it(replicas, tiny_llama):
