@@ -1,13 +1,14 @@
 """Serving through the cluster: disaggregated (deploy/manifests/local.yaml) against colocated
 (local-colocated.yaml, one process with both cores) and against the engine in this process (no Ray, no gRPC: the
 floor of what serving costs), in one run on the same requests. The serving path's cost per token is the
-colocated cluster's ITL minus the in-process ITL (both one replica of one process, two torch threads).
+colocated cluster's ITL minus the in-process ITL (both one replica of one process, two torch threads, the same
+engine settings), the in-process run measured right before and right after the colocated cluster and averaged.
 
 For each: --requests chat requests one at a time (TTFT and mean ITL as the gRPC client sees them; medians), then
 the same requests all at once (output tokens/s, TTFT p50/p99). Greedy, ignore_eos, --tokens tokens each; one
 untimed warm-up request first (it also opens the UCX connections).
 
-    .venv/bin/python bench/cluster_serving.py [--requests 8] [--tokens 32]
+    .venv/bin/python bench/cluster_serving.py [--requests 8] [--tokens 32] [--modes ...] [--profile-tokens 300]
 
 Each cluster starts on a local Ray head this script starts and stops (none may be running). The last line of
 output is one JSON object with every number.
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import statistics
 import sys
@@ -47,7 +49,61 @@ def summarize(sequential: list[tuple[float, float]], concurrent: list[tuple[floa
             "concurrent_ttft_ms_p99": 1000 * percentile([t for t, _ in concurrent], 0.99)}
 
 
-def bench_cluster(name: str, requests: int, tokens: int) -> dict:
+def wait_for_standby_router(cluster, timeout_s: float = 120.0) -> None:
+    """Waits until the controller's standby router is warm: it loads the model's tokenizer and imports the
+    serving stack in its own process after `up` returns, which would otherwise share the cores with the first
+    timed requests."""
+    deadline = time.monotonic() + timeout_s
+    while cluster.status()["router"].get("standby") != "ready":
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the standby router was not ready after {timeout_s:.0f} s")
+        time.sleep(0.2)
+
+
+def cluster_processes() -> dict[int, str]:
+    """This machine's Ray processes (the cluster's), pid -> a short name (the actor class for workers)."""
+    import psutil
+
+    found = {}
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        cmdline = p.info["cmdline"] or []
+        line = " ".join(cmdline)
+        if line.startswith("ray::"):
+            found[p.info["pid"]] = cmdline[0].removeprefix("ray::").split(".")[0]
+        elif cmdline and Path(cmdline[0]).name in ("raylet", "gcs_server"):
+            found[p.info["pid"]] = Path(cmdline[0]).name
+    return found
+
+
+def cpu_per_token(client, tokens: int) -> dict[str, float]:
+    """CPU ms per generated token of every cluster process and of this one (the gRPC client) over one greedy
+    request of `tokens` tokens at batch 1 (processes of the same name summed)."""
+    import psutil
+
+    procs = {pid: psutil.Process(pid) for pid in cluster_processes()} | {0: psutil.Process()}
+    names = cluster_processes() | {0: "client (this process)"}
+
+    def used() -> dict[int, float]:
+        out = {}
+        for pid, proc in procs.items():
+            try:
+                t = proc.cpu_times()
+                out[pid] = t.user + t.system
+            except psutil.Error:
+                pass
+        return out
+
+    before = used()
+    client.generate(chat=messages(0), max_tokens=tokens, temperature=0, ignore_eos=True)
+    after = used()
+    per_token: dict[str, float] = {}
+    for pid in before.keys() & after.keys():
+        per_token[names[pid]] = per_token.get(names[pid], 0.0) + 1000 * (after[pid] - before[pid]) / tokens
+    return dict(sorted(per_token.items(), key=lambda kv: -kv[1]))
+
+
+def bench_cluster(name: str, requests: int, tokens: int, *, token_channel: bool = True,
+                  profile_tokens: int = 0) -> dict:
     import ray
 
     from tandem.cluster import launcher
@@ -55,11 +111,13 @@ def bench_cluster(name: str, requests: int, tokens: int) -> dict:
     from tandem.router.client import TandemClient
 
     manifest = load_manifest(MANIFESTS / name)
-    manifest = manifest.model_copy(update={"listen": manifest.listen.model_copy(update={"grpc": "127.0.0.1:0"})})
+    manifest = manifest.model_copy(update={"listen": manifest.listen.model_copy(update={"grpc": "127.0.0.1:0"}),
+                                           "router": manifest.router.model_copy(update={"token_channel": token_channel})})
     cluster = launcher.up(manifest, out=sys.stderr)
     try:
         if not cluster.started_ray:
             raise RuntimeError("a Ray cluster was already running; stop it so that every mode gets the same cores")
+        wait_for_standby_router(cluster)
         with TandemClient(cluster.endpoint, timeout_s=600) as client:
             def one(i: int) -> tuple[float, float]:
                 r = client.generate(chat=messages(i), max_tokens=tokens, temperature=0, ignore_eos=True)
@@ -72,33 +130,46 @@ def bench_cluster(name: str, requests: int, tokens: int) -> dict:
             with ThreadPoolExecutor(requests) as pool:
                 concurrent = list(pool.map(one, range(requests, 2 * requests)))
             wall = time.perf_counter() - start
+            profile = cpu_per_token(client, profile_tokens) if profile_tokens else None
     finally:
         cluster.shutdown()
         ray.shutdown()
-    return summarize(sequential, concurrent, tokens, wall)
+    result = summarize(sequential, concurrent, tokens, wall)
+    if profile is not None:
+        result["cpu_ms_per_token"] = profile
+    return result
 
 
-def bench_in_process(requests: int, tokens: int) -> dict:
-    """The engine behind AsyncEngine in this process, two torch threads (the cores the clusters get)."""
+@functools.cache
+def in_process_engine():
+    """The engine the in-process runs share: the colocated manifest's settings, two torch threads (the cores the
+    clusters get)."""
     import torch
 
-    from tandem.engine.async_engine import AsyncEngine
     from tandem.engine.engine_config import EngineConfig
     from tandem.engine.llm_engine import LLMEngine
     from tandem.engine.loader import load_model
-    from tandem.engine.sampling_params import SamplingParams
-    from tandem.router.client import TokenClock
 
     torch.set_num_threads(2)
     loaded = load_model(progress=False)
-    engine = LLMEngine(loaded, EngineConfig(kv_cache_bytes=256 << 20, max_model_len=2048, max_num_seqs=32))
+    return loaded, LLMEngine(loaded, EngineConfig(kv_cache_bytes=512 << 20, max_model_len=2048, max_num_seqs=64,
+                                                  max_num_batched_tokens=2048))
+
+
+def bench_in_process(requests: int, tokens: int) -> dict:
+    """The engine behind AsyncEngine in this process."""
+    from tandem.engine.async_engine import AsyncEngine
+    from tandem.engine.sampling_params import SamplingParams
+    from tandem.router.client import TokenClock
+
+    loaded, engine = in_process_engine()
     params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
 
     async def main():
         async with AsyncEngine(engine) as server:
             async def one(i: int) -> tuple[float, float]:
                 clock = TokenClock()
-                async for out in server.generate(f"r{i}", loaded.tokenizer.encode_chat(messages(i)), params):
+                async for out in server.generate(f"r{i}-{time.monotonic_ns()}", loaded.tokenizer.encode_chat(messages(i)), params):
                     clock.tick(bool(out.token_ids))
                 return clock.ttft_s, clock.mean_itl_s
 
@@ -117,14 +188,29 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--modes", default="disaggregated,colocated,in_process",
-                        help="also: parallel (local-parallel.yaml: prefill tp=2, decode pp=2)")
+                        help="also: parallel (local-parallel.yaml: prefill tp=2, decode pp=2), colocated_ray_streams "
+                             "(local-colocated.yaml streaming over Ray calls, router.token_channel: false)")
+    parser.add_argument("--profile-tokens", type=int, default=0,
+                        help="colocated modes: after the timed requests, one request of this many tokens with the "
+                             "CPU per token of every cluster process (cpu_ms_per_token)")
     args = parser.parse_args()
     results = {"requests": args.requests, "tokens": args.tokens}
     runs = {"disaggregated": lambda: bench_cluster("local.yaml", args.requests, args.tokens),
-            "colocated": lambda: bench_cluster("local-colocated.yaml", args.requests, args.tokens),
+            "colocated": lambda: bench_cluster("local-colocated.yaml", args.requests, args.tokens,
+                                               profile_tokens=args.profile_tokens),
+            "colocated_ray_streams": lambda: bench_cluster("local-colocated.yaml", args.requests, args.tokens,
+                                                           token_channel=False, profile_tokens=args.profile_tokens),
             "parallel": lambda: bench_cluster("local-parallel.yaml", args.requests, args.tokens),
             "in_process": lambda: bench_in_process(args.requests, args.tokens)}
-    for mode in args.modes.split(","):
+    modes = args.modes.split(",")
+    if "colocated" in modes and "in_process" in modes:
+        # the floor is measured on both sides of the colocated cluster, so that the host's drift over the run
+        # (this machine moves by +-10% from minute to minute) does not land in the difference
+        modes = [m for m in modes if m != "in_process"]
+        modes.insert(modes.index("colocated"), "in_process")
+        modes.insert(max(modes.index(m) for m in modes if m.startswith("colocated")) + 1, "in_process_after")
+        runs["in_process_after"] = runs["in_process"]
+    for mode in modes:
         print(f"== {mode}", file=sys.stderr, flush=True)
         results[mode] = runs[mode]()
         print(f"{mode}: {json.dumps(results[mode])}", file=sys.stderr, flush=True)
@@ -133,7 +219,11 @@ def main() -> None:
         results["ratios_disaggregated_to_colocated"] = {
             key: d[key] / c[key] for key in ("ttft_ms_p50", "itl_ms_mean", "concurrent_tokens_per_s")}
     if "colocated" in results and "in_process" in results:
-        results["serving_path_ms_per_token"] = results["colocated"]["itl_ms_mean"] - results["in_process"]["itl_ms_mean"]
+        floor = [results[m]["itl_ms_mean"] for m in ("in_process", "in_process_after") if m in results]
+        results["serving_path_ms_per_token"] = results["colocated"]["itl_ms_mean"] - statistics.mean(floor)
+        if "colocated_ray_streams" in results:
+            results["serving_path_ms_per_token_ray_streams"] = (results["colocated_ray_streams"]["itl_ms_mean"]
+                                                                 - statistics.mean(floor))
     print(json.dumps(results))
 
 

@@ -33,6 +33,7 @@ if TYPE_CHECKING:  # the runtime is imported when the replica is built (replica/
 
 class DecodeReplica(ReplicaShell):
     pool = "decode"
+    streams = frozenset({"decode", "generate", "resume"})
     connector: DecodeConnector | None
 
     def __init__(self, name: str, spec: ReplicaSpec, transfer: TransferConfig | None):

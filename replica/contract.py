@@ -60,7 +60,8 @@ class ReplicaStats:
     counters are then its last ones). Requests and blocks are counts; kv_usage and prefix_hit_rate fractions.
     kv_messages_dropped: KV transfer messages its ranks' agents dropped, by reason, summed over ranks (forged,
     malformed, oversized, for unknown transfers, late; kv_transfer/drops.py). kv_messages_by_reference: KV data
-    messages its ranks' agents sent by reference to replicas of the same host (kv_transfer/shm.py)."""
+    messages its ranks' agents sent by reference to replicas of the same host (kv_transfer/shm.py).
+    stream_frames: output batches its streams wrote on token channels (replica/token_channel.py)."""
 
     name: str
     pool: str
@@ -77,6 +78,7 @@ class ReplicaStats:
     num_steps: int
     kv_messages_dropped: MessageDrops = MessageDrops()
     kv_messages_by_reference: int = 0
+    stream_frames: int = 0
     ranks_alive: tuple[bool, ...] = ()  # whether each rank's process runs, in rank order
 
 

@@ -1,8 +1,10 @@
 """A replica's Ray actor handle behind the contract's Protocols (replica/contract.py): each method makes the one
-Ray call of the same name and awaits it, and a streaming method yields each item as Ray delivers it. The router
-and the control plane hold these, so a call reads `await replica.api.reserve(...)` and a reader can jump from it
-to the Protocol and from there to the actor's method. Picklable (a Ray handle is): the control plane passes them
-to the router actor.
+Ray call of the same name and awaits it, and a streaming method yields each item as it arrives: over the
+replica's token channel (replica/token_channel.py: one TCP connection per router and replica, the Ray call
+stream_on_channel beside it) or, where the channel cannot be opened or token_channel=False, as a Ray streaming
+call. The router and the control plane hold these, so a call reads `await replica.api.reserve(...)` and a reader
+can jump from it to the Protocol and from there to the actor's method. Picklable (a Ray handle is; the channel is
+not pickled, each process opens its own): the control plane passes them to the router actor.
 
 Errors come back as Ray raises them: the replica's own exception (ValueError, TransferFailedError, ...) as is,
 or a RayActorError subclass when the actor is gone (see router/lifecycle.py's is_replica_death).
@@ -10,6 +12,8 @@ or a RayActorError subclass when the actor is gone (see router/lifecycle.py's is
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from typing import Any, AsyncIterator, Sequence
 
 from tandem.engine.output_processor import RequestOutput
@@ -18,12 +22,68 @@ from tandem.engine.sampled_token import SampledToken
 from tandem.engine.sampling_params import SamplingParams
 from tandem.kv_transfer.descriptor import TransferDescriptor
 from tandem.replica.contract import KVEventsReply, PrefillResult, ReplicaInfo, ReplicaStats
+from tandem.replica.token_channel import CLOSED, ChannelClient, ChannelEnd, ChannelError, open_channel
+
+_log = logging.getLogger(__name__)
+_CALL_DONE = object()  # queued to a channel stream's queue when its Ray call has answered
 
 
 async def _stream(generator) -> AsyncIterator[Any]:
     """The items of a Ray streaming call (an ObjectRefGenerator), awaited one by one."""
     async for ref in generator:
         yield await ref
+
+
+async def _channel_stream(actor: Any, client: ChannelClient, method: str, *args, **kwargs) -> AsyncIterator[Any]:
+    """The batches of the replica's streaming `method` over its token channel (token_channel.py, step 2): yields
+    frames as they arrive until the Ray call has answered and every frame it counted has; then raises the
+    stream's exception, if any. The replica's death raises the Ray call's error after the frames that arrived.
+    Leaving early cancels the Ray call."""
+    import ray
+
+    key, queue = client.open()
+    ref = actor.stream_on_channel.remote(client.connection, key, method, *args, **kwargs)
+    call = asyncio.ensure_future(ref)
+
+    def answered(done: asyncio.Future) -> None:
+        if not done.cancelled():
+            done.exception()  # retrieved: the consumer raises it, or has left
+        queue.put_nowait(_CALL_DONE)
+
+    call.add_done_callback(answered)
+    received, end, closed = 0, None, False
+    try:
+        while end is None or received < end.sent:
+            item = await queue.get()
+            if item is _CALL_DONE:
+                try:
+                    end = call.result()
+                except Exception:  # the replica died (or the call failed): what arrived, then the error
+                    while not queue.empty():
+                        item = queue.get_nowait()
+                        if item is not CLOSED:
+                            yield item
+                    raise
+                if not isinstance(end, ChannelEnd):
+                    raise TypeError(f"stream_on_channel answered a {type(end).__name__}")
+                if closed and received < end.sent:
+                    raise ChannelError(f"the token channel closed with {end.sent - received} batches not delivered")
+            elif item is CLOSED:
+                closed = True
+                if end is not None:
+                    raise ChannelError(f"the token channel closed with {end.sent - received} batches not delivered")
+            else:
+                received += 1
+                yield item
+        if end.error is not None:
+            raise end.error
+    finally:
+        client.release(key)
+        if not call.done():
+            try:
+                ray.cancel(ref)
+            except Exception as e:  # the replica ends the stream anyway when the router aborts the request
+                _log.debug("cancelling %s's stream: %r", method, e)
 
 
 class RemoteReplica:
@@ -65,7 +125,53 @@ class RemotePrefillReplica(RemoteReplica):
 
 
 class RemoteDecodeReplica(RemoteReplica):
-    """DecodeReplicaAPI over a DecodeReplica actor."""
+    """DecodeReplicaAPI over a DecodeReplica actor. token_channel: stream over the replica's token channel
+    (False: Ray streaming calls only)."""
+
+    def __init__(self, actor: Any, token_channel: bool = True):
+        super().__init__(actor)
+        self.token_channel = token_channel
+        self._client: ChannelClient | None = None
+        self._connecting: asyncio.Future | None = None
+
+    def __getstate__(self) -> dict:
+        return {"actor": self.actor, "token_channel": self.token_channel}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["actor"], state["token_channel"])
+
+    async def _channel(self) -> ChannelClient | None:
+        """This process's open connection to the replica's token channel, opened on first use and again after it
+        closed; None when it cannot be opened (then streams go over Ray, and a warning says why)."""
+        if not self.token_channel:
+            return None
+        loop = asyncio.get_running_loop()
+        if self._client is not None and not self._client.closed and self._client.loop is loop:
+            return self._client
+        if self._connecting is None or self._connecting.get_loop() is not loop:
+            self._connecting = asyncio.ensure_future(self._open())
+        try:
+            return await asyncio.shield(self._connecting)
+        finally:
+            if self._connecting is not None and self._connecting.done():
+                self._connecting = None
+
+    async def _open(self) -> ChannelClient | None:
+        try:
+            self._client = await open_channel(await self.actor.channel_endpoint.remote())
+        except (OSError, asyncio.TimeoutError, ChannelError) as e:
+            _log.warning("token channel to %s could not be opened (%r); streaming over Ray calls", self.actor, e)
+            self._client, self.token_channel = None, False
+        return self._client
+
+    async def _streamed(self, method: str, *args, **kwargs) -> AsyncIterator[list[RequestOutput]]:
+        client = await self._channel()
+        if client is None:
+            stream = _stream(getattr(self.actor, method).options(num_returns="streaming").remote(*args, **kwargs))
+        else:
+            stream = _channel_stream(self.actor, client, method, *args, **kwargs)
+        async for batch in stream:
+            yield batch
 
     async def reserve(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *,
                       priority: int = 0, cache_salt: str | None = None,
@@ -74,19 +180,19 @@ class RemoteDecodeReplica(RemoteReplica):
                                                cache_salt=cache_salt, senders=senders)
 
     def decode(self, request_id: str, first_token: SampledToken) -> AsyncIterator[list[RequestOutput]]:
-        return _stream(self.actor.decode.options(num_returns="streaming").remote(request_id, first_token))
+        return self._streamed("decode", request_id, first_token)
 
     def generate(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *,
                  priority: int = 0, cache_salt: str | None = None) -> AsyncIterator[list[RequestOutput]]:
-        return _stream(self.actor.generate.options(num_returns="streaming").remote(
-            request_id, prompt_token_ids, params, priority=priority, cache_salt=cache_salt))
+        return self._streamed("generate", request_id, prompt_token_ids, params, priority=priority,
+                              cache_salt=cache_salt)
 
 
     def resume(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
                resume: ResumeState, *, priority: int = 0,
                cache_salt: str | None = None) -> AsyncIterator[list[RequestOutput]]:
-        return _stream(self.actor.resume.options(num_returns="streaming").remote(
-            request_id, prompt_token_ids, params, resume, priority=priority, cache_salt=cache_salt))
+        return self._streamed("resume", request_id, prompt_token_ids, params, resume, priority=priority,
+                              cache_salt=cache_salt)
 
 
 def remote_replica(pool: str, actor: Any) -> RemotePrefillReplica | RemoteDecodeReplica:

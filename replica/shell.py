@@ -23,6 +23,7 @@ from tandem.kv_transfer.config import TransferConfig
 from tandem.kv_transfer.drops import MessageDrops
 from tandem.replica.contract import KVEventsReply, ReplicaInfo, ReplicaStats, RequestAbortedError
 from tandem.replica.spec import ReplicaSpec
+from tandem.replica.token_channel import ChannelEnd, ChannelEndpoint, ChannelServer
 
 if TYPE_CHECKING:
     from tandem.engine.llm_engine import LLMEngine
@@ -60,6 +61,7 @@ class ReplicaShell:
     connector is built."""
 
     pool: ClassVar[str]
+    streams: ClassVar[frozenset[str]] = frozenset()  # the streaming methods stream_on_channel may run
 
     def __init__(self, name: str, spec: ReplicaSpec, transfer: TransferConfig | None, connect: Connect, *,
                  clock: Callable[[], float] = time.monotonic):
@@ -86,6 +88,7 @@ class ReplicaShell:
         self._aborted: dict[str, float] = {}
         # the agents' drop counts and messages sent by reference, as last read (what a failed engine reports)
         self._kv_counts: tuple[MessageDrops, int] = (MessageDrops(), 0)
+        self._channel = ChannelServer()
 
     def _transfer_failed(self, event: TransferEvent) -> None:
         """Engine thread: a transfer ended badly (the connector already freed its blocks). Default: nothing."""
@@ -117,6 +120,7 @@ class ReplicaShell:
                             prefix_hit_rate=s.prefix_hit_rate, num_preemptions=s.num_preemptions,
                             num_steps=s.num_steps, kv_messages_dropped=self._kv_counts[0],
                             kv_messages_by_reference=self._kv_counts[1],
+                            stream_frames=self._channel.frames_sent,
                             ranks_alive=tuple(self.engine.ranks_alive()))
 
     async def health(self) -> str | None:
@@ -176,7 +180,28 @@ class ReplicaShell:
         failed = await self.server.call(lambda _e: self.connector.agents.drop_connections("dropped by a drill"))
         return f"{failed} transfer(s) failed on {self.name}"
 
+    async def channel_endpoint(self) -> ChannelEndpoint:
+        """Where the router connects for this replica's token channel (replica/token_channel.py), started on
+        first ask on this node's address, with the secret it must prove."""
+        return await self._channel.start(node_address())
+
+    async def stream_on_channel(self, connection: int, key: int, method: str, *args, **kwargs) -> ChannelEnd:
+        """Runs the streaming method `method` (one of self.streams) and writes each batch it yields on the token
+        channel's `connection` under `key`; returns how many it wrote and the exception it ended with (returned,
+        not raised, so that the router raises it after the batches before it)."""
+        if method not in self.streams:
+            raise ValueError(f"{method!r} is not a stream of a {self.pool} replica")
+        sent = 0
+        try:
+            async for batch in getattr(self, method)(*args, **kwargs):
+                await self._channel.send(connection, key, batch)
+                sent += 1
+        except Exception as e:
+            return ChannelEnd(sent, e)
+        return ChannelEnd(sent)
+
     async def shutdown(self) -> None:
+        await self._channel.close()
         await self.server.stop()
         await asyncio.to_thread(self.engine.shutdown)
 

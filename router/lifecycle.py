@@ -113,6 +113,7 @@ class DriverSettings:
     kv_events_interval_s: float = 0.05  # how often the router polls every replica's KV events and load
     max_migrations: int = 3
     prefill_queue_tokens: int = 0  # late binding: see RequestDriver._wait_for_prefill_room (0: off)
+    token_channel: bool = True  # decode streams over the replicas' token channels (replica/token_channel.py)
 
     def __post_init__(self) -> None:
         if self.max_migrations < 0:
@@ -232,6 +233,7 @@ class RequestDriver:
         finally:
             for replica, _ in touched:
                 replica.load.in_flight -= 1
+                self.feed.nudge(replica.name)
             await asyncio.shield(self._abort_everywhere(request.request_id, touched))
 
     async def _wait_for_prefill_room(self, request: ParsedRequest, plan: RoutePlan, local: str | None) -> RoutePlan:
@@ -345,6 +347,7 @@ class RequestDriver:
         counting it there."""
         touched.remove((replica, request_id))
         replica.load.in_flight -= 1
+        self.feed.nudge(replica.name)
         await asyncio.shield(self._abort_everywhere(request_id, [(replica, request_id)]))
 
     async def _reserve(self, request: ParsedRequest, plan: RoutePlan,

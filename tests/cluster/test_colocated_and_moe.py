@@ -1,7 +1,8 @@
 """The other two example manifests on a simulated multi-node Ray cluster: local-colocated.yaml (one replica that
 prefills and decodes, behind the same router) and local-moe.yaml (a generated Mixtral-layout model, decode split
 ep=2 x pp=2). Greedy outputs equal a single-process run of the same model, over gRPC and (colocated) the OpenAI
-HTTP API."""
+HTTP API; the colocated cluster streams over the replica's token channel, the MoE one over Ray streaming calls
+(router.token_channel: false)."""
 
 from __future__ import annotations
 
@@ -58,6 +59,8 @@ def test_colocated_mode_serves_through_the_same_router(embedded):
         assert 'tandem_prefill_decisions_total{reason="colocated",where="decode_replica"}' in metrics
         wait_idle(cluster)
         check_integrity(cluster)
+        # the streams went over the replica's token channel (a batch carries every output since the last one)
+        assert cluster.status()["replicas"][0]["stream_frames"] >= len(results)
 
 
 def test_moe_manifest_with_expert_and_pipeline_parallel_decode(tmp_path):
@@ -65,7 +68,10 @@ def test_moe_manifest_with_expert_and_pipeline_parallel_decode(tmp_path):
     assert tandem_main(["make-model", "tiny-moe", str(folder)]) == 0
     loaded = load_model(folder, progress=False)
     assert loaded.config.num_experts == 8
-    with simulated_cluster() as _, running(manifest_for_test("local-moe.yaml", model=str(folder))) as cluster:
+    manifest = manifest_for_test("local-moe.yaml", model=str(folder))
+    # this cluster streams over Ray calls (the token channel's fallback), the colocated one above over the channel
+    manifest = manifest.model_copy(update={"router": manifest.router.model_copy(update={"token_channel": False})})
+    with simulated_cluster() as _, running(manifest) as cluster:
         decode = next(r for r in cluster.status()["replicas"] if r["name"] == "decode-0")
         assert len(decode["ranks"]) == 4  # ep=2 x pp=2
         results = run_concurrently(cluster.endpoint, 12)
@@ -74,6 +80,7 @@ def test_moe_manifest_with_expert_and_pipeline_parallel_decode(tmp_path):
             assert (got.prefill_replica, got.decode_replica) == ("prefill-0", "decode-0")
         wait_idle(cluster)
         check_integrity(cluster)
+        assert next(r for r in cluster.status()["replicas"] if r["name"] == "decode-0")["stream_frames"] == 0
 
 
 def test_make_model_is_deterministic(tmp_path):

@@ -274,7 +274,7 @@ def test_the_baseline_policies_route_every_request(policy):
         assert len({r[0] for r in routes}) == 3
 
 
-def test_quiet_replicas_are_polled_less_often_and_busy_ones_every_round():
+def test_quiet_replicas_are_polled_less_often_busy_ones_more_and_a_finished_request_at_once():
     prefill, decode = pools(n_prefill=2, n_decode=1)
     calls = {p.name: 0 for p in prefill + decode}
     for replica in prefill + decode:
@@ -283,20 +283,27 @@ def test_quiet_replicas_are_polled_less_often_and_busy_ones_every_round():
             return real(epoch, since)
         replica.kv_events = counted
     now = [0.0]
+    counts = []
+
+    async def rounds(d, n):
+        for _ in range(n):  # 62.5 ms apart: exact in binary
+            await d.feed.poll(d.replicas(), 0.0625)
+            now[0] += 0.0625
+        counts.append(dict(calls))
 
     async def scenario():
         d = make(prefill, decode)
         d.feed.clock = lambda: now[0]
-        for _ in range(40):  # 40 rounds 50 ms apart with nothing happening
-            await d.feed.poll(d.replicas(), 0.05)
-            now[0] += 0.05
-        quiet = dict(calls)
-        d.prefill[0].load.in_flight = 1  # a request in flight there: polled every round
-        for _ in range(10):
-            await d.feed.poll(d.replicas(), 0.05)
-            now[0] += 0.05
-        return quiet
+        await rounds(d, 40)  # 40 rounds with nothing happening
+        d.prefill[0].load.in_flight = 1  # a request in flight there, its answers bringing nothing new
+        await rounds(d, 20)
+        d.prefill[0].load.in_flight = 0
+        d.feed.nudge("prefill-0")  # ...and it ended
+        await rounds(d, 1)
 
-    quiet = asyncio.run(scenario())
+    asyncio.run(scenario())
+    quiet, busy, nudged = counts
     assert all(count <= 8 for count in quiet.values()), quiet  # backed off to every 16 rounds, not 40 polls
-    assert calls["prefill-0"] - quiet["prefill-0"] == 10
+    assert 5 <= busy["prefill-0"] - quiet["prefill-0"] <= 7  # every 4 rounds at most, not every 16
+    assert busy["prefill-1"] - quiet["prefill-1"] <= 2
+    assert nudged["prefill-0"] - busy["prefill-0"] == 1 and nudged["prefill-1"] == busy["prefill-1"]
