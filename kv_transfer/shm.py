@@ -130,12 +130,16 @@ class PeerSegments:
     def view(self, ref: ShmRef) -> np.ndarray:
         """The read-only bytes ref names. Raises ShmUnavailable (the segment cannot be opened, is not the one
         the ref names, or is shorter than the ref reaches)."""
+        return self._stamped(ref)[ref.offset:ref.offset + ref.length]
+
+    def _stamped(self, ref: ShmRef) -> np.ndarray:
+        """The whole segment ref names, once its payload and the stamp before it are checked to lie inside."""
         whole = self._segment(ref)
         if (ref.offset < HEADER_PAGE + STAMP_BYTES or ref.offset % STAMP_BYTES or
                 ref.offset + ref.length > len(whole)):
             raise ShmUnavailable(f"a ref to bytes {ref.offset}-{ref.offset + ref.length} of a segment of "
                                  f"{len(whole)}")
-        return whole[ref.offset:ref.offset + ref.length]
+        return whole
 
     def store_slice(self, ref: ShmRef, shape: tuple[int, int, int, int]) -> np.ndarray:
         """The read-only slice of a sender's KV store a ref names (ref.in_store), as uint8 [layers, K|V, blocks,
@@ -154,8 +158,7 @@ class PeerSegments:
 
     def still_valid(self, ref: ShmRef) -> bool:
         """Whether the stamp before ref's payload is still ref's (asked after copying the payload out)."""
-        self.view(ref)  # checks the bounds
-        whole = self._segment(ref)
+        whole = self._stamped(ref)
         return int(whole[ref.offset - STAMP_BYTES:ref.offset].view(np.uint64)[0]) == ref.stamp
 
     def _segment(self, ref: ShmRef) -> np.ndarray:
@@ -194,11 +197,15 @@ class PeerSegments:
             self._maps.popitem(last=False)
 
 
+_READ_ONLY_WARNING = "The given NumPy array is not writable"
+
+
 def readable(view: np.ndarray):
     """A torch tensor over a read-only mapping, without torch's warning that it cannot write to it (the copy
-    out of it never does)."""
+    out of it never does). The warning is filtered for the process on first use: a catch_warnings block per
+    message would cost every message a filter-list rebuild, and is not thread-safe."""
     import torch
 
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-        return torch.from_numpy(view)
+    if not any(f[1] is not None and f[1].pattern == _READ_ONLY_WARNING for f in warnings.filters):
+        warnings.filterwarnings("ignore", message=_READ_ONLY_WARNING)
+    return torch.from_numpy(view)
