@@ -1,11 +1,12 @@
 """The HTTP API's body limits (router/limits.py RequestLimits), held before a body costs the router more than
-its size: read_body stops reading past max_body_bytes (413), decode_json refuses invalid or too deeply nested
+its size: read_body keeps nothing past max_body_bytes (413), decode_json refuses invalid or too deeply nested
 JSON (400, never a 500 from the decoder's recursion), check_body bounds the counts the gRPC requests are built
 from (prompts of a batched completion, chat messages). decode_json and check_body block: the HTTP front door
 runs them on the router's parse threads."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -21,21 +22,41 @@ def _too_large(size: str, limit: int) -> OpenAIError:
                             f"(router.limits.max_body_bytes)", code="request_too_large")
 
 
+DRAIN_BYTES = 16 << 20  # past the limit, read and dropped before the 413 goes out...
+DRAIN_S = 2.0  # ...for at most this long
+
+
 async def read_body(request: Request, max_bytes: int) -> bytes:
-    """The body, read in chunks. Raises OpenAIError(413) as soon as the declared or received length passes
-    max_bytes (nothing more is read), OpenAIError(400) when the client went away mid-body."""
+    """The body, read in chunks. Raises OpenAIError(413) once the declared or received length passes max_bytes,
+    OpenAIError(400) when the client went away mid-body. Nothing past max_bytes is kept, but a body that ends
+    within DRAIN_BYTES more (and DRAIN_S) is read to its end and dropped before the 413: a server that closes a
+    connection with the client's bytes unread resets it, and the reset can destroy the 413 on its way (the
+    client then sees its status line and no error object, or nothing). A larger body gets the 413 at once."""
     declared = request.headers.get("content-length")
+    too_large = None
     if declared is not None and declared.isdigit() and int(declared) > max_bytes:
-        raise _too_large(declared, max_bytes)
-    chunks, size = [], 0
+        too_large = _too_large(declared, max_bytes)
+        if int(declared) > max_bytes + DRAIN_BYTES:
+            raise too_large
+    chunks, size, drain_until = [], 0, None
     try:
         async for chunk in request.stream():
             size += len(chunk)
-            if size > max_bytes:
-                raise _too_large(f"more than {max_bytes}", max_bytes)
-            chunks.append(chunk)
+            if size > max_bytes and too_large is None:
+                too_large = _too_large(f"more than {max_bytes}", max_bytes)
+            if too_large is None:
+                chunks.append(chunk)
+                continue
+            chunks.clear()
+            loop = asyncio.get_running_loop()
+            drain_until = drain_until or loop.time() + DRAIN_S
+            if size > max_bytes + DRAIN_BYTES or loop.time() > drain_until:
+                break
     except ClientDisconnect:
-        raise OpenAIError(400, "the client went away before sending the whole body") from None
+        if too_large is None:
+            raise OpenAIError(400, "the client went away before sending the whole body") from None
+    if too_large is not None:
+        raise too_large
     return b"".join(chunks)
 
 
