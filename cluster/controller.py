@@ -60,7 +60,7 @@ def driver_settings(manifest: Manifest) -> DriverSettings:
     return DriverSettings(mode=manifest.mode, max_queued_requests=r.max_queued_requests,
                           queue_timeout_s=r.queue_timeout_s, routing=routing,
                           kv_events_interval_s=r.kv_events_interval_s, max_migrations=r.max_migrations,
-                          prefill_queue_tokens=r.prefill_queue_tokens, token_channel=r.token_channel)
+                          prefill_queue_tokens=r.prefill_queue_tokens)
 
 
 def serving_limits(manifest: Manifest) -> ServingLimits:

@@ -149,7 +149,8 @@ class ReplicaSet:
             name=f"{self.manifest.name}-{plan.name}", namespace=self.manifest.ray.namespace, num_cpus=0,
             num_gpus=plan.bundle.get("GPU", 0), max_concurrency=1000, scheduling_strategy=strategy,
         ).remote(plan.name, plan.spec, self.transfer)
-        entry.actor, entry.api = actor, remote_replica(plan.pool, actor)
+        entry.actor, entry.api = actor, remote_replica(plan.pool, actor,
+                                                       token_channel=self.manifest.router.token_channel)
         try:
             entry.info = await asyncio.wait_for(entry.api.ready(), self.ready_timeout_s)
         except asyncio.TimeoutError:

@@ -195,10 +195,11 @@ class RemoteDecodeReplica(RemoteReplica):
                               cache_salt=cache_salt)
 
 
-def remote_replica(pool: str, actor: Any) -> RemotePrefillReplica | RemoteDecodeReplica:
-    """The typed view of a replica actor of `pool` ("prefill" | "decode")."""
+def remote_replica(pool: str, actor: Any, *, token_channel: bool = True) -> RemotePrefillReplica | RemoteDecodeReplica:
+    """The typed view of a replica actor of `pool` ("prefill" | "decode"); token_channel: as RemoteDecodeReplica
+    takes it (manifest router.token_channel)."""
     if pool == "prefill":
         return RemotePrefillReplica(actor)
     if pool == "decode":
-        return RemoteDecodeReplica(actor)
+        return RemoteDecodeReplica(actor, token_channel)
     raise ValueError(f"unknown pool {pool!r} (expected prefill or decode)")

@@ -113,7 +113,6 @@ class DriverSettings:
     kv_events_interval_s: float = 0.05  # how often the router polls every replica's KV events and load
     max_migrations: int = 3
     prefill_queue_tokens: int = 0  # late binding: see RequestDriver._wait_for_prefill_room (0: off)
-    token_channel: bool = True  # decode streams over the replicas' token channels (replica/token_channel.py)
 
     def __post_init__(self) -> None:
         if self.max_migrations < 0:

@@ -78,8 +78,10 @@ class RouterActor:
         from tandem.router.http_service import build_app, start_http_server
         from tandem.router.serving import Serving
 
-        prefill: list[Replica[PrefillReplicaAPI]] = [self._replica(r) for r in replicas if r.pool == "prefill"]
-        decode: list[Replica[DecodeReplicaAPI]] = [self._replica(r) for r in replicas if r.pool == "decode"]
+        prefill: list[Replica[PrefillReplicaAPI]] = [Replica(r.name, r.pool, r.api, r.info) for r in replicas
+                                                     if r.pool == "prefill"]
+        decode: list[Replica[DecodeReplicaAPI]] = [Replica(r.name, r.pool, r.api, r.info) for r in replicas
+                                                   if r.pool == "decode"]
         limit = min(r.info.max_model_len for r in prefill + decode)
         facts = ModelFacts(model_id_for(self.model_path), self.tokenizer, self.config.vocab_size, limit)
         driver = RequestDriver(prefill, decode, self.settings)
@@ -135,14 +137,9 @@ class RouterActor:
         """The control plane's view of each pool's scaling, exposed on /metrics until the next report."""
         self.serving.metrics.scaling = {state.pool: state for state in states}
 
-    def _replica(self, replica: ReadyReplica) -> Replica:
-        if hasattr(replica.api, "token_channel") and not self.settings.token_channel:
-            replica.api.token_channel = False
-        return Replica(replica.name, replica.pool, replica.api, replica.info)
-
     async def add_replica(self, replica: ReadyReplica) -> None:
         """Starts routing to a replica that became ready (scaled up, or replacing a dead one)."""
-        self._driver().add(self._replica(replica))
+        self._driver().add(Replica(replica.name, replica.pool, replica.api, replica.info))
         _log.info("routing to new replica %s", replica.name)
 
     async def drain_replica(self, name: str, timeout_s: float) -> int:
