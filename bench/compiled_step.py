@@ -6,6 +6,10 @@ reports ms per step and tokens/s for each engine, the speed-up, how long warm-up
 the greedy tokens of the two engines agreed.
 
     .venv/bin/python bench/compiled_step.py [--batches 1,8,64] [--steps 24] [--rounds 3] [--threads 2]
+    .venv/bin/python bench/compiled_step.py --device cuda [--dtype float32]   # CUDA graphs against eager launches
+
+On --device cuda (bfloat16 unless --dtype says otherwise) the "compiled" engine is the one whose decode step replays
+piecewise CUDA graphs (engine/models/cuda_graphs.py), and compile_s is their capture at start-up.
 
 Compile time depends on inductor's cache (engine/models/compiled.py): the first run on a machine compiles (about a
 minute for the embedded model on 2 cores), later runs read the cache; `compile_s` reports what this run took.
@@ -65,15 +69,20 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
+                        help="default: float32 on the CPU, bfloat16 on CUDA")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     batches = [int(b) for b in args.batches.split(",")]
 
+    from tandem.engine.device import default_dtype
     from tandem.engine.engine_config import EngineConfig
     from tandem.engine.llm_engine import LLMEngine
     from tandem.engine.loader import load_model
 
-    loaded = load_model(progress=False)
+    args.dtype = args.dtype or default_dtype(args.device)
+    loaded = load_model(progress=False, device=args.device, dtype=getattr(torch, args.dtype))
     tok = loaded.tokenizer
     chats = [tok.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
 
@@ -109,7 +118,9 @@ def main() -> None:
         }
         print(f"batch {b}: compiled {med['compiled']:.2f} ms/step, eager {med['eager']:.2f} ms/step, "
               f"{results[str(b)]['speedup']}x, tokens equal: {same}", file=sys.stderr)
-    print(json.dumps({"bench": "compiled_step", "machine": machine_line(), "cpu": cpu_report(),
+    gpu = torch.cuda.get_device_name() if args.device == "cuda" else None
+    print(json.dumps({"bench": "compiled_step", "machine": machine_line(), "cpu": cpu_report(), "device": args.device,
+                      "gpu": gpu, "dtype": args.dtype, "decode_step": compiled.rank_placements[0].decode_step,
                       "threads": args.threads, "steps": args.steps, "rounds": args.rounds,
                       "compile_s": round(compile_s, 1), "compiled_graphs": compiled.runner.compiled.compiles,
                       "fallback_steps": compiled.runner.compiled.fallbacks, "batches": results}))

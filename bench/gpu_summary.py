@@ -8,6 +8,8 @@ RESULTS_DIR holds (the Makefile's test-gpu recipe writes them):
   pytest.xml, pytest.rc                        pytest's JUnit XML report and exit status
   attention_kernels.log, attention_kernels.rc  bench/attention_kernels.py's output (last line: one JSON object)
   engine_throughput.log, engine_throughput.rc  bench/engine_throughput.py --device cuda's output (likewise)
+  compiled_step.log, compiled_step.rc          bench/compiled_step.py --device cuda's output: the decode step's
+                                               CUDA graphs against eager launches (likewise)
 
 Prints a few lines for people, then one JSON object with the same numbers as the last line. Exits 1 if pytest
 failed or any benchmark did not finish with its JSON (or reported an error), else 0.
@@ -21,7 +23,7 @@ import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-BENCHES = ("attention_kernels", "engine_throughput")
+BENCHES = ("attention_kernels", "engine_throughput", "compiled_step")
 
 
 def require_gpu() -> int:
@@ -96,6 +98,15 @@ def throughput_numbers(r: dict) -> dict:
             "prefix_ttft_speedup": r["prefix_cache"]["ttft_speedup"]}
 
 
+def graphs_numbers(r: dict) -> dict:
+    batches = r["batches"]
+    return {"gpu": r.get("gpu"), "dtype": r.get("dtype"), "decode_step": r["decode_step"],
+            "capture_s": r["compile_s"], "fallback_steps": r["fallback_steps"],
+            "speedup_vs_eager": {b: v["speedup"] for b, v in batches.items()},
+            "tokens_per_s": {b: v["tokens_per_s"]["compiled"] for b, v in batches.items()},
+            "greedy_tokens_equal": all(v["greedy_tokens_equal"] for v in batches.values())}
+
+
 def bench_result(results: Path, name: str, numbers) -> dict:
     """{"ok": bool, "exit": rc, ...numbers} or {"ok": False, "problem": why}."""
     rc = read_rc(results / f"{name}.rc")
@@ -115,7 +126,10 @@ def summarize(results: Path) -> tuple[list[str], dict, bool]:
     tests = pytest_counts(results)
     attention = bench_result(results, "attention_kernels", attention_numbers)
     throughput = bench_result(results, "engine_throughput", throughput_numbers)
-    ok = tests["exit"] == 0 and "problem" not in tests and attention["ok"] and throughput["ok"]
+    graphs = bench_result(results, "compiled_step", graphs_numbers)
+    if graphs["ok"] and not graphs["greedy_tokens_equal"]:
+        graphs |= {"ok": False, "problem": "the CUDA graphs' greedy tokens differ from eager's"}
+    ok = tests["exit"] == 0 and "problem" not in tests and attention["ok"] and throughput["ok"] and graphs["ok"]
     lines = [f"== make test-gpu: {'PASSED' if ok else 'FAILED'} =="]
     line = (f"pytest -m gpu: {tests['passed']} passed, {tests['failed']} failed, {tests['errors']} errors, "
             f"{tests['skipped']} skipped (exit status {tests['exit']})")
@@ -138,7 +152,16 @@ def summarize(results: Path) -> tuple[list[str], dict, bool]:
                      f"{t['speedup_vs_transformers']:.1f}x transformers sequential "
                      f"({t['transformers_tokens_per_s']:.0f} tok/s) at {t['max_concurrency']}; cached 500-token "
                      f"prefix: TTFT {t['prefix_ttft_speedup']:.1f}x faster")
-    return lines, {"ok": ok, "pytest": tests, "attention_kernels": attention, "engine_throughput": throughput}, ok
+    if "problem" in graphs:
+        lines.append(f"decode step CUDA graphs: FAILED: {graphs['problem']}")
+    else:
+        g = graphs
+        speedups = ", ".join(f"batch {b}: {x:.2f}x ({g['tokens_per_s'][b]:.0f} tok/s)"
+                             for b, x in g["speedup_vs_eager"].items())
+        lines.append(f"decode step as {g['decode_step']} on {g['gpu']} ({g['dtype']}), captured in "
+                     f"{g['capture_s']:.1f} s, against eager: {speedups}; greedy tokens equal")
+    return lines, {"ok": ok, "pytest": tests, "attention_kernels": attention, "engine_throughput": throughput,
+                   "compiled_step": graphs}, ok
 
 
 def main() -> int:

@@ -28,6 +28,7 @@ from tandem.engine.scheduler_output import RunnerOutput, SchedulerOutput
 
 if TYPE_CHECKING:
     from tandem.engine.models.compiled import CompiledDecode
+    from tandem.engine.models.cuda_graphs import CudaGraphDecode
     from tandem.engine.parallel.comm import ParallelComm
 
 
@@ -100,7 +101,7 @@ class ModelRunner:
         # transfer agent sends their layer's KV from there (engine/llm_engine.py, kv_transfer/agent.py).
         self.layer_observer = None
         # The model's compiled decode step (engine/models/compiled.py), or None: every step runs eager.
-        self.compiled: CompiledDecode | None = None
+        self.compiled: CompiledDecode | CudaGraphDecode | None = None
 
     def execute(self, chunks: Sequence[SequenceChunk]) -> torch.Tensor:
         """Computes every chunk, writing its K/V to the cache. Returns float32 logits [len(chunks), vocab] of

@@ -17,8 +17,8 @@ Batch sizes come in two buckets, each compiled once at warm-up (engine start), n
 (static shapes) and 2..max_batch sequences (one graph with a symbolic batch size). After warm-up a call that would
 need another compilation runs eager instead, with a warning. Compilation that fails leaves the model eager, with
 the reason logged. Only a decode-only step of a whole model in one process is compiled; prefill chunks, mixed
-batches, multi-process replicas, MoE layers and CUDA devices run eager (the CUDA path with CUDA graphs over the
-pieces is not built yet).
+batches, multi-process replicas and MoE layers run eager. On a CUDA device `compile_decode` captures CUDA graphs
+piecewise around attention instead (engine/models/cuda_graphs.py).
 
 Settings: EngineConfig.compile (the manifest's `engine.compile`), and TANDEM_COMPILE=off, which turns it off
 where the config leaves it unset. Inductor's cache lives under tandem's cache directory, one folder per machine key
@@ -48,6 +48,7 @@ from tandem.engine.models.mlp import GatedMLP
 
 if TYPE_CHECKING:
     from tandem.engine.attention import AttentionMetadata
+    from tandem.engine.models.cuda_graphs import CudaGraphDecode
     from tandem.engine.kv_cache import PagedKVCache
     from tandem.engine.models.llama import LlamaModel
 
@@ -138,8 +139,8 @@ class CompiledOps:
 
 def why_not_compiled(model: LlamaModel) -> str | None:
     """Why this model's decode step cannot be compiled here, or None if it can."""
-    if model.device.type != "cpu":
-        return f"the compiled step runs on the CPU only so far ({model.device.type} runs eager)"
+    if model.device.type not in ("cpu", "cuda"):
+        return f"the compiled step runs on the CPU and on CUDA ({model.device.type} runs eager)"
     if model.comm is not None:
         return "the replica spans processes (the compiled step is for a whole model in one process)"
     if any(not isinstance(layer.mlp, GatedMLP) for layer in model.layers):
@@ -177,6 +178,10 @@ class CompiledDecode:
     def buckets(self) -> str:
         """The batch sizes compiled, in words."""
         return "1" if self.max_batch == 1 else f"1 and 2-{self.max_batch}"
+
+    @property
+    def kind(self) -> str:
+        return "compiled"
 
     def _backend(self, graph: torch.fx.GraphModule, example_inputs):
         from torch._inductor.compile_fx import compile_fx
@@ -234,13 +239,15 @@ def _use_inductor_cache(folder: Path) -> None:
         os.environ[_INDUCTOR_CACHE_ENV] = str(folder)
 
 
-def compile_decode(model: LlamaModel, max_batch: int) -> CompiledDecode | None:
-    """The model's compiled decode step, warmed up for 1..max_batch sequences; None (eager) where it cannot be
-    compiled or compilation fails, with the reason logged."""
+def compile_decode(model: LlamaModel, max_batch: int) -> CompiledDecode | CudaGraphDecode | None:
+    """The model's compiled decode step, warmed up for 1..max_batch sequences (on CUDA: its CUDA graphs, captured);
+    None (eager) where it cannot be compiled or compilation fails, with the reason logged."""
     reason = why_not_compiled(model)
     if reason is not None:
         _log.info("decode step runs eager: %s", reason)
         return None
+    if model.device.type == "cuda":
+        return _capture_cuda_graphs(model, max_batch)
     _use_inductor_cache(cache_root() / "inductor" / machine_digest(model.cpu, torch.get_num_threads()))
     try:
         compiled = CompiledDecode(model, max_batch)  # compiles nothing yet: warm_up does
@@ -254,11 +261,26 @@ def compile_decode(model: LlamaModel, max_batch: int) -> CompiledDecode | None:
     return compiled
 
 
-def decode_step_summary(model: LlamaModel, enabled: bool, compiled: CompiledDecode | None) -> str:
-    """How a rank runs decode steps, for the replica's ready line: compiled for which batch sizes, or eager
-    and why."""
+def _capture_cuda_graphs(model: LlamaModel, max_batch: int) -> CudaGraphDecode | None:
+    from tandem.engine.models.cuda_graphs import CudaGraphDecode
+
+    try:
+        graphs = CudaGraphDecode(model, max_batch)
+        _log.info("capturing the decode step's CUDA graphs for %s sequences", graphs.buckets)
+        seconds = graphs.warm_up()
+    except Exception as e:  # noqa: BLE001 - any capture failure leaves the model eager, which is always correct
+        _log.warning("decode step runs eager: CUDA graph capture failed: %s: %s", type(e).__name__,
+                     " ".join(str(e).split()))
+        return None
+    _log.info("captured the decode step's CUDA graphs for %s sequences in %.1f s", graphs.buckets, seconds)
+    return graphs
+
+
+def decode_step_summary(model: LlamaModel, enabled: bool, compiled: CompiledDecode | CudaGraphDecode | None) -> str:
+    """How a rank runs decode steps, for the replica's ready line: compiled (or as CUDA graphs) for which batch
+    sizes, or eager and why."""
     if compiled is not None:
-        return f"compiled ({compiled.buckets} sequences)"
+        return f"{compiled.kind} ({compiled.buckets} sequences)"
     if not enabled:
         return "eager (compile off)"
     reason = why_not_compiled(model)

@@ -33,6 +33,7 @@ from tandem.engine.parallel.layout import ParallelConfig, RankShard, ReplicaLayo
 
 if TYPE_CHECKING:
     from tandem.engine.models.compiled import CompiledDecode, CompiledOps
+    from tandem.engine.models.cuda_graphs import CudaGraphDecode
     from tandem.engine.parallel.comm import ParallelComm
 
 _log = logging.getLogger(__name__)
@@ -377,15 +378,16 @@ class LlamaModel:
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_cache: PagedKVCache, hidden: torch.Tensor | None = None,
-                on_layer: Callable[[int], None] | None = None, compiled: CompiledDecode | None = None) -> torch.Tensor:
+                on_layer: Callable[[int], None] | None = None,
+                compiled: CompiledDecode | CudaGraphDecode | None = None) -> torch.Tensor:
         """input_ids, positions: [T] int64 (the batch's new tokens, flattened). A later pipeline stage passes
         the previous stage's output as `hidden` [T, hidden_size] instead of embedding input_ids. Returns the
         hidden states [T, hidden_size]: normed on the last stage, the residual stream on the others.
 
         Mutates kv_cache: each new token's K/V is written at meta.slot_mapping in every layer this rank holds.
         on_layer(global layer index) is called as soon as a layer's K/V is written (KV transfer sends it while
-        the next layers compute). compiled: this model's compiled decode step (engine/models/compiled.py), which
-        runs a decode-only batch it was warmed up for.
+        the next layers compute). compiled: this model's compiled decode step (engine/models/compiled.py; its CUDA
+        graphs on a GPU, engine/models/cuda_graphs.py), which runs a decode-only batch it was warmed up for.
         """
         if int(positions.max()) >= self.rope.max_positions:
             raise ValueError(f"position {int(positions.max())} is beyond the model's {self.rope.max_positions}")
