@@ -116,6 +116,11 @@ def main() -> None:
     results["prefill"] = {"tokens": prefill, "flops": flops, "matmul_tflops": rate / 1e12, "triton_s": t_triton,
                           "torch_s": t_torch, "speedup_vs_torch": t_torch / t_triton,
                           "fraction_of_matmul_rate": flops / t_triton / rate}
+    if not interpreted:  # the tile shapes triton.autotune chose on this GPU for the two shapes above
+        from tandem.engine.attention import triton_decode, triton_prefill
+
+        results["decode"]["config"] = str(triton_decode._split_kernel.best_config)
+        results["prefill"]["config"] = str(triton_prefill._prefill_kernel.best_config)
     fractions = {"decode": results["decode"]["fraction_of_bandwidth"],
                  "prefill": results["prefill"]["fraction_of_matmul_rate"]}
     results["decode_fraction_of_bandwidth"] = fractions["decode"]

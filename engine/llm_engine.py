@@ -99,10 +99,11 @@ class LLMEngine:
         if self.layout.world_size == 1:
             if loaded.model is None:
                 raise ValueError("a single-process engine needs the model's weights (load_model(weights=True))")
-            from tandem.engine.attention.triton_backend import select_backend
+            from tandem.engine.attention.triton_backend import select_backend, tune_for
 
             num_blocks = blocks_for(available_memory_bytes(device))  # after the weights were loaded
             loaded.model.attention = select_backend(config.attention_backend, device)
+            tune_for(loaded.model, config.block_size)  # frees what it takes before the cache is allocated
             self.runner = ModelRunner(loaded.model, PagedKVCache(self._kv_spec(num_blocks), device,
                                                                  store_memory_of(kv_agent, device)))
             compiling = compile_enabled(config.compile)

@@ -11,6 +11,7 @@ logged once as "attention backend: <name> (<reason>)"."""
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +32,35 @@ class TritonAttentionBackend(TorchAttentionBackend):
         self._decode_kernel = triton_decode.paged_decode_attention
         self._prefill_kernel = triton_prefill.paged_prefill_attention
         self.fused = triton_norm  # rms_norm (with the residual add) and rotary_, used by the model
+
+    def tune(self, heads: int, kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
+             device: torch.device, windows: set[int | None] = frozenset({None}), *, batch: int = 16,
+             context: int = 1024) -> str:
+        """Runs both kernels once on a representative batch of this model's shape (decode: `batch` sequences of
+        `context` tokens; prefill: one chunk of `context` tokens), so that Triton compiles them and times its
+        candidate tile shapes now (triton.autotune: once per shape and dtype) rather than on a request. windows:
+        the model's sliding windows (None: full attention), each its own compiled variant. Returns what was chosen,
+        for the log. Frees what it allocated."""
+        from tandem.engine.attention import triton_decode, triton_prefill
+
+        start = time.perf_counter()
+        blocks = -(-context // block_size)
+        kv = torch.randn(2, batch * blocks, kv_heads, block_size, head_dim, dtype=dtype, device=device)
+        tables = torch.arange(batch * blocks, device=device).view(batch, blocks)
+        lens = torch.full((batch,), context, dtype=torch.int64, device=device)
+        decode_q = torch.randn(batch, heads, head_dim, dtype=dtype, device=device)
+        prefill_q = torch.randn(context, heads, head_dim, dtype=dtype, device=device)
+        starts = torch.tensor([0, context], dtype=torch.int64, device=device)
+        for window in sorted(windows, key=lambda w: w or 0):
+            self._decode_kernel(decode_q, kv, tables, lens, head_dim**-0.5, window)
+            self._prefill_kernel(prefill_q, kv, tables[:1], starts, lens[:1], context, head_dim**-0.5, window)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        del kv, decode_q, prefill_q
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        return (f"attention kernels tuned in {time.perf_counter() - start:.1f} s: decode "
+                f"{triton_decode._split_kernel.best_config}; prefill {triton_prefill._prefill_kernel.best_config}")
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor,
                 meta: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
@@ -91,6 +121,19 @@ def _triton_import_error() -> str | None:
     except ImportError as e:
         return f"{type(e).__name__}: {e}"
     return None
+
+
+def tune_for(model, block_size: int, *, log: bool = True) -> None:
+    """On CUDA with the Triton backend: tunes its kernels for this model (its rank's heads, head_dim, dtype and
+    sliding windows) before the engine serves, logging the choice at INFO with log. Nothing elsewhere."""
+    backend = model.attention
+    if not isinstance(backend, TritonAttentionBackend) or model.device.type != "cuda":
+        return
+    windows = {layer.window for layer in model.layers} or {None}
+    chosen = backend.tune(model.num_heads, model.num_kv_heads, model.config.head_dim, block_size, model.dtype,
+                          model.device, windows)
+    if log:
+        logger.info(chosen)
 
 
 def select_backend(name: str, device: torch.device, *, log: bool = True) -> TorchAttentionBackend:

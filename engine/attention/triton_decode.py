@@ -7,8 +7,12 @@ whole group of query heads is computed together, so each K/V tile is loaded once
 split leaves a partial softmax (running max m, sum l) and an unnormalised output; a second kernel combines the
 splits. Splits let a few long sequences use the whole device; with many sequences one split each suffices.
 
-Tiles are upcast to float32 and multiplied by tl.dot at the input precision dot_precision() picks from the dtype
-(passed as the DOT_PRECISION constexpr; the prefill kernel uses the same helper).
+A program walks its split BLOCK_N tokens at a time, finding each token's KV block through the block table, so a
+tile may span several KV blocks. Compiled, 16-bit tiles are multiplied as they are (native_dot) and the tile shape
+and pipelining depth are chosen by timing a few configurations on the GPU at hand (triton.autotune, per shape
+class); float32, mixed dtypes and the interpreter widen tiles to float32 and use the input precision
+dot_precision() picks (the prefill kernel shares these helpers). The softmax runs in base 2 (exp2), the scale
+folded with log2(e).
 
 Triton is imported here only; the engine imports this module only when the Triton backend is chosen. On the CPU
 the kernels run under TRITON_INTERPRET=1 (tests), which must be set before this module is imported.
@@ -16,18 +20,24 @@ the kernels run under TRITON_INTERPRET=1 (tests), which must be set before this 
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
 MIN_DOT = 16  # tl.dot needs at least 16 rows: a KV head's query group is padded up to this
 TENSOR_CORE_PRECISION = "tf32"  # Triton's own default for float32 tl.dot on NVIDIA tensor cores
+# Under Triton's CPU interpreter (tests) the kernels run one small configuration with float32 tiles; compiled, they
+# multiply 16-bit tiles as they are and choose among a few tile shapes by timing them (triton.autotune).
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+LOG2E = 1.4426950408889634  # scores are scaled into base 2 once, so the softmax runs on exp2
 
 
 def dot_precision(dtype: torch.dtype) -> str:
-    """tl.dot input_precision for attention over q and a cache of this dtype (the kernels pass
-    torch.promote_types(q.dtype, kv.dtype)). They upcast tiles to float32 before tl.dot, so this decides how
-    float32 products are done:
+    """tl.dot input_precision for attention over q and a cache of this dtype where the kernels widen tiles to
+    float32 (the interpreter; mixed dtypes; float32 itself: see native_dot). The kernels pass
+    torch.promote_types(q.dtype, kv.dtype).
 
     float32: "ieee", true float32 products. Triton's GPU default (TF32) keeps 10 mantissa bits and puts float32
     results off the reference by ~1e-3; the interpreter always multiplies in float32 whatever the precision, so
@@ -43,15 +53,49 @@ def dot_precision(dtype: torch.dtype) -> str:
     raise ValueError(f"the Triton attention kernels take float32, bfloat16 or float16 tensors, got {dtype}")
 
 
+def native_dot(q_dtype: torch.dtype, kv_dtype: torch.dtype) -> bool:
+    """Whether the kernels multiply the tiles in their own 16-bit dtype (tensor-core products summed in float32,
+    the softmax weights P rounded to that dtype before P.V, as FlashAttention does): compiled kernels with q and
+    the cache both bfloat16 or both float16. Widening 16-bit tiles to float32 instead runs the tensor cores at
+    TF32, about half their 16-bit rate (measured on an H200: prefill at 5.5% of the bf16 matmul rate)."""
+    return not INTERPRETED and q_dtype == kv_dtype and q_dtype in (torch.bfloat16, torch.float16)
+
+
+def quick_bench(fn, quantiles=None):
+    """triton.autotune's timer, shortened (3 ms warm-up, 15 ms of runs per configuration): tuning is part of an
+    engine's start (TritonAttentionBackend.tune), which should stay short."""
+    return triton.testing.do_bench(fn, warmup=3, rep=15, quantiles=quantiles)
+
+
+def tuned(configs: list[triton.Config], interpreted: triton.Config, key: list[str]):
+    """triton.autotune over `configs` keyed by `key` (and the arguments' dtypes), or the one `interpreted`
+    configuration under the interpreter. The keys hold the model's shape only (heads, head_dim, block size), not
+    the batch: a kernel is timed once per model, at the engine's start (TritonAttentionBackend.tune), on one
+    representative batch, never on a request (re-timing as batches and contexts grow stalled steps by 100 ms and
+    more on an H200)."""
+    configs = [interpreted] if INTERPRETED else configs
+    try:
+        return triton.autotune(configs=configs, key=key, do_bench=quick_bench)
+    except TypeError:  # a Triton whose autotune takes warmup/rep rather than a timer
+        return triton.autotune(configs=configs, key=key, warmup=3, rep=15)
+
+
+_DECODE_CONFIGS = [triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=st)
+                   for n, w, st in ((32, 4, 3), (64, 4, 3), (64, 4, 4), (128, 4, 3), (128, 8, 3), (64, 2, 4))]
+
+
+@tuned(_DECODE_CONFIGS, triton.Config({"BLOCK_N": 32}, num_warps=4, num_stages=1),
+       key=["GROUP_PAD", "HEAD_DIM", "BLOCK_SIZE"])
 @triton.jit
 def _split_kernel(q_ptr, kv_ptr, tables_ptr, lens_ptr, part_out_ptr, part_m_ptr, part_l_ptr,
-                  scale, window,
+                  scale_log2, window,
                   stride_q_t, stride_q_h,
                   stride_kv_kv, stride_kv_b, stride_kv_h, stride_kv_s,
                   stride_tab,
                   num_splits, blocks_per_split,
                   GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  BLOCK_SIZE: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                  BLOCK_SIZE: tl.constexpr, HAS_WINDOW: tl.constexpr, NATIVE_DOT: tl.constexpr,
+                  DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -62,34 +106,46 @@ def _split_kernel(q_ptr, kv_ptr, tables_ptr, lens_ptr, part_out_ptr, part_m_ptr,
     row_ok = rows < GROUP
     q_heads = kv_head * GROUP + rows
     q = tl.load(q_ptr + seq * stride_q_t + q_heads[:, None] * stride_q_h + dims[None, :],
-                mask=row_ok[:, None], other=0.0).to(tl.float32)
+                mask=row_ok[:, None], other=0.0)
+    if not NATIVE_DOT:
+        q = q.to(tl.float32)
 
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-    slots = tl.arange(0, BLOCK_SIZE)
-    first_block = split * blocks_per_split
-    num_blocks = tl.cdiv(seq_len, BLOCK_SIZE)
-    last_block = tl.minimum(first_block + blocks_per_split, num_blocks)
+    cols = tl.arange(0, BLOCK_N)
+    # This split's tokens: its run of blocks, cut at the sequence's end; BLOCK_N of them per step, each found
+    # through the block table on its own (a tile may span several KV blocks, or part of one).
+    lo = split * blocks_per_split * BLOCK_SIZE
+    hi = tl.minimum(lo + blocks_per_split * BLOCK_SIZE, seq_len)
     query_pos = seq_len - 1
-    for j in range(first_block, last_block):
-        block = tl.load(tables_ptr + seq * stride_tab + j)
-        base = kv_ptr + block * stride_kv_b + kv_head * stride_kv_h
-        offsets = slots[:, None] * stride_kv_s + dims[None, :]
-        k = tl.load(base + offsets).to(tl.float32)                      # [BLOCK_SIZE, HEAD_DIM]
-        v = tl.load(base + stride_kv_kv + offsets).to(tl.float32)
-        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [GROUP_PAD, BLOCK_SIZE]
-        pos = j * BLOCK_SIZE + slots
-        visible = pos <= query_pos
+    if HAS_WINDOW:
+        lo = tl.maximum(lo, (query_pos - window + 1) // BLOCK_N * BLOCK_N)
+    head_base = kv_ptr + kv_head * stride_kv_h
+    for start in range(lo, hi, BLOCK_N):
+        tok = start + cols
+        tok_ok = tok < hi
+        block = tl.load(tables_ptr + seq * stride_tab + tok // BLOCK_SIZE, mask=tok_ok, other=0)
+        offsets = block[:, None] * stride_kv_b + (tok % BLOCK_SIZE)[:, None] * stride_kv_s + dims[None, :]
+        k = tl.load(head_base + offsets, mask=tok_ok[:, None], other=0.0)                   # [BLOCK_N, HEAD_DIM]
+        v = tl.load(head_base + stride_kv_kv + offsets, mask=tok_ok[:, None], other=0.0)
+        if NATIVE_DOT:
+            scores = tl.dot(q, tl.trans(k)) * scale_log2                                # [GROUP_PAD, BLOCK_N]
+        else:
+            scores = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision=DOT_PRECISION) * scale_log2
+        visible = tok_ok
         if HAS_WINDOW:
-            visible = visible & (query_pos - pos < window)
+            visible = visible & (query_pos - tok < window)
         scores = tl.where(visible[None, :], scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a fully hidden tile contributes nothing
-        p = tl.exp(scores - m_safe[:, None])
-        alpha = tl.exp(m - m_safe)
+        p = tl.exp2(scores - m_safe[:, None])
+        alpha = tl.exp2(m - m_safe)
         l = l * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
+        if NATIVE_DOT:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision=DOT_PRECISION)
         m = m_new
 
     part = (seq * tl.num_programs(1) + kv_head) * num_splits + split
@@ -115,7 +171,7 @@ def _combine_kernel(part_out_ptr, part_m_ptr, part_l_ptr, out_ptr, stride_o_t, s
     acc = tl.load(part_out_ptr + (part[:, None] * GROUP_PAD + row) * HEAD_DIM + dims[None, :], mask=ok[:, None],
                   other=0.0)
     m_max = tl.max(m, axis=0)
-    weight = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_max))
+    weight = tl.where(m == float("-inf"), 0.0, tl.exp2(m - m_max))  # m is in base 2 (scores scaled by LOG2E)
     out = tl.sum(acc * weight[:, None], axis=0) / tl.sum(l * weight, axis=0)
     tl.store(out_ptr + seq * stride_o_t + head * stride_o_h + dims, out.to(out_ptr.dtype.element_ty))
 
@@ -163,11 +219,11 @@ def paged_decode_attention(q: torch.Tensor, kv: torch.Tensor, block_tables: torc
     part_l = torch.empty(parts, dtype=torch.float32, device=q.device)
     tables, lens = block_tables, seq_lens  # the engine's own int64 tensors, read as they are
     _split_kernel[(b, hk, splits)](
-        q, kv, tables, lens, part_out, part_m, part_l, scale, window or 0,
+        q, kv, tables, lens, part_out, part_m, part_l, scale * LOG2E, window or 0,
         q.stride(0), q.stride(1), kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3), tables.stride(0),
         splits, blocks_per_split,
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=d, BLOCK_SIZE=block_size, HAS_WINDOW=window is not None,
-        DOT_PRECISION=dot_precision(torch.promote_types(q.dtype, kv.dtype)))
+        NATIVE_DOT=native_dot(q.dtype, kv.dtype), DOT_PRECISION=dot_precision(torch.promote_types(q.dtype, kv.dtype)))
     out = torch.empty_like(q)
     _combine_kernel[(b, hq)](part_out, part_m, part_l, out, out.stride(0), out.stride(1), splits,
                              GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=d,

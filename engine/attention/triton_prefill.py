@@ -4,9 +4,11 @@ chunked prefill and prefix-cached blocks need no gather. Decodes mixed into the 
 chunk is one token.
 
 The new tokens' K/V must already be in the cache (the backend writes them first). A program handles one tile of
-BLOCK_M query tokens of one sequence and one query head; it walks the sequence's KV blocks up to the tile's last
-position with an online softmax, in fp32, its tl.dot at the input precision dot_precision() picks (see
-triton_decode.py).
+BLOCK_M query tokens of one sequence and one query head; it walks the sequence's keys up to the tile's last
+position BLOCK_N at a time (each key found through the block table, so a tile may span KV blocks) with an online
+softmax in float32 (base 2). Compiled, 16-bit tiles are multiplied as they are and BLOCK_M, BLOCK_N and the
+pipelining depth are chosen by timing a few configurations on the GPU (triton.autotune); see triton_decode.py for
+that and for the interpreter's float32 path.
 
 Triton is imported here only; on the CPU the kernel runs under TRITON_INTERPRET=1 (set before import).
 """
@@ -17,19 +19,24 @@ import torch
 import triton
 import triton.language as tl
 
-from tandem.engine.attention.triton_decode import check_paged_shapes, dot_precision
+from tandem.engine.attention.triton_decode import LOG2E, check_paged_shapes, dot_precision, native_dot, tuned
 
-BLOCK_M = 16
+_CONFIGS = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=st)
+            for m, n, w, st in ((128, 64, 8, 3), (128, 64, 8, 2), (128, 128, 8, 2), (128, 32, 4, 3),
+                                (64, 64, 4, 3), (64, 128, 8, 2), (64, 32, 4, 2))]
 
 
+@tuned(_CONFIGS, triton.Config({"BLOCK_M": 16, "BLOCK_N": 32}, num_warps=4, num_stages=1),
+       key=["GROUP", "HEAD_DIM", "BLOCK_SIZE"])
 @triton.jit
 def _prefill_kernel(q_ptr, kv_ptr, out_ptr, tables_ptr, starts_ptr, lens_ptr,
-                    scale, window,
+                    scale_log2, window,
                     stride_q_t, stride_q_h, stride_o_t, stride_o_h,
                     stride_kv_kv, stride_kv_b, stride_kv_h, stride_kv_s,
                     stride_tab,
-                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
-                    HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                    HAS_WINDOW: tl.constexpr, NATIVE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     seq = tl.program_id(0)
     head = tl.program_id(1)
     tile = tl.program_id(2)
@@ -42,35 +49,45 @@ def _prefill_kernel(q_ptr, kv_ptr, out_ptr, tables_ptr, starts_ptr, lens_ptr,
         row_ok = rows < query_len
         dims = tl.arange(0, HEAD_DIM)
         q = tl.load(q_ptr + (start + rows[:, None]) * stride_q_t + head * stride_q_h + dims[None, :],
-                    mask=row_ok[:, None], other=0.0).to(tl.float32)
+                    mask=row_ok[:, None], other=0.0)
+        if not NATIVE_DOT:
+            q = q.to(tl.float32)
         query_pos = seq_len - query_len + rows  # [BLOCK_M]
 
         m = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-        slots = tl.arange(0, BLOCK_SIZE)
-        last_pos = tl.minimum(seq_len - query_len + (tile + 1) * BLOCK_M, seq_len) - 1
-        first_block = 0
+        cols = tl.arange(0, BLOCK_N)
+        # The keys this tile can see: up to its last row's position (causal), from its first row's window start.
+        hi = tl.minimum(seq_len - query_len + (tile + 1) * BLOCK_M, seq_len)
+        lo = 0
         if HAS_WINDOW:
-            first_block = tl.maximum(seq_len - query_len + tile * BLOCK_M - window + 1, 0) // BLOCK_SIZE
-        for j in range(first_block, last_pos // BLOCK_SIZE + 1):
-            block = tl.load(tables_ptr + seq * stride_tab + j)
-            base = kv_ptr + block * stride_kv_b + kv_head * stride_kv_h
-            offsets = slots[:, None] * stride_kv_s + dims[None, :]
-            k = tl.load(base + offsets).to(tl.float32)
-            v = tl.load(base + stride_kv_kv + offsets).to(tl.float32)
-            scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [BLOCK_M, BLOCK_SIZE]
-            key_pos = j * BLOCK_SIZE + slots
-            visible = key_pos[None, :] <= query_pos[:, None]
+            lo = tl.maximum(seq_len - query_len + tile * BLOCK_M - window + 1, 0) // BLOCK_N * BLOCK_N
+        head_base = kv_ptr + kv_head * stride_kv_h
+        for key_start in range(lo, hi, BLOCK_N):
+            tok = key_start + cols
+            tok_ok = tok < hi
+            block = tl.load(tables_ptr + seq * stride_tab + tok // BLOCK_SIZE, mask=tok_ok, other=0)
+            offsets = block[:, None] * stride_kv_b + (tok % BLOCK_SIZE)[:, None] * stride_kv_s + dims[None, :]
+            k = tl.load(head_base + offsets, mask=tok_ok[:, None], other=0.0)
+            v = tl.load(head_base + stride_kv_kv + offsets, mask=tok_ok[:, None], other=0.0)
+            if NATIVE_DOT:
+                scores = tl.dot(q, tl.trans(k)) * scale_log2  # [BLOCK_M, BLOCK_N]
+            else:
+                scores = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision=DOT_PRECISION) * scale_log2
+            visible = (tok[None, :] <= query_pos[:, None]) & tok_ok[None, :]
             if HAS_WINDOW:
-                visible = visible & (query_pos[:, None] - key_pos[None, :] < window)
+                visible = visible & (query_pos[:, None] - tok[None, :] < window)
             scores = tl.where(visible, scores, float("-inf"))
             m_new = tl.maximum(m, tl.max(scores, axis=1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp(scores - m_safe[:, None])
-            alpha = tl.exp(m - m_safe)
+            p = tl.exp2(scores - m_safe[:, None])
+            alpha = tl.exp2(m - m_safe)
             l = l * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
+            if NATIVE_DOT:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision=DOT_PRECISION)
             m = m_new
         out = acc / tl.where(l == 0.0, 1.0, l)[:, None]
         tl.store(out_ptr + (start + rows[:, None]) * stride_o_t + head * stride_o_h + dims[None, :],
@@ -89,11 +106,11 @@ def paged_prefill_attention(q: torch.Tensor, kv: torch.Tensor, block_tables: tor
     b = block_tables.shape[0]
     out = torch.empty_like(q)
     tables, starts, lens = block_tables, query_start_loc, seq_lens  # the engine's own int64 tensors, as they are
-    grid = (b, hq, triton.cdiv(max_query_len, BLOCK_M))
-    _prefill_kernel[grid](
-        q, kv, out, tables, starts, lens, scale, window or 0,
+    dtype = torch.promote_types(q.dtype, kv.dtype)
+    _prefill_kernel[lambda meta: (b, hq, triton.cdiv(max_query_len, meta["BLOCK_M"]))](
+        q, kv, out, tables, starts, lens, scale * LOG2E, window or 0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3), tables.stride(0),
-        GROUP=hq // hk, HEAD_DIM=d, BLOCK_SIZE=block_size, BLOCK_M=BLOCK_M, HAS_WINDOW=window is not None,
-        DOT_PRECISION=dot_precision(torch.promote_types(q.dtype, kv.dtype)))
+        GROUP=hq // hk, HEAD_DIM=d, BLOCK_SIZE=block_size, HAS_WINDOW=window is not None,
+        NATIVE_DOT=native_dot(q.dtype, kv.dtype), DOT_PRECISION=dot_precision(dtype))
     return out

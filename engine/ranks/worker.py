@@ -73,7 +73,7 @@ def run_worker(rank: int, spec: WorkerSpec, conn: Connection) -> None:
             os.environ["CUDA_VISIBLE_DEVICES"] = spec.visible_gpus[rank]
         import torch
 
-        from tandem.engine.attention.triton_backend import select_backend
+        from tandem.engine.attention.triton_backend import select_backend, tune_for
         from tandem.engine.engine_config import available_memory_bytes
         from tandem.engine.kv_cache import KVCacheSpec, PagedKVCache, store_memory_of
         from tandem.engine.loader.model_loader import load_checkpoint
@@ -97,6 +97,7 @@ def run_worker(rank: int, spec: WorkerSpec, conn: Connection) -> None:
                             max_positions=spec.max_positions, source=str(checkpoint.source), shard=shard, comm=comm)
         del checkpoint
         model.attention = select_backend(spec.attention_backend, torch.device(device), log=rank == 0)  # once
+        tune_for(model, spec.block_size, log=rank == 0)
         config = model.config
         conn.send(("memory", available_memory_bytes(device)))
         kind, num_blocks = pickle.loads(conn.recv_bytes())

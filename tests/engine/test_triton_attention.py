@@ -210,3 +210,12 @@ def test_rotary_in_place_matches_the_model_tables(head_dim):
     rotary_(qk, positions, rope.cos, rope.signed_sin)
     assert relative_error(qkv[:, :10], expected) <= 1e-5
     assert torch.equal(qkv[:, 10:], untouched)  # V is left alone
+
+
+def test_tuning_runs_both_kernels_on_the_model_shape_and_says_what_it_chose():
+    """What an engine on CUDA runs at start-up (tune_for), here on the interpreter's one configuration: both
+    kernels, with and without a sliding window, on a batch of the model's shape."""
+    chosen = TritonAttentionBackend().tune(6, 2, 64, 16, torch.float32, torch.device("cpu"), {None, 8}, batch=2,
+                                           context=40)
+    assert chosen.startswith("attention kernels tuned in ")
+    assert "decode BLOCK_N: 32," in chosen and "prefill BLOCK_M: 16, BLOCK_N: 32," in chosen
