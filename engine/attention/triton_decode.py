@@ -74,8 +74,8 @@ def tuned(configs: list[triton.Config], interpreted: triton.Config, key: list[st
     representative batch, never on a request (re-timing as batches and contexts grow stalled steps by 100 ms and
     more on an H200)."""
     configs = [interpreted] if INTERPRETED else configs
-    try:
-        return triton.autotune(configs=configs, key=key, do_bench=quick_bench)
+    try:  # cache_results: the choice is kept in Triton's cache folder, so a later start on this GPU reads it
+        return triton.autotune(configs=configs, key=key, do_bench=quick_bench, cache_results=True)
     except TypeError:  # a Triton whose autotune takes warmup/rep rather than a timer
         return triton.autotune(configs=configs, key=key, warmup=3, rep=15)
 
