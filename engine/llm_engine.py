@@ -37,6 +37,7 @@ from tandem.engine.cpu_affinity import current_cpus
 from tandem.engine.device import RankPlacement
 from tandem.engine.engine_config import EngineConfig, available_memory_bytes
 from tandem.engine.errors import ReplicaFailedError
+from tandem.engine.grammar import GrammarBackend
 from tandem.engine.kv_cache import KVCacheSpec, PagedKVCache, store_memory_of
 from tandem.engine.kv_cache_manager import KVCacheManager
 from tandem.engine.kv_events import KVEventSink, discard_events
@@ -154,6 +155,11 @@ class LLMEngine:
             self.kv_manager, frozenset(self.tokenizer.eos_token_ids))
         self.outputs = OutputProcessor(self.tokenizer)
         self.vocab_size = model_config.vocab_size
+        # Structured output: compiled here to refuse a bad constraint at add_request, and used by this process's
+        # runner (a replica of several ranks builds its own on the sampler rank: engine/ranks/worker.py).
+        self.grammars = GrammarBackend(self.tokenizer, self.vocab_size)
+        if isinstance(self.runner, ModelRunner):
+            self.runner.grammars = self.grammars
         self.num_steps = 0
         self._arrivals = 0
 
@@ -171,6 +177,10 @@ class LLMEngine:
         if (bad := next((t for t in prompt_token_ids if not 0 <= t < self.vocab_size), None)) is not None:
             raise ValueError(f"prompt token id {bad} is outside the vocabulary (0..{self.vocab_size - 1})")
         params.check_vocab(self.vocab_size)
+        if params.structured is not None:  # raises InvalidStructuredOutput (a ValueError) with the compiler's message
+            grammar = self.grammars.compile(params.structured)
+            if resume is not None:  # the delivered tokens must fit the grammar they were sampled under
+                grammar.matcher(resume.output_token_ids)
         # Before any per-sample work (the seeds below): n is the client's number.
         self.scheduler.check_admissible(len(prompt_token_ids), params.max_tokens, params.n)
 

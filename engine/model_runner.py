@@ -13,7 +13,9 @@ a stage sends micro-batch i on and starts i + 1 while the next stage works on i.
 
 from __future__ import annotations
 
+import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Mapping, Sequence
 
@@ -26,7 +28,11 @@ from tandem.engine.sampler import SampleRequest, sample_batch
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.scheduler_output import RunnerOutput, SchedulerOutput
 
+_log = logging.getLogger(__name__)
+
 if TYPE_CHECKING:
+    from tandem.engine.grammar import GrammarBackend, Matcher
+    from tandem.engine.grammar_masks import MaskJob
     from tandem.engine.models.compiled import CompiledDecode
     from tandem.engine.models.cuda_graphs import CudaGraphDecode
     from tandem.engine.parallel.comm import ParallelComm
@@ -49,6 +55,7 @@ class _SeqState:
     block_ids: list[int]
     params: SamplingParams
     seed: int
+    matcher: Matcher | None = None  # the sequence's place in its grammar (structured output), on a sampling rank
 
     def sample_request(self) -> SampleRequest:
         step = len(self.token_ids) - self.num_prompt_tokens
@@ -102,6 +109,9 @@ class ModelRunner:
         self.layer_observer = None
         # The model's compiled decode step (engine/models/compiled.py), or None: every step runs eager.
         self.compiled: CompiledDecode | CudaGraphDecode | None = None
+        # Compiles structured-output constraints (engine/grammar.py); set by the engine on a sampling rank.
+        self.grammars: GrammarBackend | None = None
+        self._mask_pool: ThreadPoolExecutor | None = None
 
     def execute(self, chunks: Sequence[SequenceChunk]) -> torch.Tensor:
         """Computes every chunk, writing its K/V to the cache. Returns float32 logits [len(chunks), vocab] of
@@ -178,8 +188,14 @@ class ModelRunner:
         for seq_id in output.finished_seq_ids:
             self._seqs.pop(seq_id, None)
         for new in output.new_seqs:
-            self._seqs[new.seq_id] = _SeqState(list(new.token_ids), new.num_prompt_tokens, list(new.block_ids),
-                                               new.params, new.seed)
+            state = _SeqState(list(new.token_ids), new.num_prompt_tokens, list(new.block_ids), new.params, new.seed)
+            if new.params.structured is not None and self.samples:
+                if self.grammars is None:
+                    raise ValueError("structured output needs the engine's grammar backend (runner.grammars)")
+                # A resumed, migrated or recomputed sequence replays the output it delivered already.
+                grammar = self.grammars.compile(new.params.structured)
+                state.matcher = grammar.matcher(state.token_ids[state.num_prompt_tokens:])
+            self._seqs[new.seq_id] = state
         for diff in output.cached_seqs:
             state = self._seqs[diff.seq_id]
             if diff.block_ids is not None:
@@ -199,7 +215,6 @@ class ModelRunner:
             if start + count == len(state.token_ids):
                 to_sample.append(seq_id)
             completing.append(seq_id if start + count == len(state.token_ids) == state.num_prompt_tokens else None)
-        hidden = self._forward(chunks, completing)
         row_of = {seq_id: i for i, seq_id in enumerate(output.num_scheduled_tokens)}
         rows, names = [], []
         for seq_id in to_sample:
@@ -208,14 +223,36 @@ class ModelRunner:
         for fork in output.forks:
             parent = self._seqs[fork.parent_id]
             self._seqs[fork.child_id] = _SeqState(list(parent.token_ids), parent.num_prompt_tokens,
-                                                  list(parent.block_ids), parent.params, fork.seed)
+                                                  list(parent.block_ids), parent.params, fork.seed,
+                                                  parent.matcher.copy() if parent.matcher is not None else None)
             rows.append(row_of[fork.parent_id])
             names.append(fork.child_id)
+        masks = self._start_masks(names) if self.samples else None
+        hidden = self._forward(chunks, completing)
         if not rows or not self.samples:
             return RunnerOutput()
         requests = [self._seqs[name].sample_request() for name in names]
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        if masks is not None:
+            masks.apply(logits)
         sampled = sample_batch(logits, requests)
         for name, token in zip(names, sampled):
-            self._seqs[name].token_ids.append(token.token_id)
+            state = self._seqs[name]
+            state.token_ids.append(token.token_id)
+            if state.matcher is not None and not state.matcher.accept(token.token_id):
+                _log.error("sequence %s: sampled token %d is outside its grammar (%s)", name, token.token_id,
+                           state.matcher.error)
         return RunnerOutput(dict(zip(names, sampled)))
+
+    def _start_masks(self, names: Sequence[str]) -> MaskJob | None:
+        """Starts computing the allowed next tokens of this step's structured rows (their index in `names`) on a
+        helper thread, to overlap the forward pass; None when no row is structured."""
+        from tandem.engine.grammar_masks import MaskJob
+
+        structured = [(self._seqs[name].matcher, i) for i, name in enumerate(names)
+                      if self._seqs[name].matcher is not None]
+        if not structured:
+            return None
+        if self._mask_pool is None:
+            self._mask_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tandem-grammar-masks")
+        return MaskJob(self.grammars, self._mask_pool, structured)

@@ -7,6 +7,8 @@ import numbers
 import operator
 from dataclasses import dataclass, field
 
+from tandem.engine.structured_output import StructuredOutput
+
 MAX_LOGPROBS = 20
 
 
@@ -37,7 +39,8 @@ class SamplingParams:
     frequency penalties (0.0 = off) to output tokens only. seed: None lets the engine draw one per request.
     stop_token_ids / stop: token ids / strings that end the output (a single string is taken as one stop
     string; lists are stored as tuples). logprobs: None returns no log-probabilities; k in 0..20 returns the
-    chosen token's log-probability plus the k most likely alternatives.
+    chosen token's log-probability plus the k most likely alternatives. structured: what the output must match
+    (a JSON schema, regex, choice or grammar: engine/structured_output.py), or None.
 
     Raises ValueError naming the field and its allowed range when a value is out of range or of the wrong type.
     """
@@ -56,6 +59,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     stop: tuple[str, ...] = field(default_factory=tuple)
     logprobs: int | None = None
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         for name in ("n", "max_tokens", "top_k"):
@@ -106,6 +110,11 @@ class SamplingParams:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}] or None, got {self.logprobs}")
+        if self.structured is not None:
+            if not isinstance(self.structured, StructuredOutput):
+                raise ValueError(f"structured must be a StructuredOutput, got {type(self.structured).__name__}")
+            if self.ignore_eos:  # a finished grammar allows only the end of the sequence
+                raise ValueError("ignore_eos cannot be combined with structured output")
 
     @property
     def greedy(self) -> bool:

@@ -92,6 +92,7 @@ def run_worker(rank: int, spec: WorkerSpec, conn: Connection) -> None:
         comm = ParallelComm(layout, rank, init_method=spec.init_method, timeout_s=spec.timeout_s, device=device)
         shard = layout.shard(rank)
         checkpoint = load_checkpoint(spec.model_path, progress=False)
+        tokenizer = checkpoint.tokenizer  # the sampler rank's grammar backend reads it (structured output)
         dtype = getattr(torch, spec.dtype)
         model = build_model(checkpoint.config, checkpoint.weights, dtype=dtype, device=device,
                             max_positions=spec.max_positions, source=str(checkpoint.source), shard=shard, comm=comm)
@@ -108,6 +109,10 @@ def run_worker(rank: int, spec: WorkerSpec, conn: Connection) -> None:
         kv_cache = PagedKVCache(kv_spec, device, store_memory_of(spec.kv_agent, device))
         runner = ModelRunner(model, kv_cache, comm=comm,
                              samples=rank == layout.sampler_rank, micro_batches=spec.micro_batches)
+        if runner.samples:
+            from tandem.engine.grammar import GrammarBackend
+
+            runner.grammars = GrammarBackend(tokenizer, config.vocab_size)
         if spec.kv_agent is not None:
             agent = runner.layer_observer = spec.kv_agent(rank, layout, runner.kv_cache)
         conn.send(("ready", RankPlacement(rank, os.getpid(), str(device), os.environ.get("CUDA_VISIBLE_DEVICES"),
