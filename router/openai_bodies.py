@@ -2,8 +2,8 @@
 CompletionRequest), and parse_body, which validates a decoded or raw JSON body into one of them or raises the
 OpenAIError (400) a client of OpenAI's API would get.
 
-Bodies take OpenAI's fields plus the vLLM extensions ignore_eos, top_k, min_p, repetition_penalty, stop_token_ids
-and priority, and tandem's session_id and timeout (seconds the request may take, within the server's deadline). Fields OpenAI defines that tandem cannot honour are refused ("X is not
+Bodies take OpenAI's fields (response_format included) plus the vLLM extensions ignore_eos, top_k, min_p,
+repetition_penalty, stop_token_ids, priority and structured_outputs, and tandem's session_id and timeout (seconds the request may take, within the server's deadline). Fields OpenAI defines that tandem cannot honour are refused ("X is not
 supported by tandem") unless they hold their default value; any other unknown field is refused with OpenAI's
 wording. Only types are checked here: numeric ranges are the server's to validate, like every sampling parameter.
 """
@@ -11,7 +11,7 @@ wording. Only types are checked here: numeric ranges are the server's to validat
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, ClassVar, TypeVar
+from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
@@ -86,6 +86,52 @@ class ChatMessage(_Body):
         return "\n".join(part["text"] for part in content)
 
 
+class JsonSchemaFormat(_Body):
+    """response_format.json_schema: the schema the reply's content must match (always enforced, strict or not)."""
+
+    name: str = Field(min_length=1, max_length=64)
+    schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
+    description: str | None = None
+    strict: bool | None = None
+
+
+class TextFormat(_Body):
+    type: Literal["text"]
+
+
+class JsonObjectFormat(_Body):
+    type: Literal["json_object"]
+
+
+class JsonSchemaResponseFormat(_Body):
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaFormat
+
+
+# OpenAI's response_format: text (no constraint), json_object (any JSON object) or json_schema.
+ResponseFormat = Annotated[TextFormat | JsonObjectFormat | JsonSchemaResponseFormat, Field(discriminator="type")]
+
+
+class JsonOutput(_Body):
+    json_: dict[str, Any] | bool | str = Field(alias="json")  # a schema, as an object or as JSON text
+
+
+class RegexOutput(_Body):
+    regex: str
+
+
+class ChoiceOutput(_Body):
+    choice: list[str]
+
+
+class GrammarOutput(_Body):
+    grammar: str  # Lark, or GBNF/EBNF
+
+
+# vLLM's structured_outputs extension: exactly one of json, regex, choice or grammar.
+StructuredOutputs = JsonOutput | RegexOutput | ChoiceOutput | GrammarOutput
+
+
 class _Request(_Body):
     """The fields both endpoints share. user is accepted and has no effect; priority: lower runs first."""
 
@@ -109,6 +155,27 @@ class _Request(_Body):
     priority: Int32 | None = None
     session_id: str | None = None
     timeout: float | None = Field(None, gt=0)  # seconds; the server's request_timeout_s caps it
+    structured_outputs: StructuredOutputs | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _constraint_shapes(cls, data: Any) -> Any:
+        """Clear messages for the two constraint fields, ahead of pydantic's union errors."""
+        if not isinstance(data, dict):
+            return data
+        wanted = data.get("structured_outputs")
+        if isinstance(wanted, dict) and (len(wanted) != 1 or not set(wanted) <= {"json", "regex", "choice", "grammar"}):
+            raise _invalid("combination", "structured_outputs takes exactly one of json, regex, choice or grammar",
+                           param="structured_outputs")
+        fmt = data.get("response_format")
+        if isinstance(fmt, dict):
+            if fmt.get("type") not in ("text", "json_object", "json_schema"):
+                raise _invalid("combination", f"response_format.type {fmt.get('type')!r} is not one of text, "
+                               "json_object, json_schema", param="response_format.type")
+            if fmt["type"] == "json_schema" and "json_schema" not in fmt:
+                raise _invalid("combination", "response_format.json_schema is required with type json_schema",
+                               param="response_format.json_schema")
+        return data
 
     @field_validator("stop", mode="plain")
     @classmethod
@@ -133,12 +200,20 @@ class _Request(_Body):
 class ChatCompletionRequest(_Request):
     UNSUPPORTED = {"tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
                    "function_call": (None, "none"), "parallel_tool_calls": (None, True),
-                   "response_format": (None, {"type": "text"}), "logit_bias": (None, {}), "audio": (None,),
-                   "modalities": (None, ["text"]), "prediction": (None,)}
+                   "logit_bias": (None, {}), "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,)}
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Int32 | None = None  # wins over max_tokens
     logprobs: bool | None = None
     top_logprobs: Int32 | None = None
+    response_format: ResponseFormat | None = None
+
+    @model_validator(mode="after")
+    def _one_constraint(self):
+        if self.structured_outputs is not None and self.response_format is not None \
+                and not isinstance(self.response_format, TextFormat):
+            raise _invalid("combination", "give response_format or structured_outputs, not both",
+                           param="structured_outputs")
+        return self
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self):

@@ -6,10 +6,12 @@ does for the gRPC API.
 
 from __future__ import annotations
 
+import json
 from contextlib import contextmanager
 
 from tandem.proto.v1 import tandem_pb2 as pb
-from tandem.router.openai_bodies import ChatCompletionRequest, CompletionRequest
+from tandem.router.openai_bodies import (ChatCompletionRequest, ChoiceOutput, CompletionRequest, GrammarOutput,
+                                         JsonObjectFormat, JsonOutput, JsonSchemaResponseFormat, RegexOutput)
 from tandem.router.openai_errors import OpenAIError
 
 
@@ -26,12 +28,33 @@ def _encodable():
         raise OpenAIError(400, f"the request holds text that cannot be encoded as UTF-8: {e}") from None
 
 
+def structured_output(body: ChatCompletionRequest | CompletionRequest) -> pb.StructuredOutput | None:
+    """The constraint a body asks for (response_format on chat, or vLLM's structured_outputs), None for none."""
+    fmt = getattr(body, "response_format", None)
+    if isinstance(fmt, JsonObjectFormat):
+        return pb.StructuredOutput(json_object=True)
+    if isinstance(fmt, JsonSchemaResponseFormat):
+        schema = fmt.json_schema.schema_
+        return pb.StructuredOutput(json_schema=json.dumps({} if schema is None else schema))
+    wanted = body.structured_outputs
+    if isinstance(wanted, JsonOutput):
+        schema = wanted.json_
+        return pb.StructuredOutput(json_schema=schema if isinstance(schema, str) else json.dumps(schema))
+    if isinstance(wanted, RegexOutput):
+        return pb.StructuredOutput(regex=wanted.regex)
+    if isinstance(wanted, ChoiceOutput):
+        return pb.StructuredOutput(choice=pb.Choices(choices=wanted.choice))
+    if isinstance(wanted, GrammarOutput):
+        return pb.StructuredOutput(grammar=wanted.grammar)
+    return None
+
+
 def _generate_request(body: ChatCompletionRequest | CompletionRequest, request_id: str, max_tokens: int | None,
                       logprobs: int | None, **prompt) -> pb.GenerateRequest:
     given = {name: getattr(body, name) for name in _SAMPLING_FIELDS} | {"max_tokens": max_tokens, "logprobs": logprobs}
     sampling = pb.SamplingParams(**{k: v for k, v in given.items() if v is not None}, ignore_eos=bool(body.ignore_eos),
                                  stop=[body.stop] if isinstance(body.stop, str) else body.stop or [],
-                                 stop_token_ids=body.stop_token_ids or [])
+                                 stop_token_ids=body.stop_token_ids or [], structured=structured_output(body))
     return pb.GenerateRequest(request_id=request_id, model=body.model, sampling=sampling, priority=body.priority or 0,
                               session_id=body.session_id or "", **prompt)
 

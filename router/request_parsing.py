@@ -10,9 +10,11 @@ loop (serving.py)."""
 from __future__ import annotations
 
 import secrets
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
+from tandem.engine.grammar import GrammarBackend
 from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.structured_output import InvalidStructuredOutput, StructuredOutput
 from tandem.engine.tokenizer import Tokenizer
 from tandem.engine.tokenizer.chat_template import ChatTemplateError
 from tandem.proto.v1 import tandem_pb2 as pb
@@ -21,7 +23,8 @@ from tandem.router.limits import RequestLimits
 DEFAULT_MAX_TOKENS = 256
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
 # The sampling fields a request may leave unset (proto3 `optional`): unset ones take SamplingParams' defaults.
-_OPTIONAL = tuple(f.name for f in pb.SamplingParams.DESCRIPTOR.fields if f.has_presence)
+# (`structured`, a message, has presence too: it is converted on its own.)
+_OPTIONAL = tuple(f.name for f in pb.SamplingParams.DESCRIPTOR.fields if f.has_presence and f.message_type is None)
 
 
 class InvalidRequest(ValueError):
@@ -45,12 +48,19 @@ class ParsedRequest:
 
 @dataclass(frozen=True)
 class ModelFacts:
-    """What the router knows about the served model (from its config and tokenizer)."""
+    """What the router knows about the served model (from its config and tokenizer). grammars compiles a
+    request's structured-output constraint, so that a bad one is refused before any replica sees it (built from
+    the tokenizer when not given; its token tables only on the first constrained request)."""
 
     model_id: str
     tokenizer: Tokenizer
     vocab_size: int
     max_model_len: int
+    grammars: GrammarBackend | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.grammars is None and self.tokenizer is not None:
+            object.__setattr__(self, "grammars", GrammarBackend(self.tokenizer, self.vocab_size))
 
 
 def _check_chars(chars: int, limit: int) -> None:
@@ -138,9 +148,10 @@ def parse_request(request: pb.GenerateRequest, model: ModelFacts,
     fields = {name: getattr(s, name) for name in _OPTIONAL if s.HasField(name)}
     fields.setdefault("max_tokens", max(1, min(DEFAULT_MAX_TOKENS, limits.completion_tokens(model.max_model_len),
                                                model.max_model_len - len(prompt))))
+    structured = _structured(s, model)
     try:
         params = SamplingParams(ignore_eos=s.ignore_eos, stop_token_ids=tuple(s.stop_token_ids), stop=tuple(s.stop),
-                                **fields)
+                                structured=structured, **fields)
         params.check_vocab(model.vocab_size)
     except ValueError as e:
         raise InvalidRequest(f"sampling: {e}") from None
@@ -155,6 +166,37 @@ def parse_request(request: pb.GenerateRequest, model: ModelFacts,
         params = replace(params, seed=secrets.randbits(62))
     request_id = request.request_id or f"req-{secrets.token_hex(8)}"
     return ParsedRequest(request_id, tuple(prompt), params, request.priority, request.session_id)
+
+
+def structured_output(s: pb.StructuredOutput) -> StructuredOutput | None:
+    """The proto's constraint as the engine's value; None when no kind is set. Raises InvalidStructuredOutput for
+    a malformed one."""
+    kind = s.WhichOneof("kind")
+    if kind == "json_schema":
+        return StructuredOutput.json_schema(s.json_schema)
+    if kind == "json_object":
+        return StructuredOutput.json_object() if s.json_object else None
+    if kind == "regex":
+        return StructuredOutput.regex(s.regex)
+    if kind == "choice":
+        return StructuredOutput.choice(list(s.choice.choices))
+    if kind == "grammar":
+        return StructuredOutput.grammar(s.grammar)
+    return None
+
+
+def _structured(s: pb.SamplingParams, model: ModelFacts) -> StructuredOutput | None:
+    """The request's constraint, compiled once here so that a schema, regex or grammar the compiler rejects is an
+    INVALID_ARGUMENT with its message (the replica's compile is then a cache hit of its own backend)."""
+    if not s.HasField("structured"):
+        return None
+    try:
+        spec = structured_output(s.structured)
+        if spec is not None and model.grammars is not None:
+            model.grammars.compile(spec)
+    except InvalidStructuredOutput as e:
+        raise InvalidRequest(f"structured output: {e}") from None
+    return spec
 
 
 def _check_ids(request: pb.GenerateRequest) -> None:

@@ -62,7 +62,6 @@ CHAT_UNSUPPORTED = [
     ("functions", [{"name": "f"}], []),
     ("function_call", "auto", "none"),
     ("parallel_tool_calls", False, True),
-    ("response_format", {"type": "json_object"}, {"type": "text"}),
     ("logit_bias", {"50256": -100}, {}),
     ("audio", {"voice": "alloy", "format": "wav"}, None),
     ("modalities", ["text", "audio"], ["text"]),

@@ -26,7 +26,8 @@ def test_every_chat_field_lands_in_its_grpc_field():
     body = _chat(n=2, max_tokens=10, max_completion_tokens=20, temperature=0.7, top_p=0.9, top_k=40, min_p=0.05,
                  repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.25, seed=7, stop=["\n", "END"],
                  logprobs=True, top_logprobs=3, ignore_eos=True, stop_token_ids=[2, 3], priority=-1,
-                 session_id="conv-9", user="alice", stream=True, stream_options={"include_usage": True})
+                 session_id="conv-9", user="alice", stream=True, stream_options={"include_usage": True},
+                 response_format={"type": "json_object"})
     assert body.user == "alice"
     r = chat_request(body, "req-1")
     assert (r.request_id, r.model, r.priority, r.session_id) == ("req-1", "m", -1, "conv-9")
@@ -36,6 +37,7 @@ def test_every_chat_field_lands_in_its_grpc_field():
     assert (s.temperature, s.top_p, s.min_p) == pytest.approx((0.7, 0.9, 0.05))
     assert (s.repetition_penalty, s.presence_penalty, s.frequency_penalty) == pytest.approx((1.1, 0.5, 0.25))
     assert s.ignore_eos and list(s.stop) == ["\n", "END"] and list(s.stop_token_ids) == [2, 3]
+    assert s.structured == pb.StructuredOutput(json_object=True)
     assert all(s.HasField(name) for name in OPTIONAL_SAMPLING)
 
 
