@@ -54,11 +54,14 @@ test-gpu: setup
 	@$(PY) bench/gpu_summary.py $(GPU_RESULTS)
 
 # The peers the benchmarks compare with beyond transformers (bench/peers/): llama.cpp through llama-cpp-python, built
-# from source for this CPU (several minutes on 2 cores). Not part of `make test`.
+# from source for this CPU (several minutes on 2 cores), and xgrammar, the grammar library bench/structured_output.py
+# measures llguidance against. Not part of `make test`.
 LLAMA_CPP_PYTHON := llama-cpp-python==0.3.36
+XGRAMMAR := xgrammar==0.2.8
 
 bench-peers: setup
 	CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(PY) -m pip install $(LLAMA_CPP_PYTHON)
+	$(PY) -m pip install $(XGRAMMAR)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -18,6 +18,7 @@ from tandem.engine.sampling_params import SamplingParams
 from tandem.router.client import TandemClient
 from tests.cluster.ray_cluster import (QUESTIONS, chat, check_integrity, manifest_for_test, running,
                                       simulated_cluster, wait_idle)
+from tests.cluster.structured_checks import greedy_reply_equals_one_process
 
 
 def run_concurrently(endpoint: str, max_tokens: int):
@@ -55,6 +56,7 @@ def test_colocated_mode_serves_through_the_same_router(embedded):
         reply = openai_client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=chat(QUESTIONS[0]),
                                                       max_tokens=16, temperature=0)
         assert reply.choices[0].message.content == results[0].text
+        greedy_reply_equals_one_process(cluster.http_endpoint, embedded)  # structured output, colocated
         metrics = httpx.get(f"http://{cluster.http_endpoint}/metrics").text
         assert 'tandem_prefill_decisions_total{reason="colocated",where="decode_replica"}' in metrics
         wait_idle(cluster)

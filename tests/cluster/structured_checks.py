@@ -1,0 +1,65 @@
+"""Structured output through a running cluster's OpenAI API, shared by the disaggregated and colocated tests: the
+greedy constrained reply equals one process's, and sampled replies (temperature 1) of part of the suite parse and
+validate (tests/engine/structured_cases.py; the engine tests sample all of it)."""
+
+from __future__ import annotations
+
+import json
+import re
+from concurrent.futures import ThreadPoolExecutor
+
+import jsonschema
+import openai
+
+from tandem.engine.generator import Generator
+from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.structured_output import StructuredOutput
+from tests.engine.structured_cases import REGEXES, SCHEMAS, prompt_for_regex, prompt_for_schema
+
+MODEL = "SmolLM2-135M-Instruct"
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+          "required": ["name", "age"], "additionalProperties": False}
+QUESTION = [{"role": "user", "content": "Describe a person as JSON."}]
+SAMPLED_SCHEMAS = ("nested", "any_of", "ref", "array_of_objects", "enum", "pattern")
+SAMPLED_REGEXES = ("phone", "ipv4")
+
+
+def greedy_reply_equals_one_process(http_endpoint: str, embedded) -> None:
+    client = openai.OpenAI(base_url=f"http://{http_endpoint}/v1", api_key="none", max_retries=0, timeout=120)
+    reply = client.chat.completions.create(
+        model=MODEL, messages=QUESTION, max_tokens=48, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}})
+    with Generator(embedded) as reference:
+        want = reference.generate(embedded.tokenizer.encode_chat(QUESTION), SamplingParams(
+            max_tokens=48, temperature=0, structured=StructuredOutput.json_schema(PERSON)))
+    text = reply.choices[0].message.content
+    assert text == want.text and reply.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(text), PERSON)
+
+
+def sampled_replies_validate(http_endpoint: str) -> None:
+    client = openai.OpenAI(base_url=f"http://{http_endpoint}/v1", api_key="none", max_retries=0, timeout=300)
+
+    def schema_reply(case: tuple[str, int]):
+        name, seed = case
+        return client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": prompt_for_schema(name)}], max_tokens=256,
+            temperature=1.0, seed=seed,
+            response_format={"type": "json_schema", "json_schema": {"name": name, "schema": SCHEMAS[name]}})
+
+    def regex_reply(case: tuple[str, int]):
+        name, seed = case
+        return client.completions.create(model=MODEL, prompt=prompt_for_regex(name), max_tokens=64, temperature=1.0,
+                                         seed=seed, extra_body={"structured_outputs": {"regex": REGEXES[name]}})
+
+    with ThreadPoolExecutor(8) as pool:
+        schema_cases = [(n, s) for n in SAMPLED_SCHEMAS for s in (11, 12)]
+        regex_cases = [(n, s) for n in SAMPLED_REGEXES for s in (11, 12)]
+        schema_replies = list(pool.map(schema_reply, schema_cases))
+        regex_replies = list(pool.map(regex_reply, regex_cases))
+    for (name, _), reply in zip(schema_cases, schema_replies):
+        assert reply.choices[0].finish_reason == "stop", (name, reply.choices[0].message.content)
+        jsonschema.validate(json.loads(reply.choices[0].message.content), SCHEMAS[name])
+    for (name, _), reply in zip(regex_cases, regex_replies):
+        assert reply.choices[0].finish_reason == "stop" and re.fullmatch(REGEXES[name], reply.choices[0].text), name
