@@ -244,7 +244,7 @@ class OpenAIRoutes:
         n = parsed[0].params.n
         builder = ResponseBuilder(kind, response_id, self.model.model_id, int(time.time()), self.token_text,
                                   n=n * len(parsed), logprobs=parsed[0].params.logprobs is not None,
-                                  include_usage=body.include_usage)
+                                  include_usage=body.include_usage, tool_mode=getattr(body, "tool_mode", None))
         merged = _Merged(serving, parsed, arrival, deadline, admission)
         # Until the response starts, a client that disconnects cancels its request (a stream notices by itself).
         watcher = asyncio.create_task(_cancel_on_disconnect(request, merged))

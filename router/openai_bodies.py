@@ -18,6 +18,7 @@ from pydantic_core import PydanticCustomError
 
 from tandem.router.openai_errors import OpenAIError
 from tandem.router.request_parsing import CHAT_ROLES
+from tandem.router.tool_calls import ToolMode
 
 Int32 = Annotated[int, Field(ge=-2**31, le=2**31 - 1)]  # the proto's integer widths: larger values cannot be sent
 Int64 = Annotated[int, Field(ge=-2**63, le=2**63 - 1)]
@@ -54,11 +55,12 @@ class ChatMessage(_Body):
     """content: a string, or a list of {"type": "text", "text": ...} parts, joined with "\\n" (as vLLM does);
     null only in assistant messages. name is accepted and has no effect."""
 
-    UNSUPPORTED = {"tool_calls": (None, []), "tool_call_id": (None,), "function_call": (None,), "audio": (None,),
-                   "refusal": (None,)}
+    UNSUPPORTED = {"function_call": (None,), "audio": (None,), "refusal": (None,)}
     role: str
     content: str | None = Field(default=None, validate_default=True)
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant turn's calls: the model sees them as their JSON
+    tool_call_id: str | None = None  # a tool message's answer to that call: the model sees its content
 
     @field_validator("role")
     @classmethod
@@ -132,6 +134,27 @@ class GrammarOutput(_Body):
 StructuredOutputs = JsonOutput | RegexOutput | ChoiceOutput | GrammarOutput
 
 
+class FunctionDef(_Body):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; absent: any object
+    strict: bool | None = None  # calls always match the parameters, strict or not
+
+
+class ToolDef(_Body):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: FunctionName
+
+
 class _Request(_Body):
     """The fields both endpoints share. user is accepted and has no effect; priority: lower runs first."""
 
@@ -198,22 +221,56 @@ class _Request(_Body):
 
 
 class ChatCompletionRequest(_Request):
-    UNSUPPORTED = {"tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
-                   "function_call": (None, "none"), "parallel_tool_calls": (None, True),
-                   "logit_bias": (None, {}), "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,)}
+    UNSUPPORTED = {"functions": (None, []), "function_call": (None, "none"), "logit_bias": (None, {}),
+                   "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,)}
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Int32 | None = None  # wins over max_tokens
     logprobs: bool | None = None
     top_logprobs: Int32 | None = None
     response_format: ResponseFormat | None = None
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     @model_validator(mode="after")
     def _one_constraint(self):
-        if self.structured_outputs is not None and self.response_format is not None \
-                and not isinstance(self.response_format, TextFormat):
-            raise _invalid("combination", "give response_format or structured_outputs, not both",
-                           param="structured_outputs")
+        constraints = [name for name, given in (
+            ("response_format", self.response_format is not None and not isinstance(self.response_format, TextFormat)),
+            ("structured_outputs", self.structured_outputs is not None),
+            ("tool_choice", self.tool_mode is not None)) if given]
+        if len(constraints) > 1:
+            raise _invalid("combination", f"give one of {' and '.join(constraints)}, not both",
+                           param=constraints[-1])
         return self
+
+    @model_validator(mode="after")
+    def _tool_choice_fits_the_tools(self):
+        choice, names = self.tool_choice, [t.function.name for t in self.tools or ()]
+        if len(set(names)) != len(names):
+            raise _invalid("combination", "tools must have distinct function names", param="tools")
+        if choice in (None, "none"):
+            if choice is None and names:  # OpenAI's default with tools is auto
+                raise _invalid("combination", "tool_choice 'auto' (the default when tools are given) is not supported "
+                               "by tandem yet: ask for 'required', a named function, or 'none'", param="tool_choice")
+            return self
+        if not names:
+            raise _invalid("combination", "tool_choice needs tools", param="tool_choice")
+        if choice == "auto":
+            raise _invalid("combination", "tool_choice 'auto' is not supported by tandem yet: ask for 'required', a "
+                           "named function, or 'none'", param="tool_choice")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise _invalid("combination", f"tool_choice names {choice.function.name!r}, which is not among the tools",
+                           param="tool_choice")
+        return self
+
+    @property
+    def tool_mode(self) -> ToolMode | None:
+        """How the reply becomes tool calls (router/tool_calls.py), None for a free-text reply."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return ToolMode(self.tool_choice.function.name)
+        if self.tool_choice == "required":
+            return ToolMode(None, parallel=self.parallel_tool_calls is not False)
+        return None
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self):

@@ -13,6 +13,7 @@ from tandem.proto.v1 import tandem_pb2 as pb
 from tandem.router.openai_bodies import (ChatCompletionRequest, ChoiceOutput, CompletionRequest, GrammarOutput,
                                          JsonObjectFormat, JsonOutput, JsonSchemaResponseFormat, RegexOutput)
 from tandem.router.openai_errors import OpenAIError
+from tandem.router.tool_calls import call_schema
 
 
 _SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
@@ -30,6 +31,9 @@ def _encodable():
 
 def structured_output(body: ChatCompletionRequest | CompletionRequest) -> pb.StructuredOutput | None:
     """The constraint a body asks for (response_format on chat, or vLLM's structured_outputs), None for none."""
+    mode = getattr(body, "tool_mode", None)
+    if mode is not None:  # tool_choice required or a named function: the reply is the call(s), as JSON
+        return pb.StructuredOutput(json_schema=json.dumps(call_schema(body.tools, mode)))
     fmt = getattr(body, "response_format", None)
     if isinstance(fmt, JsonObjectFormat):
         return pb.StructuredOutput(json_object=True)
@@ -59,13 +63,26 @@ def _generate_request(body: ChatCompletionRequest | CompletionRequest, request_i
                               session_id=body.session_id or "", **prompt)
 
 
+def _message_text(message) -> str:
+    """A message's content; an assistant turn that only called tools shows the model its calls, as JSON."""
+    if message.content:
+        return message.content
+    if message.tool_calls:
+        return json.dumps([c.get("function", c) for c in message.tool_calls], ensure_ascii=False)
+    return ""
+
+
 def chat_request(body: ChatCompletionRequest, request_id: str) -> pb.GenerateRequest:
     """The chat prompt and the sampling fields the body sets (the others stay unset: the server applies defaults).
     max_completion_tokens wins over max_tokens; logprobs=true asks for top_logprobs alternatives (0 when unset).
     Raises OpenAIError(400) for text protobuf cannot encode."""
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     with _encodable():
-        chat = pb.ChatMessages(messages=[pb.ChatMessage(role=m.role, content=m.content or "") for m in body.messages])
+        tools = [pb.Tool(name=t.function.name, description=t.function.description or "",
+                         parameters_json="" if t.function.parameters is None else json.dumps(t.function.parameters))
+                 for t in body.tools or ()]
+        chat = pb.ChatMessages(messages=[pb.ChatMessage(role=m.role, content=_message_text(m)) for m in body.messages],
+                               tools=tools)
         return _generate_request(body, request_id, max_tokens, (body.top_logprobs or 0) if body.logprobs else None,
                                  chat=chat)
 

@@ -5,8 +5,11 @@ plain dict, ready for JSON.
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Literal
+
+from tandem.router.tool_calls import ToolMode, tool_calls
 
 if TYPE_CHECKING:
     from tandem.engine.output_processor import RequestOutput
@@ -30,6 +33,7 @@ class _Choice:
     token_chars: int = 0  # characters of token text so far: the next token's text_offset (completions)
     finish_reason: str | None = None
     started: bool = False
+    call_id: str | None = None  # a forced function call's id, streamed with its first arguments
 
 
 class ResponseBuilder:
@@ -39,15 +43,19 @@ class ResponseBuilder:
     n: the reply's number of choices in all (n x prompts for a batched completion); a choice's index is
     index_offset + output.index. logprobs: whether choices carry logprobs. token_text: a token id's text, for the
     logprob entries; completions' text_offset counts the characters of those texts. finish_reason is passed on as
-    the engine gives it, "abort" included (as vLLM does).
+    the engine gives it, "abort" included (as vLLM does). tool_mode: a chat reply that is tool calls
+    (router/tool_calls.py): a forced function's arguments stream as they come; required calls are sent whole when
+    the reply ends (their names are known only then).
     """
 
     def __init__(self, kind: Literal["chat", "completion"], response_id: str, model: str, created: int,
-                 token_text: Callable[[int], str], *, n: int, logprobs: bool, include_usage: bool = False):
+                 token_text: Callable[[int], str], *, n: int, logprobs: bool, include_usage: bool = False,
+                 tool_mode: ToolMode | None = None):
         if kind not in ("chat", "completion"):
             raise ValueError(f"kind must be 'chat' or 'completion', not {kind!r}")
         self.kind, self.response_id, self.model, self.created = kind, response_id, model, created
         self.token_text, self.n, self.logprobs, self.include_usage = token_text, n, logprobs, include_usage
+        self.tool_mode = tool_mode if kind == "chat" else None
         self._choices: dict[int, _Choice] = {}
 
     def _envelope(self, object_: str, choices: list[dict]) -> dict:
@@ -96,6 +104,8 @@ class ResponseBuilder:
             body = {"index": index, "logprobs": logprobs, "finish_reason": output.finish_reason}
             if self.kind == "completion":
                 bodies.append({**body, "text": output.text})
+            elif self.tool_mode is not None:
+                bodies += self._tool_chunks(body, choice, output)
             else:
                 if not choice.started:
                     bodies.append({**body, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -105,6 +115,34 @@ class ResponseBuilder:
         object_ = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
         usage = {"usage": None} if self.include_usage else {}
         return [{**self._envelope(object_, [body]), **usage} for body in bodies]
+
+    def _tool_chunks(self, body: dict, choice: _Choice, output: RequestOutput) -> list[dict]:
+        """A tool-call choice's chunks for one output (see the class docstring)."""
+        mode, out = self.tool_mode, []
+        if mode.name is not None:  # a forced function: its arguments stream as they come
+            if not choice.started:
+                choice.call_id = f"call_{secrets.token_hex(12)}"
+                call = {"index": 0, "id": choice.call_id, "type": "function",
+                        "function": {"name": mode.name, "arguments": ""}}
+                out.append({**body, "delta": {"role": "assistant", "content": None, "tool_calls": [call]},
+                            "logprobs": None, "finish_reason": None})
+            if output.text:
+                out.append({**body, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": output.text}}]},
+                            "finish_reason": None})
+            if output.finish_reason:
+                out.append({**body, "delta": {}, "logprobs": None})
+            return out
+        if not output.finish_reason:  # required calls: whole, at the end
+            return [{**body, "delta": {}, "finish_reason": None}] if body["logprobs"] else []
+        text = "".join(choice.text)
+        calls = tool_calls(mode, text) if output.finish_reason == "stop" else None
+        if calls is None:
+            delta = {"role": "assistant", "content": text}
+        else:
+            delta = {"role": "assistant", "content": None, "tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]}
+        reason = mode.finish_reason if calls is not None else output.finish_reason
+        return [{**body, "delta": delta, "finish_reason": None}, {**body, "delta": {}, "logprobs": None,
+                                                                  "finish_reason": reason}]
 
     def usage_chunk(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
         """The stream's last chunk when include_usage: no choices, the request's usage (over every choice)."""
@@ -126,7 +164,12 @@ class ResponseBuilder:
         for index, c in sorted(self._choices.items()):
             text, logprobs = "".join(c.text), {k: c.logprobs.get(k, []) for k in keys} if self.logprobs else None
             content = {"message": {"role": "assistant", "content": text}} if self.kind == "chat" else {"text": text}
-            choices.append({"index": index, **content, "logprobs": logprobs, "finish_reason": c.finish_reason})
+            reason = c.finish_reason
+            calls = tool_calls(self.tool_mode, text) if self.tool_mode is not None and reason == "stop" else None
+            if calls is not None:
+                content, reason = {"message": {"role": "assistant", "content": None, "tool_calls": calls}}, \
+                    self.tool_mode.finish_reason
+            choices.append({"index": index, **content, "logprobs": logprobs, "finish_reason": reason})
         object_ = "chat.completion" if self.kind == "chat" else "text_completion"
         return {**self._envelope(object_, choices), "usage": _usage(prompt_tokens, completion_tokens, cached_tokens)}
 

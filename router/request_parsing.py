@@ -9,6 +9,7 @@ loop (serving.py)."""
 
 from __future__ import annotations
 
+import json
 import secrets
 from dataclasses import dataclass, field, replace
 
@@ -88,7 +89,7 @@ def _prompt(request: pb.GenerateRequest, model: ModelFacts, limits: RequestLimit
         if (bad := next((t for t in ids if not 0 <= t < model.vocab_size), None)) is not None:
             raise InvalidRequest(f"token id {bad} is outside the vocabulary (0..{model.vocab_size - 1})")
     else:
-        ids = _chat_prompt(list(request.chat.messages), model, limits)
+        ids = _chat_prompt(list(request.chat.messages), model, limits, list(request.chat.tools))
     if len(ids) > max_tokens:
         raise _too_many_tokens(len(ids), max_tokens, model)
     return ids
@@ -99,7 +100,21 @@ def _too_many_tokens(count: int, cap: int, model: ModelFacts) -> InvalidRequest:
     return InvalidRequest(f"the prompt has {count} tokens; this server takes at most {cap} ({why})")
 
 
-def _chat_prompt(messages: list[pb.ChatMessage], model: ModelFacts, limits: RequestLimits) -> list[int]:
+def _tool_definitions(tools: list[pb.Tool]) -> list[dict]:
+    """The tools as OpenAI shapes them, for chat templates that render them."""
+    out = []
+    for t in tools:
+        try:
+            parameters = json.loads(t.parameters_json) if t.parameters_json else {"type": "object"}
+        except json.JSONDecodeError as e:
+            raise InvalidRequest(f"tool {t.name!r}: parameters are not valid JSON: {e}") from None
+        out.append({"type": "function", "function": {"name": t.name, "description": t.description,
+                                                     "parameters": parameters}})
+    return out
+
+
+def _chat_prompt(messages: list[pb.ChatMessage], model: ModelFacts, limits: RequestLimits,
+                 tools: list[pb.Tool] = ()) -> list[int]:
     if not messages:
         raise InvalidRequest("chat has no messages")
     if len(messages) > limits.max_messages:
@@ -107,9 +122,11 @@ def _chat_prompt(messages: list[pb.ChatMessage], model: ModelFacts, limits: Requ
     for i, m in enumerate(messages):
         if m.role not in CHAT_ROLES:
             raise InvalidRequest(f"chat.messages[{i}].role {m.role!r} is not one of {', '.join(sorted(CHAT_ROLES))}")
-    _check_chars(sum(len(m.content) for m in messages), limits.prompt_chars(model.max_model_len))
+    tool_chars = sum(len(t.name) + len(t.description) + len(t.parameters_json) for t in tools)
+    _check_chars(sum(len(m.content) for m in messages) + tool_chars, limits.prompt_chars(model.max_model_len))
     try:
-        return model.tokenizer.encode_chat([{"role": m.role, "content": m.content} for m in messages])
+        return model.tokenizer.encode_chat([{"role": m.role, "content": m.content} for m in messages],
+                                           tools=_tool_definitions(tools) or None)
     except ChatTemplateError as e:
         raise InvalidRequest(f"chat messages cannot be rendered: {e}") from None
 

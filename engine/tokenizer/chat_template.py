@@ -40,14 +40,16 @@ def compile_template(source: str) -> jinja2.Template:
 
 
 def render_chat(source: str, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool,
-                special_tokens: Mapping[str, str | None]) -> str:
-    """Returns the prompt text. Raises ChatTemplateError on malformed messages or a template error."""
+                special_tokens: Mapping[str, str | None], tools: Sequence[Mapping[str, Any]] | None = None) -> str:
+    """Returns the prompt text. tools: OpenAI-shaped function definitions, the template's `tools` (a template that
+    does not use it renders as without). Raises ChatTemplateError on malformed messages or a template error."""
     for i, message in enumerate(messages):
         if not isinstance(message, Mapping) or "role" not in message or "content" not in message:
             raise ChatTemplateError(f"message {i} must be an object with 'role' and 'content'")
     try:
         return compile_template(source).render(
-            messages=list(messages), add_generation_prompt=add_generation_prompt, **special_tokens
+            messages=list(messages), add_generation_prompt=add_generation_prompt, tools=list(tools) if tools else None,
+            **special_tokens
         )
     except ChatTemplateError:
         raise

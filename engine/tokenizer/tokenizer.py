@@ -56,16 +56,24 @@ class Tokenizer:
     def detokenizer(self, skip_special_tokens: bool = True) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self.backend, skip_special_tokens)
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
-        """Renders the model's own template. Raises ChatTemplateError if the model has none or it fails."""
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+                            tools: Sequence[Mapping[str, Any]] | None = None) -> str:
+        """Renders the model's own template (with `tools` for templates that render function definitions). Raises
+        ChatTemplateError if the model has none or it fails."""
         if not self.chat_template:
             raise ChatTemplateError("this model has no chat template; send a raw prompt instead")
-        return render_chat(self.chat_template, messages, add_generation_prompt=add_generation_prompt,
+        return render_chat(self.chat_template, messages, add_generation_prompt=add_generation_prompt, tools=tools,
                            special_tokens={"bos_token": self.bos_token or "", "eos_token": self.eos_token or ""})
 
-    def encode_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+    @property
+    def renders_tools(self) -> bool:
+        """Whether the chat template uses `tools` (function definitions) at all."""
+        return bool(self.chat_template) and "tools" in self.chat_template
+
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+                    tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
         """Token ids of the rendered conversation (the template writes any BOS itself, so none is added)."""
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt, tools), add_special_tokens=False)
 
     @classmethod
     def from_folder(cls, folder: Path, eos_token_ids: Sequence[int] = ()) -> Tokenizer:

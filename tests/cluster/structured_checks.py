@@ -63,3 +63,46 @@ def sampled_replies_validate(http_endpoint: str) -> None:
         jsonschema.validate(json.loads(reply.choices[0].message.content), SCHEMAS[name])
     for (name, _), reply in zip(regex_cases, regex_replies):
         assert reply.choices[0].finish_reason == "stop" and re.fullmatch(REGEXES[name], reply.choices[0].text), name
+
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24},
+                                            "unit": {"enum": ["celsius", "fahrenheit"]}},
+           "required": ["city", "unit"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                           "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "get_time", "description": "The time in a city", "parameters": {
+             "type": "object", "properties": {"city": {"type": "string", "maxLength": 24}}, "required": ["city"],
+             "additionalProperties": False}}}]
+
+
+def tool_calls_round_trip(http_endpoint: str) -> None:
+    """tool_choice required and a named function through the openai client's types, streamed and not, then the
+    conversation continued with the calls and their results."""
+    client = openai.OpenAI(base_url=f"http://{http_endpoint}/v1", api_key="none", max_retries=0, timeout=120)
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    reply = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, tool_choice="required",
+                                           max_tokens=96, temperature=0)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None and choice.message.tool_calls
+    for call in choice.message.tool_calls:
+        assert call.type == "function" and call.id.startswith("call_")
+        jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+    stream = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, max_tokens=64,
+                                            temperature=0.8, seed=3, stream=True,
+                                            tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    name, arguments, finish = None, "", None
+    for chunk in stream:
+        delta = chunk.choices[0].delta
+        for call in delta.tool_calls or ():
+            name = call.function.name or name
+            arguments += call.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    assert name == "get_weather" and finish == "stop"
+    jsonschema.validate(json.loads(arguments), WEATHER)
+    follow_up = messages + [choice.message.model_dump(exclude_none=True),
+                            *({"role": "tool", "tool_call_id": c.id, "content": "Sunny, 21 degrees"}
+                              for c in choice.message.tool_calls)]
+    answer = client.chat.completions.create(model=MODEL, messages=follow_up, tools=TOOLS, tool_choice="none",
+                                            max_tokens=16, temperature=0)
+    assert answer.choices[0].message.content and not answer.choices[0].message.tool_calls

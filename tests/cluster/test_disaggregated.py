@@ -20,7 +20,8 @@ from tandem.engine.sampling_params import SamplingParams
 from tandem.router.client import TandemClient, build_request
 from tests.cluster.ray_cluster import (QUESTIONS, chat, check_integrity, manifest_for_test, running,
                                       simulated_cluster, wait_idle)
-from tests.cluster.structured_checks import greedy_reply_equals_one_process, sampled_replies_validate
+from tests.cluster.structured_checks import (greedy_reply_equals_one_process, sampled_replies_validate,
+                                             tool_calls_round_trip)
 
 MAX_TOKENS = 24
 
@@ -258,8 +259,10 @@ def test_status_json_and_generate_target_from_the_command_line(cluster):
 
 def test_structured_output_holds_across_the_transfer(cluster, embedded):
     """The first token is sampled under the grammar on the prefill replica; the decode replica's matcher replays it
-    and continues: the greedy reply equals one process's, and sampled replies parse and validate."""
+    and continues: the greedy reply equals one process's, sampled replies parse and validate, and tool calls
+    round-trip through the openai client's types."""
     greedy_reply_equals_one_process(cluster.http_endpoint, embedded)
     sampled_replies_validate(cluster.http_endpoint)
+    tool_calls_round_trip(cluster.http_endpoint)
     wait_idle(cluster)
     check_integrity(cluster)

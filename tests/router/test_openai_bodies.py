@@ -57,11 +57,8 @@ def test_fields_of_the_other_endpoint_are_unknown():
 
 
 CHAT_UNSUPPORTED = [
-    ("tools", [{"type": "function", "function": {"name": "f"}}], []),
-    ("tool_choice", "auto", "none"),
     ("functions", [{"name": "f"}], []),
     ("function_call", "auto", "none"),
-    ("parallel_tool_calls", False, True),
     ("logit_bias", {"50256": -100}, {}),
     ("audio", {"voice": "alloy", "format": "wav"}, None),
     ("modalities", ["text", "audio"], ["text"]),
@@ -91,10 +88,10 @@ def test_best_of_equal_to_n_is_accepted():
 
 
 def test_message_fields_tandem_cannot_honour_are_refused():
-    call = [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
     e = _refused(ChatCompletionRequest, {"model": "m", "messages": [
-        {"role": "user", "content": "Hi"}, {"role": "assistant", "content": None, "tool_calls": call}]})
-    assert (e.message, e.param) == ("messages[1].tool_calls is not supported by tandem", "messages[1].tool_calls")
+        {"role": "user", "content": "Hi"}, {"role": "assistant", "content": None, "function_call": {"name": "f"}}]})
+    assert (e.message, e.param) == ("messages[1].function_call is not supported by tandem",
+                                    "messages[1].function_call")
 
 
 @pytest.mark.parametrize("field, value, words", [
