@@ -1,6 +1,7 @@
 """Structured output through a running cluster's OpenAI API, shared by the disaggregated and colocated tests: the
-greedy constrained reply equals one process's, and sampled replies (temperature 1) of part of the suite parse and
-validate (tests/engine/structured_cases.py; the engine tests sample all of it)."""
+greedy constrained reply equals one process's, sampled replies (temperature 1, two seeds) of every schema and regex
+of the suite (tests/engine/structured_cases.py) parse and validate, and tool calls round-trip through the openai
+client's types."""
 
 from __future__ import annotations
 
@@ -21,8 +22,6 @@ PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength
                                            "age": {"type": "integer", "minimum": 0, "maximum": 120}},
           "required": ["name", "age"], "additionalProperties": False}
 QUESTION = [{"role": "user", "content": "Describe a person as JSON."}]
-SAMPLED_SCHEMAS = ("nested", "any_of", "ref", "array_of_objects", "enum", "pattern")
-SAMPLED_REGEXES = ("phone", "ipv4")
 
 
 def greedy_reply_equals_one_process(http_endpoint: str, embedded) -> None:
@@ -53,9 +52,9 @@ def sampled_replies_validate(http_endpoint: str) -> None:
         return client.completions.create(model=MODEL, prompt=prompt_for_regex(name), max_tokens=64, temperature=1.0,
                                          seed=seed, extra_body={"structured_outputs": {"regex": REGEXES[name]}})
 
-    with ThreadPoolExecutor(8) as pool:
-        schema_cases = [(n, s) for n in SAMPLED_SCHEMAS for s in (11, 12)]
-        regex_cases = [(n, s) for n in SAMPLED_REGEXES for s in (11, 12)]
+    with ThreadPoolExecutor(16) as pool:
+        schema_cases = [(n, s) for n in SCHEMAS for s in (11, 12)]
+        regex_cases = [(n, s) for n in REGEXES for s in (11, 12)]
         schema_replies = list(pool.map(schema_reply, schema_cases))
         regex_replies = list(pool.map(regex_reply, regex_cases))
     for (name, _), reply in zip(schema_cases, schema_replies):
