@@ -9,6 +9,7 @@ cores)."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -18,6 +19,7 @@ import httpx
 import pytest
 import ray
 
+from tandem.proto.v1 import tandem_pb2 as pb
 from tandem.router.client import TandemClient
 from tests.cluster.ray_cluster import manifest_for_test, running, simulated_cluster, wait_idle
 
@@ -205,10 +207,15 @@ def in_thread(fn, *args):
 def test_a_decode_rank_killed_mid_stream_hands_its_streams_to_the_other_decode_replica(cluster):
     wait_for(cluster, lambda s: s["pools"]["decode"]["ready"] == 2 and not s["pools"]["decode"]["pending"], 180,
              "two decode replicas")
-    kinds = {"greedy": dict(temperature=0), "seeded": dict(temperature=0.8, top_p=0.95, seed=5,
-                                                           frequency_penalty=0.3)}
-    asks = {kind: dict(prompt=f"Tell me a long story about a {kind} dragon.", max_tokens=48, ignore_eos=True,
-                       **params) for kind, params in kinds.items()}
+    # The structured one's matcher replays the delivered tokens on the other replica (its JSON runs past 48 tokens).
+    rows = {"type": "object", "properties": {"rows": {"type": "array", "minItems": 40, "items": {
+        "type": "object", "properties": {"name": {"type": "string", "maxLength": 12}}, "required": ["name"]}}},
+        "required": ["rows"]}
+    kinds = {"greedy": dict(temperature=0, ignore_eos=True),
+             "seeded": dict(temperature=0.8, top_p=0.95, seed=5, frequency_penalty=0.3, ignore_eos=True),
+             "structured": dict(temperature=0.8, seed=7, structured=pb.StructuredOutput(json_schema=json.dumps(rows)))}
+    asks = {kind: dict(prompt=f"Tell me a long story about a {kind} dragon.", max_tokens=48, **params)
+            for kind, params in kinds.items()}
     with TandemClient(cluster.endpoint, timeout_s=300) as client:
         whole = {kind: client.generate(**ask).token_ids[0] for kind, ask in asks.items()}  # uninterrupted
         before = cluster.status()["router"]["migrations"]
