@@ -46,6 +46,7 @@ from tandem.router.request_parsing import CHAT_ROLES, InvalidRequest, ParsedRequ
 from tandem.router.serving import RequestCancelled, Serving, Step, error_code
 from tandem.router.tenant_gate import Admission, TooManyRequests
 from tandem.router.tls import TLSConfig, uvicorn_ssl_options
+from tandem.router.tool_calls import auto_supported
 
 _DONE = object()
 
@@ -219,6 +220,13 @@ class OpenAIRoutes:
         arrival = time.monotonic()
         who = self._tenant(request)
         body = await self._parse(body_cls, request)
+        mode = getattr(body, "tool_mode", None)
+        if mode is not None and mode.auto and not auto_supported(self.model.tokenizer.chat_template
+                                                                 if self.model.tokenizer else None):
+            self.serving.refused("http", "INVALID_ARGUMENT")
+            raise OpenAIError(400, "tool_choice 'auto' (the default when tools are given) needs a chat template that "
+                                   "renders tools and writes calls as <tool_call>...</tool_call>; this model's does "
+                                   "not: ask for 'required', a named function, or 'none'", param="tool_choice")
         response_id = f"{id_prefix}-{secrets.token_hex(12)}"
         requests = to_requests(body, response_id)
         try:

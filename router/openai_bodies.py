@@ -237,7 +237,7 @@ class ChatCompletionRequest(_Request):
         constraints = [name for name, given in (
             ("response_format", self.response_format is not None and not isinstance(self.response_format, TextFormat)),
             ("structured_outputs", self.structured_outputs is not None),
-            ("tool_choice", self.tool_mode is not None)) if given]
+            ("tool_choice", self.tool_mode is not None and not self.tool_mode.auto)) if given]
         if len(constraints) > 1:
             raise _invalid("combination", f"give one of {' and '.join(constraints)}, not both",
                            param=constraints[-1])
@@ -249,15 +249,9 @@ class ChatCompletionRequest(_Request):
         if len(set(names)) != len(names):
             raise _invalid("combination", "tools must have distinct function names", param="tools")
         if choice in (None, "none"):
-            if choice is None and names:  # OpenAI's default with tools is auto
-                raise _invalid("combination", "tool_choice 'auto' (the default when tools are given) is not supported "
-                               "by tandem yet: ask for 'required', a named function, or 'none'", param="tool_choice")
             return self
         if not names:
             raise _invalid("combination", "tool_choice needs tools", param="tool_choice")
-        if choice == "auto":
-            raise _invalid("combination", "tool_choice 'auto' is not supported by tandem yet: ask for 'required', a "
-                           "named function, or 'none'", param="tool_choice")
         if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
             raise _invalid("combination", f"tool_choice names {choice.function.name!r}, which is not among the tools",
                            param="tool_choice")
@@ -270,6 +264,8 @@ class ChatCompletionRequest(_Request):
             return ToolMode(self.tool_choice.function.name)
         if self.tool_choice == "required":
             return ToolMode(None, parallel=self.parallel_tool_calls is not False)
+        if self.tools and self.tool_choice in (None, "auto"):  # OpenAI's default with tools is auto
+            return ToolMode(None, parallel=self.parallel_tool_calls is not False, auto=True)
         return None
 
     @model_validator(mode="after")

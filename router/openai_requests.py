@@ -32,7 +32,7 @@ def _encodable():
 def structured_output(body: ChatCompletionRequest | CompletionRequest) -> pb.StructuredOutput | None:
     """The constraint a body asks for (response_format on chat, or vLLM's structured_outputs), None for none."""
     mode = getattr(body, "tool_mode", None)
-    if mode is not None:  # tool_choice required or a named function: the reply is the call(s), as JSON
+    if mode is not None and not mode.auto:  # tool_choice required or a named function: the reply is the call(s)
         return pb.StructuredOutput(json_schema=json.dumps(call_schema(body.tools, mode)))
     fmt = getattr(body, "response_format", None)
     if isinstance(fmt, JsonObjectFormat):

@@ -9,7 +9,7 @@ import secrets
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Literal
 
-from tandem.router.tool_calls import ToolMode, tool_calls
+from tandem.router.tool_calls import ToolMode, hermes_calls, tool_calls
 
 if TYPE_CHECKING:
     from tandem.engine.output_processor import RequestOutput
@@ -132,17 +132,29 @@ class ResponseBuilder:
             if output.finish_reason:
                 out.append({**body, "delta": {}, "logprobs": None})
             return out
-        if not output.finish_reason:  # required calls: whole, at the end
+        if not output.finish_reason:  # required calls, and auto replies: whole, at the end
             return [{**body, "delta": {}, "finish_reason": None}] if body["logprobs"] else []
-        text = "".join(choice.text)
-        calls = tool_calls(mode, text) if output.finish_reason == "stop" else None
+        message, reason = self._final_message("".join(choice.text), output.finish_reason)
+        if "tool_calls" in message:
+            message = {**message, "tool_calls": [{"index": i, **c} for i, c in enumerate(message["tool_calls"])]}
+        return [{**body, "delta": message, "finish_reason": None}, {**body, "delta": {}, "logprobs": None,
+                                                                    "finish_reason": reason}]
+
+    def _final_message(self, text: str, reason: str | None) -> tuple[dict, str | None]:
+        """A finished chat choice's message and finish reason: its calls where the reply is tool calls, else its
+        text (a reply cut short stays text, with its own finish reason)."""
+        mode = self.tool_mode
+        if mode is None or reason != "stop":
+            return {"role": "assistant", "content": text}, reason
+        if mode.auto:
+            found = hermes_calls(text)
+            if found is None:
+                return {"role": "assistant", "content": text}, reason
+            return {"role": "assistant", "content": found[0], "tool_calls": found[1]}, mode.finish_reason
+        calls = tool_calls(mode, text)
         if calls is None:
-            delta = {"role": "assistant", "content": text}
-        else:
-            delta = {"role": "assistant", "content": None, "tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]}
-        reason = mode.finish_reason if calls is not None else output.finish_reason
-        return [{**body, "delta": delta, "finish_reason": None}, {**body, "delta": {}, "logprobs": None,
-                                                                  "finish_reason": reason}]
+            return {"role": "assistant", "content": text}, reason
+        return {"role": "assistant", "content": None, "tool_calls": calls}, mode.finish_reason
 
     def usage_chunk(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
         """The stream's last chunk when include_usage: no choices, the request's usage (over every choice)."""
@@ -163,12 +175,11 @@ class ResponseBuilder:
         choices = []
         for index, c in sorted(self._choices.items()):
             text, logprobs = "".join(c.text), {k: c.logprobs.get(k, []) for k in keys} if self.logprobs else None
-            content = {"message": {"role": "assistant", "content": text}} if self.kind == "chat" else {"text": text}
-            reason = c.finish_reason
-            calls = tool_calls(self.tool_mode, text) if self.tool_mode is not None and reason == "stop" else None
-            if calls is not None:
-                content, reason = {"message": {"role": "assistant", "content": None, "tool_calls": calls}}, \
-                    self.tool_mode.finish_reason
+            if self.kind == "chat":
+                message, reason = self._final_message(text, c.finish_reason)
+                content = {"message": message}
+            else:
+                content, reason = {"text": text}, c.finish_reason
             choices.append({"index": index, **content, "logprobs": logprobs, "finish_reason": reason})
         object_ = "chat.completion" if self.kind == "chat" else "text_completion"
         return {**self._envelope(object_, choices), "usage": _usage(prompt_tokens, completion_tokens, cached_tokens)}

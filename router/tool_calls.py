@@ -10,9 +10,14 @@ turned back into `tool_calls`. No I/O, no engine.
                                                                finish_reason "tool_calls"
   tool_choice "none"                                           no call: free text (the tools still reach the chat
                                                                template, for templates that render them)
-  tool_choice "auto"                                           refused (400): deciding between text and a call needs
-                                                               the model's own tool-call format and a parser for it,
-                                                               which tandem does not have yet
+  tool_choice "auto" (OpenAI's default with tools)             free text, in which the model writes its calls in its
+                                                               own format: taken for models whose chat template
+                                                               renders `tools` and calls in Hermes' format
+                                                               (`<tool_call>{"name": ..., "arguments": ...}</tool_call>`,
+                                                               Qwen 2.5/3 and Hermes models); the calls are parsed
+                                                               from the finished reply (finish_reason "tool_calls"),
+                                                               the rest is its content. Refused (400) for other
+                                                               templates, the embedded model's included.
 
 A reply cut by max_tokens (or a stop string) is not valid JSON: it stays text content, with its finish reason.
 """
@@ -20,21 +25,52 @@ A reply cut by max_tokens (or a stop string) is not valid JSON: it stays text co
 from __future__ import annotations
 
 import json
+import re
 import secrets
 from dataclasses import dataclass
 from typing import Any
 
 
+HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
+_HERMES = re.compile(re.escape(HERMES_OPEN) + r"(.*?)" + re.escape(HERMES_CLOSE), re.DOTALL)
+
+
 @dataclass(frozen=True)
 class ToolMode:
-    """How one chat request's reply becomes tool calls. name: the forced function (named), None for required."""
+    """How one chat request's reply becomes tool calls. name: the forced function (named), None for required and
+    auto; auto: the model chooses (free text, Hermes-format calls parsed from it)."""
 
     name: str | None
     parallel: bool = True
+    auto: bool = False
 
     @property
     def finish_reason(self) -> str:
         return "stop" if self.name is not None else "tool_calls"
+
+
+def auto_supported(chat_template: str | None) -> bool:
+    """Whether tool_choice auto can be served for a model with this chat template: it renders `tools` and writes
+    calls in Hermes' format."""
+    return bool(chat_template) and "tools" in chat_template and HERMES_OPEN in chat_template
+
+
+def hermes_calls(text: str) -> tuple[str | None, list[dict]] | None:
+    """(the content outside the calls, None if only whitespace; the calls) of an auto reply, or None when it
+    holds no call or one whose JSON does not parse (the reply then stays text)."""
+    calls = []
+    for block in _HERMES.findall(text):
+        try:
+            value = json.loads(block)
+        except json.JSONDecodeError:
+            return None
+        if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+            return None
+        calls.append(_call(value["name"], value.get("arguments", {})))
+    if not calls:
+        return None
+    content = _HERMES.sub("", text).strip()
+    return content or None, calls
 
 
 def _parameters(function: Any) -> dict:
@@ -58,7 +94,11 @@ def _call(name: str, arguments: Any) -> dict:
 
 
 def tool_calls(mode: ToolMode, text: str) -> list[dict] | None:
-    """The reply's calls in OpenAI's shape, or None when the text is not a complete reply (cut short)."""
+    """The reply's calls in OpenAI's shape, or None when the text is not a complete reply (cut short). For auto,
+    use hermes_calls (a reply may mix content and calls)."""
+    if mode.auto:
+        found = hermes_calls(text)
+        return None if found is None else found[1]
     try:
         value = json.loads(text)
     except json.JSONDecodeError:

@@ -30,11 +30,11 @@ KEYS = {"sk-acme-0123456789": "acme", "sk-beta-0123456789": "beta"}
 class Server:
     """The router's serving core with mock replicas, its HTTP app on a background event loop."""
 
-    def __init__(self, decode, prefill=(), settings: DriverSettings = DriverSettings(), keys=None):
+    def __init__(self, decode, prefill=(), settings: DriverSettings = DriverSettings(), keys=None, tokenizer=None):
         self.prefill, self.decode = list(prefill), list(decode)
         loaded = embedded()
-        facts = ModelFacts(MODEL, loaded.tokenizer, loaded.config.vocab_size, 512)
-        self.tokenizer = loaded.tokenizer
+        facts = ModelFacts(MODEL, tokenizer or loaded.tokenizer, loaded.config.vocab_size, 512)
+        self.tokenizer = tokenizer or loaded.tokenizer
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()

@@ -15,7 +15,7 @@ from tandem.router.openai_bodies import ChatCompletionRequest, parse_body
 from tandem.router.openai_errors import OpenAIError
 from tandem.router.openai_requests import chat_request
 from tandem.router.openai_responses import ResponseBuilder
-from tandem.router.tool_calls import ToolMode, call_schema, tool_calls
+from tandem.router.tool_calls import ToolMode, auto_supported, call_schema, hermes_calls, tool_calls
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
@@ -63,9 +63,14 @@ def test_the_tools_reach_the_chat_template_and_a_past_call_reaches_the_model_as_
     assert request.chat.messages[2].content == "12:00" and not request.sampling.HasField("structured")
 
 
+def test_auto_is_the_default_with_tools_and_asks_for_no_constraint():
+    for body in (_body(), _body(tool_choice="auto")):
+        assert body.tool_mode == ToolMode(None, auto=True)
+        assert not chat_request(body, "r").sampling.HasField("structured")
+    assert _body(tool_choice="none").tool_mode is None
+
+
 @pytest.mark.parametrize("fields, message", [
-    ({}, "'auto' (the default when tools are given) is not supported"),
-    ({"tool_choice": "auto"}, "'auto' is not supported by tandem yet"),
     ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "not among the tools"),
     ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "not both"),
 ])
@@ -123,3 +128,60 @@ def test_a_named_call_streams_its_arguments_and_required_calls_arrive_whole():
     chunks = required.chunks([_output('"arguments": {}}]', "stop")])
     assert chunks[0]["choices"][0]["delta"]["tool_calls"][0]["function"] == {"name": "get_time", "arguments": "{}"}
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+HERMES_TEMPLATE = ("{% if tools %}<tools>{{ tools | tojson }}</tools> Call one as <tool_call>{...}</tool_call>\n"
+                   "{% endif %}{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant:")
+
+
+def test_auto_is_served_only_for_templates_that_render_tools_and_write_hermes_calls():
+    assert auto_supported(HERMES_TEMPLATE)
+    assert not auto_supported("{% for m in messages %}{{ m.content }}{% endfor %}")
+    assert not auto_supported("{{ tools }} {% for m in messages %}{{ m.content }}{% endfor %}")
+
+
+def test_auto_replies_split_into_content_and_hermes_calls():
+    text = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>\n'
+            '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>')
+    content, calls = hermes_calls(text)
+    assert content == "Let me check."
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("get_weather", {"city": "Oslo"}), ("get_time", {})]
+    assert hermes_calls("no call here") is None
+    assert hermes_calls('<tool_call>{"name": "get_time", "argu</tool_call>') is None  # broken JSON stays text
+    builder = _builder(ToolMode(None, auto=True))
+    builder.add([_output(text, "stop")])
+    (choice,) = builder.response(3, 2, 0)["choices"]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "Let me check."
+    assert len(choice["message"]["tool_calls"]) == 2
+    plain = _builder(ToolMode(None, auto=True))
+    chunks = plain.chunks([_output("Hello", None)]) + plain.chunks([_output(" there", "stop")])
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": "Hello there"}
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_auto_through_the_api_for_a_hermes_template_and_a_400_for_the_embedded_models():
+    import openai
+
+    from tandem.engine.tokenizer import Tokenizer
+    from tandem.router.mock_replicas import MockDecode, MockPrefill
+    from tests.router.test_http_api import Server, embedded
+
+    messages = [{"role": "user", "content": "Weather in Oslo?"}]
+    plain = Server([MockDecode("decode-0")], [MockPrefill("prefill-0")])
+    try:
+        with pytest.raises(openai.BadRequestError, match="needs a chat template that renders tools"):
+            plain.client().chat.completions.create(model="SmolLM2-135M-Instruct", messages=messages, tools=TOOLS)
+    finally:
+        plain.close()
+    tok = embedded().tokenizer
+    hermes = Tokenizer(tok.backend, chat_template=HERMES_TEMPLATE, bos_token=tok.bos_token, eos_token=tok.eos_token,
+                       eos_token_ids=tok.eos_token_ids)
+    server = Server([MockDecode("decode-0")], [MockPrefill("prefill-0")], tokenizer=hermes)
+    try:
+        reply = server.client().chat.completions.create(model="SmolLM2-135M-Instruct", messages=messages,
+                                                        tools=TOOLS, max_tokens=4)
+        # the mock replicas write no call: the reply is text
+        assert reply.choices[0].message.content and reply.choices[0].message.tool_calls is None
+    finally:
+        server.close()
