@@ -125,7 +125,8 @@ def test_chat_logprobs_carry_the_token_and_alternatives(server):
     ({"temperature": -1.0}, 400, "temperature"),
     ({"max_tokens": 100_000}, 400, "maximum context length"),
     ({"extra_body": {"frobnicate": 1}}, 400, "Unrecognized request argument supplied: frobnicate"),
-    ({"extra_body": {"tools": [{"type": "function", "function": {"name": "f"}}]}}, 400, "not supported"),
+    ({"extra_body": {"tools": [{"type": "function", "function": {"name": "f"}}]}}, 400, "needs a chat template"),
+    ({"extra_body": {"logit_bias": {"1": 5}}}, 400, "not supported"),
     ({"model": "gpt-4"}, 404, "is not served here"),
 ])
 def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, kwargs, status, needle):
