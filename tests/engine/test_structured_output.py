@@ -225,3 +225,38 @@ def test_a_preempted_constrained_request_recomputes_into_the_same_output(embedde
         got = _greedy(tight, requests)
         assert tight.stats().num_preemptions > 0
     assert got == expected
+
+
+def test_a_matcher_rolls_back_rejected_tokens_and_knows_when_the_grammar_is_done(backend, embedded_shape):
+    tok = embedded_shape.tokenizer
+    grammar = backend.compile(StructuredOutput.choice(["yes", "no"]))
+    matcher = grammar.matcher()
+    yes = tok.encode("yes", add_special_tokens=False)
+    for t in yes:
+        assert matcher.accept(t)
+    assert matcher.accepts_end
+    matcher.rollback(len(yes))  # as a speculative run whose draft was rejected would
+    assert not matcher.accepts_end
+    for t in tok.encode("no", add_special_tokens=False):
+        assert matcher.accept(t)
+    assert matcher.accepts_end and matcher.is_terminated  # nothing can follow "no" but the end
+    open_ended = backend.compile(StructuredOutput.regex("[0-9]+")).matcher()
+    assert open_ended.accept(tok.encode("7", add_special_tokens=False)[0])
+    assert open_ended.accepts_end and not open_ended.is_terminated  # more digits may follow
+    copy = grammar.matcher()
+    assert not copy.accept(tok.encode("maybe", add_special_tokens=False)[0]) and copy.error
+    with pytest.raises(ValueError, match="cannot roll back"):
+        grammar.matcher().rollback(3)
+
+
+def test_stop_strings_and_max_tokens_cut_a_constrained_output_as_they_cut_any(embedded):
+    spec = StructuredOutput.json_schema(PERSON)
+    prompt = _chat(embedded, "Describe a person as JSON.")
+    with _engine(embedded, max_num_seqs=4) as engine:
+        whole = embedded.tokenizer.decode(_greedy(engine, {"w": (prompt, SamplingParams(
+            max_tokens=64, temperature=0, structured=spec))})[("w", 0)])
+        engine.add_request("s", prompt, SamplingParams(max_tokens=64, temperature=0, structured=spec, stop=[", "]))
+        engine.add_request("m", prompt, SamplingParams(max_tokens=3, temperature=0, structured=spec))
+        done = run_all(engine)
+    assert done[("s", 0)].finish_reason == "stop" and done[("s", 0)].text == whole.split(", ")[0]
+    assert done[("m", 0)].finish_reason == "length" and whole.startswith(done[("m", 0)].text)
