@@ -1,0 +1,88 @@
+"""Verifying proposed tokens so that the output follows the target model's distribution exactly (speculative
+sampling, Leviathan et al. 2023; Chen et al. 2023).
+
+For one sequence, k proposed tokens x_1..x_k and the target's distributions p_1..p_{k+1} at the k+1 positions (the
+last one after all proposals), with the proposer's distributions q_1..q_k (a deterministic proposer such as n-gram
+lookup: q_i is one-hot on x_i):
+  for i = 1..k: accept x_i with probability min(1, p_i(x_i) / q_i(x_i)); on the first rejection, emit a token drawn
+  from the residual norm(max(0, p_i - q_i)) and stop;
+  if all k are accepted, emit a bonus token drawn from p_{k+1}.
+Each emitted token is then distributed as the target alone would have drawn it. Greedy (temperature 0): accept while
+x_i is the target's argmax; the first mismatch emits the argmax; all accepted emit the argmax after them. Greedy
+output is therefore identical to decoding without speculation.
+
+Reproducibility: every random draw comes from a generator seeded by (the request's seed, the output step it decides,
+and which draw it is), as engine/sampler.py seeds its draws, so the same request with the same seed and proposals
+gives the same tokens on any batch. (It is not the token stream of the same seed without speculation: that consumes
+its randomness differently.)
+
+Torch, CPU or GPU: probabilities are the target's after temperature, top-k/p and min-p (sampler._filtered_probs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from tandem.engine.sampler import row_seed
+
+_ACCEPT_STREAM = 0x5EC0_1D5A_17ED  # keeps the acceptance draws apart from the token draws of the same step
+
+
+@dataclass(frozen=True)
+class Verified:
+    """The tokens a step emits for one sequence: the accepted proposals, then one more (a correction or the bonus).
+    num_accepted: how many proposals were accepted (len(tokens) - 1)."""
+
+    tokens: tuple[int, ...]
+    num_accepted: int
+
+
+def verify_greedy(target_logits: torch.Tensor, proposed: Sequence[int]) -> Verified:
+    """target_logits: [len(proposed) + 1, vocab]."""
+    best = target_logits.argmax(dim=-1).tolist()
+    accepted = 0
+    while accepted < len(proposed) and proposed[accepted] == best[accepted]:
+        accepted += 1
+    return Verified(tuple(proposed[:accepted]) + (best[accepted],), accepted)
+
+
+def _draw(probs: torch.Tensor, seed: int) -> int:
+    """One token from probs [vocab] with a generator seeded by `seed` (the exponential race, as the sampler draws)."""
+    gen = torch.Generator(device=probs.device).manual_seed(seed & ((1 << 63) - 1))
+    q = torch.empty_like(probs).exponential_(generator=gen).clamp_min_(torch.finfo(probs.dtype).tiny)
+    return int((probs / q).argmax())
+
+
+def _uniform(seed: int, device: torch.device) -> float:
+    gen = torch.Generator(device=device).manual_seed(seed & ((1 << 63) - 1))
+    return float(torch.rand((), generator=gen, device=device))
+
+
+def verify_sampled(target_probs: torch.Tensor, proposed: Sequence[int], seed: int, step: int,
+                   draft_probs: torch.Tensor | None = None) -> Verified:
+    """target_probs: [len(proposed) + 1, vocab], each row a distribution. draft_probs: [len(proposed), vocab], the
+    proposer's distributions, or None for a deterministic proposer (one-hot on its tokens). step: the output index
+    of the first proposed token. Raises ValueError for shapes that do not fit."""
+    k = len(proposed)
+    if target_probs.dim() != 2 or target_probs.shape[0] != k + 1:
+        raise ValueError(f"target_probs must be [{k + 1}, vocab], got {list(target_probs.shape)}")
+    if draft_probs is not None and tuple(draft_probs.shape) != (k, target_probs.shape[1]):
+        raise ValueError(f"draft_probs must be [{k}, {target_probs.shape[1]}], got {list(draft_probs.shape)}")
+    for i, token in enumerate(proposed):
+        p = target_probs[i]
+        q_token = 1.0 if draft_probs is None else float(draft_probs[i, token])
+        ratio = float(p[token]) / q_token if q_token > 0 else 0.0
+        if _uniform(row_seed(seed ^ _ACCEPT_STREAM, step + i), p.device) < min(1.0, ratio):
+            continue
+        if draft_probs is None:
+            residual = p.clone()
+            residual[token] = 0
+        else:
+            residual = (p - draft_probs[i]).clamp_min_(0)
+        total = float(residual.sum())
+        residual = residual / total if total > 0 else p  # p == q: any rejection is a draw from p
+        return Verified(tuple(proposed[:i]) + (_draw(residual, row_seed(seed, step + i)),), i)
+    return Verified(tuple(proposed) + (_draw(target_probs[k], row_seed(seed, step + k)),), k)
