@@ -3,7 +3,8 @@
 
 A proposer keeps what it needs per sequence and is told each sequence's tokens as they grow; `propose(seq_id,
 token_ids, k)` returns at most k tokens (possibly none: nothing worth proposing). This module holds the n-gram
-prompt-lookup proposer; the suffix-tree and draft-model proposers of issue 25 are to come behind the same interface.
+prompt-lookup proposer; engine/suffix_proposer.py the suffix-trie one; the draft-model proposer of issue 25 is to
+come behind the same interface. None of them is wired into the engine's step yet.
 
 Prompt lookup (vLLM's `prompt_lookup_min/max`): if the sequence's last n tokens (n from max_n down to min_n)
 occurred earlier in the sequence, propose the tokens that followed that earlier occurrence. vLLM searches the

@@ -93,3 +93,43 @@ def test_verification_is_reproducible_from_the_seed_and_checks_shapes():
         verify_sampled(target, [4], seed=1, step=0)
     with pytest.raises(ValueError, match="draft_probs must be"):
         verify_sampled(target, [4, 9], seed=1, step=0, draft_probs=torch.ones(1, 50))
+
+
+def test_suffix_proposals_come_from_the_requests_own_tokens():
+    from tandem.engine.suffix_proposer import SuffixProposer
+
+    proposer = SuffixProposer(depth=8, match=4)
+    proposer.start("a", salt=None, prompt_len=9)
+    seq = [7, 1, 2, 3, 4, 8, 9, 1, 2]
+    assert proposer.propose("a", seq, 3) == [3, 4, 8]
+    assert proposer.propose("a", seq + [3, 4, 8], 2) == [9, 1]  # its trie grew with the new tokens
+    assert proposer.propose("a", [5, 6], 2) == []  # cut back to two unseen tokens: indexed again, no match
+
+
+def test_finished_outputs_are_shared_within_a_tenant_only_and_the_cache_is_bounded():
+    from tandem.engine.suffix_proposer import SuffixProposer
+
+    proposer = SuffixProposer(depth=8, match=4, cached_requests=1)
+    answer = [40, 41, 42, 43, 44, 45]
+    proposer.start("first", salt="acme", prompt_len=3)
+    proposer.propose("first", [1, 2, 3], 2)
+    proposer.forget("first", answer)
+    for seq_id, salt, expected in (("same", "acme", [42, 43, 44]), ("other", "beta", []), ("none", None, [])):
+        proposer.start(seq_id, salt=salt, prompt_len=3)
+        assert proposer.propose(seq_id, [9, 40, 41], 3) == expected, salt
+    proposer.forget("same", [60, 61, 62])  # the cache holds one request per tenant: the first's output leaves it
+    proposer.start("later", salt="acme", prompt_len=3)
+    assert proposer.propose("later", [9, 40, 41], 3) == []
+    assert proposer.propose("later", [9, 60, 61], 3) == [62]
+    assert 40 not in proposer._shared["acme"].root.children  # its nodes were dropped, not only zeroed
+
+
+def test_a_continuation_without_a_dominant_next_token_is_not_proposed():
+    from tandem.engine.suffix_proposer import SuffixProposer
+
+    proposer = SuffixProposer(depth=4, match=2, min_share=0.6)
+    seq = [1, 2, 5, 1, 2, 6, 1, 2, 7, 1, 2]  # after (1, 2): 5, 6 and 7 once each
+    assert proposer.propose("s", seq, 2) == []
+    assert SuffixProposer(depth=4, match=2, min_share=0.3).propose("s", seq, 1) in ([5], [6], [7])
+    with pytest.raises(ValueError, match="match <= depth"):
+        SuffixProposer(depth=2, match=3)
