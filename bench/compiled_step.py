@@ -38,11 +38,13 @@ PROMPTS = [
 ]
 
 
-def step_times(engine, prompts: list[list[int]], steps: int) -> tuple[float, list[list[int]]]:
-    """Seconds per decode step with len(prompts) sequences, and each request's greedy tokens."""
+def step_times(engine, prompts: list[list[int]], steps: int, params=None) -> tuple[float, list[list[int]]]:
+    """Seconds per decode step with len(prompts) sequences, and each request's tokens. params: every request's
+    SamplingParams (default: greedy, ignore_eos, steps + 2 tokens); they must let each request run steps + 1
+    tokens."""
     from tandem.engine.sampling_params import SamplingParams
 
-    params = SamplingParams(max_tokens=steps + 2, temperature=0, ignore_eos=True)
+    params = params or SamplingParams(max_tokens=steps + 2, temperature=0, ignore_eos=True)
     stamp = time.perf_counter_ns()
     for i, ids in enumerate(prompts):
         engine.add_request(f"r{i}-{stamp}", ids, params)

@@ -87,7 +87,7 @@ def replay(proposer, runs: list[tuple[list[int], list[int]]], k: int, shared: bo
     for i, (prompt, output) in enumerate(runs):
         seq_id = f"s{i}"
         if shared:
-            proposer.start(seq_id, salt="tenant", prompt_len=len(prompt))
+            proposer.start(seq_id, salt="tenant")
         pos = 0
         while pos < len(output):
             guess = proposer.propose(seq_id, prompt + output[:pos], k)

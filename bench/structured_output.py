@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.compiled_step import step_times  # noqa: E402
 from bench.machine import cpu_report, machine_line  # noqa: E402
 
 # Outputs longer than any measured run: an array of at least 40 short objects.
@@ -196,24 +197,7 @@ def step_overhead(loaded, engine_cls, config_cls, batch: int, steps: int, rounds
     def run(engine, constrained: bool) -> float:
         params = SamplingParams(max_tokens=steps + 2, temperature=0,
                                 **({"structured": spec} if constrained else {"ignore_eos": True}))
-        stamp = time.perf_counter_ns()
-        for i, p in enumerate(prompts):
-            engine.add_request(f"r{i}-{stamp}", p, params)
-        produced = {f"r{i}-{stamp}": 0 for i in range(batch)}
-
-        def step():
-            for out in engine.step():
-                produced[out.request_id] += len(out.token_ids)
-
-        while any(v == 0 for v in produced.values()):
-            step()
-        start = time.perf_counter()
-        for _ in range(steps):
-            step()
-        elapsed = time.perf_counter() - start
-        while engine.has_unfinished_requests():
-            step()
-        return elapsed / steps * 1e3
+        return step_times(engine, prompts, steps, params)[0] * 1e3
 
     ms = {"constrained": [], "free": []}
     with engine_cls(loaded, config) as engine:

@@ -26,7 +26,7 @@ from typing import Sequence
 
 import torch
 
-from tandem.engine.sampler import row_seed
+from tandem.engine.sampler import _exponential_race, row_seed
 
 _ACCEPT_STREAM = 0x5EC0_1D5A_17ED  # keeps the acceptance draws apart from the token draws of the same step
 
@@ -50,14 +50,12 @@ def verify_greedy(target_logits: torch.Tensor, proposed: Sequence[int]) -> Verif
 
 
 def _draw(probs: torch.Tensor, seed: int) -> int:
-    """One token from probs [vocab] with a generator seeded by `seed` (the exponential race, as the sampler draws)."""
-    gen = torch.Generator(device=probs.device).manual_seed(seed & ((1 << 63) - 1))
-    q = torch.empty_like(probs).exponential_(generator=gen).clamp_min_(torch.finfo(probs.dtype).tiny)
-    return int((probs / q).argmax())
+    """One token from probs [vocab], drawn as the sampler draws (its exponential race, seeded by `seed`)."""
+    return int(_exponential_race(probs.unsqueeze(0), [seed])[0])
 
 
 def _uniform(seed: int, device: torch.device) -> float:
-    gen = torch.Generator(device=device).manual_seed(seed & ((1 << 63) - 1))
+    gen = torch.Generator(device=device).manual_seed(seed)
     return float(torch.rand((), generator=gen, device=device))
 
 

@@ -74,7 +74,6 @@ class _Live:
     cursors: deque
     added: int = 0
     salt: str | None = None
-    prompt_len: int = 0
 
 
 class SuffixProposer:
@@ -91,9 +90,9 @@ class SuffixProposer:
         self._shared: dict[str | None, TokenTrie] = {}
         self._recent: dict[str | None, OrderedDict[str, tuple[int, ...]]] = {}
 
-    def start(self, seq_id: str, salt: str | None, prompt_len: int) -> None:
+    def start(self, seq_id: str, salt: str | None) -> None:
         """Registers a request (its tenant's cache salt, None without one) before its first proposal."""
-        self._live[seq_id] = _Live(TokenTrie(self.depth), deque(), salt=salt, prompt_len=prompt_len)
+        self._live[seq_id] = _Live(TokenTrie(self.depth), deque(), salt=salt)
 
     def _grow(self, live: _Live, token_ids: Sequence[int], upto: int) -> None:
         """Adds the windows of token_ids[:upto] not yet in the request's trie."""

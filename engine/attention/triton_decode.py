@@ -80,6 +80,42 @@ def tuned(configs: list[triton.Config], interpreted: triton.Config, key: list[st
         return triton.autotune(configs=configs, key=key, warmup=3, rep=15)
 
 
+@triton.jit
+def load_keys(head_base, table_row, tok, tok_ok, dims, stride_kv_kv, stride_kv_b, stride_kv_s,
+              BLOCK_SIZE: tl.constexpr):
+    """K and V [len(tok), HEAD_DIM] of the keys at positions tok (zeros where not tok_ok), each found through the
+    sequence's block table (table_row), so a tile may span KV blocks. Shared by both kernels."""
+    block = tl.load(table_row + tok // BLOCK_SIZE, mask=tok_ok, other=0)
+    offsets = block[:, None] * stride_kv_b + (tok % BLOCK_SIZE)[:, None] * stride_kv_s + dims[None, :]
+    k = tl.load(head_base + offsets, mask=tok_ok[:, None], other=0.0)
+    v = tl.load(head_base + stride_kv_kv + offsets, mask=tok_ok[:, None], other=0.0)
+    return k, v
+
+
+@triton.jit
+def key_scores(q, k, scale_log2, NATIVE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """q . k^T, scaled into base 2: [rows, keys]."""
+    if NATIVE_DOT:
+        return tl.dot(q, tl.trans(k)) * scale_log2
+    return tl.dot(q, tl.trans(k.to(tl.float32)), input_precision=DOT_PRECISION) * scale_log2
+
+
+@triton.jit
+def online_softmax_step(scores, v, m, l, acc, NATIVE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One tile of keys folded into the running max m, sum l and output acc (hidden keys' scores are -inf); a
+    fully hidden tile contributes nothing. Returns the new (m, l, acc)."""
+    m_new = tl.maximum(m, tl.max(scores, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(scores - m_safe[:, None])
+    alpha = tl.exp2(m - m_safe)
+    l = l * alpha + tl.sum(p, axis=1)
+    if NATIVE_DOT:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision=DOT_PRECISION)
+    return m_new, l, acc
+
+
 _DECODE_CONFIGS = [triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=st)
                    for n, w, st in ((32, 4, 3), (64, 4, 3), (64, 4, 4), (128, 4, 3), (128, 8, 3), (64, 2, 4))]
 
@@ -125,28 +161,14 @@ def _split_kernel(q_ptr, kv_ptr, tables_ptr, lens_ptr, part_out_ptr, part_m_ptr,
     for start in range(lo, hi, BLOCK_N):
         tok = start + cols
         tok_ok = tok < hi
-        block = tl.load(tables_ptr + seq * stride_tab + tok // BLOCK_SIZE, mask=tok_ok, other=0)
-        offsets = block[:, None] * stride_kv_b + (tok % BLOCK_SIZE)[:, None] * stride_kv_s + dims[None, :]
-        k = tl.load(head_base + offsets, mask=tok_ok[:, None], other=0.0)                   # [BLOCK_N, HEAD_DIM]
-        v = tl.load(head_base + stride_kv_kv + offsets, mask=tok_ok[:, None], other=0.0)
-        if NATIVE_DOT:
-            scores = tl.dot(q, tl.trans(k)) * scale_log2                                # [GROUP_PAD, BLOCK_N]
-        else:
-            scores = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision=DOT_PRECISION) * scale_log2
+        k, v = load_keys(head_base, tables_ptr + seq * stride_tab, tok, tok_ok, dims, stride_kv_kv, stride_kv_b,
+                         stride_kv_s, BLOCK_SIZE)
+        scores = key_scores(q, k, scale_log2, NATIVE_DOT, DOT_PRECISION)  # [GROUP_PAD, BLOCK_N]
         visible = tok_ok
         if HAS_WINDOW:
             visible = visible & (query_pos - tok < window)
         scores = tl.where(visible[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a fully hidden tile contributes nothing
-        p = tl.exp2(scores - m_safe[:, None])
-        alpha = tl.exp2(m - m_safe)
-        l = l * alpha + tl.sum(p, axis=1)
-        if NATIVE_DOT:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision=DOT_PRECISION)
-        m = m_new
+        m, l, acc = online_softmax_step(scores, v, m, l, acc, NATIVE_DOT, DOT_PRECISION)
 
     part = (seq * tl.num_programs(1) + kv_head) * num_splits + split
     tl.store(part_m_ptr + part * GROUP_PAD + rows, m)

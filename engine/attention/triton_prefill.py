@@ -19,7 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tandem.engine.attention.triton_decode import LOG2E, check_paged_shapes, dot_precision, native_dot, tuned
+from tandem.engine.attention.triton_decode import (LOG2E, check_paged_shapes, dot_precision, key_scores, load_keys,
+                                                   native_dot, online_softmax_step, tuned)
 
 _CONFIGS = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=st)
             for m, n, w, st in ((128, 64, 8, 3), (128, 64, 8, 2), (128, 128, 8, 2), (128, 32, 4, 3),
@@ -67,28 +68,14 @@ def _prefill_kernel(q_ptr, kv_ptr, out_ptr, tables_ptr, starts_ptr, lens_ptr,
         for key_start in range(lo, hi, BLOCK_N):
             tok = key_start + cols
             tok_ok = tok < hi
-            block = tl.load(tables_ptr + seq * stride_tab + tok // BLOCK_SIZE, mask=tok_ok, other=0)
-            offsets = block[:, None] * stride_kv_b + (tok % BLOCK_SIZE)[:, None] * stride_kv_s + dims[None, :]
-            k = tl.load(head_base + offsets, mask=tok_ok[:, None], other=0.0)
-            v = tl.load(head_base + stride_kv_kv + offsets, mask=tok_ok[:, None], other=0.0)
-            if NATIVE_DOT:
-                scores = tl.dot(q, tl.trans(k)) * scale_log2  # [BLOCK_M, BLOCK_N]
-            else:
-                scores = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision=DOT_PRECISION) * scale_log2
+            k, v = load_keys(head_base, tables_ptr + seq * stride_tab, tok, tok_ok, dims, stride_kv_kv, stride_kv_b,
+                             stride_kv_s, BLOCK_SIZE)
+            scores = key_scores(q, k, scale_log2, NATIVE_DOT, DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
             visible = (tok[None, :] <= query_pos[:, None]) & tok_ok[None, :]
             if HAS_WINDOW:
                 visible = visible & (query_pos[:, None] - tok[None, :] < window)
             scores = tl.where(visible, scores, float("-inf"))
-            m_new = tl.maximum(m, tl.max(scores, axis=1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp2(scores - m_safe[:, None])
-            alpha = tl.exp2(m - m_safe)
-            l = l * alpha + tl.sum(p, axis=1)
-            if NATIVE_DOT:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision=DOT_PRECISION)
-            m = m_new
+            m, l, acc = online_softmax_step(scores, v, m, l, acc, NATIVE_DOT, DOT_PRECISION)
         out = acc / tl.where(l == 0.0, 1.0, l)[:, None]
         tl.store(out_ptr + (start + rows[:, None]) * stride_o_t + head * stride_o_h + dims[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])

@@ -99,7 +99,7 @@ def test_suffix_proposals_come_from_the_requests_own_tokens():
     from tandem.engine.suffix_proposer import SuffixProposer
 
     proposer = SuffixProposer(depth=8, match=4)
-    proposer.start("a", salt=None, prompt_len=9)
+    proposer.start("a", salt=None)
     seq = [7, 1, 2, 3, 4, 8, 9, 1, 2]
     assert proposer.propose("a", seq, 3) == [3, 4, 8]
     assert proposer.propose("a", seq + [3, 4, 8], 2) == [9, 1]  # its trie grew with the new tokens
@@ -111,14 +111,14 @@ def test_finished_outputs_are_shared_within_a_tenant_only_and_the_cache_is_bound
 
     proposer = SuffixProposer(depth=8, match=4, cached_requests=1)
     answer = [40, 41, 42, 43, 44, 45]
-    proposer.start("first", salt="acme", prompt_len=3)
+    proposer.start("first", salt="acme")
     proposer.propose("first", [1, 2, 3], 2)
     proposer.forget("first", answer)
     for seq_id, salt, expected in (("same", "acme", [42, 43, 44]), ("other", "beta", []), ("none", None, [])):
-        proposer.start(seq_id, salt=salt, prompt_len=3)
+        proposer.start(seq_id, salt=salt)
         assert proposer.propose(seq_id, [9, 40, 41], 3) == expected, salt
     proposer.forget("same", [60, 61, 62])  # the cache holds one request per tenant: the first's output leaves it
-    proposer.start("later", salt="acme", prompt_len=3)
+    proposer.start("later", salt="acme")
     assert proposer.propose("later", [9, 40, 41], 3) == []
     assert proposer.propose("later", [9, 60, 61], 3) == [62]
     assert 40 not in proposer._shared["acme"].root.children  # its nodes were dropped, not only zeroed

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
 import pytest
@@ -84,17 +85,14 @@ def test_what_the_compiler_rejects_is_refused_with_its_message(backend, spec, me
         backend.compile(spec)
 
 
-def test_every_schema_of_the_suite_compiles_and_compiled_grammars_are_cached(backend):
-    before = backend.compiles
+def test_every_schema_of_the_suite_compiles_and_compiled_grammars_are_cached(embedded_shape):
+    backend = GrammarBackend(embedded_shape.tokenizer, embedded_shape.config.vocab_size)
     specs = [StructuredOutput.json_schema(s) for s in (*SCHEMAS.values(), *UNBOUNDED.values())]
     specs += [StructuredOutput.regex(r) for r in REGEXES.values()]
-    for spec in specs:
-        backend.compile(spec)
-    compiled = backend.compiles - before
-    assert compiled <= len(specs)
-    for spec in specs:  # again: all from the cache
-        backend.compile(spec)
-    assert backend.compiles - before == compiled
+    grammars = [backend.compile(spec) for spec in specs]
+    assert backend.compiles == len(set(specs)) == 42
+    assert [backend.compile(spec) for spec in specs] == grammars  # again: the same objects, from the cache
+    assert backend.compiles == 42
 
 
 def _walk(backend: GrammarBackend, spec: StructuredOutput, picks: list[str], tokenizer) -> tuple[str, bool]:
@@ -127,7 +125,7 @@ def test_choices_and_gbnf_grammars_accept_exactly_their_language(backend, embedd
 def test_a_mask_job_masks_only_its_rows(backend):
     matcher = backend.compile(StructuredOutput.regex("[0-9]")).matcher()
     logits = torch.zeros(3, backend.vocab_size)
-    with __import__("concurrent.futures").futures.ThreadPoolExecutor(1) as pool:
+    with ThreadPoolExecutor(1) as pool:
         MaskJob(backend, pool, [(matcher, 1)]).apply(logits)
     allowed = (logits[1] > float("-inf")).nonzero().squeeze(1).tolist()
     assert 10 <= len(allowed) < 100  # the ten digits, however tokenized (and nothing like the whole vocabulary)
