@@ -247,12 +247,12 @@ class ModelRunner:
     def _start_masks(self, names: Sequence[str]) -> MaskJob | None:
         """Starts computing the allowed next tokens of this step's structured rows (their index in `names`) on a
         helper thread, to overlap the forward pass; None when no row is structured."""
-        from tandem.engine.grammar_masks import MaskJob
-
         structured = [(self._seqs[name].matcher, i) for i, name in enumerate(names)
                       if self._seqs[name].matcher is not None]
         if not structured:
             return None
+        from tandem.engine.grammar_masks import MaskJob  # torch + llguidance: only once a request asks for it
+
         if self._mask_pool is None:
             self._mask_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tandem-grammar-masks")
         return MaskJob(self.grammars, self._mask_pool, structured)

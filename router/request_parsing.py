@@ -185,7 +185,7 @@ def parse_request(request: pb.GenerateRequest, model: ModelFacts,
     return ParsedRequest(request_id, tuple(prompt), params, request.priority, request.session_id)
 
 
-def structured_output(s: pb.StructuredOutput) -> StructuredOutput | None:
+def engine_constraint(s: pb.StructuredOutput) -> StructuredOutput | None:
     """The proto's constraint as the engine's value; None when no kind is set. Raises InvalidStructuredOutput for
     a malformed one."""
     kind = s.WhichOneof("kind")
@@ -208,7 +208,7 @@ def _structured(s: pb.SamplingParams, model: ModelFacts) -> StructuredOutput | N
     if not s.HasField("structured"):
         return None
     try:
-        spec = structured_output(s.structured)
+        spec = engine_constraint(s.structured)
         if spec is not None and model.grammars is not None:
             model.grammars.compile(spec)
     except InvalidStructuredOutput as e:
