@@ -1,18 +1,22 @@
-"""Speculative decoding's proposers against the embedded model's own greedy output, replayed offline (issue 25).
+"""Speculative decoding in the engine against decoding without it, on issue 25's three workloads (this machine).
 
-The proposers are not in the engine's step yet, so this measures what they would get: each workload's prompts are
-decoded greedily without speculation; then, step by step along each output, each proposer proposes --k tokens from
-the tokens so far, and the tokens the target itself produced next decide how many would be accepted (greedy
-verification accepts exactly the longest common prefix). Reported per proposer and workload: the acceptance rate
-(accepted / proposed), the mean tokens per verification step (accepted + 1: the upper bound on the speed-up when a
-step of k+1 tokens costs what a step of 1 does) and the share of steps with nothing proposed. Workloads, as issue 25
-names them: repetition-heavy (code editing, summarizing with quotes, JSON extraction from a given document),
-multi-turn chat that repeats earlier answers, and open chat. The suffix proposer sees the requests of a workload in
-order and keeps their outputs (one tenant).
+For each workload (repetition-heavy: code editing, summarizing with quotes, JSON extraction from a given document;
+multi-turn chat that repeats earlier answers; open chat) and each proposer (n-gram prompt lookup, suffix tries) this
+runs the engine with speculation (adaptive: the cost model picks how many proposals to verify, down to none) and
+without, and reports output tokens per second and the ratio:
+  - batch 1: the workload's prompts one after the other, greedy (the suffix proposer sees the earlier ones' outputs,
+    as a replica serving one user would);
+  - batch 16: 16 concurrent requests cycling over the prompts, sampled (temperature 0.8, seed per request), so that
+    each stream is different.
+Each (round, setting) gets a fresh engine (the proposer's cache and the cost model start empty: no round learns from
+the last one's identical outputs), the settings in rotating order within a round; the reported figure is the median
+over rounds. Outputs are checked to be identical to those without speculation (they must be, sampled or greedy).
+Acceptance: accepted / proposed tokens, and tokens per verified step, from the engine's own counters.
 
-    .venv/bin/python bench/speculative.py [--k 4] [--tokens 96] [--threads 2]
+    .venv/bin/python bench/speculative.py [--rounds 3] [--tokens 96] [--k 4] [--threads 2] [--replay]
 
-The last line of output is one JSON object with every number.
+--replay adds the offline replay of the proposers against the model's own greedy output (acceptance only, no
+timing). The last line of output is one JSON object with every number.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import argparse
 import json
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -63,6 +68,73 @@ WORKLOADS = {
         [{"role": "user", "content": "What should I pack for a weekend hiking trip?"}],
     ],
 }
+
+
+def engine_run(loaded, requests: list[list[int]], tokens: int, batch: int, speculative, k: int) -> dict:
+    """Runs requests through a fresh engine, `batch` at a time; returns tokens/s, outputs and speculation counters."""
+    from tandem.engine.engine_config import EngineConfig
+    from tandem.engine.llm_engine import LLMEngine
+    from tandem.engine.sampling_params import SamplingParams
+
+    config = EngineConfig(num_kv_blocks=1024, max_num_seqs=16, enable_prefix_caching=False, speculative=speculative)
+    outs: dict[str, list[int]] = {}
+    with LLMEngine(loaded, config) as engine:
+        start = time.perf_counter()
+        for first in range(0, len(requests), batch):
+            for i in range(first, min(first + batch, len(requests))):
+                params = SamplingParams(max_tokens=tokens, temperature=0 if batch == 1 else 0.8, seed=i)
+                engine.add_request(f"r{i}", requests[i], params)
+                outs[f"r{i}"] = []
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    outs[out.request_id].extend(out.token_ids)
+        seconds = time.perf_counter() - start
+        stats = engine.speculation_stats()
+        steps = engine.num_steps
+        speculator = engine.scheduler.speculator
+        line = speculator.cost.line() if speculator is not None else None
+    produced = sum(len(o) for o in outs.values())
+    result = {"tokens_per_s": produced / seconds, "outputs": outs, "steps": steps}
+    if stats is not None:
+        verified = sum(stats.acceptance_counts)
+        result.update(acceptance_rate=round(stats.acceptance_rate, 3), proposed=stats.proposed,
+                      accepted=stats.accepted, verified_steps=verified, declined_steps=stats.declined_steps,
+                      tokens_per_verified_step=round((stats.accepted + verified) / verified, 3) if verified else None,
+                      step_ms=round(1e3 * line[0], 2), token_ms=round(1e3 * line[1], 3))
+    return result
+
+
+def measure(loaded, workloads: dict, args) -> dict:
+    from tandem.engine.speculation import SpeculativeConfig
+
+    settings = {"off": None, "ngram": SpeculativeConfig(proposer="ngram", max_tokens=args.k),
+                "suffix": SpeculativeConfig(proposer="suffix", max_tokens=args.k)}
+    results: dict = {}
+    for workload, chats in workloads.items():
+        prompts = [loaded.tokenizer.encode_chat(c) for c in chats]
+        for batch in (1, 16):
+            requests = prompts if batch == 1 else [prompts[i % len(prompts)] for i in range(16)]
+            runs: dict[str, list[dict]] = {name: [] for name in settings}
+            for r in range(args.rounds):
+                names = list(settings)
+                for name in names[r % len(names):] + names[:r % len(names)]:
+                    runs[name].append(engine_run(loaded, requests, args.tokens, batch, settings[name], args.k))
+            off = statistics.median(run["tokens_per_s"] for run in runs["off"])
+            row = {"off": {"tokens_per_s": round(off, 1)}}
+            for name in ("ngram", "suffix"):
+                if any(run["outputs"] != runs["off"][0]["outputs"] for run in runs[name]):
+                    raise SystemExit(f"{workload} batch {batch}: {name} changed the output")
+                rate = statistics.median(run["tokens_per_s"] for run in runs[name])
+                last = runs[name][-1]
+                row[name] = {"tokens_per_s": round(rate, 1), "speedup": round(rate / off, 3),
+                             **{k: last[k] for k in ("acceptance_rate", "tokens_per_verified_step", "verified_steps",
+                                                     "declined_steps", "steps", "step_ms", "token_ms")}}
+                print(f"{workload:11s} batch {batch:2d} {name:6s}: {rate:7.1f} tok/s vs {off:7.1f} off = "
+                      f"{rate / off:.2f}x; acceptance {last['acceptance_rate']}, "
+                      f"{last['tokens_per_verified_step']} tokens per verified step; cost model: "
+                      f"{last['step_ms']} ms + {last['token_ms']} ms/token", file=sys.stderr)
+            results.setdefault(workload, {})[f"batch_{batch}"] = row
+    return results
 
 
 def greedy_outputs(loaded, chats, tokens: int) -> list[tuple[list[int], list[int]]]:
@@ -111,9 +183,12 @@ def replay(proposer, runs: list[tuple[list[int], list[int]]], k: int, shared: bo
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--k", type=int, default=4, help="tokens proposed per step")
-    parser.add_argument("--tokens", type=int, default=96, help="greedy output tokens per prompt")
+    parser.add_argument("--k", type=int, default=4, help="most tokens proposed per sequence and step")
+    parser.add_argument("--tokens", type=int, default=96, help="output tokens per request at most")
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated subset")
+    parser.add_argument("--replay", action="store_true", help="also replay the proposers offline")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -122,16 +197,17 @@ def main() -> None:
     from tandem.engine.suffix_proposer import SuffixProposer
 
     loaded = load_model(progress=False)
-    results: dict[str, dict] = {}
-    for workload, chats in WORKLOADS.items():
-        runs = greedy_outputs(loaded, chats, args.tokens)
-        results[workload] = {"ngram": replay(NgramProposer(min_n=2, max_n=4), runs, args.k, shared=False),
-                             "suffix": replay(SuffixProposer(), runs, args.k, shared=True)}
-        for name, r in results[workload].items():
-            print(f"{workload:11s} {name:6s}: acceptance {r['acceptance_rate']}, {r['tokens_per_step']} tokens per "
-                  f"step, {r['steps_without_proposal']:.0%} of steps without a proposal", file=sys.stderr)
-    print(json.dumps({"bench": "speculative", "mode": "offline replay of greedy output (not in the engine yet)",
-                      "machine": machine_line(), "k": args.k, "tokens": args.tokens, "workloads": results}))
+    workloads = {name: WORKLOADS[name] for name in args.workloads.split(",")}
+    report = {"bench": "speculative", "machine": machine_line(), "k": args.k, "tokens": args.tokens,
+              "rounds": args.rounds, "engine": measure(loaded, workloads, args)}
+    if args.replay:
+        replayed: dict[str, dict] = {}
+        for workload, chats in workloads.items():
+            runs = greedy_outputs(loaded, chats, args.tokens)
+            replayed[workload] = {"ngram": replay(NgramProposer(min_n=2, max_n=4), runs, args.k, shared=False),
+                                  "suffix": replay(SuffixProposer(), runs, args.k, shared=True)}
+        report["offline_replay"] = replayed
+    print(json.dumps(report))
 
 
 if __name__ == "__main__":

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from tandem.engine.speculation import SpeculativeConfig
+
 DEFAULT_CPU_KV_FRACTION = 0.25  # of available RAM: the CPU is shared with the tokenizer, the OS and peers
 DEFAULT_GPU_KV_FRACTION = 0.90  # of free device memory after the weights are loaded
 ATTENTION_BACKENDS = ("auto", "torch", "triton")  # auto: Triton on CUDA, the torch reference elsewhere
@@ -28,6 +30,8 @@ class EngineConfig:
     attention_backend: str = "auto"  # one of ATTENTION_BACKENDS
     # Compile the decode step (engine/models/compiled.py) at start-up; None: as TANDEM_COMPILE says (default on).
     compile: bool | None = None
+    # Speculative decoding (engine/speculation.py): None decodes one token per step.
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

@@ -47,13 +47,15 @@ class MaskJob:
         self.bitmask = allocate_bitmask(len(self.rows), backend.vocab_size)
         self._done = pool.submit(fill_masks, backend, [(m, i) for i, (m, _) in enumerate(matchers)], self.bitmask)
 
-    def apply(self, logits: torch.Tensor) -> None:
-        """Masks logits [rows, vocab] in place. Raises what filling the masks raised."""
+    def apply(self, logits: torch.Tensor, placed: Sequence[int] | None = None) -> None:
+        """Masks logits [rows, vocab] in place; placed[r]: the logits row of the job's row r, where the logits have
+        more rows than the job was told (a speculating sequence's). Raises what filling the masks raised."""
         self._done.result()
-        if self.rows == list(range(logits.shape[0])):
+        rows = self.rows if placed is None else [placed[r] for r in self.rows]
+        if rows == list(range(logits.shape[0])):
             apply_bitmask(logits, self.bitmask)
             return
-        index = torch.tensor(self.rows, device=logits.device)
+        index = torch.tensor(rows, device=logits.device)
         masked = logits.index_select(0, index)
         apply_bitmask(masked, self.bitmask)
         logits.index_copy_(0, index, masked)

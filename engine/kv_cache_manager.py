@@ -128,6 +128,19 @@ class KVCacheManager:
             self.cache.insert(table.blocks[i], seq.block_hashes[i], parent, tokens, seq.cache_salt)
         table.num_cached_blocks = max(table.num_cached_blocks, num_full)
 
+    def trim(self, seq: Sequence, num_tokens: int) -> int:
+        """Gives back seq's blocks past those that hold its first num_tokens tokens (blocks a step took for
+        speculated tokens that were rejected). Returns how many."""
+        table = self._tables.get(seq.seq_id)
+        keep = self.blocks_for(num_tokens)
+        if table is None or len(table.blocks) <= keep:
+            return 0
+        extra = table.blocks[keep:]
+        del table.blocks[keep:]
+        for block in reversed(extra):
+            self.pool.decref(block, park=self.cache.is_cached(block))
+        return len(extra)
+
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """child shares every block of parent (one more owner each)."""
         source = self._tables[parent.seq_id]

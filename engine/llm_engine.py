@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence as Seq, TypeVar
 
@@ -51,6 +52,7 @@ from tandem.engine.resume import ResumeState
 from tandem.engine.sampled_token import SampledToken
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.scheduler import RequestRejectedError, Scheduler, SchedulerConfig, SchedulerStats
+from tandem.engine.speculation import SpeculationStats, Speculator
 
 __all__ = ["EngineStats", "KVAgentFactory", "LLMEngine", "RequestRejectedError"]
 
@@ -109,7 +111,8 @@ class LLMEngine:
                                                                  store_memory_of(kv_agent, device)))
             compiling = compile_enabled(config.compile)
             if compiling:
-                self.runner.compiled = compile_decode(loaded.model, config.max_num_seqs)
+                self.runner.compiled = compile_decode(loaded.model, config.max_num_seqs, 1 + (
+                    config.speculative.max_tokens if config.speculative is not None else 0))
             # This process's KV transfer agent (None without kv_agent, or when the ranks hold their own).
             self.local_kv_agent = kv_agent(0, self.layout, self.runner.kv_cache) if kv_agent else None
             self.runner.layer_observer = self.local_kv_agent
@@ -152,7 +155,8 @@ class LLMEngine:
         self.scheduler = Scheduler(
             SchedulerConfig(max_model_len=max_len, max_num_batched_tokens=config.max_num_batched_tokens,
                             max_num_seqs=config.max_num_seqs, enable_chunked_prefill=config.enable_chunked_prefill),
-            self.kv_manager, frozenset(self.tokenizer.eos_token_ids))
+            self.kv_manager, frozenset(self.tokenizer.eos_token_ids),
+            Speculator(config.speculative) if config.speculative is not None else None)
         self.outputs = OutputProcessor(self.tokenizer)
         self.vocab_size = model_config.vocab_size
         # Structured output: compiled here to refuse a bad constraint at add_request, and used by this process's
@@ -287,21 +291,35 @@ class LLMEngine:
         return self.scheduler.has_schedulable()
 
     def step(self) -> list[RequestOutput]:
-        """Runs one scheduler step and returns the outputs it produced (possibly none, e.g. mid-prefill)."""
+        """Runs one scheduler step and returns the outputs it produced (possibly none, e.g. mid-prefill): one per
+        sample that got tokens (a speculating sample may get several in one output)."""
+        start = time.perf_counter()
         schedule = self.scheduler.schedule()
         result = self.runner.execute_step(schedule)
         updates = self.scheduler.update(schedule, result)
-        outputs = []
+        outputs: dict[str, RequestOutput] = {}
         for update in updates:
+            seq_id = update.seq.seq_id
+            if seq_id in outputs and outputs[seq_id].finish_reason is not None:
+                continue  # its text hit a stop string on an earlier token of this step
             output, hit_stop_string = self.outputs.process(update)
             if hit_stop_string and update.status is None:
                 self.scheduler.finish(update.seq, RequestStatus.FINISHED_STOPPED)
-            outputs.append(output)
+            outputs[seq_id] = output if seq_id not in outputs else outputs[seq_id].followed_by(output)
         if not schedule.is_empty:
             self.num_steps += 1
+            speculator = self.scheduler.speculator
+            if speculator is not None and not schedule.forks and all(
+                    n == 1 + len(schedule.spec_tokens.get(i, ())) for i, n in schedule.num_scheduled_tokens.items()):
+                speculator.step_timed(schedule.total_num_scheduled_tokens, time.perf_counter() - start)
         if self.config.check_integrity:
             self.scheduler.check_integrity()
-        return outputs
+        return list(outputs.values())
+
+    def speculation_stats(self) -> SpeculationStats | None:
+        """What speculative decoding proposed and got accepted here; None when the engine does not speculate."""
+        speculator = self.scheduler.speculator
+        return speculator.stats() if speculator is not None else None
 
     def stats(self) -> EngineStats:
         return EngineStats(**vars(self.scheduler.stats()), num_steps=self.num_steps)

@@ -24,6 +24,7 @@ import torch
 from tandem.engine.attention import AttentionMetadata
 from tandem.engine.kv_cache import PagedKVCache
 from tandem.engine.models import LlamaModel
+from tandem.engine.rejection_sampler import accept_drawn
 from tandem.engine.sampler import SampleRequest, sample_batch
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.scheduler_output import RunnerOutput, SchedulerOutput
@@ -57,12 +58,13 @@ class _SeqState:
     seed: int
     matcher: Matcher | None = None  # the sequence's place in its grammar (structured output), on a sampling rank
 
-    def sample_request(self) -> SampleRequest:
-        step = len(self.token_ids) - self.num_prompt_tokens
+    def sample_request(self, proposed: Sequence[int] = ()) -> SampleRequest:
+        """The sampler's row for the sequence's next token, or, with proposed tokens, for the token after them."""
+        step = len(self.token_ids) + len(proposed) - self.num_prompt_tokens
         if not self.params.has_penalties:  # only penalties read the history: skip copying it every step
             return SampleRequest(self.params, self.seed, step, (), ())
         return SampleRequest(self.params, self.seed, step, self.token_ids[:self.num_prompt_tokens],
-                             self.token_ids[self.num_prompt_tokens:])
+                             [*self.token_ids[self.num_prompt_tokens:], *proposed])
 
 
 @dataclass
@@ -118,11 +120,12 @@ class ModelRunner:
         each chunk's last token. Raises ValueError if a block table is too short. Single process only."""
         return self.model.compute_logits(self._forward(chunks))
 
-    def _forward(self, chunks: Sequence[SequenceChunk],
-                 completing: Sequence[str | None] = ()) -> torch.Tensor | None:
+    def _forward(self, chunks: Sequence[SequenceChunk], completing: Sequence[str | None] = (),
+                 tails: Sequence[int] = ()) -> torch.Tensor | None:
         """Runs this rank's layers over the chunks, micro-batch by micro-batch. Returns the last stage's final
-        hidden state of each chunk's last token [len(chunks), hidden]; None on the other stages.
-        completing[i]: the seq id of chunk i if it completes that sequence's prompt (for layer_observer)."""
+        hidden states of each chunk's last tails[i] tokens (1 where tails is short), chunk after chunk
+        [sum of tails, hidden]; None on the other stages. completing[i]: the seq id of chunk i if it completes that
+        sequence's prompt (for layer_observer)."""
         shard = self.model.shard
         runs = split_micro_batches([len(c.token_ids) for c in chunks], self.micro_batches)
         observers = [self._layer_callback({completing[i]: chunks[i].block_ids for i in run
@@ -144,7 +147,9 @@ class ModelRunner:
             out = self.model.forward(ids, positions, meta, self.kv_cache, hidden, observers[i], self.compiled)
             self.times.forward += time.perf_counter() - start
             if shard.is_last_stage:
-                outputs.append(out[torch.tensor(meta.query_start_loc[1:], device=self.device) - 1])
+                rows = [end - j for c, end in zip(runs[i], meta.query_start_loc[1:])
+                        for j in range(tails[c] if c < len(tails) else 1, 0, -1)]
+                outputs.append(out[torch.tensor(rows, device=self.device)])
             else:
                 sends.append((out, self.comm.send_next(out)))
         for _, work in sends:
@@ -170,9 +175,10 @@ class ModelRunner:
                 torch.tensor(positions, dtype=torch.int64, device=self.device), meta)
 
     @torch.inference_mode()
-    def execute_step(self, output: SchedulerOutput, prev_tokens: Mapping[str, int] | None = None) -> RunnerOutput:
+    def execute_step(self, output: SchedulerOutput,
+                     prev_tokens: Mapping[str, Sequence[int]] | None = None) -> RunnerOutput:
         """Applies the scheduler's decisions (see scheduler_output.py for the order), runs one forward pass and
-        samples. prev_tokens: on a rank that does not sample, the tokens the sampler rank drew last step.
+        samples. prev_tokens: on a rank that does not sample, the tokens the sampler rank emitted last step, by seq id.
         Returns an empty RunnerOutput on such ranks. Raises KeyError if a cached sequence was never sent in full."""
         start = time.perf_counter()
         try:
@@ -181,10 +187,10 @@ class ModelRunner:
             self.times.steps += time.perf_counter() - start
             self.times.num_steps += 1
 
-    def _execute_step(self, output: SchedulerOutput, prev_tokens: Mapping[str, int]) -> RunnerOutput:
-        for seq_id, token_id in prev_tokens.items() if not self.samples else ():
+    def _execute_step(self, output: SchedulerOutput, prev_tokens: Mapping[str, Sequence[int]]) -> RunnerOutput:
+        for seq_id, token_ids in prev_tokens.items() if not self.samples else ():
             if seq_id in self._seqs:
-                self._seqs[seq_id].token_ids.append(token_id)
+                self._seqs[seq_id].token_ids.extend(token_ids)
         for seq_id in output.finished_seq_ids:
             self._seqs.pop(seq_id, None)
         for new in output.new_seqs:
@@ -207,15 +213,20 @@ class ModelRunner:
         if output.is_empty:
             return RunnerOutput()
         computed = {d.seq_id: d.num_computed_tokens for d in (*output.new_seqs, *output.cached_seqs)}
-        chunks, to_sample, completing = [], [], []
+        chunks, to_sample, completing, tails = [], [], [], []
+        row_of, next_row = {}, 0  # seq id -> its first row of the forward's output
         for seq_id, count in output.num_scheduled_tokens.items():
             state = self._seqs[seq_id]
             start = computed[seq_id]
-            chunks.append(SequenceChunk(tuple(state.token_ids[start:start + count]), start, tuple(state.block_ids)))
-            if start + count == len(state.token_ids):
+            proposed = output.spec_tokens.get(seq_id, ())
+            tokens = (*state.token_ids[start:start + count - len(proposed)], *proposed)
+            chunks.append(SequenceChunk(tokens, start, tuple(state.block_ids)))
+            ends = start + count - len(proposed) == len(state.token_ids)
+            if ends:
                 to_sample.append(seq_id)
-            completing.append(seq_id if start + count == len(state.token_ids) == state.num_prompt_tokens else None)
-        row_of = {seq_id: i for i, seq_id in enumerate(output.num_scheduled_tokens)}
+            completing.append(seq_id if ends and len(state.token_ids) == state.num_prompt_tokens else None)
+            tails.append(1 + len(proposed))
+            row_of[seq_id], next_row = next_row, next_row + tails[-1]
         rows, names = [], []
         for seq_id in to_sample:
             rows.append(row_of[seq_id])
@@ -228,21 +239,36 @@ class ModelRunner:
             rows.append(row_of[fork.parent_id])
             names.append(fork.child_id)
         masks = self._start_masks(names) if self.samples else None
-        hidden = self._forward(chunks, completing)
+        hidden = self._forward(chunks, completing, tails)
         if not rows or not self.samples:
             return RunnerOutput()
-        requests = [self._seqs[name].sample_request() for name in names]
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        # A speculating sequence samples at each of its 1 + k positions, each row as if the proposals before it had
+        # been sampled: name i's rows are requests[first[i]:first[i] + 1 + k].
+        requests, all_rows, first = [], [], []
+        for name, row in zip(names, rows):
+            state, proposed = self._seqs[name], output.spec_tokens.get(name, ())
+            if proposed and state.matcher is not None:
+                raise ValueError(f"sequence {name} has structured output: it cannot speculate")
+            first.append(len(requests))
+            for j in range(len(proposed) + 1):
+                requests.append(state.sample_request(proposed[:j]))
+                all_rows.append(row + j)
+        logits = self.model.compute_logits(hidden[torch.tensor(all_rows, device=self.device)])
         if masks is not None:
-            masks.apply(logits)
-        sampled = sample_batch(logits, requests)
-        for name, token in zip(names, sampled):
-            state = self._seqs[name]
-            state.token_ids.append(token.token_id)
-            if state.matcher is not None and not state.matcher.accept(token.token_id):
-                _log.error("sequence %s: sampled token %d is outside its grammar (%s)", name, token.token_id,
+            masks.apply(logits, first)
+        drawn = sample_batch(logits, requests)
+        sampled, speculated = {}, {}
+        for name, at in zip(names, first):
+            state, proposed = self._seqs[name], output.spec_tokens.get(name, ())
+            emitted = accept_drawn(proposed, drawn[at:at + len(proposed) + 1])
+            sampled[name] = emitted[0]
+            if proposed:
+                speculated[name] = emitted[1:]
+            state.token_ids.extend(t.token_id for t in emitted)
+            if state.matcher is not None and not state.matcher.accept(emitted[0].token_id):
+                _log.error("sequence %s: sampled token %d is outside its grammar (%s)", name, emitted[0].token_id,
                            state.matcher.error)
-        return RunnerOutput(dict(zip(names, sampled)))
+        return RunnerOutput(sampled, speculated)
 
     def _start_masks(self, names: Sequence[str]) -> MaskJob | None:
         """Starts computing the allowed next tokens of this step's structured rows (their index in `names`) on a

@@ -49,6 +49,13 @@ class RequestOutput:
     num_cached_tokens: int
     finished: bool
 
+    def followed_by(self, later: RequestOutput) -> RequestOutput:
+        """This output and the same sample's next one as one (a step that emitted several tokens)."""
+        logprobs = None if self.logprobs is None and later.logprobs is None else \
+            (*(self.logprobs or ()), *(later.logprobs or ()))
+        return replace(later, token_ids=self.token_ids + later.token_ids, text=self.text + later.text,
+                       logprobs=logprobs)
+
 
 class SampleStream:
     """The text state of one sample: its incremental detokenizer and its stop-string matcher."""

@@ -11,10 +11,19 @@ Each emitted token is then distributed as the target alone would have drawn it. 
 x_i is the target's argmax; the first mismatch emits the argmax; all accepted emit the argmax after them. Greedy
 output is therefore identical to decoding without speculation.
 
-Reproducibility: every random draw comes from a generator seeded by (the request's seed, the output step it decides,
-and which draw it is), as engine/sampler.py seeds its draws, so the same request with the same seed and proposals
-gives the same tokens on any batch. (It is not the token stream of the same seed without speculation: that consumes
-its randomness differently.)
+What the engine runs for its proposers (n-gram, suffix: deterministic, q one-hot), `accept_drawn`: the sampler draws
+the target's own token y_i at each of the k + 1 positions with the seed of the output step it decides (as it would
+without speculation), and x_i is accepted while y_i == x_i; the first y_i that differs is emitted and ends the step,
+and when all match, y_{k+1} is the bonus. That is the rule above with coupled randomness: x_i is accepted with
+probability p_i(x_i) = min(1, p_i(x_i) / 1), and a rejected step emits y_i conditioned on y_i != x_i, which is the
+residual norm(max(0, p_i - q_i)). Since every emitted token is the draw the request's seed gives at that step, the
+output is token for token the output without speculation, sampled or greedy, whatever was proposed.
+
+`verify_sampled` (independent acceptance draws) is the rule for a proposer with a distribution q (a draft model that
+samples): every random draw comes from a generator seeded by (the request's seed, the output step it decides, and
+which draw it is), as engine/sampler.py seeds its draws, so the same request with the same seed and proposals gives
+the same tokens on any batch. (It is not the token stream of the same seed without speculation: that consumes its
+randomness differently.)
 
 Torch, CPU or GPU: probabilities are the target's after temperature, top-k/p and min-p (sampler._filtered_probs).
 """
@@ -22,11 +31,14 @@ Torch, CPU or GPU: probabilities are the target's after temperature, top-k/p and
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Sequence, TypeVar
 
 import torch
 
+from tandem.engine.sampled_token import SampledToken
 from tandem.engine.sampler import _exponential_race, row_seed
+
+T = TypeVar("T", int, SampledToken)
 
 _ACCEPT_STREAM = 0x5EC0_1D5A_17ED  # keeps the acceptance draws apart from the token draws of the same step
 
@@ -38,6 +50,19 @@ class Verified:
 
     tokens: tuple[int, ...]
     num_accepted: int
+
+
+def accept_drawn(proposed: Sequence[int], drawn: Sequence[T]) -> tuple[T, ...]:
+    """The tokens a step emits for one sequence, from the target's own draws at its len(proposed) + 1 positions
+    (token ids, or SampledTokens): the proposals while each equals the draw at its position, then the first draw
+    that differs, or the bonus draw after them all. Raises ValueError when the counts do not fit."""
+    if len(drawn) != len(proposed) + 1:
+        raise ValueError(f"{len(proposed)} proposals need {len(proposed) + 1} draws, got {len(drawn)}")
+    ids = [d if isinstance(d, int) else d.token_id for d in drawn]
+    accepted = 0
+    while accepted < len(proposed) and proposed[accepted] == ids[accepted]:
+        accepted += 1
+    return tuple(drawn[:accepted + 1])
 
 
 def verify_greedy(target_logits: torch.Tensor, proposed: Sequence[int]) -> Verified:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from tandem.engine.structured_output import StructuredOutput
 
 MAX_LOGPROBS = 20
+MAX_SPECULATIVE_TOKENS = 16  # proposals per sequence and step, at most (engine/speculation.py)
 
 
 def _as_int(name: str, value: object) -> int:
@@ -40,7 +41,9 @@ class SamplingParams:
     stop_token_ids / stop: token ids / strings that end the output (a single string is taken as one stop
     string; lists are stored as tuples). logprobs: None returns no log-probabilities; k in 0..20 returns the
     chosen token's log-probability plus the k most likely alternatives. structured: what the output must match
-    (a JSON schema, regex, choice or grammar: engine/structured_output.py), or None.
+    (a JSON schema, regex, choice or grammar: engine/structured_output.py), or None. speculative_tokens: at most
+    this many proposed tokens per step for this request on a replica that speculates (engine/speculation.py; 0 turns
+    it off for the request, None leaves it to the replica); the output is the same either way.
 
     Raises ValueError naming the field and its allowed range when a value is out of range or of the wrong type.
     """
@@ -60,6 +63,7 @@ class SamplingParams:
     stop: tuple[str, ...] = field(default_factory=tuple)
     logprobs: int | None = None
     structured: StructuredOutput | None = None
+    speculative_tokens: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("n", "max_tokens", "top_k"):
@@ -69,8 +73,9 @@ class SamplingParams:
             object.__setattr__(self, name, _as_float(name, getattr(self, name)))
         if self.seed is not None:
             object.__setattr__(self, "seed", _as_int("seed", self.seed))
-        if self.logprobs is not None:
-            object.__setattr__(self, "logprobs", _as_int("logprobs", self.logprobs))
+        for name in ("logprobs", "speculative_tokens"):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, _as_int(name, getattr(self, name)))
         object.__setattr__(self, "stop_token_ids", self._stop_token_ids())
         object.__setattr__(self, "stop", self._stop_strings())
         self._check_ranges()
@@ -110,6 +115,9 @@ class SamplingParams:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}] or None, got {self.logprobs}")
+        if self.speculative_tokens is not None and not 0 <= self.speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"speculative_tokens must be in [0, {MAX_SPECULATIVE_TOKENS}] or None, "
+                             f"got {self.speculative_tokens}")
         if self.structured is not None:
             if not isinstance(self.structured, StructuredOutput):
                 raise ValueError(f"structured must be a StructuredOutput, got {type(self.structured).__name__}")

@@ -9,6 +9,12 @@ Order within a step:
 When a running sequence cannot get a block, the running sequence with the worst (priority, arrival) gives all
 its blocks back (preemption by recompute) and waits again; it may be the one asking.
 
+With a Speculator (engine/speculation.py), decoding sequences may also compute proposed tokens: the speculator
+picks them before (1), each such sequence is scheduled for 1 + its proposals (proposals are dropped first when
+blocks or the budget run short), and update() advances it by the tokens accepted only (its computed count, its
+prefix-cache hashes and its tokens never see a rejected proposal) and gives back the blocks that held only
+rejected ones.
+
 A sequence whose prompt KV arrives by transfer (disaggregated decode) skips the queue: reserve() gives it
 blocks for the whole prompt at once and parks it in WAITING_FOR_KV, where it is never scheduled nor preempted;
 admit_transferred() then makes it RUNNING with its prompt computed and its first token (sampled by the prefill
@@ -19,6 +25,7 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from tandem.engine.errors import TandemError
 from tandem.engine.kv_cache_manager import Allocation, KVCacheManager
@@ -26,6 +33,9 @@ from tandem.engine.request import RequestStatus, Sequence, token_stop_status
 from tandem.engine.sampled_token import SampledToken
 from tandem.engine.scheduler_output import (CachedSequenceData, ForkData, NewSequenceData, RunnerOutput,
                                             SchedulerOutput)
+
+if TYPE_CHECKING:
+    from tandem.engine.speculation import Speculator
 
 
 class RequestRejectedError(TandemError, ValueError):
@@ -76,8 +86,10 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, eos_token_ids: frozenset[int] = frozenset()):
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, eos_token_ids: frozenset[int] = frozenset(),
+                 speculator: Speculator | None = None):
         self.config = config
+        self.speculator = speculator
         self.kv = kv
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: list[Sequence] = []  # sorted by sort_key
@@ -88,6 +100,7 @@ class Scheduler:
         self._by_request: dict[str, list[str]] = {}
         self._dropped: set[str] = set()  # runner state to forget at the next step
         self._resend: set[str] = set()  # sequences the runner must get in full at their next scheduling
+        self._trimmed: set[str] = set()  # sequences whose block table shrank: the runner gets the whole table next
         self.num_preemptions = 0
         self.num_prompt_tokens_queried = 0
         self.num_prompt_tokens_cached = 0
@@ -182,6 +195,8 @@ class Scheduler:
             del self.reserved[seq.seq_id]
         self._free(seq)
         seq.status = status
+        if self.speculator is not None:
+            self.speculator.forget(seq)
         self.seqs.pop(seq.seq_id, None)
         ids = self._by_request.get(seq.request_id, [])
         if seq.seq_id in ids:
@@ -189,6 +204,7 @@ class Scheduler:
         if not ids:
             self._by_request.pop(seq.request_id, None)
         self._resend.discard(seq.seq_id)
+        self._trimmed.discard(seq.seq_id)
         self._dropped.add(seq.seq_id)
 
     def has_unfinished(self) -> bool:
@@ -205,6 +221,7 @@ class Scheduler:
         scheduled: dict[str, int] = {}
         allocations: dict[str, Allocation] = {}
         preempted = False
+        spec = self._propose()
         for seq in sorted(self.running, key=lambda s: (s.is_prefilling, s.sort_key)):
             if budget == 0:
                 break
@@ -213,6 +230,13 @@ class Scheduler:
             count = self._chunk(seq, seq.num_tokens - seq.num_computed_tokens, budget)
             if not count:
                 continue
+            if (proposed := spec.pop(seq.seq_id, ())) and (extra := min(len(proposed), budget - count)) > 0:
+                allocation = self.kv.allocate(seq, count + extra)
+                if allocation is not None:  # else: no room for the proposals, decode without them
+                    spec[seq.seq_id] = proposed[:extra]
+                    scheduled[seq.seq_id], allocations[seq.seq_id] = count + extra, allocation
+                    budget -= count + extra
+                    continue
             while (allocation := self.kv.allocate(seq, count)) is None:
                 victim = max(self.running, key=lambda s: s.sort_key)
                 self._preempt(victim)
@@ -228,7 +252,16 @@ class Scheduler:
             budget -= count
         if not preempted:
             budget = self._admit_waiting(budget, scheduled, allocations)
-        return self._build_output(scheduled, allocations)
+        return self._build_output(scheduled, allocations,
+                                  {i: t for i, t in spec.items() if i in scheduled})
+
+    def _propose(self) -> dict[str, tuple[int, ...]]:
+        """This step's proposals for the decoding sequences that may speculate (seq id -> tokens)."""
+        if self.speculator is None:
+            return {}
+        decoding = [s for s in self.running if s.num_tokens - s.num_computed_tokens == 1]
+        limits = [(s, k) for s in decoding if (k := self.speculator.limit(s, self.config.max_model_len)) > 0]
+        return self.speculator.plan(limits, len(decoding)) if limits else {}
 
     def _chunk(self, seq: Sequence, remaining: int, budget: int) -> int:
         """Tokens of seq to compute this step: all that remain, or a budget-sized chunk if chunking is on."""
@@ -276,24 +309,27 @@ class Scheduler:
         self._resend.add(seq.seq_id)
         bisect.insort(self.waiting, seq, key=lambda s: s.sort_key)
 
-    def _build_output(self, scheduled: dict[str, int], allocations: dict[str, Allocation]) -> SchedulerOutput:
+    def _build_output(self, scheduled: dict[str, int], allocations: dict[str, Allocation],
+                      spec: dict[str, tuple[int, ...]]) -> SchedulerOutput:
         new, cached, forks, copies = [], [], [], []
         for seq_id, count in scheduled.items():
             seq, allocation = self.seqs[seq_id], allocations[seq_id]
             copies.extend(allocation.copies)
+            trimmed = seq_id in self._trimmed
+            self._trimmed.discard(seq_id)
             if seq_id in self._resend:
                 self._resend.discard(seq_id)
                 new.append(NewSequenceData(seq_id, tuple(seq.token_ids), seq.num_prompt_tokens,
                                            tuple(self.kv.block_table(seq_id)), seq.num_computed_tokens,
                                            seq.params, seq.seed))
             else:
-                table = tuple(self.kv.block_table(seq_id)) if allocation.replaced else None
+                table = tuple(self.kv.block_table(seq_id)) if allocation.replaced or trimmed else None
                 cached.append(CachedSequenceData(seq_id, seq.num_computed_tokens, allocation.new_blocks, table))
             if seq.fork_seeds and seq.num_computed_tokens + count == seq.num_tokens:
                 forks.extend(ForkData(seq_id, f"{seq.request_id}#{i}", i, s)
                              for i, s in enumerate(seq.fork_seeds, start=1))
         dropped, self._dropped = frozenset(self._dropped), set()
-        return SchedulerOutput(tuple(new), tuple(cached), scheduled, tuple(forks), tuple(copies), dropped)
+        return SchedulerOutput(tuple(new), tuple(cached), scheduled, tuple(forks), tuple(copies), dropped, spec)
 
     def update(self, output: SchedulerOutput, result: RunnerOutput) -> list[SeqUpdate]:
         """Applies a finished step: advances computed counts, caches newly full blocks, forks samples,
@@ -302,6 +338,10 @@ class Scheduler:
             seq = self.seqs.get(seq_id)
             if seq is None or seq.status is not RequestStatus.RUNNING:
                 continue
+            if proposed := output.spec_tokens.get(seq_id):  # the rejected proposals' KV is not the sequence's
+                accepted = len(result.speculated.get(seq_id, ()))
+                count -= len(proposed) - accepted
+                self.speculator.verified(seq_id, len(proposed), accepted)
             seq.num_computed_tokens += count
             self.num_tokens_computed += count
             self.kv.cache_full_blocks(seq)
@@ -320,11 +360,17 @@ class Scheduler:
             seq = self.seqs.get(seq_id)
             if seq is None:
                 continue
-            seq.append_token(sampled.token_id)
-            status = token_stop_status(seq, self.eos_token_ids, self.config.max_model_len)
-            if status is not None:
-                self.finish(seq, status)
-            updates.append(SeqUpdate(seq, sampled, status))
+            for token in (sampled, *result.speculated.get(seq_id, ())):
+                seq.append_token(token.token_id)
+                status = token_stop_status(seq, self.eos_token_ids, self.config.max_model_len)
+                if status is not None:
+                    self.finish(seq, status)
+                updates.append(SeqUpdate(seq, token, status))
+                if status is not None:
+                    break
+            if seq_id in output.spec_tokens and seq.status is RequestStatus.RUNNING:
+                if self.kv.trim(seq, seq.num_tokens):
+                    self._trimmed.add(seq_id)
         return updates
 
     def stats(self) -> SchedulerStats:

@@ -4,6 +4,10 @@ Sequences new to the runner (first scheduled, or resumed after preemption) arriv
 already knows arrive as diffs. The runner applies, in order: drop finished_seq_ids, add new_seqs, update
 cached_seqs, perform block_copies, run the model, sample every sequence whose computed tokens reach its last
 token, and sample each fork's child from its parent's logits.
+
+Speculative decoding (engine/speculation.py): a decoding sequence with spec_tokens computes its last token and
+those proposals as one chunk (its num_scheduled_tokens counts them all); the runner verifies them and answers the
+tokens it emits: the accepted proposals and one more (engine/rejection_sampler.py).
 """
 
 from __future__ import annotations
@@ -59,6 +63,7 @@ class SchedulerOutput:
     forks: tuple[ForkData, ...] = ()
     block_copies: tuple[tuple[int, int], ...] = ()  # (source, destination)
     finished_seq_ids: frozenset[str] = frozenset()  # finished, aborted or preempted since the last step
+    spec_tokens: Mapping[str, tuple[int, ...]] = field(default_factory=dict)  # seq id -> proposed tokens
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -71,6 +76,13 @@ class SchedulerOutput:
 
 @dataclass(frozen=True)
 class RunnerOutput:
-    """The token sampled for each sequence that reached its last token this step (fork children included)."""
+    """The token sampled for each sequence that reached its last token this step (fork children included), and
+    for a sequence that speculated, the tokens it emitted after that one (its accepted proposals but the first,
+    then the correction or bonus token): len(speculated[seq id]) proposals were accepted."""
 
     sampled: Mapping[str, SampledToken] = field(default_factory=dict)
+    speculated: Mapping[str, tuple[SampledToken, ...]] = field(default_factory=dict)
+
+    def token_ids(self, seq_id: str) -> tuple[int, ...]:
+        """Every token the sequence emitted this step, in order."""
+        return (self.sampled[seq_id].token_id, *(t.token_id for t in self.speculated.get(seq_id, ())))

@@ -32,6 +32,11 @@ class AttentionMetadata:
         return len(self.seq_lens)
 
     @property
+    def max_query_len(self) -> int:
+        """The most new tokens any one sequence adds this step."""
+        return max((b - a for a, b in zip(self.query_start_loc, self.query_start_loc[1:])), default=0)
+
+    @property
     def is_decode_only(self) -> bool:
         return self.query_start_loc[-1] == self.num_seqs
 

@@ -25,6 +25,7 @@ DECODE_KERNELS = {
     "grouped": "two batched products and a softmax, the query-head group as the query length",
     "sdpa": "scaled_dot_product_attention",
 }
+SHORT_QUERY_MAX = 17  # new tokens per sequence the batched decode kernel takes (a speculating step's 1 + k)
 FIXED_DECODE_PLAN = BucketPlan(((1, "grouped"),))  # measured about 2x SDPA's enable_gqa path (docs/BENCHMARKS.md)
 DECODE_BUCKETS = (1, 4, 16, 64)  # sequences timed when tuning
 DECODE_TUNING_CONTEXT = 512  # tokens of context per sequence when tuning
@@ -50,6 +51,8 @@ class TorchAttentionBackend:
         self.write_kv(k, v, kv, meta)
         if meta.is_decode_only:
             out = self._decode(q, kv, meta, scale, window)
+        elif meta.max_query_len <= SHORT_QUERY_MAX and meta.num_seqs > 1:
+            out = self._short(q, kv, meta, scale, window)
         else:
             out = self._mixed(q, k, v, kv, meta, scale, window)
         return out.reshape(q.shape[0], -1)
@@ -71,6 +74,23 @@ class TorchAttentionBackend:
         grouped = q.view(b, hk, q.shape[1] // hk, d)  # query heads of one KV head are adjacent
         out = decode_kernel(step.kernel, grouped, both[0], both[1], step.mask, scale)
         return out.reshape(b, q.shape[1], d)
+
+    def _short(self, q, kv, meta, scale, window):
+        """A few new tokens per sequence (speculated tokens after the last one): the decode path's one gather and
+        one batched kernel, each sequence's queries padded to the step's longest (Q) and laid out as the query
+        length of the grouped product, [B, Hk, Q * group, D], with a causal mask per query."""
+        b, hk, d = meta.num_seqs, kv.shape[2], kv.shape[4]
+        step = meta.per_step(("short", kv.shape[1:3], window), lambda: DecodeGather.build(
+            meta, kv.shape[1], hk, window, self.decode_plan, group=q.shape[1] // hk))
+        both = F.embedding(step.rows, kv.view(-1, kv.shape[3] * d)).view(2, b, hk, -1, d)
+        if both.shape[3] != step.max_len:
+            both = both[:, :, :, : step.max_len]
+        group, width = q.shape[1] // hk, step.mask.shape[1] // (q.shape[1] // hk)
+        padded = q.new_zeros(b * width, q.shape[1], d).index_copy_(0, step.query_rows, q)
+        grouped = padded.view(b, width, hk, group, d).transpose(1, 2).reshape(b, hk, width * group, d)
+        out = decode_kernel(step.kernel, grouped, both[0], both[1], step.mask, scale)
+        out = out.view(b, hk, width, group, d).transpose(1, 2).reshape(b * width, hk * group, d)
+        return out.index_select(0, step.query_rows)
 
     def _mixed(self, q, k, v, kv, meta, scale, window):
         """Prefill chunks (and decodes mixed with them): one attention call per sequence."""
@@ -103,15 +123,18 @@ class TorchAttentionBackend:
 
 def decode_kernel(kernel: str, grouped: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                   hidden: torch.Tensor, scale: float) -> torch.Tensor:
-    """One query per sequence: grouped [B, Hk, group, D] against keys/values [B, Hk, S, D]; hidden [B, S] is True
-    where a key is not visible (None: every key is). Returns [B, Hk, group, D]."""
+    """Few queries per sequence: grouped [B, Hk, G, D] against keys/values [B, Hk, S, D]; hidden [B, S] (the same
+    for every query) or [B, G, S] (per query) is True where a key is not visible (None: every key is). Returns
+    [B, Hk, G, D]."""
+    if hidden is not None:
+        hidden = hidden[:, None, None, :] if hidden.dim() == 2 else hidden[:, None]
     if kernel == "grouped":
-        scores = torch.matmul(grouped, keys.transpose(-1, -2)).mul_(scale)  # [B, Hk, group, S]
+        scores = torch.matmul(grouped, keys.transpose(-1, -2)).mul_(scale)  # [B, Hk, G, S]
         if hidden is not None:
-            scores.masked_fill_(hidden[:, None, None, :], float("-inf"))
+            scores.masked_fill_(hidden, float("-inf"))
         return torch.matmul(torch.softmax(scores, dim=-1), values)
     if kernel == "sdpa":
-        mask = None if hidden is None else ~hidden[:, None, None, :]
+        mask = None if hidden is None else ~hidden
         return F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask, scale=scale)
     raise ValueError(f"unknown decode attention kernel {kernel!r}; known: {', '.join(DECODE_KERNELS)}")
 
@@ -146,20 +169,41 @@ def tuned_decode_plan(tuner: KernelTuner, dtype: torch.dtype, num_kv_heads: int,
 class DecodeGather:
     """What every layer of a decode-only step shares: rows [2, B, Hk, n] of a layer's cache viewed as
     [2 * num_blocks * Hk, block_size * D] (K's rows, then V's), the longest sequence, which key positions are hidden
-    (None when none is: one sequence without a window) and the decode kernel for this many sequences."""
+    (None when none is: one sequence without a window) and the decode kernel for this many sequences.
+
+    With several queries per sequence (queries=True: the short-query path), mask is per query [B, Q * group, S] and
+    query_rows [T] places each of the step's tokens in the padded [B * Q] query rows."""
 
     rows: torch.Tensor
     max_len: int
     mask: torch.Tensor | None
     kernel: str
+    query_rows: torch.Tensor | None = None
 
     @classmethod
     def build(cls, meta: AttentionMetadata, num_blocks: int, num_kv_heads: int, window: int | None,
-              plan: BucketPlan) -> DecodeGather:
+              plan: BucketPlan, group: int | None = None) -> DecodeGather:
+        """group: the query heads per KV head, for the short-query path (None: one query per sequence)."""
         max_len = max(meta.seq_lens)
         table = meta.block_tables[:, : -(-max_len // meta.block_size)]
         k_rows = table.unsqueeze(-2) * num_kv_heads + torch.arange(num_kv_heads, device=table.device)[:, None]
         rows = torch.stack([k_rows, k_rows + num_blocks * num_kv_heads])
+        if group is not None:
+            device, starts = table.device, meta.query_start_loc
+            lens = [end - start for start, end in zip(starts, starts[1:])]
+            width = max(lens)
+            query_rows = torch.tensor([i * width + j for i, n in enumerate(lens) for j in range(n)], device=device)
+            # Query j of a sequence sits at seq_len - qlen + j; a padding query repeats the last (its output is
+            # dropped, but a row with every key hidden would be NaN).
+            qlen = torch.tensor(lens, device=device)[:, None]
+            offset = torch.minimum(torch.arange(width, device=device)[None, :], qlen - 1)
+            qpos = (meta.seq_lens_tensor[:, None] - qlen + offset)[:, :, None]  # [B, Q, 1]
+            kpos = torch.arange(max_len, device=device)[None, None, :]
+            hidden = kpos > qpos
+            if window is not None:
+                hidden |= qpos - kpos >= window
+            return cls(rows, max_len, hidden.repeat_interleave(group, dim=1), plan.kernel_for(meta.num_seqs),
+                       query_rows)
         needs_mask = meta.num_seqs > 1 or (window is not None and max_len > window)
         mask = meta.decode_hidden(window) if needs_mask else None
         return cls(rows, max_len, mask, plan.kernel_for(meta.num_seqs))

@@ -151,8 +151,11 @@ def why_not_compiled(model: LlamaModel) -> str | None:
 class CompiledDecode:
     """The model's decode step compiled for 1..max_batch sequences. Build it with `compile_decode`."""
 
-    def __init__(self, model: LlamaModel, max_batch: int):
+    def __init__(self, model: LlamaModel, max_batch: int, max_query_len: int = 1):
         self.max_batch = max_batch
+        # The graph computes tokens whatever sequence they belong to (attention reads the step's metadata outside
+        # it): a speculating sequence's few tokens run in it too.
+        self.max_query_len = max_query_len
         self.compiles = 0  # graphs inductor compiled (one per bucket after warm-up)
         self.fallbacks = 0  # steps run eager because they would have needed another compilation
         handle = next(_handles)
@@ -239,9 +242,12 @@ def _use_inductor_cache(folder: Path) -> None:
         os.environ[_INDUCTOR_CACHE_ENV] = str(folder)
 
 
-def compile_decode(model: LlamaModel, max_batch: int) -> CompiledDecode | CudaGraphDecode | None:
+def compile_decode(model: LlamaModel, max_batch: int,
+                   max_query_len: int = 1) -> CompiledDecode | CudaGraphDecode | None:
     """The model's compiled decode step, warmed up for 1..max_batch sequences (on CUDA: its CUDA graphs, captured);
-    None (eager) where it cannot be compiled or compilation fails, with the reason logged."""
+    None (eager) where it cannot be compiled or compilation fails, with the reason logged. max_query_len > 1: on the
+    CPU, steps whose sequences add up to that many tokens each (speculation) run compiled too, up to
+    max_batch * max_query_len tokens."""
     reason = why_not_compiled(model)
     if reason is not None:
         _log.info("decode step runs eager: %s", reason)
@@ -250,7 +256,7 @@ def compile_decode(model: LlamaModel, max_batch: int) -> CompiledDecode | CudaGr
         return _capture_cuda_graphs(model, max_batch)
     _use_inductor_cache(cache_root() / "inductor" / machine_digest(model.cpu, torch.get_num_threads()))
     try:
-        compiled = CompiledDecode(model, max_batch)  # compiles nothing yet: warm_up does
+        compiled = CompiledDecode(model, max_batch * max_query_len, max_query_len)  # warm_up compiles
         _log.info("compiling the decode step for %s sequences (the first time on this machine takes about half a "
                   "minute per bucket; later starts read %s)", compiled.buckets, os.environ[_INDUCTOR_CACHE_ENV])
         seconds = compiled.warm_up()

@@ -117,6 +117,7 @@ class CudaGraphDecode:
             raise ValueError(f"CUDA graphs need a CUDA device, not {model.device}")
         self.model = model
         self.max_batch = max_batch
+        self.max_query_len = 1  # decode-only batches: a speculating step runs eager
         self.sizes = batch_buckets(max_batch)
         self.compiles = 0  # buckets captured
         self.fallbacks = 0  # steps run eager because no bucket holds them

@@ -387,11 +387,13 @@ class LlamaModel:
         Mutates kv_cache: each new token's K/V is written at meta.slot_mapping in every layer this rank holds.
         on_layer(global layer index) is called as soon as a layer's K/V is written (KV transfer sends it while
         the next layers compute). compiled: this model's compiled decode step (engine/models/compiled.py; its CUDA
-        graphs on a GPU, engine/models/cuda_graphs.py), which runs a decode-only batch it was warmed up for.
+        graphs on a GPU, engine/models/cuda_graphs.py), which runs a batch it was warmed up for: up to max_batch tokens,
+        none of its sequences adding more than max_query_len (1 for a decode; more for speculated tokens).
         """
         if int(positions.max()) >= self.rope.max_positions:
             raise ValueError(f"position {int(positions.max())} is beyond the model's {self.rope.max_positions}")
-        if compiled is not None and hidden is None and meta.is_decode_only and meta.num_seqs <= compiled.max_batch:
+        if compiled is not None and hidden is None and input_ids.shape[0] <= compiled.max_batch and \
+                meta.max_query_len <= compiled.max_query_len:
             out = compiled(input_ids, positions, meta, kv_cache, on_layer)
             if out is not None:
                 return out

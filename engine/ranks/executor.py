@@ -46,7 +46,7 @@ class MultiprocExecutor:
         ctx = mp.get_context("spawn")
         self._conns: list[Connection] = []
         self._procs = []
-        self._prev_tokens: dict[str, int] = {}
+        self._prev_tokens: dict[str, tuple[int, ...]] = {}
         self._dead = False
         for rank in range(self.layout.world_size):
             parent, child = ctx.Pipe()
@@ -123,7 +123,7 @@ class MultiprocExecutor:
         self._broadcast(("step", self._prev_tokens, output))
         sampler = self.layout.sampler_rank
         result: RunnerOutput = self._collect([sampler], "output", time.monotonic() + self.step_timeout_s)[sampler]
-        self._prev_tokens = {seq_id: token.token_id for seq_id, token in result.sampled.items()}
+        self._prev_tokens = {seq_id: result.token_ids(seq_id) for seq_id in result.sampled}
         return result
 
     def call_agents(self, fn: Callable[..., T], args_by_rank: Mapping[int, tuple]) -> dict[int, T]:

@@ -98,3 +98,30 @@ def test_chunked_prefill_equals_one_shot(embedded_generator, embedded):
         for block in blocks:
             pool.decref(block, park=False)
     torch.testing.assert_close(chunked, one_shot, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("kernel", sorted(DECODE_KERNELS))
+@pytest.mark.parametrize("window", [None, 3])
+def test_a_few_new_tokens_per_sequence_take_the_batched_kernel_and_match_dense(window, kernel):
+    """A speculating step: each sequence adds 1-5 tokens after its cached ones (the short-query path: one gather,
+    one batched kernel, a causal mask per query)."""
+    g = torch.Generator().manual_seed(2)
+    lengths, new = [5, 17, 3, 12], [3, 1, 3, 5]
+    full = [(torch.randn(n, HQ, D, generator=g), torch.randn(n, HK, D, generator=g), torch.randn(n, HK, D, generator=g))
+            for n in lengths]
+    tables = [[8 * i + j for j in range(-(-n // BS))][::-1] for i, n in enumerate(lengths)]
+    kv = torch.zeros(2, NUM_BLOCKS, HK, BS, D)
+    backend = TorchAttentionBackend()
+    backend.decode_plan = BucketPlan(((1, kernel),))
+    prior = [n - m for n, m in zip(lengths, new)]
+    idx = [i for i, p in enumerate(prior) if p]
+    pre = AttentionMetadata.build([prior[i] for i in idx], [0] * len(idx), [tables[i] for i in idx], BS,
+                                  torch.device("cpu"))
+    backend.write_kv(torch.cat([full[i][1][:prior[i]] for i in idx]), torch.cat([full[i][2][:prior[i]] for i in idx]),
+                     kv, pre)
+    meta = AttentionMetadata.build(new, prior, tables, BS, torch.device("cpu"))
+    out = backend.forward(*(torch.cat([f[j][p:] for f, p in zip(full, prior)]) for j in range(3)), kv, meta, D**-0.5,
+                          window)
+    assert any(key[0] == "short" for key in meta._per_step)
+    expected = torch.cat([_dense(*f, window=window)[p:] for f, p in zip(full, prior)])
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)

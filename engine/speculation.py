@@ -1,0 +1,238 @@
+"""Speculative decoding in the engine's step: which sequences propose how many tokens, and what that earned.
+
+Each step the scheduler hands the Speculator its decoding sequences (one token to compute) that may speculate. The
+Speculator asks the replica's proposer (engine/proposers.py: n-gram prompt lookup; engine/suffix_proposer.py:
+suffix tries) for up to `max_tokens` tokens per sequence, then keeps only the proposals that pay, by a cost model of
+the step measured on this replica:
+
+- step time: t(T) = a + b * T for a decode step of T tokens (sequences plus proposals), fitted online by
+  exponentially weighted least squares over the replica's recent decode steps (proposal-making included), with a
+  prior slope until steps of different sizes have been seen;
+- value: the j-th proposal of a sequence yields a token only if the j - 1 before it are accepted too: alpha^j, with
+  alpha the sequence's acceptance rate (its own recent proposals, shrunk toward the replica's rate for its
+  proposer).
+A step of B sequences emits N = B + sum(values) tokens in t(T). Proposals are taken in decreasing value while one
+more raises N / t, i.e. while its value exceeds b * N / t: at a large batch (t grows with T) or a low acceptance
+none pays and the step runs as without speculation. Verification (engine/model_runner.py) then scores each
+sequence's proposals as a short chunk through the paged KV cache, and the scheduler keeps the accepted ones.
+
+Which sequences never speculate: those with structured output (the grammar would have to follow the proposals),
+those whose request set speculative_tokens=0, and any whose remaining max_tokens or context leaves no room.
+Greedy and sampled outputs are identical to decoding without speculation (engine/rejection_sampler.py: every
+emitted token is the target's own draw for its step), so the cost model may change k freely.
+
+Plain Python: no torch. The scheduler (engine thread) is the only caller.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal, Sequence
+
+from tandem.engine.proposers import NgramProposer, Proposer
+from tandem.engine.request import Sequence as Seq
+from tandem.engine.sampling_params import MAX_SPECULATIVE_TOKENS
+from tandem.engine.suffix_proposer import SuffixProposer
+
+PROPOSERS = ("ngram", "suffix")
+ACCEPTANCE_BUCKETS = tuple(range(MAX_SPECULATIVE_TOKENS + 1))  # accepted proposals per verified step
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """proposer: "ngram" or "suffix". max_tokens: proposals per sequence and step at most (the cost model picks
+    0..max_tokens). ngram_min/ngram_max: the n-gram proposer's match lengths. suffix_cached_requests: finished
+    requests whose outputs the suffix proposer keeps per tenant. adaptive: False proposes max_tokens whenever the
+    proposer has them (benchmarks and tests of verification; production keeps True). Raises ValueError for values
+    out of range."""
+
+    proposer: Literal["ngram", "suffix"] = "suffix"
+    max_tokens: int = 4
+    ngram_min: int = 2
+    ngram_max: int = 4
+    suffix_cached_requests: int = 256
+    adaptive: bool = True
+
+    def __post_init__(self) -> None:
+        if self.proposer not in PROPOSERS:
+            raise ValueError(f"speculative proposer must be one of {', '.join(PROPOSERS)}, got {self.proposer!r}")
+        if not 1 <= self.max_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"speculative max_tokens must be in 1..{MAX_SPECULATIVE_TOKENS}, got {self.max_tokens}")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}")
+        if self.suffix_cached_requests < 0:
+            raise ValueError(f"suffix_cached_requests must be >= 0, got {self.suffix_cached_requests}")
+
+    def make_proposer(self) -> Proposer:
+        if self.proposer == "ngram":
+            return NgramProposer(self.ngram_min, self.ngram_max)
+        return SuffixProposer(cached_requests=self.suffix_cached_requests)
+
+
+@dataclass(frozen=True)
+class SpeculationStats:
+    """Counters since the replica started, for its proposer: tokens proposed and accepted, verified steps by the
+    number of proposals accepted (index = accepted count, 0..MAX_SPECULATIVE_TOKENS), and decode steps in which the
+    cost model kept no proposal although the proposer had some."""
+
+    proposer: str = ""
+    proposed: int = 0
+    accepted: int = 0
+    acceptance_counts: tuple[int, ...] = ()
+    declined_steps: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.proposed if self.proposed else 0.0
+
+
+class StepCost:
+    """t(T) = a + b * T over decode steps, weighted least squares with exponential forgetting. Until the steps
+    seen span different sizes, the slope is the prior share of a step per token (PRIOR_SLOPE of the mean time)."""
+
+    DECAY = 0.97  # per observed step: about the last 30 steps count
+    PRIOR_SLOPE = 0.05
+
+    def __init__(self) -> None:
+        self._w = self._t = self._x = self._xx = self._xt = 0.0
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        d = self.DECAY
+        self._w = self._w * d + 1
+        self._x = self._x * d + tokens
+        self._t = self._t * d + seconds
+        self._xx = self._xx * d + tokens * tokens
+        self._xt = self._xt * d + tokens * seconds
+
+    @property
+    def known(self) -> bool:
+        return self._w > 0
+
+    def line(self) -> tuple[float, float]:
+        """(a, b): seconds per step and per token. (0, 0) before any observation."""
+        if not self._w:
+            return 0.0, 0.0
+        mean_x, mean_t = self._x / self._w, self._t / self._w
+        var = self._xx / self._w - mean_x * mean_x
+        prior = self.PRIOR_SLOPE * mean_t
+        if var < 0.25:  # all steps about the same size: the slope is not identified
+            slope = prior
+        else:
+            # Shrink toward the prior in proportion to how little spread there is.
+            slope = ((self._xt / self._w - mean_x * mean_t) + prior) / (var + 1.0)
+        slope = max(slope, 1e-3 * mean_t)  # a step never gets cheaper with more tokens
+        return max(mean_t - slope * mean_x, 0.0), slope
+
+
+@dataclass
+class _Acceptance:
+    accepted: float = 0.0
+    trials: float = 0.0
+
+
+@dataclass
+class Speculator:
+    """The replica's proposer, its sequences' acceptance and its step cost model. proposer: an instance to use
+    instead of the config's (tests)."""
+
+    config: SpeculativeConfig
+    proposer: Proposer | None = None
+    cost: StepCost = field(default_factory=StepCost)
+
+    PRIOR_WEIGHT = 2.0  # a new sequence's acceptance counts the replica's rate as this many trials
+    DECAY = 0.9  # a sequence's own history, per verified step
+
+    def __post_init__(self) -> None:
+        if self.proposer is None:
+            self.proposer = self.config.make_proposer()
+        self._seqs: dict[str, _Acceptance] = {}
+        self._started: set[str] = set()
+        self._replica = _Acceptance(1.0, 2.0)  # prior: half the proposals accepted
+        self._counts = [0] * len(ACCEPTANCE_BUCKETS)
+        self.proposed = self.accepted = self.declined_steps = 0
+
+    def limit(self, seq: Seq, max_model_len: int) -> int:
+        """How many tokens seq may propose this step: 0 when it must not speculate."""
+        p = seq.params
+        if p.structured is not None or p.speculative_tokens == 0:
+            return 0
+        k = self.config.max_tokens if p.speculative_tokens is None else min(p.speculative_tokens,
+                                                                            self.config.max_tokens)
+        # k proposals emit up to k + 1 tokens: within max_tokens and the context.
+        return max(0, min(k, p.max_tokens - len(seq.output_token_ids) - 1, max_model_len - seq.num_tokens - 1))
+
+    def plan(self, seqs: Sequence[tuple[Seq, int]], num_decoding: int) -> dict[str, tuple[int, ...]]:
+        """Proposals for this step: seq id -> tokens, for (sequence, limit) pairs; num_decoding: the step's
+        decoding sequences (speculating or not), the batch the cost model prices."""
+        proposals = {}
+        for seq, k in seqs:
+            if seq.seq_id not in self._started:
+                self._started.add(seq.seq_id)
+                if isinstance(self.proposer, SuffixProposer):
+                    self.proposer.start(seq.seq_id, seq.cache_salt)
+            tokens = self.proposer.propose(seq.seq_id, seq.token_ids, k)
+            if tokens:
+                proposals[seq.seq_id] = tuple(tokens[:k])
+        if not proposals or not self.config.adaptive:
+            return proposals
+        kept = self._worth_it(proposals, num_decoding)
+        if not kept:
+            self.declined_steps += 1
+        return kept
+
+    def acceptance(self, seq_id: str) -> float:
+        """The sequence's estimated chance that one proposal is accepted."""
+        own, rep = self._seqs.get(seq_id, _Acceptance()), self._replica
+        prior = rep.accepted / rep.trials if rep.trials else 0.5
+        return (own.accepted + self.PRIOR_WEIGHT * prior) / (own.trials + self.PRIOR_WEIGHT)
+
+    def _worth_it(self, proposals: dict[str, tuple[int, ...]], num_decoding: int) -> dict[str, tuple[int, ...]]:
+        a, b = self.cost.line()
+        if not self.cost.known:  # no decode step timed yet: try them, to learn
+            return proposals
+        items = []  # (value, seq id, j): the j-th proposal of a sequence is worth alpha ** j tokens
+        for seq_id, tokens in proposals.items():
+            alpha = self.acceptance(seq_id)
+            items.extend((alpha ** j, seq_id, j) for j in range(1, len(tokens) + 1))
+        items.sort(reverse=True)
+        emitted, seconds = float(num_decoding), a + b * num_decoding
+        keep: dict[str, int] = {}
+        for value, seq_id, j in items:
+            if value * seconds <= b * emitted:  # one more token of work would lower tokens per second
+                break
+            emitted += value
+            seconds += b
+            keep[seq_id] = max(keep.get(seq_id, 0), j)
+        return {seq_id: proposals[seq_id][:j] for seq_id, j in keep.items()}
+
+    def verified(self, seq_id: str, num_proposed: int, num_accepted: int) -> None:
+        """Records one verification: num_accepted of num_proposed proposals were accepted."""
+        trials = num_accepted + (num_accepted < num_proposed)  # positions tested: the accepted, then the reject
+        own = self._seqs.setdefault(seq_id, _Acceptance())
+        own.accepted = own.accepted * self.DECAY + num_accepted
+        own.trials = own.trials * self.DECAY + trials
+        rep = self._replica
+        rep.accepted = rep.accepted * 0.99 + num_accepted
+        rep.trials = rep.trials * 0.99 + trials
+        self.proposed += num_proposed
+        self.accepted += num_accepted
+        self._counts[num_accepted] += 1
+
+    def step_timed(self, num_tokens: int, seconds: float) -> None:
+        """A decode step (no prefill chunk) of num_tokens tokens took seconds, end to end."""
+        if seconds > 0 and math.isfinite(seconds):
+            self.cost.observe(num_tokens, seconds)
+
+    def forget(self, seq: Seq) -> None:
+        """seq ended: its state goes; a finished sequence's output joins the suffix proposer's shared cache."""
+        self._seqs.pop(seq.seq_id, None)
+        self._started.discard(seq.seq_id)
+        if isinstance(self.proposer, SuffixProposer):
+            self.proposer.forget(seq.seq_id, seq.output_token_ids if seq.status.finished else ())
+        else:
+            self.proposer.forget(seq.seq_id)
+
+    def stats(self) -> SpeculationStats:
+        return SpeculationStats(self.proposer.name, self.proposed, self.accepted, tuple(self._counts),
+                                self.declined_steps)
