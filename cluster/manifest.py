@@ -12,7 +12,8 @@ YAML.
         resources: {cpus: 0.5, gpus: 0, custom: {prefill: 1}}    # per rank
         replicas: {min: 1, max: 1, initial: 1}
         engine: {block_size: 16, kv_cache_bytes: 256MiB, max_num_batched_tokens: 2048, max_num_seqs: 64,
-                 device: auto, dtype: null}   # auto: CUDA when the ranks ask for GPUs; null: bfloat16 on CUDA
+                 device: auto, dtype: null,   # auto: CUDA when the ranks ask for GPUs; null: bfloat16 on CUDA
+                 speculative: null}           # or {proposer: suffix, max_tokens: 4}: speculative decoding
         cpu_affinity: null          # or host CPUs, [0, 1] or "0-3,8": rank r pins to the r-th equal share
         autoscaling: {interval_s: 1, up_window_s: 10, down_window_s: 60, target_utilization: 0.8,
                       down_utilization: 0.5, panic_window_s: 3, panic_pressure: 2, kv_high: 0.8,
@@ -58,6 +59,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from tandem.cluster.autoscaling import ScalingSettings
 from tandem.engine.cpu_affinity import format_cpus, parse_cpu_list
 from tandem.engine.device import default_dtype, planned_device
+from tandem.engine.sampling_params import MAX_SPECULATIVE_TOKENS
+from tandem.engine.speculation import SpeculativeConfig
 from tandem.router.limits import RequestLimits, TenantLimits, parse_bytes
 from tandem.router.tls import TLSConfig
 
@@ -107,6 +110,28 @@ class Replicas(_Strict):
         return self.initial if self.initial is not None else max(self.min, 1)
 
 
+class SpeculativeSettings(_Strict):
+    """Speculative decoding on a pool's replicas (engine/speculation.py): a cheap proposer guesses each decoding
+    sequence's next tokens and the model verifies them in its step; a cost model measured on the replica keeps only
+    proposals that pay (none at a large batch or a low acceptance). The output is the same as without."""
+
+    proposer: Literal["ngram", "suffix"] = "suffix"
+    max_tokens: int = Field(4, ge=1, le=MAX_SPECULATIVE_TOKENS)
+    ngram_min: int = Field(2, ge=1)
+    ngram_max: int = Field(4, ge=1)
+    suffix_cached_requests: int = Field(256, ge=0)
+
+    @model_validator(mode="after")
+    def _ngram_order(self) -> SpeculativeSettings:
+        if self.ngram_min > self.ngram_max:
+            raise ValueError(f"ngram_min ({self.ngram_min}) is more than ngram_max ({self.ngram_max})")
+        return self
+
+    def config(self) -> SpeculativeConfig:
+        return SpeculativeConfig(self.proposer, self.max_tokens, self.ngram_min, self.ngram_max,
+                                 self.suffix_cached_requests)
+
+
 class EngineLimits(_Strict):
     """The engine settings of each replica of a pool (engine/engine_config.py). kv_cache_bytes takes units."""
 
@@ -123,6 +148,8 @@ class EngineLimits(_Strict):
     # Compile the decode step at start-up (engine/models/compiled.py). None: on for the pools that decode (unless
     # TANDEM_COMPILE=off), off for a disaggregated cluster's prefill pool.
     compile: bool | None = None
+    # Speculative decoding on the replicas that decode (a disaggregated cluster's prefill pool never does); null: off.
+    speculative: SpeculativeSettings | None = None
 
     @field_validator("kv_cache_bytes", mode="before")
     @classmethod

@@ -38,11 +38,13 @@ def replica_spec(manifest: Manifest, pool: Pool) -> ReplicaSpec:
     e = pool.engine
     # The compiled step serves decode batches: a prefill pool's replicas have none to run, so by default they skip
     # compiling it (and start sooner).
+    decodes = not (manifest.mode == "disaggregated" and pool is manifest.pools.prefill)
     compile_step = False if e.compile is None and pool is manifest.pools.prefill else e.compile
     engine = EngineConfig(block_size=e.block_size, kv_cache_bytes=e.kv_cache_bytes, num_kv_blocks=e.num_kv_blocks,
                           max_model_len=e.max_model_len, max_num_batched_tokens=e.max_num_batched_tokens,
                           max_num_seqs=e.max_num_seqs, enable_prefix_caching=e.enable_prefix_caching,
-                          attention_backend=e.attention_backend, compile=compile_step)
+                          attention_backend=e.attention_backend, compile=compile_step,
+                          speculative=e.speculative.config() if e.speculative and decodes else None)
     p = pool.parallelism
     threads = max(1, round(pool.resources.cpus * p.world_size))
     return ReplicaSpec(model=absolute_model(manifest), device=e.device, dtype=e.dtype, engine=engine,

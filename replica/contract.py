@@ -20,6 +20,7 @@ from tandem.engine.output_processor import RequestOutput
 from tandem.engine.resume import ResumeState
 from tandem.engine.sampled_token import SampledToken
 from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.speculation import SpeculationStats
 from tandem.kv_transfer.descriptor import TransferDescriptor
 from tandem.kv_transfer.drops import MessageDrops
 
@@ -80,6 +81,7 @@ class ReplicaStats:
     kv_messages_by_reference: int = 0
     stream_frames: int = 0
     ranks_alive: tuple[bool, ...] = ()  # whether each rank's process runs, in rank order
+    speculation: SpeculationStats | None = None  # its speculative decoding's counters; None: it does not speculate
 
 
 @dataclass(frozen=True)

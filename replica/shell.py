@@ -19,6 +19,7 @@ import time
 from typing import TYPE_CHECKING, Callable, ClassVar
 
 from tandem.engine.kv_events import KVEventBatch, KVEventLog, KVSnapshot
+from tandem.engine.speculation import SpeculationStats
 from tandem.kv_transfer.config import TransferConfig
 from tandem.kv_transfer.drops import MessageDrops
 from tandem.replica.contract import KVEventsReply, ReplicaInfo, ReplicaStats, RequestAbortedError
@@ -88,6 +89,7 @@ class ReplicaShell:
         self._aborted: dict[str, float] = {}
         # the agents' drop counts and messages sent by reference, as last read (what a failed engine reports)
         self._kv_counts: tuple[MessageDrops, int] = (MessageDrops(), 0)
+        self._speculation: SpeculationStats | None = None  # as of the last stats() (a failed engine keeps them)
         self._channel = ChannelServer()
 
     def _transfer_failed(self, event: TransferEvent) -> None:
@@ -110,7 +112,8 @@ class ReplicaShell:
         with every rank's KV agent's dropped messages and messages sent by reference summed; a failed engine
         reports its last counters with state "failed"."""
         if self.server.alive:
-            s, self._kv_counts = await self.server.call(lambda engine: (engine.stats(), self._read_kv_counts()))
+            s, self._kv_counts, self._speculation = await self.server.call(
+                lambda engine: (engine.stats(), self._read_kv_counts(), engine.speculation_stats()))
         else:
             s = self.server.stats()
         return ReplicaStats(name=self.name, pool=self.pool, state="ready" if self.server.alive else "failed",
@@ -121,7 +124,7 @@ class ReplicaShell:
                             num_steps=s.num_steps, kv_messages_dropped=self._kv_counts[0],
                             kv_messages_by_reference=self._kv_counts[1],
                             stream_frames=self._channel.frames_sent,
-                            ranks_alive=tuple(self.engine.ranks_alive()))
+                            ranks_alive=tuple(self.engine.ranks_alive()), speculation=self._speculation)
 
     async def health(self) -> str | None:
         """None while the engine runs and every rank process lives; else why not (read without waiting for the

@@ -91,7 +91,7 @@ def build_request(*, prompt: str | None = None, chat: Sequence[Mapping[str, str]
                   **sampling) -> pb.GenerateRequest:
     """Exactly one of prompt / chat / token_ids (none gives a request the server refuses). sampling: the fields
     of SamplingParams (n, max_tokens, temperature, top_p, top_k, min_p, penalties, seed, ignore_eos,
-    stop_token_ids, stop, logprobs)."""
+    stop_token_ids, stop, logprobs, speculative_tokens)."""
     unknown = set(sampling) - set(_SAMPLING)
     if unknown:
         raise TypeError(f"unknown sampling parameter(s): {', '.join(sorted(unknown))}")

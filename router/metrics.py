@@ -15,8 +15,9 @@ import logging
 from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
+from tandem.engine.speculation import SpeculationStats
 from tandem.kv_transfer.drops import MessageDrops
 from tandem.replica.contract import ReplicaStats
 from tandem.router.accounting import Accounting, Timings
@@ -58,8 +59,8 @@ class RouterMetrics:
         self.admission_refusals = Counter(
             "tandem_admission_refusals", "Requests refused at once because the cluster could not start them in "
             "time, by reason (max_queued, unmeasured, queue_timeout, slo)", ["reason"], registry=r)
-        self.kv_drops = ReplicaDrops(driver)
-        r.register(_DriverCollector(driver, active, self.kv_drops))
+        self.replica_counters = ReplicaCounters(driver)
+        r.register(_DriverCollector(driver, active, self.replica_counters))
         driver.routing.observe = self.decision.observe
         self.scaling: dict[str, PoolScaling] = {}  # the control plane's last report (RouterActor.report_scaling)
         r.register(_ScalingCollector(lambda: self.scaling))
@@ -90,15 +91,17 @@ class RouterMetrics:
         return generate_latest(self.registry)
 
 
-class ReplicaDrops:
-    """The KV transfer messages each replica's agents dropped, by reason, as its stats() last said: (pool,
-    replica name) -> MessageDrops, and the messages they sent by reference (by_reference, same keys). A
-    replica that does not answer keeps its last counts; one no longer routed to is left out."""
+class ReplicaCounters:
+    """Counters of each replica as its stats() last said, by (pool, replica name): the KV transfer messages its
+    agents dropped, by reason (counts: MessageDrops), those they sent by reference (by_reference), and what its
+    speculative decoding proposed and got accepted (speculation, replicas that speculate only). A replica that
+    does not answer keeps its last counts; one no longer routed to is left out."""
 
     def __init__(self, driver: RequestDriver, timeout_s: float = STATS_TIMEOUT_S):
         self.driver, self.timeout_s = driver, timeout_s
         self.counts: dict[tuple[str, str], MessageDrops] = {}
         self.by_reference: dict[tuple[str, str], int] = {}
+        self.speculation: dict[tuple[str, str], SpeculationStats] = {}
         self._refreshing: asyncio.Task | None = None
 
     async def refresh(self) -> None:
@@ -106,16 +109,20 @@ class ReplicaDrops:
         replicas = self.driver.replicas()
         answers = await asyncio.gather(*(asyncio.wait_for(r.api.stats(), self.timeout_s) for r in replicas),
                                        return_exceptions=True)
-        counts, by_reference = {}, {}
+        counts, by_reference, speculation = {}, {}, {}
         for replica, answer in zip(replicas, answers):
             key = (replica.pool, replica.name)
             if isinstance(answer, ReplicaStats):
                 counts[key], by_reference[key] = answer.kv_messages_dropped, answer.kv_messages_by_reference
+                if answer.speculation is not None:
+                    speculation[key] = answer.speculation
             else:
                 _log.debug("stats of %s for /metrics failed: %r", replica.name, answer)
                 if key in self.counts:
                     counts[key], by_reference[key] = self.counts[key], self.by_reference.get(key, 0)
-        self.counts, self.by_reference = counts, by_reference
+                if key in self.speculation:
+                    speculation[key] = self.speculation[key]
+        self.counts, self.by_reference, self.speculation = counts, by_reference, speculation
 
     def start_refresh(self) -> None:
         """Starts refresh() on the running event loop unless one is still running (no running loop: nothing)."""
@@ -135,25 +142,26 @@ class ReplicaDrops:
 class _DriverCollector:
     """Reads the driver's live state at scrape time."""
 
-    def __init__(self, driver: RequestDriver, active: Callable[[], int], kv_drops: ReplicaDrops):
-        self.driver, self.active, self.kv_drops = driver, active, kv_drops
+    def __init__(self, driver: RequestDriver, active: Callable[[], int], counters: ReplicaCounters):
+        self.driver, self.active, self.replica_counters = driver, active, counters
 
     def collect(self):
         d = self.driver
-        self.kv_drops.start_refresh()
+        self.replica_counters.start_refresh()
         dropped = CounterMetricFamily("tandem_kv_messages_dropped", "KV transfer messages a replica's agents "
                                       "dropped, by reason (forged, malformed, oversized, unknown_transfer, late); "
                                       "as of the previous scrape", labels=["pool", "replica", "reason"])
-        for (pool, name), drops in sorted(self.kv_drops.counts.items()):
+        for (pool, name), drops in sorted(self.replica_counters.counts.items()):
             for reason, count in drops.by_reason():
                 dropped.add_metric([pool, name, reason], count)
         yield dropped
         by_reference = CounterMetricFamily("tandem_kv_messages_by_reference", "KV transfer data messages a "
                                            "replica's agents sent by reference to replicas of the same host (shared "
                                            "memory); as of the previous scrape", labels=["pool", "replica"])
-        for (pool, name), count in sorted(self.kv_drops.by_reference.items()):
+        for (pool, name), count in sorted(self.replica_counters.by_reference.items()):
             by_reference.add_metric([pool, name], count)
         yield by_reference
+        yield from _speculation_metrics(self.replica_counters.speculation)
         yield _gauge("tandem_active_requests", "Requests being served", self.active())
         yield _gauge("tandem_queued_requests", "Requests waiting for a decode replica with room", d.num_queued)
         yield _gauge("tandem_waiting_for_prefill_requests", "Requests waiting at the router for a prefill replica "
@@ -232,6 +240,32 @@ class _AdmissionCollector:
                      state.waiting)
         yield _gauge("tandem_start_rate", "First tokens per second while requests waited (0: not measured yet)",
                      state.start_rate or 0.0)
+
+
+def _speculation_metrics(by_replica: dict[tuple[str, str], SpeculationStats]):
+    """Speculative decoding per replica and proposer: tokens proposed and accepted, verified steps by the number of
+    proposals accepted (a histogram: bucket le=n counts steps that accepted at most n), and steps where the cost
+    model kept no proposal."""
+    labels = ["pool", "replica", "proposer"]
+    proposed = CounterMetricFamily("tandem_speculative_proposed_tokens", "Speculated tokens verified by the model; "
+                                   "as of the previous scrape", labels=labels)
+    accepted = CounterMetricFamily("tandem_speculative_accepted_tokens", "Speculated tokens the model accepted",
+                                   labels=labels)
+    declined = CounterMetricFamily("tandem_speculative_declined_steps", "Decode steps whose proposals the cost model "
+                                   "dropped as not paying", labels=labels)
+    lengths = HistogramMetricFamily("tandem_speculative_acceptance_length", "Proposals accepted per verified step",
+                                    labels=labels)
+    for (pool, name), s in sorted(by_replica.items()):
+        values = [pool, name, s.proposer]
+        proposed.add_metric(values, s.proposed)
+        accepted.add_metric(values, s.accepted)
+        declined.add_metric(values, s.declined_steps)
+        cumulative, buckets = 0, []
+        for length, count in enumerate(s.acceptance_counts):
+            cumulative += count
+            buckets.append((str(length), cumulative))
+        lengths.add_metric(values, buckets + [("+Inf", cumulative)], sum_value=s.accepted)
+    yield from (proposed, accepted, declined, lengths)
 
 
 def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:

@@ -109,6 +109,7 @@ class _MockReplica:
         self.running = 0
         self.kv_messages_dropped = MessageDrops()  # what stats() reports its KV agents dropped (settable)
         self.kv_messages_by_reference = 0  # and sent by reference (settable)
+        self.speculation = None  # what stats() reports its speculative decoding did (settable: SpeculationStats)
 
     async def ready(self) -> ReplicaInfo:
         return ReplicaInfo(name=self.name, pool=self.pool, pid=os.getpid(), node="127.0.0.1", node_id=None,
@@ -126,7 +127,7 @@ class _MockReplica:
                             kv_blocks_cached=len(self.cache.blocks), kv_usage=in_use / self.cache.capacity,
                             prefix_hit_rate=0.0, num_preemptions=0, num_steps=0,
                             kv_messages_dropped=self.kv_messages_dropped,
-                            kv_messages_by_reference=self.kv_messages_by_reference)
+                            kv_messages_by_reference=self.kv_messages_by_reference, speculation=self.speculation)
 
     async def health(self) -> str | None:
         return "it died" if getattr(self, "dead", False) else None

@@ -3,7 +3,8 @@ CompletionRequest), and parse_body, which validates a decoded or raw JSON body i
 OpenAIError (400) a client of OpenAI's API would get.
 
 Bodies take OpenAI's fields (response_format included) plus the vLLM extensions ignore_eos, top_k, min_p,
-repetition_penalty, stop_token_ids, priority and structured_outputs, and tandem's session_id and timeout (seconds the request may take, within the server's deadline). Fields OpenAI defines that tandem cannot honour are refused ("X is not
+repetition_penalty, stop_token_ids, priority and structured_outputs, and tandem's session_id, timeout (seconds the
+request may take, within the server's deadline) and speculative_tokens (engine/speculation.py). Fields OpenAI defines that tandem cannot honour are refused ("X is not
 supported by tandem") unless they hold their default value; any other unknown field is refused with OpenAI's
 wording. Only types are checked here: numeric ranges are the server's to validate, like every sampling parameter.
 """
@@ -179,6 +180,8 @@ class _Request(_Body):
     session_id: str | None = None
     timeout: float | None = Field(None, gt=0)  # seconds; the server's request_timeout_s caps it
     structured_outputs: StructuredOutputs | None = None
+    # tandem's: at most this many speculated tokens per step for this request (0: none); the output is the same.
+    speculative_tokens: Int32 | None = None
 
     @model_validator(mode="before")
     @classmethod

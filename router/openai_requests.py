@@ -17,7 +17,7 @@ from tandem.router.tool_calls import call_schema
 
 
 _SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-                    "frequency_penalty", "seed")
+                    "frequency_penalty", "seed", "speculative_tokens")
 
 
 @contextmanager

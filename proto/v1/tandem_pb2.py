@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ctandem/proto/v1/tandem.proto\x12\ttandem.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"X\n\x0c\x43hatMessages\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.tandem.v1.ChatMessage\x12\x1e\n\x05tools\x18\x02 \x03(\x0b\x32\x0f.tandem.v1.Tool\"B\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x17\n\x0fparameters_json\x18\x03 \x01(\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x9f\x04\n\x0eSamplingParams\x12\x0e\n\x01n\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x05 \x01(\x05H\x04\x88\x01\x01\x12\x12\n\x05min_p\x18\x06 \x01(\x01H\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x08 \x01(\x01H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\t \x01(\x01H\x08\x88\x01\x01\x12\x11\n\x04seed\x18\n \x01(\x03H\t\x88\x01\x01\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\x05\x12\x0c\n\x04stop\x18\r \x03(\t\x12\x15\n\x08logprobs\x18\x0e \x01(\x05H\n\x88\x01\x01\x12/\n\nstructured\x18\x0f \x01(\x0b\x32\x1b.tandem.v1.StructuredOutputB\x04\n\x02_nB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\x0b\n\t_logprobs\"\x92\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12$\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x12.tandem.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x06\n\x04kind\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\xf4\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x13.tandem.v1.TokenIdsH\x00\x12\'\n\x04\x63hat\x18\x05 \x01(\x0b\x32\x17.tandem.v1.ChatMessagesH\x00\x12+\n\x08sampling\x18\x06 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x10\n\x08priority\x18\x07 \x01(\x05\x12\x12\n\nsession_id\x18\x08 \x01(\tB\x08\n\x06prompt\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"U\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12\"\n\x03top\x18\x03 \x03(\x0b\x32\x15.tandem.v1.TopLogprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x15\n\rcached_tokens\x18\x02 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\x05\"\x89\x01\n\x07Timings\x12\x0e\n\x06ttft_s\x18\x01 \x01(\x01\x12\x12\n\nmean_itl_s\x18\x02 \x01(\x01\x12\r\n\x05\x65\x32\x65_s\x18\x03 \x01(\x01\x12\x0f\n\x07queue_s\x18\x04 \x01(\x01\x12\x11\n\tprefill_s\x18\x05 \x01(\x01\x12\x12\n\ntransfer_s\x18\x06 \x01(\x01\x12\x13\n\x0b\x61\x64mission_s\x18\x07 \x01(\x01\"\xa6\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x11\n\ttoken_ids\x18\x04 \x03(\x05\x12)\n\x08logprobs\x18\x05 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x06 \x01(\t\x12\x1f\n\x05usage\x18\x07 \x01(\x0b\x32\x10.tandem.v1.Usage\x12#\n\x07timings\x18\x08 \x01(\x0b\x32\x12.tandem.v1.Timings\x12\x17\n\x0fprefill_replica\x18\t \x01(\t\x12\x16\n\x0e\x64\x65\x63ode_replica\x18\n \x01(\t\x12\x15\n\rprefill_route\x18\x0b \x01(\t\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x13\n\x11ListModelsRequest\"8\n\x05Model\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\x0c\n\x04mode\x18\x03 \x01(\t\"6\n\x12ListModelsResponse\x12 \n\x06models\x18\x01 \x03(\x0b\x32\x10.tandem.v1.Model2\xd6\x01\n\x06Tandem\x12\x45\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x12:\n\x05\x41\x62ort\x12\x17.tandem.v1.AbortRequest\x1a\x18.tandem.v1.AbortResponse\x12I\n\nListModels\x12\x1c.tandem.v1.ListModelsRequest\x1a\x1d.tandem.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ctandem/proto/v1/tandem.proto\x12\ttandem.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"X\n\x0c\x43hatMessages\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.tandem.v1.ChatMessage\x12\x1e\n\x05tools\x18\x02 \x03(\x0b\x32\x0f.tandem.v1.Tool\"B\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x17\n\x0fparameters_json\x18\x03 \x01(\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xd7\x04\n\x0eSamplingParams\x12\x0e\n\x01n\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x05 \x01(\x05H\x04\x88\x01\x01\x12\x12\n\x05min_p\x18\x06 \x01(\x01H\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x08 \x01(\x01H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\t \x01(\x01H\x08\x88\x01\x01\x12\x11\n\x04seed\x18\n \x01(\x03H\t\x88\x01\x01\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\x05\x12\x0c\n\x04stop\x18\r \x03(\t\x12\x15\n\x08logprobs\x18\x0e \x01(\x05H\n\x88\x01\x01\x12/\n\nstructured\x18\x0f \x01(\x0b\x32\x1b.tandem.v1.StructuredOutput\x12\x1f\n\x12speculative_tokens\x18\x10 \x01(\x05H\x0b\x88\x01\x01\x42\x04\n\x02_nB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\x0b\n\t_logprobsB\x15\n\x13_speculative_tokens\"\x92\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12$\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x12.tandem.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x06\n\x04kind\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\xf4\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x13.tandem.v1.TokenIdsH\x00\x12\'\n\x04\x63hat\x18\x05 \x01(\x0b\x32\x17.tandem.v1.ChatMessagesH\x00\x12+\n\x08sampling\x18\x06 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x10\n\x08priority\x18\x07 \x01(\x05\x12\x12\n\nsession_id\x18\x08 \x01(\tB\x08\n\x06prompt\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"U\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12\"\n\x03top\x18\x03 \x03(\x0b\x32\x15.tandem.v1.TopLogprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x15\n\rcached_tokens\x18\x02 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\x05\"\x89\x01\n\x07Timings\x12\x0e\n\x06ttft_s\x18\x01 \x01(\x01\x12\x12\n\nmean_itl_s\x18\x02 \x01(\x01\x12\r\n\x05\x65\x32\x65_s\x18\x03 \x01(\x01\x12\x0f\n\x07queue_s\x18\x04 \x01(\x01\x12\x11\n\tprefill_s\x18\x05 \x01(\x01\x12\x12\n\ntransfer_s\x18\x06 \x01(\x01\x12\x13\n\x0b\x61\x64mission_s\x18\x07 \x01(\x01\"\xa6\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x11\n\ttoken_ids\x18\x04 \x03(\x05\x12)\n\x08logprobs\x18\x05 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x06 \x01(\t\x12\x1f\n\x05usage\x18\x07 \x01(\x0b\x32\x10.tandem.v1.Usage\x12#\n\x07timings\x18\x08 \x01(\x0b\x32\x12.tandem.v1.Timings\x12\x17\n\x0fprefill_replica\x18\t \x01(\t\x12\x16\n\x0e\x64\x65\x63ode_replica\x18\n \x01(\t\x12\x15\n\rprefill_route\x18\x0b \x01(\t\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x13\n\x11ListModelsRequest\"8\n\x05Model\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\x0c\n\x04mode\x18\x03 \x01(\t\"6\n\x12ListModelsResponse\x12 \n\x06models\x18\x01 \x03(\x0b\x32\x10.tandem.v1.Model2\xd6\x01\n\x06Tandem\x12\x45\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x12:\n\x05\x41\x62ort\x12\x17.tandem.v1.AbortRequest\x1a\x18.tandem.v1.AbortResponse\x12I\n\nListModels\x12\x1c.tandem.v1.ListModelsRequest\x1a\x1d.tandem.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,33 +40,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=247
   _globals['_TOKENIDS']._serialized_end=270
   _globals['_SAMPLINGPARAMS']._serialized_start=273
-  _globals['_SAMPLINGPARAMS']._serialized_end=816
-  _globals['_STRUCTUREDOUTPUT']._serialized_start=819
-  _globals['_STRUCTUREDOUTPUT']._serialized_end=965
-  _globals['_CHOICES']._serialized_start=967
-  _globals['_CHOICES']._serialized_end=993
-  _globals['_GENERATEREQUEST']._serialized_start=996
-  _globals['_GENERATEREQUEST']._serialized_end=1240
-  _globals['_TOPLOGPROB']._serialized_start=1242
-  _globals['_TOPLOGPROB']._serialized_end=1289
-  _globals['_TOKENLOGPROB']._serialized_start=1291
-  _globals['_TOKENLOGPROB']._serialized_end=1376
-  _globals['_USAGE']._serialized_start=1378
-  _globals['_USAGE']._serialized_end=1458
-  _globals['_TIMINGS']._serialized_start=1461
-  _globals['_TIMINGS']._serialized_end=1598
-  _globals['_GENERATERESPONSE']._serialized_start=1601
-  _globals['_GENERATERESPONSE']._serialized_end=1895
-  _globals['_ABORTREQUEST']._serialized_start=1897
-  _globals['_ABORTREQUEST']._serialized_end=1931
-  _globals['_ABORTRESPONSE']._serialized_start=1933
-  _globals['_ABORTRESPONSE']._serialized_end=1963
-  _globals['_LISTMODELSREQUEST']._serialized_start=1965
-  _globals['_LISTMODELSREQUEST']._serialized_end=1984
-  _globals['_MODEL']._serialized_start=1986
-  _globals['_MODEL']._serialized_end=2042
-  _globals['_LISTMODELSRESPONSE']._serialized_start=2044
-  _globals['_LISTMODELSRESPONSE']._serialized_end=2098
-  _globals['_TANDEM']._serialized_start=2101
-  _globals['_TANDEM']._serialized_end=2315
+  _globals['_SAMPLINGPARAMS']._serialized_end=872
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=875
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=1021
+  _globals['_CHOICES']._serialized_start=1023
+  _globals['_CHOICES']._serialized_end=1049
+  _globals['_GENERATEREQUEST']._serialized_start=1052
+  _globals['_GENERATEREQUEST']._serialized_end=1296
+  _globals['_TOPLOGPROB']._serialized_start=1298
+  _globals['_TOPLOGPROB']._serialized_end=1345
+  _globals['_TOKENLOGPROB']._serialized_start=1347
+  _globals['_TOKENLOGPROB']._serialized_end=1432
+  _globals['_USAGE']._serialized_start=1434
+  _globals['_USAGE']._serialized_end=1514
+  _globals['_TIMINGS']._serialized_start=1517
+  _globals['_TIMINGS']._serialized_end=1654
+  _globals['_GENERATERESPONSE']._serialized_start=1657
+  _globals['_GENERATERESPONSE']._serialized_end=1951
+  _globals['_ABORTREQUEST']._serialized_start=1953
+  _globals['_ABORTREQUEST']._serialized_end=1987
+  _globals['_ABORTRESPONSE']._serialized_start=1989
+  _globals['_ABORTRESPONSE']._serialized_end=2019
+  _globals['_LISTMODELSREQUEST']._serialized_start=2021
+  _globals['_LISTMODELSREQUEST']._serialized_end=2040
+  _globals['_MODEL']._serialized_start=2042
+  _globals['_MODEL']._serialized_end=2098
+  _globals['_LISTMODELSRESPONSE']._serialized_start=2100
+  _globals['_LISTMODELSRESPONSE']._serialized_end=2154
+  _globals['_TANDEM']._serialized_start=2157
+  _globals['_TANDEM']._serialized_end=2371
 # @@protoc_insertion_point(module_scope)

@@ -79,6 +79,29 @@ def test_the_decode_pools_compile_their_step_and_the_prefill_pool_does_not():
     assert {plan.pool: plan.spec.engine.compile for plan in replica_plans(forced)}["prefill"] is True
 
 
+def test_the_local_decode_pools_speculate_and_a_prefill_pool_never_does():
+    """engine.speculative reaches the EngineConfig of the replicas that decode; a disaggregated cluster's prefill
+    pool (it only samples a first token) gets none even where its manifest section asks."""
+    from tandem.cluster.manifest_yaml import parse_manifest
+    from tandem.cluster.replica_plans import replica_plans
+    from tandem.engine.speculation import SpeculativeConfig
+
+    for name in ("local.yaml", "local-colocated.yaml"):
+        manifest = validate_file(MANIFESTS / name, check_ports=False)
+        specs = {plan.pool: plan.spec.engine.speculative for plan in replica_plans(manifest)}
+        assert specs["decode"] == SpeculativeConfig(proposer="suffix", max_tokens=4)
+        assert specs.get("prefill") is None
+    text = (MANIFESTS / "local.yaml").read_text()
+    asked = parse_manifest(text.replace("engine: {block_size: 16,", "engine: {speculative: {proposer: ngram}, "
+                                        "block_size: 16,", 1))
+    assert {plan.pool: plan.spec.engine.speculative for plan in replica_plans(asked)}["prefill"] is None
+    for bad, message in (("{proposer: eagle}", "proposer"), ("{max_tokens: 17}", "max_tokens"),
+                         ("{ngram_min: 3, ngram_max: 2}", "ngram_min")):
+        with pytest.raises(ValueError, match=message):
+            parse_manifest(text.replace("engine: {block_size: 16,", f"engine: {{speculative: {bad}, block_size: 16,",
+                                        1))
+
+
 def test_replicas_of_one_host_pass_kv_by_reference_only_when_the_manifest_says_so():
     """transport.shared_memory (opt-in, default false) reaches every replica's TransferConfig."""
     from tandem.cluster.manifest_yaml import parse_manifest

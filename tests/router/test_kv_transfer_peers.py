@@ -1,11 +1,13 @@
 """What the router does for the KV agents' trust in each other: it names the planned prefill replica's agent
 addresses (ReplicaInfo.kv_addresses) when it reserves on a decode replica, the only peers the decode replica's
-agents will answer; and it exports the messages every replica's agents dropped on /metrics."""
+agents will answer; and it exports the messages every replica's agents dropped on /metrics (with the other
+counters replicas report there: their speculative decoding's)."""
 
 from __future__ import annotations
 
 import asyncio
 
+from tandem.engine.speculation import SpeculationStats
 from tandem.kv_transfer.drops import MessageDrops
 from tandem.router.lifecycle import DriverSettings, Replica, RequestDriver
 from tandem.router.metrics import RouterMetrics
@@ -37,14 +39,16 @@ def test_a_replica_without_info_is_reserved_with_no_senders():
 def test_metrics_export_the_replicas_dropped_kv_messages_by_reason():
     prefill, decode = MockPrefill("prefill-0"), MockDecode("decode-0")
     decode.kv_messages_dropped = MessageDrops(forged=3, oversized=1)
+    decode.speculation = SpeculationStats("suffix", proposed=40, accepted=25, acceptance_counts=(3, 1, 0, 2, 4),
+                                          declined_steps=7)
     prefill.kv_messages_by_reference = 30
     metrics = RouterMetrics(driver_with_info(prefill, decode), lambda: 0)
 
     async def scrape_twice() -> tuple[str, str]:
         first = metrics.exposition().decode()  # starts asking the replicas; shows what an earlier scrape brought
-        await metrics.kv_drops.refreshing
+        await metrics.replica_counters.refreshing
         second = metrics.exposition().decode()
-        await metrics.kv_drops.refreshing
+        await metrics.replica_counters.refreshing
         return first, second
 
     first, second = asyncio.run(scrape_twice())
@@ -54,3 +58,11 @@ def test_metrics_export_the_replicas_dropped_kv_messages_by_reason():
     assert 'tandem_kv_messages_dropped_total{pool="prefill",reason="forged",replica="prefill-0"} 0.0' in second
     assert 'tandem_kv_messages_by_reference_total{pool="prefill",replica="prefill-0"} 30.0' in second
     assert 'tandem_kv_messages_by_reference_total{pool="decode",replica="decode-0"} 0.0' in second
+    labels = 'pool="decode",proposer="suffix",replica="decode-0"'
+    assert f"tandem_speculative_proposed_tokens_total{{{labels}}} 40.0" in second
+    assert f"tandem_speculative_accepted_tokens_total{{{labels}}} 25.0" in second
+    assert f"tandem_speculative_declined_steps_total{{{labels}}} 7.0" in second
+    assert f'tandem_speculative_acceptance_length_bucket{{le="1",{labels}}} 4.0' in second
+    assert f'tandem_speculative_acceptance_length_bucket{{le="+Inf",{labels}}} 10.0' in second
+    assert f"tandem_speculative_acceptance_length_count{{{labels}}} 10.0" in second
+    assert 'proposer="suffix",replica="prefill-0"' not in second  # a replica that does not speculate

@@ -27,13 +27,13 @@ def test_every_chat_field_lands_in_its_grpc_field():
                  repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.25, seed=7, stop=["\n", "END"],
                  logprobs=True, top_logprobs=3, ignore_eos=True, stop_token_ids=[2, 3], priority=-1,
                  session_id="conv-9", user="alice", stream=True, stream_options={"include_usage": True},
-                 response_format={"type": "json_object"})
+                 response_format={"type": "json_object"}, speculative_tokens=2)
     assert body.user == "alice"
     r = chat_request(body, "req-1")
     assert (r.request_id, r.model, r.priority, r.session_id) == ("req-1", "m", -1, "conv-9")
     assert [(m.role, m.content) for m in r.chat.messages] == [("user", "Hi")]
     s = r.sampling
-    assert (s.n, s.max_tokens, s.top_k, s.seed, s.logprobs) == (2, 20, 40, 7, 3)
+    assert (s.n, s.max_tokens, s.top_k, s.seed, s.logprobs, s.speculative_tokens) == (2, 20, 40, 7, 3, 2)
     assert (s.temperature, s.top_p, s.min_p) == pytest.approx((0.7, 0.9, 0.05))
     assert (s.repetition_penalty, s.presence_penalty, s.frequency_penalty) == pytest.approx((1.1, 0.5, 0.25))
     assert s.ignore_eos and list(s.stop) == ["\n", "END"] and list(s.stop_token_ids) == [2, 3]

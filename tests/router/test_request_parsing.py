@@ -116,11 +116,14 @@ def test_default_max_tokens_is_capped_by_the_context(facts):
 def test_sampling_fields_reach_the_params(facts):
     params = _parse(facts, prompt="Hi", n=2, temperature=0.5, top_p=0.9, top_k=40, min_p=0.05,
                     repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=-0.5, ignore_eos=True,
-                    stop_token_ids=[2, 7], stop=["\n\n", "END"], logprobs=3).params
+                    stop_token_ids=[2, 7], stop=["\n\n", "END"], logprobs=3, speculative_tokens=0).params
     assert (params.n, params.temperature, params.top_p, params.top_k, params.min_p) == (2, 0.5, 0.9, 40, 0.05)
     assert (params.repetition_penalty, params.presence_penalty, params.frequency_penalty) == (1.1, 0.5, -0.5)
     assert params.ignore_eos is True
     assert params.stop_token_ids == (2, 7) and params.stop == ("\n\n", "END") and params.logprobs == 3
+    assert params.speculative_tokens == 0 and _parse(facts, prompt="Hi").params.speculative_tokens is None
+    with pytest.raises(InvalidRequest, match="speculative_tokens must be in"):
+        _parse(facts, prompt="Hi", speculative_tokens=99)
 
 
 def test_a_sampled_request_without_seed_gets_one_drawn_once(facts):
