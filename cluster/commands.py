@@ -147,6 +147,11 @@ def status(args: argparse.Namespace) -> int:
                   f"in flight {r.get('in_flight', 0)}" if "running" in r else r.get("error", ""))
         print(f"    {r['name']:<12} {r['state']:<12} node {r.get('node')} pid {r.get('pid')} ({r.get('device')})  "
               f"{queues}  {kv}")
+        if r.get("speculation"):
+            s = r["speculation"]
+            rate = f"{100 * s['accepted'] / s['proposed']:.0f}%" if s["proposed"] else "-"
+            print(f"      speculative decoding ({s['proposer']}): {s['accepted']} of {s['proposed']} proposed tokens "
+                  f"accepted ({rate}), {s['declined_steps']} steps without proposals worth verifying")
         placements = {p["rank"]: p for p in r.get("rank_placements", [])}
         for i, rank in enumerate(r.get("ranks", [])):
             print(f"      {rank}{_rank_place(placements.get(i, {}))}")

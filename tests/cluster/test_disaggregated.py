@@ -266,3 +266,23 @@ def test_structured_output_holds_across_the_transfer(cluster, embedded):
     tool_calls_round_trip(cluster.http_endpoint)
     wait_idle(cluster)
     check_integrity(cluster)
+
+
+def test_the_decode_replica_speculates_on_a_transferred_prompt_with_one_process_output(cluster, client, embedded):
+    """local.yaml's decode pool speculates (the suffix proposer over the transferred prompt and the output): a
+    reply that quotes its prompt equals one process's without speculation, and the decode replica's counters (in
+    `tandem status`, as on /metrics) show accepted proposals; the prefill replica never speculates."""
+    question = ("Repeat this sentence exactly, twice: The old lighthouse keeper climbed the stairs every evening "
+                "to light the lamp for the ships.")
+    before = {r["name"]: r.get("speculation") for r in wait_idle(cluster)}
+    got = client.generate(chat=chat(question), max_tokens=48, temperature=0)
+    with Generator(embedded) as reference:
+        want = reference.generate(embedded.tokenizer.encode_chat(chat(question)),
+                                  SamplingParams(max_tokens=48, temperature=0))
+    assert got.token_ids[0] == want.token_ids and got.text == want.text
+    after = {r["name"]: r.get("speculation") for r in wait_idle(cluster)}
+    assert before["prefill-0"] is None and after["prefill-0"] is None
+    assert after["decode-0"]["proposer"] == "suffix"
+    accepted = after["decode-0"]["accepted"] - (before["decode-0"] or {}).get("accepted", 0)
+    assert accepted > 0, after["decode-0"]
+    check_integrity(cluster)
