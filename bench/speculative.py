@@ -108,7 +108,8 @@ def measure(loaded, workloads: dict, args) -> dict:
     from tandem.engine.speculation import SpeculativeConfig
 
     settings = {"off": None, "ngram": SpeculativeConfig(proposer="ngram", max_tokens=args.k),
-                "suffix": SpeculativeConfig(proposer="suffix", max_tokens=args.k)}
+                "suffix": SpeculativeConfig(proposer="suffix", max_tokens=args.k),
+                "draft": SpeculativeConfig(proposer="draft", max_tokens=args.k)}
     results: dict = {}
     for workload, chats in workloads.items():
         prompts = [loaded.tokenizer.encode_chat(c) for c in chats]
@@ -121,7 +122,7 @@ def measure(loaded, workloads: dict, args) -> dict:
                     runs[name].append(engine_run(loaded, requests, args.tokens, batch, settings[name], args.k))
             off = statistics.median(run["tokens_per_s"] for run in runs["off"])
             row = {"off": {"tokens_per_s": round(off, 1)}}
-            for name in ("ngram", "suffix"):
+            for name in ("ngram", "suffix", "draft"):
                 if any(run["outputs"] != runs["off"][0]["outputs"] for run in runs[name]):
                     raise SystemExit(f"{workload} batch {batch}: {name} changed the output")
                 rate = statistics.median(run["tokens_per_s"] for run in runs[name])

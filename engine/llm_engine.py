@@ -36,6 +36,7 @@ import torch
 
 from tandem.engine.cpu_affinity import current_cpus
 from tandem.engine.device import RankPlacement
+from tandem.engine.draft_proposer import DraftProposer, load_draft
 from tandem.engine.engine_config import EngineConfig, available_memory_bytes
 from tandem.engine.errors import ReplicaFailedError
 from tandem.engine.grammar import GrammarBackend
@@ -87,6 +88,7 @@ class LLMEngine:
             raise ValueError(f"max_model_len {max_len} exceeds the model's context "
                              f"({model_config.max_position_embeddings})")
         device = loaded.device
+        proposer = None  # the speculative proposer, when the engine builds it (a draft model)
         self.layout = ReplicaLayout.build(parallel, num_layers=model_config.num_layers,
                                           num_heads=model_config.num_heads, num_kv_heads=model_config.num_kv_heads,
                                           num_experts=model_config.num_experts)
@@ -104,8 +106,15 @@ class LLMEngine:
                 raise ValueError("a single-process engine needs the model's weights (load_model(weights=True))")
             from tandem.engine.attention.triton_backend import select_backend, tune_for
 
-            num_blocks = blocks_for(available_memory_bytes(device))  # after the weights were loaded
             loaded.model.attention = select_backend(config.attention_backend, device)
+            draft = self._draft(loaded, device)  # a draft model's KV shares the budget
+            if draft is not None:
+                bytes_per_block = probe.bytes_per_block + KVCacheSpec(
+                    draft.config.num_layers, 1, config.block_size, draft.config.num_kv_heads, draft.config.head_dim,
+                    draft.dtype).bytes_per_block
+                num_blocks = config.num_blocks(bytes_per_block, available_memory_bytes(device), device.type == "cuda")
+            else:
+                num_blocks = blocks_for(available_memory_bytes(device))  # after the weights were loaded
             tune_for(loaded.model, config.block_size)  # frees what it takes before the cache is allocated
             self.runner = ModelRunner(loaded.model, PagedKVCache(self._kv_spec(num_blocks), device,
                                                                  store_memory_of(kv_agent, device)))
@@ -113,6 +122,12 @@ class LLMEngine:
             if compiling:
                 self.runner.compiled = compile_decode(loaded.model, config.max_num_seqs, 1 + (
                     config.speculative.max_tokens if config.speculative is not None else 0))
+            if draft is not None:
+                tune_for(draft.model, config.block_size)
+                # The draft's first pass of a round computes the 1-2 tokens it lacks per sequence: compiled too.
+                proposer = DraftProposer(draft.model, num_blocks, config.block_size, compile_decode(
+                    draft.model, config.max_num_seqs, 1 + config.speculative.max_tokens) if compiling else None)
+                proposer.warm_up(config.max_num_seqs)
             # This process's KV transfer agent (None without kv_agent, or when the ranks hold their own).
             self.local_kv_agent = kv_agent(0, self.layout, self.runner.kv_cache) if kv_agent else None
             self.runner.layer_observer = self.local_kv_agent
@@ -120,6 +135,9 @@ class LLMEngine:
                                                   loaded.model.attention.choice.summary(), current_cpus(),
                                                   decode_step_summary(loaded.model, compiling, self.runner.compiled)),)
         else:
+            if config.speculative is not None and config.speculative.proposer == "draft":
+                raise ValueError("a draft model runs in the engine's process, beside a model in one process; a "
+                                 "replica split over ranks speculates with the ngram or suffix proposer")
             from tandem.engine.ranks.executor import MultiprocExecutor, free_port
             from tandem.engine.ranks.worker import WorkerSpec
 
@@ -156,7 +174,7 @@ class LLMEngine:
             SchedulerConfig(max_model_len=max_len, max_num_batched_tokens=config.max_num_batched_tokens,
                             max_num_seqs=config.max_num_seqs, enable_chunked_prefill=config.enable_chunked_prefill),
             self.kv_manager, frozenset(self.tokenizer.eos_token_ids),
-            Speculator(config.speculative) if config.speculative is not None else None)
+            Speculator(config.speculative, proposer) if config.speculative is not None else None)
         self.outputs = OutputProcessor(self.tokenizer)
         self.vocab_size = model_config.vocab_size
         # Structured output: compiled here to refuse a bad constraint at add_request, and used by this process's
@@ -166,6 +184,17 @@ class LLMEngine:
             self.runner.grammars = self.grammars
         self.num_steps = 0
         self._arrivals = 0
+
+    def _draft(self, loaded: LoadedModel, device: torch.device) -> LoadedModel | None:
+        """The draft model speculative decoding asks for (its attention backend set), or None."""
+        spec = self.config.speculative
+        if spec is None or spec.proposer != "draft":
+            return None
+        from tandem.engine.attention.triton_backend import select_backend
+
+        draft = load_draft(loaded, spec.draft, device)
+        draft.model.attention = select_backend(self.config.attention_backend, device)
+        return draft
 
     @property
     def max_model_len(self) -> int:

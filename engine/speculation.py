@@ -27,6 +27,7 @@ Plain Python: no torch. The scheduler (engine thread) is the only caller.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Literal, Sequence
 
@@ -35,24 +36,26 @@ from tandem.engine.request import Sequence as Seq
 from tandem.engine.sampling_params import MAX_SPECULATIVE_TOKENS
 from tandem.engine.suffix_proposer import SuffixProposer
 
-PROPOSERS = ("ngram", "suffix")
+PROPOSERS = ("ngram", "suffix", "draft")
 ACCEPTANCE_BUCKETS = tuple(range(MAX_SPECULATIVE_TOKENS + 1))  # accepted proposals per verified step
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """proposer: "ngram" or "suffix". max_tokens: proposals per sequence and step at most (the cost model picks
-    0..max_tokens). ngram_min/ngram_max: the n-gram proposer's match lengths. suffix_cached_requests: finished
-    requests whose outputs the suffix proposer keeps per tenant. adaptive: False proposes max_tokens whenever the
-    proposer has them (benchmarks and tests of verification; production keeps True). Raises ValueError for values
-    out of range."""
+    """proposer: "ngram", "suffix" or "draft". max_tokens: proposals per sequence and step at most (the cost model
+    picks 0..max_tokens). ngram_min/ngram_max: the n-gram proposer's match lengths. suffix_cached_requests: finished
+    requests whose outputs the suffix proposer keeps per tenant. draft: the draft model, "self" (the target's GGUF
+    weights run packed 4-bit: engine/draft_proposer.py) or a model path. adaptive: False proposes max_tokens
+    whenever the proposer has them (benchmarks and tests of verification; production keeps True). Raises
+    ValueError for values out of range."""
 
-    proposer: Literal["ngram", "suffix"] = "suffix"
+    proposer: Literal["ngram", "suffix", "draft"] = "suffix"
     max_tokens: int = 4
     ngram_min: int = 2
     ngram_max: int = 4
     suffix_cached_requests: int = 256
     adaptive: bool = True
+    draft: str = "self"
 
     def __post_init__(self) -> None:
         if self.proposer not in PROPOSERS:
@@ -65,9 +68,12 @@ class SpeculativeConfig:
             raise ValueError(f"suffix_cached_requests must be >= 0, got {self.suffix_cached_requests}")
 
     def make_proposer(self) -> Proposer:
+        """The n-gram or suffix proposer; a draft model is built by the engine (it needs the target's weights)."""
         if self.proposer == "ngram":
             return NgramProposer(self.ngram_min, self.ngram_max)
-        return SuffixProposer(cached_requests=self.suffix_cached_requests)
+        if self.proposer == "suffix":
+            return SuffixProposer(cached_requests=self.suffix_cached_requests)
+        raise ValueError("the draft proposer is built from the engine's model (engine/draft_proposer.py)")
 
 
 @dataclass(frozen=True)
@@ -142,6 +148,7 @@ class Speculator:
 
     PRIOR_WEIGHT = 2.0  # a new sequence's acceptance counts the replica's rate as this many trials
     DECAY = 0.9  # a sequence's own history, per verified step
+    PROBE_EVERY = 32  # declined steps in a row before one step verifies the proposals anyway
 
     def __post_init__(self) -> None:
         if self.proposer is None:
@@ -151,6 +158,8 @@ class Speculator:
         self._replica = _Acceptance(1.0, 2.0)  # prior: half the proposals accepted
         self._counts = [0] * len(ACCEPTANCE_BUCKETS)
         self.proposed = self.accepted = self.declined_steps = 0
+        self._declined_run = 0
+        self._proposal_seconds = 0.0  # a draft model's forward passes since the last timed step
 
     def limit(self, seq: Seq, max_model_len: int) -> int:
         """How many tokens seq may propose this step: 0 when it must not speculate."""
@@ -165,6 +174,12 @@ class Speculator:
     def plan(self, seqs: Sequence[tuple[Seq, int]], num_decoding: int) -> dict[str, tuple[int, ...]]:
         """Proposals for this step: seq id -> tokens, for (sequence, limit) pairs; num_decoding: the step's
         decoding sequences (speculating or not), the batch the cost model prices."""
+        if hasattr(self.proposer, "propose_batch"):
+            return self._plan_draft(seqs, num_decoding)
+        probing = self.config.adaptive and self._probing()
+        if self.config.adaptive and not probing and not self._may_pay(seqs, num_decoding):
+            self._declined(True)  # not even the likeliest first proposal would pay: do not ask for any
+            return {}
         proposals = {}
         for seq, k in seqs:
             if seq.seq_id not in self._started:
@@ -174,12 +189,70 @@ class Speculator:
             tokens = self.proposer.propose(seq.seq_id, seq.token_ids, k)
             if tokens:
                 proposals[seq.seq_id] = tuple(tokens[:k])
-        if not proposals or not self.config.adaptive:
+        if not proposals or not self.config.adaptive or probing:
             return proposals
         kept = self._worth_it(proposals, num_decoding)
-        if not kept:
-            self.declined_steps += 1
+        self._declined(not kept)
         return kept
+
+    def _may_pay(self, seqs: Sequence[tuple[Seq, int]], num_decoding: int) -> bool:
+        """Whether the best proposal this step could bring (the highest acceptance, first position) would raise
+        tokens per second; True while the step cost is unknown."""
+        if not self.cost.known:
+            return True
+        a, b = self.cost.line()
+        best = max(self.acceptance(seq.seq_id) for seq, _ in seqs)
+        return best * (a + b * num_decoding) > b * num_decoding
+
+    def _plan_draft(self, seqs: Sequence[tuple[Seq, int]], num_decoding: int) -> dict[str, tuple[int, ...]]:
+        """A draft model's proposals cost its forward passes, one per proposed position: the depth is priced
+        before they run (_draft_depth), and their time is kept out of the target's step cost."""
+        # No probing: a draft that sat out steps first recomputes every token it missed, a cost not worth paying
+        # to refresh an estimate; its depth follows the batch's cost with the acceptance last measured.
+        depth = max(k for _, k in seqs) if not self.config.adaptive else self._draft_depth(seqs, num_decoding)
+        self._declined(depth == 0)
+        if depth == 0:
+            return {}
+        start = time.perf_counter()
+        proposals = self.proposer.propose_batch([(seq, min(k, depth)) for seq, k in seqs])
+        self._proposal_seconds += time.perf_counter() - start
+        return {seq_id: tuple(tokens) for seq_id, tokens in proposals.items() if tokens}
+
+    def _draft_depth(self, seqs: Sequence[tuple[Seq, int]], num_decoding: int) -> int:
+        """The number of draft positions that maximizes the step's expected tokens per second: the target's step
+        line, plus one draft pass per position (the draft's own line, measured), against alpha ** j per
+        proposal."""
+        top = max(k for _, k in seqs)
+        if not self.cost.known:  # the first decode step runs without: it prices the target's step
+            return 0
+        if not self.proposer.cost.known:  # a draft not timed at start (DraftProposer.warm_up): try, to learn
+            return top
+        a, b = self.cost.line()
+        da, db = self.proposer.cost.line()
+        alphas = [(self.acceptance(seq.seq_id), k) for seq, k in seqs]
+        best, best_rate = 0, num_decoding / (a + b * num_decoding)
+        for depth in range(1, top + 1):
+            used = [min(k, depth) for _, k in alphas]
+            tokens = num_decoding + sum(alpha ** j for (alpha, _), u in zip(alphas, used) for j in range(1, u + 1))
+            seconds = a + b * (num_decoding + sum(used)) + depth * (da + db * len(seqs))
+            if tokens / seconds > best_rate:
+                best, best_rate = depth, tokens / seconds
+        return best
+
+    def _probing(self) -> bool:
+        """After PROBE_EVERY steps in a row without proposals worth verifying, one step verifies them anyway, so
+        that the acceptance estimates follow a workload that changed (n-gram and suffix proposers)."""
+        if self._declined_run < self.PROBE_EVERY:
+            return False
+        self._declined_run = 0
+        return True
+
+    def _declined(self, declined: bool) -> None:
+        if declined:
+            self.declined_steps += 1
+            self._declined_run += 1
+        else:
+            self._declined_run = 0
 
     def acceptance(self, seq_id: str) -> float:
         """The sequence's estimated chance that one proposal is accepted."""
@@ -220,7 +293,9 @@ class Speculator:
         self._counts[num_accepted] += 1
 
     def step_timed(self, num_tokens: int, seconds: float) -> None:
-        """A decode step (no prefill chunk) of num_tokens tokens took seconds, end to end."""
+        """A decode step (no prefill chunk) of num_tokens tokens took seconds, end to end (a draft model's passes
+        are taken out: their cost is the draft's own line)."""
+        seconds, self._proposal_seconds = seconds - self._proposal_seconds, 0.0
         if seconds > 0 and math.isfinite(seconds):
             self.cost.observe(num_tokens, seconds)
 

@@ -51,7 +51,7 @@ class TorchAttentionBackend:
         self.write_kv(k, v, kv, meta)
         if meta.is_decode_only:
             out = self._decode(q, kv, meta, scale, window)
-        elif meta.max_query_len <= SHORT_QUERY_MAX and meta.num_seqs > 1:
+        elif meta.max_query_len <= SHORT_QUERY_MAX:
             out = self._short(q, kv, meta, scale, window)
         else:
             out = self._mixed(q, k, v, kv, meta, scale, window)

@@ -63,6 +63,10 @@ _handles = iter(range(1 << 62))
 # vLLM's forward context does), the one place the engine keeps such a context.
 _step = threading.local()
 _INDUCTOR_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
+# Inductor's cache under tandem's: a new name whenever the graphs' shape constraints change, so that no artifact
+# compiled under the old ones is read ("inductor" held graphs bounded by each engine's max_batch).
+INDUCTOR_FOLDER = "inductor-2"
+MAX_GRAPH_TOKENS = 1 << 16  # the token count every compiled graph is traced for, at most
 
 
 @dataclass(frozen=True)
@@ -202,8 +206,11 @@ class CompiledDecode:
                 ids = torch.zeros(size, dtype=torch.int64)
                 positions = torch.zeros(size, dtype=torch.int64)
                 if size > 1:
-                    torch._dynamo.mark_dynamic(ids, 0, min=2, max=self.max_batch)
-                    torch._dynamo.mark_dynamic(positions, 0, min=2, max=self.max_batch)
+                    # One bound for every graph, not max_batch: a graph compiled for "2..N" carries the guard
+                    # "<= N", and a later compilation for another N that finds it in inductor's cache fails on it
+                    # (measured: 16, then 64). Calls above max_batch never reach the graph (LlamaModel.forward).
+                    torch._dynamo.mark_dynamic(ids, 0, min=2, max=MAX_GRAPH_TOKENS)
+                    torch._dynamo.mark_dynamic(positions, 0, min=2, max=MAX_GRAPH_TOKENS)
                 self._fn(ids, positions)
         return time.perf_counter() - start
 
@@ -254,7 +261,7 @@ def compile_decode(model: LlamaModel, max_batch: int,
         return None
     if model.device.type == "cuda":
         return _capture_cuda_graphs(model, max_batch)
-    _use_inductor_cache(cache_root() / "inductor" / machine_digest(model.cpu, torch.get_num_threads()))
+    _use_inductor_cache(cache_root() / INDUCTOR_FOLDER / machine_digest(model.cpu, torch.get_num_threads()))
     try:
         compiled = CompiledDecode(model, max_batch * max_query_len, max_query_len)  # warm_up compiles
         _log.info("compiling the decode step for %s sequences (the first time on this machine takes about half a "

@@ -12,7 +12,8 @@ import torch
 from tandem.engine.engine_config import EngineConfig
 from tandem.engine.llm_engine import LLMEngine
 from tandem.engine.loader import load_model
-from tandem.engine.models.compiled import compile_decode, compile_enabled, decode_step_summary, why_not_compiled
+from tandem.engine.models.compiled import (INDUCTOR_FOLDER, compile_decode, compile_enabled, decode_step_summary,
+                                           why_not_compiled)
 from tandem.engine.sampling_params import SamplingParams
 from tests.engine.engine_helpers import run_all
 from tests.engine.test_parity_embedded import PROMPTS, _prompt_ids
@@ -173,7 +174,7 @@ def test_the_compiled_cache_is_kept_per_cpu_capability(embedded, tmp_path):
         assert done.returncode == 0, done.stderr[-3000:]
         capabilities.append(done.stdout.split()[-1])
     assert capabilities[1] == "AVX2"
-    assert len(list((tmp_path / "cache" / "inductor").iterdir())) == (1 if capabilities[0] == "AVX2" else 2)
+    assert len(list((tmp_path / "cache" / INDUCTOR_FOLDER).iterdir())) == (1 if capabilities[0] == "AVX2" else 2)
 
 
 def test_a_cache_folder_the_user_chose_is_kept(monkeypatch, tmp_path):
