@@ -327,6 +327,7 @@ class LLMEngine:
         result = self.runner.execute_step(schedule)
         updates = self.scheduler.update(schedule, result)
         outputs: dict[str, RequestOutput] = {}
+        emitted = len(updates)
         for update in updates:
             seq_id = update.seq.seq_id
             if seq_id in outputs and outputs[seq_id].finish_reason is not None:
@@ -340,7 +341,8 @@ class LLMEngine:
             speculator = self.scheduler.speculator
             if speculator is not None and not schedule.forks and all(
                     n == 1 + len(schedule.spec_tokens.get(i, ())) for i, n in schedule.num_scheduled_tokens.items()):
-                speculator.step_timed(schedule.total_num_scheduled_tokens, time.perf_counter() - start)
+                speculator.step_timed(len(schedule.num_scheduled_tokens), schedule.total_num_scheduled_tokens,
+                                      emitted, time.perf_counter() - start, bool(schedule.spec_tokens))
         if self.config.check_integrity:
             self.scheduler.check_integrity()
         return list(outputs.values())

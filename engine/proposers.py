@@ -3,8 +3,9 @@
 
 A proposer keeps what it needs per sequence and is told each sequence's tokens as they grow; `propose(seq_id,
 token_ids, k)` returns at most k tokens (possibly none: nothing worth proposing). This module holds the n-gram
-prompt-lookup proposer; engine/suffix_proposer.py the suffix-trie one; the draft-model proposer of issue 25 is to
-come behind the same interface. None of them is wired into the engine's step yet.
+prompt-lookup proposer; engine/suffix_proposer.py the suffix-trie one; engine/draft_proposer.py the draft model,
+which proposes for a whole batch at once (propose_batch) since each of its positions is a forward pass.
+engine/speculation.py asks them each step and prices what they propose.
 
 Prompt lookup (vLLM's `prompt_lookup_min/max`): if the sequence's last n tokens (n from max_n down to min_n)
 occurred earlier in the sequence, propose the tokens that followed that earlier occurrence. vLLM searches the

@@ -93,6 +93,19 @@ class SpeculationStats:
         return self.accepted / self.proposed if self.proposed else 0.0
 
 
+@dataclass
+class _Average:
+    """An exponentially weighted mean (weight DECAY per observation) and how many observations it has seen."""
+
+    DECAY = 0.9
+    mean: float = 0.0
+    count: int = 0
+
+    def observe(self, value: float) -> None:
+        self.mean = value if not self.count else self.DECAY * self.mean + (1 - self.DECAY) * value
+        self.count += 1
+
+
 class StepCost:
     """t(T) = a + b * T over decode steps, weighted least squares with exponential forgetting. Until the steps
     seen span different sizes, the slope is the prior share of a step per token (PRIOR_SLOPE of the mean time)."""
@@ -149,6 +162,7 @@ class Speculator:
     PRIOR_WEIGHT = 2.0  # a new sequence's acceptance counts the replica's rate as this many trials
     DECAY = 0.9  # a sequence's own history, per verified step
     PROBE_EVERY = 32  # declined steps in a row before one step verifies the proposals anyway
+    LOSING_AFTER = 8  # steps with and without proposals measured at a batch size before _losing may say so
 
     def __post_init__(self) -> None:
         if self.proposer is None:
@@ -160,6 +174,8 @@ class Speculator:
         self.proposed = self.accepted = self.declined_steps = 0
         self._declined_run = 0
         self._proposal_seconds = 0.0  # a draft model's forward passes since the last timed step
+        # Seconds per emitted token of decode steps, by batch size (its bit length), [without, with] proposals.
+        self._per_token: dict[int, list[_Average]] = {}
 
     def limit(self, seq: Seq, max_model_len: int) -> int:
         """How many tokens seq may propose this step: 0 when it must not speculate."""
@@ -177,7 +193,8 @@ class Speculator:
         if hasattr(self.proposer, "propose_batch"):
             return self._plan_draft(seqs, num_decoding)
         probing = self.config.adaptive and self._probing()
-        if self.config.adaptive and not probing and not self._may_pay(seqs, num_decoding):
+        if self.config.adaptive and not probing and (self._losing(num_decoding) or
+                                                     not self._may_pay(seqs, num_decoding)):
             self._declined(True)  # not even the likeliest first proposal would pay: do not ask for any
             return {}
         proposals = {}
@@ -207,9 +224,16 @@ class Speculator:
     def _plan_draft(self, seqs: Sequence[tuple[Seq, int]], num_decoding: int) -> dict[str, tuple[int, ...]]:
         """A draft model's proposals cost its forward passes, one per proposed position: the depth is priced
         before they run (_draft_depth), and their time is kept out of the target's step cost."""
-        # No probing: a draft that sat out steps first recomputes every token it missed, a cost not worth paying
-        # to refresh an estimate; its depth follows the batch's cost with the acceptance last measured.
-        depth = max(k for _, k in seqs) if not self.config.adaptive else self._draft_depth(seqs, num_decoding)
+        # The cost model prices a draft's depth before it runs, with the acceptance last measured (no probing:
+        # a draft that sat out steps first recomputes every token it missed); only where measured steps show it
+        # losing does it wait for a probe.
+        top = max(k for _, k in seqs)
+        if not self.config.adaptive:
+            depth = top
+        elif self._losing(num_decoding):
+            depth = top if self._probing() else 0
+        else:
+            depth = self._draft_depth(seqs, num_decoding)
         self._declined(depth == 0)
         if depth == 0:
             return {}
@@ -292,12 +316,26 @@ class Speculator:
         self.accepted += num_accepted
         self._counts[num_accepted] += 1
 
-    def step_timed(self, num_tokens: int, seconds: float) -> None:
-        """A decode step (no prefill chunk) of num_tokens tokens took seconds, end to end (a draft model's passes
-        are taken out: their cost is the draft's own line)."""
-        seconds, self._proposal_seconds = seconds - self._proposal_seconds, 0.0
-        if seconds > 0 and math.isfinite(seconds):
-            self.cost.observe(num_tokens, seconds)
+    def step_timed(self, num_seqs: int, num_tokens: int, emitted: int, seconds: float, speculated: bool) -> None:
+        """A decode step (no prefill chunk) of num_seqs sequences, num_tokens tokens computed and `emitted` tokens
+        out took seconds, end to end. The step line leaves a draft model's passes out (they are the draft's own
+        line); the per-token check (_losing) counts everything."""
+        if not (seconds > 0 and math.isfinite(seconds)):
+            return
+        if emitted > 0:
+            per_token = self._per_token.setdefault(num_seqs.bit_length(), [_Average(), _Average()])
+            per_token[speculated].observe(seconds / emitted)
+        target, self._proposal_seconds = seconds - self._proposal_seconds, 0.0
+        if target > 0:
+            self.cost.observe(num_tokens, target)
+
+    def _losing(self, num_seqs: int) -> bool:
+        """Whether, at about this many sequences, steps that verified proposals have cost more per emitted token
+        than steps that did not (each measured over recent steps, LOSING_AFTER of each at least): the model of
+        the step is then wrong for this batch, and proposals wait for a probe to show otherwise."""
+        plain, speculated = self._per_token.get(num_seqs.bit_length(), (None, None))
+        return plain is not None and min(plain.count, speculated.count) >= self.LOSING_AFTER and \
+            speculated.mean > plain.mean
 
     def forget(self, seq: Seq) -> None:
         """seq ended: its state goes; a finished sequence's output joins the suffix proposer's shared cache."""

@@ -76,21 +76,31 @@ class TorchAttentionBackend:
         return out.reshape(b, q.shape[1], d)
 
     def _short(self, q, kv, meta, scale, window):
-        """A few new tokens per sequence (speculated tokens after the last one): the decode path's one gather and
-        one batched kernel, each sequence's queries padded to the step's longest (Q) and laid out as the query
-        length of the grouped product, [B, Hk, Q * group, D], with a causal mask per query."""
-        b, hk, d = meta.num_seqs, kv.shape[2], kv.shape[4]
-        step = meta.per_step(("short", kv.shape[1:3], window), lambda: DecodeGather.build(
-            meta, kv.shape[1], hk, window, self.decode_plan, group=q.shape[1] // hk))
-        both = F.embedding(step.rows, kv.view(-1, kv.shape[3] * d)).view(2, b, hk, -1, d)
-        if both.shape[3] != step.max_len:
-            both = both[:, :, :, : step.max_len]
-        group, width = q.shape[1] // hk, step.mask.shape[1] // (q.shape[1] // hk)
-        padded = q.new_zeros(b * width, q.shape[1], d).index_copy_(0, step.query_rows, q)
-        grouped = padded.view(b, width, hk, group, d).transpose(1, 2).reshape(b, hk, width * group, d)
-        out = decode_kernel(step.kernel, grouped, both[0], both[1], step.mask, scale)
-        out = out.view(b, hk, width, group, d).transpose(1, 2).reshape(b * width, hk * group, d)
-        return out.index_select(0, step.query_rows)
+        """A few new tokens per sequence (speculated tokens after the last one): the decode path's gather and batched
+        kernel, each sequence's queries padded to its part's longest (Q) and laid out as the query length of the
+        grouped product, [B, Hk, Q * group, D], with a causal mask per query. Sequences adding one token form their
+        own part (Q = 1), so a few speculating sequences do not pad the whole batch."""
+        hk, d = kv.shape[2], kv.shape[4]
+        group = q.shape[1] // hk
+        parts = meta.per_step(("short", kv.shape[1:3], window), lambda: [
+            DecodeGather.build(meta, kv.shape[1], hk, window, self.decode_plan, group=group, seqs=seqs)
+            for seqs in _by_query_length(meta)])
+        cache = kv.view(-1, kv.shape[3] * d)
+        out = q if len(parts) == 1 else q.new_empty(q.shape)
+        for part in parts:
+            b, width = part.rows.shape[1], part.mask.shape[1] // group
+            both = F.embedding(part.rows, cache).view(2, b, hk, -1, d)
+            if both.shape[3] != part.max_len:
+                both = both[:, :, :, : part.max_len]
+            mine = q if len(parts) == 1 else q.index_select(0, part.tokens)
+            padded = q.new_zeros(b * width, q.shape[1], d).index_copy_(0, part.query_rows, mine)
+            grouped = padded.view(b, width, hk, group, d).transpose(1, 2).reshape(b, hk, width * group, d)
+            o = decode_kernel(part.kernel, grouped, both[0], both[1], part.mask, scale)
+            o = o.view(b, hk, width, group, d).transpose(1, 2).reshape(b * width, hk * group, d)
+            if len(parts) == 1:
+                return o.index_select(0, part.query_rows)
+            out.index_copy_(0, part.tokens, o.index_select(0, part.query_rows))
+        return out
 
     def _mixed(self, q, k, v, kv, meta, scale, window):
         """Prefill chunks (and decodes mixed with them): one attention call per sequence."""
@@ -171,42 +181,60 @@ class DecodeGather:
     [2 * num_blocks * Hk, block_size * D] (K's rows, then V's), the longest sequence, which key positions are hidden
     (None when none is: one sequence without a window) and the decode kernel for this many sequences.
 
-    With several queries per sequence (queries=True: the short-query path), mask is per query [B, Q * group, S] and
-    query_rows [T] places each of the step's tokens in the padded [B * Q] query rows."""
+    With several queries per sequence (the short-query path, for some of the batch's sequences), mask is per query
+    [B, Q * group, S], query_rows places each of their tokens in the padded [B * Q] query rows and tokens says
+    which of the step's tokens they are."""
 
     rows: torch.Tensor
     max_len: int
     mask: torch.Tensor | None
     kernel: str
     query_rows: torch.Tensor | None = None
+    tokens: torch.Tensor | None = None
 
     @classmethod
     def build(cls, meta: AttentionMetadata, num_blocks: int, num_kv_heads: int, window: int | None,
-              plan: BucketPlan, group: int | None = None) -> DecodeGather:
-        """group: the query heads per KV head, for the short-query path (None: one query per sequence)."""
-        max_len = max(meta.seq_lens)
-        table = meta.block_tables[:, : -(-max_len // meta.block_size)]
+              plan: BucketPlan, group: int | None = None, seqs: list[int] | None = None) -> DecodeGather:
+        """group: the query heads per KV head, for the short-query path (None: one query per sequence); seqs: the
+        sequences of the batch the short-query path takes in this part (None: all)."""
+        lens_all = meta.seq_lens if seqs is None else [meta.seq_lens[i] for i in seqs]
+        max_len = max(lens_all)
+        tables = meta.block_tables if seqs is None else meta.block_tables[seqs]
+        table = tables[:, : -(-max_len // meta.block_size)]
         k_rows = table.unsqueeze(-2) * num_kv_heads + torch.arange(num_kv_heads, device=table.device)[:, None]
         rows = torch.stack([k_rows, k_rows + num_blocks * num_kv_heads])
         if group is not None:
             device, starts = table.device, meta.query_start_loc
-            lens = [end - start for start, end in zip(starts, starts[1:])]
+            seqs = list(range(meta.num_seqs)) if seqs is None else seqs
+            lens = [starts[i + 1] - starts[i] for i in seqs]
             width = max(lens)
-            query_rows = torch.tensor([i * width + j for i, n in enumerate(lens) for j in range(n)], device=device)
+            query_rows = torch.tensor([n * width + j for n, count in enumerate(lens) for j in range(count)],
+                                      device=device)
+            tokens = torch.tensor([starts[i] + j for i in seqs for j in range(starts[i + 1] - starts[i])],
+                                  device=device)
             # Query j of a sequence sits at seq_len - qlen + j; a padding query repeats the last (its output is
             # dropped, but a row with every key hidden would be NaN).
             qlen = torch.tensor(lens, device=device)[:, None]
             offset = torch.minimum(torch.arange(width, device=device)[None, :], qlen - 1)
-            qpos = (meta.seq_lens_tensor[:, None] - qlen + offset)[:, :, None]  # [B, Q, 1]
+            seq_lens = torch.tensor(lens_all, device=device)[:, None]
+            qpos = (seq_lens - qlen + offset)[:, :, None]  # [B, Q, 1]
             kpos = torch.arange(max_len, device=device)[None, None, :]
             hidden = kpos > qpos
             if window is not None:
                 hidden |= qpos - kpos >= window
-            return cls(rows, max_len, hidden.repeat_interleave(group, dim=1), plan.kernel_for(meta.num_seqs),
-                       query_rows)
+            return cls(rows, max_len, hidden.repeat_interleave(group, dim=1), plan.kernel_for(len(seqs)),
+                       query_rows, tokens)
         needs_mask = meta.num_seqs > 1 or (window is not None and max_len > window)
         mask = meta.decode_hidden(window) if needs_mask else None
         return cls(rows, max_len, mask, plan.kernel_for(meta.num_seqs))
+
+
+def _by_query_length(meta: AttentionMetadata) -> list[list[int]]:
+    """The batch's sequences in two parts, those adding one token and those adding more (an empty part left out)."""
+    starts = meta.query_start_loc
+    one = [i for i in range(meta.num_seqs) if starts[i + 1] - starts[i] == 1]
+    more = [i for i in range(meta.num_seqs) if starts[i + 1] - starts[i] > 1]
+    return [part for part in (one, more) if part]
 
 
 def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:

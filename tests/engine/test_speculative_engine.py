@@ -234,3 +234,110 @@ def test_the_cost_model_keeps_proposals_only_where_they_pay():
     assert kept == {"a": (1, 2, 3, 4)}
     speculator.cost = _cost([(t, 0.001 * t) for t in (16, 32, 48, 64) * 5])  # compute-bound: a token costs its share
     assert speculator._worth_it(proposals, num_decoding=16) == {}
+
+
+# -- the draft model ----------------------------------------------------------------------------------------------
+
+def test_the_packed_twin_drafts_greedy_and_sampled_output_unchanged(embedded, parity, greedy_reference):
+    """draft: self (the GGUF's own 4-bit weights, packed) proposes in batched passes with its own KV pool; greedy
+    and sampled output equal the output without speculation, most proposals are accepted (the twin agrees with
+    its float32 target, and draws its sampled proposals with the same seeds), and every draft block comes back."""
+    config = SpeculativeConfig(proposer="draft", **EVERY_STEP)
+    with engine(embedded, config, max_num_batched_tokens=64) as e:
+        draft = e.scheduler.speculator.proposer
+        assert draft.name == "draft" and draft.cost.known  # timed at start
+        assert outputs(e, parity, SamplingParams(max_tokens=TOKENS, temperature=0)) == greedy_reference
+        greedy = e.speculation_stats()
+        assert draft.num_blocks_in_use == 0
+    assert greedy.accepted > 0.7 * greedy.proposed
+    sampled = SamplingParams(max_tokens=TOKENS, temperature=0.8, top_k=50, seed=5)
+    with engine(embedded, None) as e:
+        plain = outputs(e, parity[:4], sampled)
+    with engine(embedded, config) as e:
+        assert outputs(e, parity[:4], sampled) == plain
+        stats = e.speculation_stats()
+        assert e.scheduler.speculator.proposer.num_blocks_in_use == 0
+    assert stats.accepted > 0.5 * stats.proposed
+
+
+def test_the_draft_survives_preemption_with_one_process_tokens(embedded, parity, greedy_reference):
+    blocks = max(-(-(len(ids) + TOKENS) // 16) for ids in parity) + 2
+    with engine(embedded, SpeculativeConfig(proposer="draft", **EVERY_STEP), num_kv_blocks=blocks) as e:
+        assert outputs(e, parity, SamplingParams(max_tokens=TOKENS, temperature=0)) == greedy_reference
+        assert e.stats().num_preemptions > 0 and e.speculation_stats().accepted > 0
+        assert e.scheduler.speculator.proposer.num_blocks_in_use == 0
+
+
+def test_a_draft_the_engine_cannot_run_is_refused_with_the_reason(tmp_path, embedded):
+    from tests.engine.tiny_models import write_tiny_model
+
+    folder = write_tiny_model(tmp_path / "hf", "llama3", embedded.tokenizer)
+    with pytest.raises(ValueError, match="GGUF"):  # a Hugging Face folder has no 4-bit layers to run packed
+        LLMEngine(load_model(folder, progress=False), EngineConfig(num_kv_blocks=64,
+                                                                   speculative=SpeculativeConfig(proposer="draft")))
+    meta = load_model(weights=False, progress=False)
+    with pytest.raises(ValueError, match="split over ranks"):
+        LLMEngine(meta, EngineConfig(num_kv_blocks=64, speculative=SpeculativeConfig(proposer="draft")),
+                  parallel=ParallelConfig(pp=2))
+    with pytest.raises(ValueError, match="proposer"):
+        SpeculativeConfig(proposer="eagle")
+
+
+def test_the_draft_depth_follows_the_batch_cost():
+    """One draft pass per proposed position: deep at batch 1 with a cheap draft and a high acceptance, none at a
+    batch where the target's extra tokens and the draft's passes cost more than they bring."""
+    class TimedDraft:
+        name = "draft"
+
+        def __init__(self, cost):
+            self.cost = cost
+
+        def propose_batch(self, requests):
+            return {seq.seq_id: [1] * k for seq, k in requests}
+
+        def forget(self, seq_id):
+            pass
+
+    seqs = [(_FakeSeq(f"s{i}"), 4) for i in range(16)]
+    speculator = Speculator(SpeculativeConfig(proposer="draft", max_tokens=4),
+                            TimedDraft(_cost([(n, 0.008 + 0.0016 * n) for n in (1, 16) * 5])))
+    speculator.cost = _cost([(n, 0.029 + 0.0015 * n) for n in (1, 2, 5) * 5])  # the float32 target at batch 1
+    for seq, _ in seqs:
+        for _ in range(5):
+            speculator.verified(seq.seq_id, 4, 4)
+    assert speculator._draft_depth(seqs[:1], 1) == 4
+    speculator.cost = _cost([(n, 0.010 + 0.0025 * n) for n in (16, 20, 40) * 5])  # at 16 sequences
+    assert speculator._draft_depth(seqs, 16) == 0
+
+
+class _FakeSeq:
+    def __init__(self, seq_id: str):
+        self.seq_id = seq_id
+
+
+def test_measured_steps_that_lose_turn_proposals_off_at_that_batch_size():
+    """Whatever the step line says, when steps that verified proposals cost more per emitted token than steps
+    that did not (at about the same batch size), the speculator stops proposing there, but for a probe now and
+    then; other batch sizes are not affected."""
+    class Always:
+        name = "always"
+
+        def propose(self, seq_id, token_ids, k):
+            return [1] * k
+
+        def forget(self, seq_id):
+            pass
+
+    speculator = Speculator(SpeculativeConfig(max_tokens=2), Always())
+    seqs = [(_FakeSeq(f"s{i}"), 2) for i in range(16)]
+    for seq, _ in seqs:
+        seq.token_ids, seq.cache_salt = [1, 2, 3], None
+    for _ in range(10):
+        speculator.verified("s0", 2, 2)
+        speculator.step_timed(16, 16, 16, 0.050, speculated=False)
+        speculator.step_timed(16, 20, 18, 0.080, speculated=True)  # 4.4 ms per token against 3.1
+    speculator.cost = _cost([(n, 0.001 + 0.0001 * n) for n in (1, 16, 32) * 5])  # a line that says "cheap"
+    assert speculator._losing(16) and not speculator._losing(1)
+    planned = [speculator.plan(seqs, 16) for _ in range(Speculator.PROBE_EVERY + 1)]
+    assert planned[:-1] == [{}] * Speculator.PROBE_EVERY and planned[-1]  # declined, then one probe
+    assert speculator.plan(seqs[:1], 1)  # one sequence: nothing measured against it
