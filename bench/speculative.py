@@ -13,7 +13,8 @@ the last one's identical outputs), the settings in rotating order within a round
 over rounds. Outputs are checked to be identical to those without speculation (they must be, sampled or greedy).
 Acceptance: accepted / proposed tokens, and tokens per verified step, from the engine's own counters.
 
-    .venv/bin/python bench/speculative.py [--rounds 3] [--tokens 96] [--k 4] [--threads 2] [--replay]
+    .venv/bin/python bench/speculative.py [--rounds 3] [--tokens 96] [--k 4] [--threads 2]
+        [--workloads repetition,multi_turn,open_chat] [--proposers ngram,suffix,draft] [--replay]
 
 --replay adds the offline replay of the proposers against the model's own greedy output (acceptance only, no
 timing). The last line of output is one JSON object with every number.
@@ -107,9 +108,8 @@ def engine_run(loaded, requests: list[list[int]], tokens: int, batch: int, specu
 def measure(loaded, workloads: dict, args) -> dict:
     from tandem.engine.speculation import SpeculativeConfig
 
-    settings = {"off": None, "ngram": SpeculativeConfig(proposer="ngram", max_tokens=args.k),
-                "suffix": SpeculativeConfig(proposer="suffix", max_tokens=args.k),
-                "draft": SpeculativeConfig(proposer="draft", max_tokens=args.k)}
+    settings = {"off": None} | {name: SpeculativeConfig(proposer=name, max_tokens=args.k)
+                                 for name in args.proposers.split(",")}
     results: dict = {}
     for workload, chats in workloads.items():
         prompts = [loaded.tokenizer.encode_chat(c) for c in chats]
@@ -122,7 +122,7 @@ def measure(loaded, workloads: dict, args) -> dict:
                     runs[name].append(engine_run(loaded, requests, args.tokens, batch, settings[name], args.k))
             off = statistics.median(run["tokens_per_s"] for run in runs["off"])
             row = {"off": {"tokens_per_s": round(off, 1)}}
-            for name in ("ngram", "suffix", "draft"):
+            for name in list(settings)[1:]:
                 if any(run["outputs"] != runs["off"][0]["outputs"] for run in runs[name]):
                     raise SystemExit(f"{workload} batch {batch}: {name} changed the output")
                 rate = statistics.median(run["tokens_per_s"] for run in runs[name])
@@ -189,6 +189,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated subset")
+    parser.add_argument("--proposers", default="ngram,suffix,draft", help="comma-separated subset")
     parser.add_argument("--replay", action="store_true", help="also replay the proposers offline")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)

@@ -148,6 +148,18 @@ class DraftProposer:
             for b in blocks:
                 self.pool.decref(b, park=False)
 
+    def missing(self, seq: Seq) -> int:
+        """How many of seq's tokens the draft's KV lacks (all of them for a sequence it has not seen): what its
+        next round computes first."""
+        state = self._seqs.get(seq.seq_id)
+        if state is None:
+            return seq.num_tokens
+        same, token_ids = 0, seq.token_ids
+        limit = min(len(state.fed), len(token_ids))
+        while same < limit and state.fed[same] == token_ids[same]:
+            same += 1
+        return seq.num_tokens - same
+
     def _room(self, state: _DraftSeq, num_tokens: int) -> bool:
         """Blocks for num_tokens positions; False (taking none) when the pool has too few."""
         need = -(-num_tokens // self.block_size) - len(state.blocks)

@@ -11,19 +11,22 @@ Each emitted token is then distributed as the target alone would have drawn it. 
 x_i is the target's argmax; the first mismatch emits the argmax; all accepted emit the argmax after them. Greedy
 output is therefore identical to decoding without speculation.
 
-What the engine runs for its proposers (n-gram, suffix: deterministic, q one-hot), `accept_drawn`: the sampler draws
+What the engine runs for every proposer, `accept_drawn`: the sampler draws
 the target's own token y_i at each of the k + 1 positions with the seed of the output step it decides (as it would
 without speculation), and x_i is accepted while y_i == x_i; the first y_i that differs is emitted and ends the step,
 and when all match, y_{k+1} is the bonus. That is the rule above with coupled randomness: x_i is accepted with
 probability p_i(x_i) = min(1, p_i(x_i) / 1), and a rejected step emits y_i conditioned on y_i != x_i, which is the
-residual norm(max(0, p_i - q_i)). Since every emitted token is the draw the request's seed gives at that step, the
-output is token for token the output without speculation, sampled or greedy, whatever was proposed.
+residual norm(max(0, p_i - q_i)) (for the n-gram and suffix proposers, whose q is one-hot). Since every emitted token
+is the draw the request's seed gives at that step, the output is token for token the output without speculation,
+sampled or greedy, whatever was proposed. The draft model (engine/draft_proposer.py) draws its proposals with the
+same seeds from its own distribution q, so x_i == y_i wherever q_i and p_i put the draw on the same token: its
+acceptance is that coupling's, close to min(1, p/q)'s when q is close to p, and the output stays the target's own.
 
-`verify_sampled` (independent acceptance draws) is the rule for a proposer with a distribution q (a draft model that
-samples): every random draw comes from a generator seeded by (the request's seed, the output step it decides, and
-which draw it is), as engine/sampler.py seeds its draws, so the same request with the same seed and proposals gives
-the same tokens on any batch. (It is not the token stream of the same seed without speculation: that consumes its
-randomness differently.)
+`verify_sampled` (independent acceptance draws) is the textbook rule for a proposer with a distribution q; the engine
+does not run it (it would give up that identity), and tests/engine/test_speculative_parts.py checks it keeps the
+target distribution. Its draws come from generators seeded by (the request's seed, the output step it decides, and
+which draw it is), as engine/sampler.py seeds its draws, so the same seed and proposals give the same tokens on any
+batch.
 
 Torch, CPU or GPU: probabilities are the target's after temperature, top-k/p and min-p (sampler._filtered_probs).
 """
@@ -66,12 +69,9 @@ def accept_drawn(proposed: Sequence[int], drawn: Sequence[T]) -> tuple[T, ...]:
 
 
 def verify_greedy(target_logits: torch.Tensor, proposed: Sequence[int]) -> Verified:
-    """target_logits: [len(proposed) + 1, vocab]."""
-    best = target_logits.argmax(dim=-1).tolist()
-    accepted = 0
-    while accepted < len(proposed) and proposed[accepted] == best[accepted]:
-        accepted += 1
-    return Verified(tuple(proposed[:accepted]) + (best[accepted],), accepted)
+    """target_logits: [len(proposed) + 1, vocab]. The greedy case of accept_drawn: the draws are the argmaxes."""
+    tokens = accept_drawn(proposed, target_logits.argmax(dim=-1).tolist())
+    return Verified(tokens, len(tokens) - 1)
 
 
 def _draw(probs: torch.Tensor, seed: int) -> int:

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Sequence
 
 from tandem.engine.proposers import NgramProposer, Proposer
-from tandem.engine.request import Sequence as Seq
+from tandem.engine.request import RequestStatus, Sequence as Seq
 from tandem.engine.sampling_params import MAX_SPECULATIVE_TOKENS
 from tandem.engine.suffix_proposer import SuffixProposer
 
@@ -140,7 +140,9 @@ class StepCost:
         else:
             # Shrink toward the prior in proportion to how little spread there is.
             slope = ((self._xt / self._w - mean_x * mean_t) + prior) / (var + 1.0)
-        slope = max(slope, 1e-3 * mean_t)  # a step never gets cheaper with more tokens
+        # A step never gets cheaper with more tokens, and a token never costs more than twice the mean token (an
+        # outlier step, a pause, must not make every proposal look ruinous).
+        slope = min(max(slope, 1e-3 * mean_t), 2 * mean_t / max(mean_x, 1.0))
         return max(mean_t - slope * mean_x, 0.0), slope
 
 
@@ -176,6 +178,7 @@ class Speculator:
         self._proposal_seconds = 0.0  # a draft model's forward passes since the last timed step
         # Seconds per emitted token of decode steps, by batch size (its bit length), [without, with] proposals.
         self._per_token: dict[int, list[_Average]] = {}
+        self._output_length = _Average()  # tokens the replica's finished sequences generated
 
     def limit(self, seq: Seq, max_model_len: int) -> int:
         """How many tokens seq may propose this step: 0 when it must not speculate."""
@@ -254,14 +257,27 @@ class Speculator:
         a, b = self.cost.line()
         da, db = self.proposer.cost.line()
         alphas = [(self.acceptance(seq.seq_id), k) for seq, k in seqs]
+        # The tokens the draft lacks (a new sequence's whole prompt) are computed once, then serve the sequence's
+        # remaining steps: each step bears that cost times its share of the expected remaining tokens.
+        catch_up = [(db * max(0, self.proposer.missing(seq) - 1), self._remaining(seq)) for seq, _ in seqs]
         best, best_rate = 0, num_decoding / (a + b * num_decoding)
         for depth in range(1, top + 1):
             used = [min(k, depth) for _, k in alphas]
-            tokens = num_decoding + sum(alpha ** j for (alpha, _), u in zip(alphas, used) for j in range(1, u + 1))
-            seconds = a + b * (num_decoding + sum(used)) + depth * (da + db * len(seqs))
+            gains = [1 + sum(alpha ** j for j in range(1, u + 1)) for (alpha, _), u in zip(alphas, used)]
+            tokens = num_decoding - len(seqs) + sum(gains)
+            seconds = a + b * (num_decoding + sum(used)) + depth * (da + db * len(seqs)) + \
+                sum(cost * gain / remaining for (cost, remaining), gain in zip(catch_up, gains))
             if tokens / seconds > best_rate:
                 best, best_rate = depth, tokens / seconds
         return best
+
+    def _remaining(self, seq: Seq) -> float:
+        """The tokens seq is expected to generate still: up to its max_tokens, and no more than the replica's
+        recent outputs were long (once some have finished), at least one."""
+        left = seq.params.max_tokens - len(seq.output_token_ids)
+        if self._output_length.count:
+            left = min(left, self._output_length.mean - len(seq.output_token_ids))
+        return max(1.0, left)
 
     def _probing(self) -> bool:
         """After PROBE_EVERY steps in a row without proposals worth verifying, one step verifies them anyway, so
@@ -339,6 +355,8 @@ class Speculator:
 
     def forget(self, seq: Seq) -> None:
         """seq ended: its state goes; a finished sequence's output joins the suffix proposer's shared cache."""
+        if seq.status is not RequestStatus.FINISHED_ABORTED:
+            self._output_length.observe(len(seq.output_token_ids))
         self._seqs.pop(seq.seq_id, None)
         self._started.discard(seq.seq_id)
         if isinstance(self.proposer, SuffixProposer):

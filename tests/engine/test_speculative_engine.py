@@ -13,6 +13,7 @@ from tandem.engine.kv_events import BlockStored, KVEventRecorder
 from tandem.engine.llm_engine import LLMEngine
 from tandem.engine.loader import load_model
 from tandem.engine.parallel import ParallelConfig
+from tandem.engine.request import RequestStatus
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.speculation import SpeculativeConfig, Speculator, StepCost
 from tandem.engine.structured_output import StructuredOutput
@@ -290,7 +291,10 @@ def test_the_draft_depth_follows_the_batch_cost():
         name = "draft"
 
         def __init__(self, cost):
-            self.cost = cost
+            self.cost, self.lacking = cost, 1
+
+        def missing(self, seq):
+            return self.lacking
 
         def propose_batch(self, requests):
             return {seq.seq_id: [1] * k for seq, k in requests}
@@ -306,6 +310,15 @@ def test_the_draft_depth_follows_the_batch_cost():
         for _ in range(5):
             speculator.verified(seq.seq_id, 4, 4)
     assert speculator._draft_depth(seqs[:1], 1) == 4
+    # A prompt of 400 tokens the draft has not seen: worth computing for a long output, not for a short one.
+    speculator.proposer.lacking = 400
+    assert speculator._draft_depth(seqs[:1], 1) == 4
+    for _ in range(5):
+        finished = _FakeSeq("done")
+        finished.output_token_ids = [1] * 6
+        speculator.forget(finished)  # the replica's outputs have been 6 tokens long
+    assert speculator._draft_depth(seqs[:1], 1) == 0
+    speculator.proposer.lacking = 1
     speculator.cost = _cost([(n, 0.010 + 0.0025 * n) for n in (16, 20, 40) * 5])  # at 16 sequences
     assert speculator._draft_depth(seqs, 16) == 0
 
@@ -313,6 +326,9 @@ def test_the_draft_depth_follows_the_batch_cost():
 class _FakeSeq:
     def __init__(self, seq_id: str):
         self.seq_id = seq_id
+        self.params = SamplingParams(max_tokens=100)
+        self.output_token_ids: list[int] = []
+        self.status = RequestStatus.FINISHED_STOPPED
 
 
 def test_measured_steps_that_lose_turn_proposals_off_at_that_batch_size():
