@@ -2,24 +2,30 @@
 
 Each step the scheduler hands the Speculator its decoding sequences (one token to compute) that may speculate. The
 Speculator asks the replica's proposer (engine/proposers.py: n-gram prompt lookup; engine/suffix_proposer.py:
-suffix tries) for up to `max_tokens` tokens per sequence, then keeps only the proposals that pay, by a cost model of
-the step measured on this replica:
+suffix tries; engine/draft_proposer.py: a draft model) for up to `max_tokens` tokens per sequence, keeping only
+proposals that pay by a cost model of the step measured on this replica:
 
 - step time: t(T) = a + b * T for a decode step of T tokens (sequences plus proposals), fitted online by
-  exponentially weighted least squares over the replica's recent decode steps (proposal-making included), with a
-  prior slope until steps of different sizes have been seen;
+  exponentially weighted least squares over the replica's recent decode steps, with a prior slope until steps of
+  different sizes have been seen;
 - value: the j-th proposal of a sequence yields a token only if the j - 1 before it are accepted too: alpha^j, with
-  alpha the sequence's acceptance rate (its own recent proposals, shrunk toward the replica's rate for its
-  proposer).
-A step of B sequences emits N = B + sum(values) tokens in t(T). Proposals are taken in decreasing value while one
-more raises N / t, i.e. while its value exceeds b * N / t: at a large batch (t grows with T) or a low acceptance
-none pays and the step runs as without speculation. Verification (engine/model_runner.py) then scores each
-sequence's proposals as a short chunk through the paged KV cache, and the scheduler keeps the accepted ones.
+  alpha the sequence's acceptance rate (its own recent proposals, shrunk toward the replica's rate).
+A step of B sequences emits N = B + sum(values) tokens in t(T). The n-gram and suffix proposals are taken in
+decreasing value while one more raises N / t, i.e. while its value exceeds b * N / t (and the proposer is not even
+asked when the likeliest first proposal could not pay). A draft model's proposals cost a forward pass of the draft
+per position, so its depth is chosen before it runs, with the draft's own step line (timed at engine start) and
+the tokens it must first catch up on, spread over each sequence's expected remaining output. Last, a measured
+guard: where, at about the current batch size, steps that verified proposals have cost more per emitted token than
+steps that did not, no proposals are made. After 32 declined steps in a row one step verifies them anyway (a
+probe), so that estimates follow a changing workload. At a large batch or a low acceptance the step thus runs as
+without speculation.
 
-Which sequences never speculate: those with structured output (the grammar would have to follow the proposals),
-those whose request set speculative_tokens=0, and any whose remaining max_tokens or context leaves no room.
-Greedy and sampled outputs are identical to decoding without speculation (engine/rejection_sampler.py: every
-emitted token is the target's own draw for its step), so the cost model may change k freely.
+Verification (engine/model_runner.py) scores each sequence's proposals as a short chunk through the paged KV cache,
+and the scheduler keeps the accepted ones. Which sequences never speculate: those with structured output (the
+grammar would have to follow the proposals), those whose request set speculative_tokens=0, and any whose remaining
+max_tokens or context leaves no room. Greedy and sampled outputs are identical to decoding without speculation
+(engine/rejection_sampler.py: every emitted token is the target's own draw for its step), so the cost model may
+change k freely.
 
 Plain Python: no torch. The scheduler (engine thread) is the only caller.
 """

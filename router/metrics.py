@@ -4,9 +4,10 @@ the KV feed, and every replica's load as the router sees it. One registry per ro
 
 The KV transfer messages each replica's agents dropped (tandem_kv_messages_dropped, by replica and reason: a
 peer sending forged, malformed or oversized messages shows here), and those they sent by reference to replicas
-of the same host (tandem_kv_messages_by_reference), come from the replicas' stats(): a scrape
-starts asking every replica and shows what the previous one brought, so /metrics never waits on a replica and
-those counts are at most one scrape old."""
+of the same host (tandem_kv_messages_by_reference), and what each replica's speculative decoding proposed and got
+accepted (tandem_speculative_*, by proposer), come from the replicas' stats(): a scrape starts asking every replica
+and shows what the previous one brought, so /metrics never waits on a replica and those counts are at most one
+scrape old."""
 
 from __future__ import annotations
 
