@@ -141,7 +141,12 @@ class GrammarBackend:
                 self._cache.move_to_end(spec)
                 return found
         tables = self._tables()
-        text = grammar_text(spec)
+        try:
+            text = grammar_text(spec)
+        except InvalidStructuredOutput:
+            raise
+        except ValueError as e:  # llguidance's converters refuse some specs outright (the JSON schema `false`)
+            raise InvalidStructuredOutput(f"invalid {spec.kind}: {e}") from None
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(text, tables)
         if is_error:
             raise InvalidStructuredOutput(f"invalid {spec.kind}: {messages[0] if messages else 'rejected'}")

@@ -79,6 +79,7 @@ def test_ignore_eos_cannot_be_combined_with_a_constraint():
     (StructuredOutput.grammar("start: foo\n"), 'unknown name: "foo"'),
     (StructuredOutput.json_schema({"type": "nonsense"}), "nonsense"),
     (StructuredOutput.json_schema({"type": "array", "uniqueItems": True}), "uniqueItems"),
+    (StructuredOutput.json_schema(False), "Expecting object schema"),  # found by the API fuzz: it was a 500
 ])
 def test_what_the_compiler_rejects_is_refused_with_its_message(backend, spec, message):
     with pytest.raises(InvalidStructuredOutput, match=re.escape(message)):
