@@ -64,12 +64,12 @@ def load_draft(target: LoadedModel, draft: str, device: torch.device) -> LoadedM
     return loaded
 
 
-def _sample_request(seq: Seq, proposed: list[int]) -> SampleRequest:
-    """The sampler row of the output step after seq's tokens and `proposed`, as the target's runner builds it."""
-    step = len(seq.output_token_ids) + len(proposed)
-    if not seq.params.has_penalties:
-        return SampleRequest(seq.params, seq.seed, step, (), ())
-    return SampleRequest(seq.params, seq.seed, step, seq.prompt_token_ids, [*seq.output_token_ids, *proposed])
+def _shared_prefix(fed: Sequence[int], token_ids: Sequence[int], limit: int) -> int:
+    """How many leading tokens (at most limit) the draft's KV holds as they are in the sequence."""
+    same = 0
+    while same < limit and fed[same] == token_ids[same]:
+        same += 1
+    return same
 
 
 @dataclass
@@ -111,17 +111,16 @@ class DraftProposer:
         # The first pass: what each sequence's draft KV lacks, up to its last token.
         chunks = []
         for seq, state, _ in rows:
-            token_ids, same = seq.token_ids, 0
-            limit = min(len(state.fed), len(token_ids) - 1)
-            while same < limit and state.fed[same] == token_ids[same]:
-                same += 1
+            # The last token is computed again even when held: its pass gives the first proposal.
+            same = _shared_prefix(state.fed, seq.token_ids, min(len(state.fed), seq.num_tokens - 1))
             del state.fed[same:]
-            chunks.append((list(token_ids[same:]), same))
+            chunks.append((list(seq.token_ids[same:]), same))
         proposals: dict[str, list[int]] = {seq.seq_id: [] for seq, _, _ in rows}
         for step in range(max(k for *_, k in rows)):
             live = [i for i, (*_, k) in enumerate(rows) if k > step]
             drawn = self._forward([chunks[i] for i in live], [rows[i][1] for i in live],
-                                  [_sample_request(rows[i][0], proposals[rows[i][0].seq_id]) for i in live])
+                                  [SampleRequest.after(seq.params, seq.seed, seq.token_ids, seq.num_prompt_tokens,
+                                                       proposals[seq.seq_id]) for seq in (rows[i][0] for i in live)])
             for i, token in zip(live, drawn):
                 seq, state, _ = rows[i]
                 state.fed.extend(chunks[i][0])
@@ -154,11 +153,7 @@ class DraftProposer:
         state = self._seqs.get(seq.seq_id)
         if state is None:
             return seq.num_tokens
-        same, token_ids = 0, seq.token_ids
-        limit = min(len(state.fed), len(token_ids))
-        while same < limit and state.fed[same] == token_ids[same]:
-            same += 1
-        return seq.num_tokens - same
+        return seq.num_tokens - _shared_prefix(state.fed, seq.token_ids, min(len(state.fed), seq.num_tokens))
 
     def _room(self, state: _DraftSeq, num_tokens: int) -> bool:
         """Blocks for num_tokens positions; False (taking none) when the pool has too few."""

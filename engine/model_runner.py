@@ -60,11 +60,7 @@ class _SeqState:
 
     def sample_request(self, proposed: Sequence[int] = ()) -> SampleRequest:
         """The sampler's row for the sequence's next token, or, with proposed tokens, for the token after them."""
-        step = len(self.token_ids) + len(proposed) - self.num_prompt_tokens
-        if not self.params.has_penalties:  # only penalties read the history: skip copying it every step
-            return SampleRequest(self.params, self.seed, step, (), ())
-        return SampleRequest(self.params, self.seed, step, self.token_ids[:self.num_prompt_tokens],
-                             [*self.token_ids[self.num_prompt_tokens:], *proposed])
+        return SampleRequest.after(self.params, self.seed, self.token_ids, self.num_prompt_tokens, proposed)
 
 
 @dataclass

@@ -43,6 +43,16 @@ class SampleRequest:
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]
 
+    @classmethod
+    def after(cls, params: SamplingParams, seed: int, token_ids: Sequence[int], num_prompt_tokens: int,
+              proposed: Sequence[int] = ()) -> SampleRequest:
+        """The row of the token after token_ids (prompt then outputs) and any proposed tokens after them; the
+        histories only where penalties read them (no copy every step otherwise)."""
+        step = len(token_ids) + len(proposed) - num_prompt_tokens
+        if not params.has_penalties:
+            return cls(params, seed, step, (), ())
+        return cls(params, seed, step, token_ids[:num_prompt_tokens], [*token_ids[num_prompt_tokens:], *proposed])
+
 
 def _splitmix64(x: int) -> int:
     x = (x + 0x9E3779B97F4A7C15) & _MASK64
