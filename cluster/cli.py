@@ -7,6 +7,7 @@ import json
 import sys
 from typing import Sequence
 
+from tandem.engine.engine_config import KV_CACHE_DTYPES, QUANTIZED_WEIGHTS, WEIGHT_FORMATS
 from tandem.engine.errors import ReplicaFailedError, TandemError
 
 
@@ -45,10 +46,15 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
                         "rank r takes GPU r")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                    help="compute precision (default: bfloat16 on CUDA, float32 on the CPU; bfloat16 with "
-                        "--weights packed)")
-    p.add_argument("--weights", choices=["dense", "packed"], default="dense",
-                   help="dense: expand every weight to --dtype; packed: keep a GGUF file's Q4_0/Q4_1 weights "
+                        "quantized --weights)")
+    p.add_argument("--weights", choices=list(WEIGHT_FORMATS), default="dense",
+                   help="dense: expand every weight to --dtype; int8: per-output-channel int8 projections (any "
+                        "checkpoint, CPU or CUDA); int4 / int4_g128: group-wise 4-bit projections, groups of 32 / "
+                        "128 (CPU); packed: keep a GGUF file's Q4_0/Q4_1 weights "
                         "4-bit on the CPU (bfloat16 compute, ~4x less weight memory)")
+    p.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES), default="auto",
+                   help="what the KV cache stores (default auto: --dtype); int8 / fp8_e4m3 keep a scale per block "
+                        "and head, about half bfloat16's bytes")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice; split "
                    "over the ranks when the replica spans processes)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (attention by KV heads, MLP by columns)")
@@ -82,20 +88,22 @@ def _generate(args: argparse.Namespace) -> int:
                             stop=args.stop, ignore_eos=args.ignore_eos, seed=args.seed)
     if args.threads:
         torch.set_num_threads(args.threads)
-    packed = args.weights == "packed"
-    if packed and args.device == "cuda":
-        raise ValueError("--weights packed runs on the CPU (torch's int4 CPU kernel); drop it or use --device cpu")
-    choice = resolve_device("cpu" if packed else args.device, args.dtype or ("bfloat16" if packed else None),
+    quantized = args.weights in QUANTIZED_WEIGHTS
+    cpu_only = args.weights in ("packed", "int4", "int4_g128")
+    if cpu_only and args.device == "cuda":
+        raise ValueError(f"--weights {args.weights} runs on the CPU (torch's int4 CPU kernel); use --weights int8 "
+                         "on CUDA, or --device cpu")
+    choice = resolve_device("cpu" if cpu_only else args.device, args.dtype or ("bfloat16" if quantized else None),
                             None, torch.cuda.device_count(), f"torch {torch.__version__}")
     dtype = choice.dtype
-    if packed and dtype != "bfloat16":
-        raise ValueError("--weights packed computes in bfloat16; drop --dtype or pass --dtype bfloat16")
+    if quantized and dtype != "bfloat16":
+        raise ValueError(f"--weights {args.weights} computes in bfloat16; drop --dtype or pass --dtype bfloat16")
     parallel = ParallelConfig(tp=args.tp, pp=args.pp, ep=args.ep)
-    if packed and parallel.world_size > 1:
+    if args.weights == "packed" and parallel.world_size > 1:
         raise ValueError("--weights packed runs in one process; drop it to split the model with --tp/--pp/--ep")
     # A replica over several processes: the ranks load their own shards, this process only the tokenizer.
     loaded = load_model(args.model, dtype=getattr(torch, dtype), device=choice.device, progress=sys.stderr.isatty(),
-                        packed=packed, weights=parallel.world_size == 1)
+                        weight_format=args.weights, weights=parallel.world_size == 1)
     tokenizer = loaded.tokenizer
     if args.chat is not None:
         prompt_ids = tokenizer.encode_chat([{"role": "user", "content": args.chat}])
@@ -105,7 +113,8 @@ def _generate(args: argparse.Namespace) -> int:
     # longer than the model's context is still rejected by the generator with the model's limit in the message.
     needed = len(prompt_ids) + params.max_tokens
     context = loaded.config.max_position_embeddings
-    with Generator(loaded, max_model_len=needed if needed <= context else context, parallel=parallel) as generator:
+    with Generator(loaded, max_model_len=needed if needed <= context else context, parallel=parallel,
+                   kv_cache_dtype=args.kv_cache_dtype) as generator:
         if args.verbose:
             print("\n".join([f"device: {choice.describe()}"] + loaded.describe_kernels()
                             + generator.engine.layout.describe()), file=sys.stderr)

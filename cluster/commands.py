@@ -15,7 +15,7 @@ def _print_warnings(checked, source: str) -> None:
 
 
 def validate(args: argparse.Namespace) -> int:
-    from tandem.cluster.manifest_checks import check_file
+    from tandem.cluster.manifest_checks import check_file, kv_conversion
     from tandem.cluster.manifest_yaml import ManifestInvalid
 
     try:
@@ -32,6 +32,8 @@ def validate(args: argparse.Namespace) -> int:
     http = f", HTTP on {manifest.listen.http}" if manifest.listen.http else ""
     print(f"{args.manifest}: valid ({manifest.mode}; {pools}; gRPC on {manifest.listen.grpc}{http}; "
           f"routing {manifest.router.policy})")
+    if (conversion := kv_conversion(manifest)) is not None:
+        print(conversion)
     return 0
 
 
@@ -141,11 +143,12 @@ def status(args: argparse.Namespace) -> int:
             short = pool["shortfall"]
             print(f"    shortfall: {short['replicas']} replica(s) of {short['bundle']} could not be placed")
     for r in report["replicas"]:
-        kv = (f"KV {r['kv_blocks_in_use']}/{r['kv_blocks_total']} blocks ({100 * r['kv_usage']:.0f}%)"
-              if "kv_blocks_total" in r else "")
+        kv = (f"KV {r['kv_blocks_in_use']}/{r['kv_blocks_total']} blocks ({100 * r['kv_usage']:.0f}%"
+              f"{', ' + r['kv_dtype'] if r.get('kv_dtype') else ''})" if "kv_blocks_total" in r else "")
+        weights = f", {r['weights']} weights" if r.get("weights") not in (None, "dense") else ""
         queues = (f"running {r['running']}, waiting {r['waiting']}, waiting for KV {r['waiting_for_kv']}, "
                   f"in flight {r.get('in_flight', 0)}" if "running" in r else r.get("error", ""))
-        print(f"    {r['name']:<12} {r['state']:<12} node {r.get('node')} pid {r.get('pid')} ({r.get('device')})  "
+        print(f"    {r['name']:<12} {r['state']:<12} node {r.get('node')} pid {r.get('pid')} ({r.get('device')}{weights})  "
               f"{queues}  {kv}")
         if r.get("speculation"):
             s = r["speculation"]

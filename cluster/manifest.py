@@ -143,7 +143,14 @@ class EngineLimits(_Strict):
     max_model_len: int | None = Field(None, ge=1)
     enable_prefix_caching: bool = True
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: CUDA when Ray gave the rank a GPU (resources.gpus)
-    dtype: Literal["float32", "bfloat16"] | None = None  # None: bfloat16 on CUDA, float32 on the CPU
+    dtype: Literal["float32", "bfloat16"] | None = None  # None: bfloat16 on CUDA or quantized weights, else float32
+    # How projection weights are held (engine_config.WEIGHT_FORMATS): dense in dtype; packed (a GGUF file's 4-bit
+    # layers, CPU); int8 (any checkpoint, CPU and CUDA); int4 / int4_g128 (group-wise 4-bit, CPU). All but dense
+    # compute in bfloat16.
+    weights: Literal["dense", "packed", "int8", "int4", "int4_g128"] = "dense"
+    # What the KV cache stores (engine/kv_cache.py): auto is dtype; int8 and fp8_e4m3 keep a scale per block and
+    # head and hold about twice the tokens of bfloat16 in the same bytes. Two pools that differ convert on receive.
+    kv_cache_dtype: Literal["auto", "bfloat16", "float16", "int8", "fp8_e4m3"] = "auto"
     attention_backend: Literal["auto", "torch", "triton"] = "auto"  # auto: Triton on CUDA, torch elsewhere
     # Compile the decode step at start-up (engine/models/compiled.py). None: on for the pools that decode (unless
     # TANDEM_COMPILE=off), off for a disaggregated cluster's prefill pool.
@@ -167,6 +174,8 @@ class EngineLimits(_Strict):
     def _one_budget(self) -> EngineLimits:
         if self.kv_cache_bytes is not None and self.num_kv_blocks is not None:
             raise ValueError("give one KV budget: kv_cache_bytes or num_kv_blocks, not both")
+        if self.weights != "dense" and self.dtype == "float32":
+            raise ValueError(f"weights: {self.weights} computes in bfloat16; drop dtype or set it to bfloat16")
         return self
 
 
@@ -244,6 +253,8 @@ class Pool(_Strict):
 
     @property
     def dtype(self) -> str:
+        if self.engine.dtype is None and self.engine.weights != "dense":
+            return "bfloat16"
         return self.engine.dtype or default_dtype(self.device)
 
 

@@ -17,7 +17,7 @@ from pydantic import ValidationError
 from tandem.cluster.manifest import COLOCATED_HAS_PREFILL, MODE_NEEDS_PREFILL, ApiKey, Manifest, TLSSettings
 from tandem.cluster.manifest_yaml import ManifestError, ManifestInvalid, line_map, manifest_from, read_text, read_yaml
 from tandem.engine.cpu_affinity import format_cpus, offered_cpus
-from tandem.engine.device import DEVICES, default_dtype, planned_device
+from tandem.engine.device import DEVICES
 from tandem.engine.errors import ModelLoadError
 from tandem.router.tls import TLSFileError, check_certificates
 
@@ -127,14 +127,6 @@ def _gpus_and_device(pool: dict) -> tuple[float | None, str | None]:
     return (gpus if ok_gpus else None), (device if device in DEVICES else None)
 
 
-def _planned_dtype(pool: dict) -> str | None:
-    gpus, device = _gpus_and_device(pool)
-    dtype = _get(pool, "engine", "dtype")
-    if dtype is not None or gpus is None or device is None:
-        return dtype
-    return default_dtype(planned_device(device, gpus))
-
-
 def _device_errors(name: str, pool: dict) -> list[ManifestError]:
     """A pool's devices against the GPUs its ranks ask Ray for: CUDA needs a GPU per rank, and a replica split
     over several ranks needs whole GPUs (NCCL runs one rank per GPU)."""
@@ -236,16 +228,13 @@ def check_manifest(data: dict, lines: dict[tuple, int] | None = None, *,
     for name in pools:
         errors += _device_errors(name, _get(data, "pools", name))
     if mode == "disaggregated" and len(pools) == 2:
-        kv_formats = {name: {"block_size": _get(data, "pools", name, "engine", "block_size", default=16),
-                             "dtype": _planned_dtype(_get(data, "pools", name))} for name in pools}
-        for field in ("block_size", "dtype"):
-            prefill, decode = kv_formats["prefill"][field], kv_formats["decode"][field]
-            if prefill != decode:
-                hint = "KV blocks are copied as they are: both pools must agree"
-                if field == "dtype":
-                    hint += " (dtype defaults to bfloat16 on CUDA and float32 on the CPU: set it on both pools)"
-                errors.append(ManifestError(
-                    f"pools.decode.engine.{field}", f"differs from the prefill pool's ({prefill} vs {decode})", hint))
+        # The KV dtypes may differ (the decode pool converts what arrives: kv_conversion says what it costs); the
+        # block size may not.
+        sizes = {name: _get(data, "pools", name, "engine", "block_size", default=16) for name in pools}
+        if sizes["prefill"] != sizes["decode"]:
+            errors.append(ManifestError(
+                "pools.decode.engine.block_size", f"differs from the prefill pool's ({sizes['prefill']} vs "
+                f"{sizes['decode']})", "KV blocks are copied block for block: both pools must agree"))
     addresses = {"grpc": _get(data, "listen", "grpc", default="127.0.0.1:50051"), "http": _get(data, "listen", "http")}
     for field, address in addresses.items():
         if check_ports and isinstance(address, str) and (problem := listen_problem(address, field)) is not None:
@@ -276,6 +265,43 @@ def check_manifest(data: dict, lines: dict[tuple, int] | None = None, *,
                                     "set slo.ttft_s (seconds), or use admission: queue_timeout"))
     errors += _tls_errors(data.get("tls"))
     return [_at_line(e, lines) for e in errors]
+
+
+def kv_conversion(manifest: Manifest, *, measure_tokens: int = 1024) -> str | None:
+    """What a disaggregated manifest's KV transfers cost when its pools store KV in different dtypes (None when
+    they store the same, or the cluster is colocated): the bytes per token each pool's KV takes, that transfers
+    carry the prefill pool's, and the time the decode pool spends converting each received token, measured here
+    on measure_tokens tokens of the model's KV (on this machine's CPU: a decode pool on a GPU converts there)."""
+    if manifest.mode != "disaggregated":
+        return None
+    import time
+
+    import torch
+
+    from tandem.engine.attention.kv_quant import convert_blocks
+    from tandem.engine.kv_cache import KVCacheSpec, kv_dtype_name, kv_storage_dtype
+    from tandem.engine.loader import load_model
+
+    pools = {name: manifest.pool(name) for name in ("prefill", "decode")}
+    stored = {name: kv_storage_dtype(p.engine.kv_cache_dtype, getattr(torch, p.dtype)) for name, p in pools.items()}
+    if stored["prefill"] == stored["decode"]:
+        return None
+    config = load_model(manifest.model_path, weights=False, progress=False).config
+    block = pools["decode"].engine.block_size
+    per_token = {name: KVCacheSpec(config.num_layers, 1, block, config.num_kv_heads, config.head_dim, dtype)
+                 .bytes_per_block / block for name, dtype in stored.items()}
+    blocks = -(-measure_tokens // block)
+    values = torch.randn(config.num_layers, 2, blocks, config.num_kv_heads, block, config.head_dim)
+    sent = convert_blocks(values, block, stored["prefill"])
+    start = time.perf_counter()
+    convert_blocks(sent, block, stored["decode"])
+    seconds = (time.perf_counter() - start) * 1000 / (blocks * block)
+    names = {name: kv_dtype_name(dtype) for name, dtype in stored.items()}
+    return (f"KV transfer converts on receive: the prefill pool stores {names['prefill']} KV "
+            f"({per_token['prefill'] / 1024:.1f} KiB/token), the decode pool {names['decode']} "
+            f"({per_token['decode'] / 1024:.1f} KiB/token). Transfers carry {per_token['prefill'] / 1024:.1f} KiB "
+            f"per token and the decode pool converts each received block: {seconds * 1e3:.1f} ms per 1,000 "
+            f"tokens measured on this machine's CPU, on the receiving rank's transfer thread")
 
 
 @dataclass(frozen=True)

@@ -44,10 +44,12 @@ def replica_spec(manifest: Manifest, pool: Pool) -> ReplicaSpec:
                           max_model_len=e.max_model_len, max_num_batched_tokens=e.max_num_batched_tokens,
                           max_num_seqs=e.max_num_seqs, enable_prefix_caching=e.enable_prefix_caching,
                           attention_backend=e.attention_backend, compile=compile_step,
+                          kv_cache_dtype=e.kv_cache_dtype,
                           speculative=e.speculative.config() if e.speculative and decodes else None)
     p = pool.parallelism
     threads = max(1, round(pool.resources.cpus * p.world_size))
-    return ReplicaSpec(model=absolute_model(manifest), device=e.device, dtype=e.dtype, engine=engine,
+    return ReplicaSpec(model=absolute_model(manifest), device=e.device, dtype=pool.dtype if e.weights != "dense"
+                       else e.dtype, weights=e.weights, engine=engine,
                        parallel=ParallelConfig(tp=p.tp, pp=p.pp, ep=p.ep), threads=threads,
                        cpu_affinity=pool.cpu_affinity)
 

@@ -336,6 +336,7 @@ class ReplicaSet:
         base = {"name": entry.name, "pool": entry.pool, "node": info.node if info else None,
                 "node_id": info.node_id if info else None, "ranks": list(info.layout) if info else [],
                 "device": info.device if info else None, "pid": info.pid if info else None,
+                "weights": info.weights if info else None, "kv_dtype": info.kv_dtype if info else None,
                 "rank_placements": [dataclasses.asdict(r) for r in info.ranks] if info else [],
                 "for_s": round(time.monotonic() - entry.since, 1)}
         if entry.api is None or entry.state in ("placing", "starting"):

@@ -10,6 +10,14 @@ from tandem.engine.speculation import SpeculativeConfig
 DEFAULT_CPU_KV_FRACTION = 0.25  # of available RAM: the CPU is shared with the tokenizer, the OS and peers
 DEFAULT_GPU_KV_FRACTION = 0.90  # of free device memory after the weights are loaded
 ATTENTION_BACKENDS = ("auto", "torch", "triton")  # auto: Triton on CUDA, the torch reference elsewhere
+# How projection weights are held (engine/models/llama.py): dense in the compute dtype; packed: a GGUF file's
+# Q4_0/Q4_1 layers kept 4-bit; int8: every projection per-output-channel int8 (engine/models/int8.py); int4 /
+# int4_g128: every projection group-wise 4-bit, groups of 32 / 128 (engine/models/int4.py), the LM head int8.
+WEIGHT_FORMATS = ("dense", "packed", "int8", "int4", "int4_g128")
+QUANTIZED_WEIGHTS = ("packed", "int8", "int4", "int4_g128")  # these compute in bfloat16
+# What the KV cache stores (engine/kv_cache.py): auto is the compute dtype; int8 and fp8_e4m3 hold codes with a
+# float32 scale per block, layer, K/V and KV head, computed from the data as tokens are written.
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "int8", "fp8_e4m3")
 
 
 @dataclass(frozen=True)
@@ -32,6 +40,7 @@ class EngineConfig:
     compile: bool | None = None
     # Speculative decoding (engine/speculation.py): None decodes one token per step.
     speculative: SpeculativeConfig | None = None
+    kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -39,6 +48,8 @@ class EngineConfig:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
                              f"got {self.attention_backend!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         budgets = [n for n in ("num_kv_blocks", "kv_cache_bytes", "kv_cache_fraction") if getattr(self, n) is not None]
         if len(budgets) > 1:
             raise ValueError(f"give one KV budget, not {' and '.join(budgets)}")

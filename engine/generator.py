@@ -53,8 +53,9 @@ class GenerationResult:
 
 class Generator:
     def __init__(self, loaded: LoadedModel, *, block_size: int = 16, max_model_len: int | None = None,
-                 parallel: ParallelConfig = ParallelConfig()):
-        """parallel: split the model over processes (loaded may then hold no weights); close() stops them."""
+                 parallel: ParallelConfig = ParallelConfig(), kv_cache_dtype: str = "auto"):
+        """parallel: split the model over processes (loaded may then hold no weights); close() stops them.
+        kv_cache_dtype: engine_config.KV_CACHE_DTYPES."""
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
         context = loaded.config.max_position_embeddings
@@ -63,7 +64,7 @@ class Generator:
         self.engine = LLMEngine(loaded, EngineConfig(
             block_size=block_size, num_kv_blocks=-(-self.max_model_len // block_size),
             max_model_len=self.max_model_len, max_num_batched_tokens=self.max_model_len, max_num_seqs=1,
-            enable_prefix_caching=False), parallel=parallel)
+            enable_prefix_caching=False, kv_cache_dtype=kv_cache_dtype), parallel=parallel)
         self.runner = self.engine.runner
         # Load time includes starting the ranks (and their loading their shards) for a multi-process replica.
         self.load_seconds = loaded.load_seconds + time.perf_counter() - start

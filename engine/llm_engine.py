@@ -40,7 +40,7 @@ from tandem.engine.draft_proposer import DraftProposer, load_draft
 from tandem.engine.engine_config import EngineConfig, available_memory_bytes
 from tandem.engine.errors import ReplicaFailedError
 from tandem.engine.grammar import GrammarBackend
-from tandem.engine.kv_cache import KVCacheSpec, PagedKVCache, store_memory_of
+from tandem.engine.kv_cache import KVCacheSpec, PagedKVCache, kv_storage_dtype, store_memory_of
 from tandem.engine.kv_cache_manager import KVCacheManager
 from tandem.engine.kv_events import KVEventSink, discard_events
 from tandem.engine.loader.model_loader import LoadedModel
@@ -95,8 +95,9 @@ class LLMEngine:
         # The largest rank share of one block (its layers x its KV heads) sets how many blocks the budget buys.
         shares = [self.layout.shard(r) for r in range(self.layout.world_size)]
         largest = max(shares, key=lambda s: len(s.layers) * len(s.kv_heads))
+        self.kv_dtype = kv_storage_dtype(config.kv_cache_dtype, loaded.dtype)
         probe = KVCacheSpec(len(largest.layers), 1, config.block_size, len(largest.kv_heads), model_config.head_dim,
-                            loaded.dtype)
+                            self.kv_dtype)
 
         def blocks_for(free_bytes: int) -> int:
             return config.num_blocks(probe.bytes_per_block, free_bytes, device.type == "cuda")
@@ -115,13 +116,15 @@ class LLMEngine:
                 num_blocks = config.num_blocks(bytes_per_block, available_memory_bytes(device), device.type == "cuda")
             else:
                 num_blocks = blocks_for(available_memory_bytes(device))  # after the weights were loaded
-            tune_for(loaded.model, config.block_size)  # frees what it takes before the cache is allocated
+            # Frees what it takes before the cache is allocated.
+            tune_for(loaded.model, config.block_size, kv_dtype=self.kv_dtype)
             self.runner = ModelRunner(loaded.model, PagedKVCache(self._kv_spec(num_blocks), device,
                                                                  store_memory_of(kv_agent, device)))
             compiling = compile_enabled(config.compile)
             if compiling:
                 self.runner.compiled = compile_decode(loaded.model, config.max_num_seqs, 1 + (
-                    config.speculative.max_tokens if config.speculative is not None else 0))
+                    config.speculative.max_tokens if config.speculative is not None else 0),
+                    kv_quantized=probe.quantized)
             if draft is not None:
                 tune_for(draft.model, config.block_size)
                 # The draft's first pass of a round computes the 1-2 tokens it lacks per sequence: compiled too.
@@ -157,7 +160,8 @@ class LLMEngine:
                         init_method=f"tcp://127.0.0.1:{free_port()}", timeout_s=parallel.collective_timeout_s,
                         threads=threads, micro_batches=parallel.num_micro_batches, kv_agent=kv_agent,
                         attention_backend=config.attention_backend, visible_gpus=rank_gpus,
-                        cpus=None if rank_cpus is None else tuple(tuple(c) for c in rank_cpus)),
+                        cpus=None if rank_cpus is None else tuple(tuple(c) for c in rank_cpus),
+                        weight_format=loaded.weight_format, kv_dtype=config.kv_cache_dtype),
                         kv_blocks=lambda free: blocks_for(free // share))
                     break
                 except ReplicaFailedError as e:
@@ -310,7 +314,7 @@ class LLMEngine:
         """The whole replica's KV cache (every layer and KV head; each rank holds its share)."""
         c = self.loaded.config
         return KVCacheSpec(c.num_layers, num_blocks, self.config.block_size, c.num_kv_heads, c.head_dim,
-                           self.loaded.dtype)
+                           self.kv_dtype)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()

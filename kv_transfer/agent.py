@@ -57,7 +57,7 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
-from tandem.engine.kv_cache import PagedKVCache
+from tandem.engine.kv_cache import KV_STORAGE, PagedKVCache, kv_dtype_name
 from tandem.engine.parallel.layout import ReplicaLayout
 from tandem.kv_transfer.config import TransferConfig
 from tandem.kv_transfer.descriptor import KVFormat, RankStatus, TransferDescriptor, TransferState
@@ -116,7 +116,7 @@ class KVTransferAgent:
             raise ValueError(f"rank {rank}'s KV store holds {spec.num_layers} layers x {spec.num_kv_heads} KV heads, "
                              f"its layout share is {len(self.layers)} x {len(self.kv_heads)}")
         self.format = KVFormat(layout.num_layers, layout.num_kv_heads, spec.head_dim, spec.block_size,
-                               str(spec.dtype).removeprefix("torch."))
+                               kv_dtype_name(spec.dtype))
         self.key = MessageKey(config.secret)
         self.copier = KVCopier(kv_cache.data, self.layers, self.kv_heads)
         self.path = self.copier.choose_path(config.kv_path, transport.device_transports, rank)
@@ -189,7 +189,8 @@ class KVTransferAgent:
             raise ValueError(f"transfer {transfer_id!r}: destination block ids repeat: {list(block_ids)}")
         if isinstance(senders, str):
             raise ValueError(f"transfer {transfer_id!r}: senders must be a sequence of addresses, got {senders!r}")
-        share = len(block_ids) * len(self.layers) * len(self.kv_heads) * self.format.bytes_per_block_layer_head
+        # The sender's dtype is learnt from its messages: room for the widest a peer may send.
+        share = len(block_ids) * len(self.layers) * len(self.kv_heads) * self.format.largest_bytes_per_block_layer_head
         key = transfer_key(transfer_id)
         with self._lock:
             if key in self._in or key in self._out:
@@ -203,9 +204,10 @@ class KVTransferAgent:
     def arm(self, descriptor: TransferDescriptor, seq_id: str | None = None) -> None:
         """Prepares this rank's messages for descriptor. With seq_id, on_layers_done sends them as the
         sequence's layers are computed, config.layer_group layers a message; without, call send_all, which
-        sends all layers of a piece together (the fewest, largest messages). Raises ValueError if the KV formats
-        differ or the transfer id is in use here."""
-        self.format.check_matches(descriptor.kv)
+        sends all layers of a piece together (the fewest, largest messages). Messages carry this store's dtype
+        (the receiver converts them to its own). Raises ValueError if the KV formats differ in anything but
+        the dtype or the transfer id is in use here."""
+        self.format.check_matches(descriptor.kv, dtype=False)
         pieces = plan_pieces(self.layout, descriptor.layout)
         group = self.config.layer_group if seq_id is not None else self.layout.num_layers
         messages = plan_messages(pieces, len(descriptor.block_ids), layer_group=group,
@@ -296,7 +298,7 @@ class KVTransferAgent:
                             out.descriptor.shm_domain(m.dst_rank) == self.shm_domain)
             ref = self.shm.ref(slot.offset + HEADER_BYTES, nbytes) if by_reference else None
             header = DataHeader(m.index, out.counts[m.dst_rank], self.rank, m.layers, m.kv_heads, m.blocks, nbytes,
-                                ref)
+                                ref, self.format.dtype)
             sealed = np.frombuffer(header.seal(self.key, tag, slot.view[HEADER_BYTES:]), dtype=np.uint8)
             if by_reference:  # the header and the ref go; the payload stays in the slot for the receiver
                 wire = np.concatenate([sealed, np.frombuffer(ref.pack(), dtype=np.uint8)])
@@ -352,7 +354,8 @@ class KVTransferAgent:
                      HEADER_PAGE + start.data_ptr() - data.data_ptr(), nbytes, 0,
                      tuple(stride * size for stride in data.stride()[:3]))
         tag = make_tag(key, Kind.DATA, m.index)
-        header = DataHeader(m.index, out.counts[m.dst_rank], self.rank, m.layers, m.kv_heads, m.blocks, nbytes, ref)
+        header = DataHeader(m.index, out.counts[m.dst_rank], self.rank, m.layers, m.kv_heads, m.blocks, nbytes, ref,
+                            self.format.dtype)
         wire = np.frombuffer(header.seal(self.key, tag, b"") + ref.pack(), dtype=np.uint8)
         peer = out.descriptor.addresses[m.dst_rank]
         if self._record(out, key, m, self.transport.send(peer, tag, wire), peer, nbytes, None, True):
@@ -587,8 +590,8 @@ class KVTransferAgent:
             self._answer_late(key, inbound, header.src_rank)
             return
         inbound.seen.add(header.src_rank)
-        problem = inbound.problem_with(header, index, self.layers, self.kv_heads,
-                                       self.format.bytes_per_block_layer_head)
+        sent = self.format.with_dtype(header.kv_dtype)  # what the payload holds: this store's format, or a peer's
+        problem = inbound.problem_with(header, index, self.layers, self.kv_heads, sent.bytes_per_block_layer_head)
         if problem is not None:
             inbound.end(TransferState.FAILED, problem[1])
             self.replies.tell_senders(key, inbound, problem[0])
@@ -602,7 +605,7 @@ class KVTransferAgent:
         else:
             end = HEADER_BYTES + header.payload_bytes
             source = slot.view[HEADER_BYTES:end] if slot.device is None else slot.device[HEADER_BYTES:end]
-            self.copier.scatter_from(source, header.layers, header.kv_heads, blocks)
+            self._scatter(source, header, blocks)
         if inbound.state is TransferState.RESERVED:
             inbound.state = TransferState.TRANSFERRING
         inbound.arrived.add(index)
@@ -618,19 +621,32 @@ class KVTransferAgent:
         ref = header.ref
         try:
             if ref.in_store:  # the sender's KV blocks themselves, held there until this transfer ends
-                _, _, _, _, block_size, head_dim = self.kv.data.shape
-                inner = len(header.kv_heads) * block_size * head_dim * self.kv.data.element_size()
+                sent = self.format.with_dtype(header.kv_dtype)
+                dtype = KV_STORAGE[sent.dtype]
+                rows, head_dim = sent.rows_per_block, sent.head_dim
+                inner = len(header.kv_heads) * rows * head_dim * dtype.itemsize
                 raw = self.peer_segments.store_slice(ref, (len(header.layers), 2, len(header.blocks), inner))
-                source = readable(raw).view(self.kv.data.dtype).unflatten(3, (len(header.kv_heads), block_size,
-                                                                             head_dim))
-                self.copier.scatter_slice(source, header.layers, header.kv_heads, blocks)
+                source = readable(raw).view(dtype).unflatten(3, (len(header.kv_heads), rows, head_dim))
+                if sent.dtype == self.format.dtype:
+                    self.copier.scatter_slice(source, header.layers, header.kv_heads, blocks)
+                else:
+                    self.copier.scatter_converted(source, dtype, sent.block_size, header.layers, header.kv_heads,
+                                                  blocks)
                 return None
-            self.copier.scatter_from(readable(self.peer_segments.view(ref)), header.layers, header.kv_heads, blocks)
+            self._scatter(readable(self.peer_segments.view(ref)), header, blocks)
             if not self.peer_segments.still_valid(ref):
                 return f"message {header.index}: the sender took its slot back while this rank read it"
         except ShmUnavailable as e:
             return f"message {header.index}: {e}"
         return None
+
+    def _scatter(self, payload, header: DataHeader, blocks: list[int]) -> None:
+        """A message's payload bytes into blocks: as they are, or converted from the sender's dtype."""
+        if header.kv_dtype == self.format.dtype:
+            self.copier.scatter_from(payload, header.layers, header.kv_heads, blocks)
+        else:
+            self.copier.scatter_converted(payload, KV_STORAGE[header.kv_dtype], self.format.block_size, header.layers,
+                                          header.kv_heads, blocks)
 
     def _answer_late(self, key: int, inbound: Inbound | None, src_rank: int) -> None:
         """An authentic DATA message of a transfer that ended here: its source rank is told the outcome (a

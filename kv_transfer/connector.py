@@ -31,6 +31,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+from tandem.engine.kv_cache import kv_dtype_name
 from tandem.engine.llm_engine import LLMEngine
 from tandem.engine.output_processor import RequestOutput
 from tandem.engine.sampled_token import SampledToken
@@ -151,7 +152,7 @@ class DecodeConnector(_Connector):
         self.config = config
         spec = engine.kv_cache_spec
         self.kv_format = KVFormat(spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.block_size,
-                                  str(spec.dtype).removeprefix("torch."))
+                                  kv_dtype_name(spec.dtype))
 
     def reserve(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *,
                 priority: int = 0, cache_salt: str | None = None, lease_s: float | None = None,

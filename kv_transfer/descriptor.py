@@ -10,7 +10,9 @@ from dataclasses import dataclass
 from tandem.engine.errors import TandemError
 from tandem.engine.parallel.layout import ReplicaLayout
 
-_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1, "fp8_e4m3": 1}
+KV_DTYPES = tuple(_DTYPE_BYTES)  # a KV store's dtype names (engine/kv_cache.py KV_STORAGE); the wire codes them
+QUANTIZED_KV_DTYPES = ("int8", "fp8_e4m3")  # stores that keep a scale row per block and KV head
 
 
 class TransferState(enum.Enum):
@@ -37,22 +39,46 @@ class TransferState(enum.Enum):
 
 @dataclass(frozen=True)
 class KVFormat:
-    """What both replicas' KV stores must agree on for bytes to be copied as they are."""
+    """What both replicas' KV stores must agree on for bytes to be copied as they are. Stores of different
+    dtypes still exchange KV: the receiver converts what arrives (each message names its dtype)."""
 
     num_layers: int
     num_kv_heads: int
     head_dim: int
     block_size: int
-    dtype: str  # "float32" | "float16" | "bfloat16"
+    dtype: str  # one of KV_DTYPES
+
+    @property
+    def rows_per_block(self) -> int:
+        """Rows of head_dim elements per block, layer, K/V and KV head: the tokens and a quantized store's scales."""
+        return self.block_size + (1 if self.dtype in QUANTIZED_KV_DTYPES else 0)
 
     @property
     def bytes_per_block_layer_head(self) -> int:
-        """K and V of one block of one layer and one KV head."""
-        return 2 * self.block_size * self.head_dim * _DTYPE_BYTES[self.dtype]
+        """K and V of one block of one layer and one KV head (with their scales in a quantized store)."""
+        return 2 * self.rows_per_block * self.head_dim * _DTYPE_BYTES[self.dtype]
 
-    def check_matches(self, other: KVFormat) -> None:
-        """Raises ValueError naming the first field that differs."""
-        for name in ("num_layers", "num_kv_heads", "head_dim", "block_size", "dtype"):
+    @property
+    def bytes_per_token(self) -> float:
+        """Bytes of every layer's and KV head's K and V per token (scales shared out over the block's tokens)."""
+        return self.num_layers * self.num_kv_heads * self.bytes_per_block_layer_head / self.block_size
+
+    @property
+    def largest_bytes_per_block_layer_head(self) -> int:
+        """What one block of one layer and KV head takes in the widest dtype a peer may send it in."""
+        return max(KVFormat(self.num_layers, self.num_kv_heads, self.head_dim, self.block_size, d)
+                   .bytes_per_block_layer_head for d in KV_DTYPES)
+
+    def with_dtype(self, dtype: str) -> KVFormat:
+        if dtype not in KV_DTYPES:
+            raise ValueError(f"unknown KV dtype {dtype!r}; known: {', '.join(KV_DTYPES)}")
+        return KVFormat(self.num_layers, self.num_kv_heads, self.head_dim, self.block_size, dtype)
+
+    def check_matches(self, other: KVFormat, *, dtype: bool = True) -> None:
+        """Raises ValueError naming the first field that differs (dtype False: all but the dtype, which the
+        receiver converts)."""
+        names = ("num_layers", "num_kv_heads", "head_dim", "block_size") + (("dtype",) if dtype else ())
+        for name in names:
             if getattr(self, name) != getattr(other, name):
                 raise ValueError(f"KV formats differ in {name}: {getattr(self, name)} here, "
                                  f"{getattr(other, name)} at the peer")

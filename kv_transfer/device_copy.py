@@ -29,6 +29,9 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from tandem.engine.attention.kv_quant import convert_blocks
+from tandem.engine.kv_cache import KV_STORAGE, QUANTIZED_KV
+
 _log = logging.getLogger(__name__)
 
 
@@ -57,12 +60,16 @@ class PendingCopy:
 
 class KVCopier:
     def __init__(self, data: torch.Tensor, layers: range, kv_heads: range):
-        """data: a rank's KV store [layers, 2, blocks, KV heads, block_size, head_dim] holding the global layers
-        `layers` and KV heads `kv_heads`. Payloads name global layers and heads; block ids are this store's."""
+        """data: a rank's KV store [layers, 2, blocks, KV heads, rows, head_dim] holding the global layers
+        `layers` and KV heads `kv_heads` (rows: block_size, plus a quantized store's scale row). Payloads name
+        global layers and heads; block ids are this store's. A float8 store is copied as its bytes (torch's CPU
+        index ops skip float8)."""
         if data.dim() != 6 or data.shape[0] != len(layers) or data.shape[3] != len(kv_heads):
             raise ValueError(f"a KV store of shape {tuple(data.shape)} does not hold {len(layers)} layers x "
-                             f"{len(kv_heads)} KV heads as [layers, 2, blocks, KV heads, block_size, head_dim]")
-        self.data = data
+                             f"{len(kv_heads)} KV heads as [layers, 2, blocks, KV heads, rows, head_dim]")
+        self.store_dtype = data.dtype
+        self.block_size = data.shape[4] - (1 if data.dtype in QUANTIZED_KV else 0)
+        self.data = data.view(torch.uint8) if data.dtype.is_floating_point and data.element_size() == 1 else data
         self.layers, self.kv_heads = layers, kv_heads
         self.device = data.device
         self.on_cuda = data.device.type == "cuda"
@@ -154,6 +161,24 @@ class KVCopier:
             target.index_copy_(2, rows, self._shaped(data, layers, kv_heads, len(ids)))
         self._receive_stream.synchronize()
 
+    def scatter_converted(self, payload: np.ndarray | torch.Tensor, dtype: torch.dtype, block_size: int,
+                          layers: range, kv_heads: range, block_ids: Sequence[int]) -> None:
+        """scatter_from for the slice as a store of another dtype holds it (payload: its bytes, or the slice
+        itself, any strides): converted into this store's dtype first (engine/attention/kv_quant.py
+        convert_blocks). Raises ValueError as scatter_from does."""
+        if isinstance(payload, np.ndarray):
+            payload = torch.from_numpy(payload)
+        rows = block_size + (1 if dtype in QUANTIZED_KV else 0)
+        shape = (len(layers), 2, len(block_ids), len(kv_heads), rows, self.data.shape[5])
+        if payload.dtype == torch.uint8 and payload.dim() == 1:
+            if payload.numel() != int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size():
+                raise ValueError(f"a payload of {payload.numel()} bytes for a {dtype} slice {shape}")
+            payload = payload.view(dtype).view(shape)
+        elif tuple(payload.shape) != shape or payload.dtype != dtype:
+            raise ValueError(f"a {payload.dtype} slice {tuple(payload.shape)} for a {dtype} slice {shape}")
+        converted = convert_blocks(payload.to(self.device), block_size, self.store_dtype)
+        self.scatter_from(converted.view(-1).view(torch.uint8), layers, kv_heads, block_ids)
+
     def scatter_slice(self, source: torch.Tensor, layers: range, kv_heads: range, block_ids: Sequence[int]) -> None:
         """Writes source, the slice [layers, 2, blocks, KV heads, block_size, head_dim] in the store's dtype (any
         strides: a peer's KV store mapped from shared memory), into block_ids of a CPU store. Raises ValueError
@@ -161,12 +186,12 @@ class KVCopier:
         ids = self._check_blocks(block_ids)
         if len(set(ids)) != len(ids):
             raise ValueError(f"destination block ids repeat: {list(ids)}")
-        _, _, _, _, block_size, head_dim = self.data.shape
-        shape = (len(layers), 2, len(ids), len(kv_heads), block_size, head_dim)
-        if self.on_cuda or tuple(source.shape) != shape or source.dtype != self.data.dtype:
-            raise ValueError(f"a {source.dtype} slice {tuple(source.shape)} for {shape} of a {self.data.dtype} "
+        _, _, _, _, rows, head_dim = self.data.shape
+        shape = (len(layers), 2, len(ids), len(kv_heads), rows, head_dim)
+        if self.on_cuda or tuple(source.shape) != shape or source.dtype != self.store_dtype:
+            raise ValueError(f"a {source.dtype} slice {tuple(source.shape)} for {shape} of a {self.store_dtype} "
                              f"store on {self.device}")
-        self._scatter_shaped(self._region(layers, kv_heads), source, ids)
+        self._scatter_shaped(self._region(layers, kv_heads), source.view(self.data.dtype), ids)
 
     def _scatter_shaped(self, target: torch.Tensor, shaped: torch.Tensor, ids: list[int]) -> None:
         if (start := _run_start(ids)) is not None:
@@ -185,9 +210,11 @@ class KVCopier:
         self._copy(target, torch.from_numpy(host), self._send_stream)
 
     def read(self, block_ids: Sequence[int]) -> np.ndarray:
-        """A float32 host copy of block_ids' K/V: [layers, 2, blocks, KV heads, block_size, head_dim]."""
+        """A float32 host copy of block_ids' K/V values: [layers, 2, blocks, KV heads, block_size, head_dim] (a
+        quantized store's codes times their scales)."""
         rows = self._rows(self._check_blocks(block_ids))
-        return self.data.index_select(2, rows).float().cpu().numpy()
+        blocks = self.data.index_select(2, rows).view(self.store_dtype)
+        return convert_blocks(blocks, self.block_size, torch.float32).cpu().numpy()
 
     def bind_thread(self) -> None:
         """Makes the store's GPU current on the calling thread with its primary CUDA context bound, for a

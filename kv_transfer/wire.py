@@ -5,9 +5,11 @@ Tag: bits 63..16 the transfer's key (48 bits of xxh64 of its id), bits 15..12 th
 (a message's plan index for DATA, the destination rank for ACK, the source rank for ABORT). Agents probe by
 kind with a mask, so a message for a transfer they do not know is still taken off the wire, never stuck.
 
-DATA = header + payload. The payload is [layers, K|V, blocks, KV heads, block_size, head_dim] in the KV dtype:
-the slice a plan Message names. The header repeats the slice, says how many messages this destination rank
-gets in all, and ends with the message's MAC. A DATA message by reference (magic TKVR, between agents of one
+DATA = header + payload. The payload is [layers, K|V, blocks, KV heads, rows, head_dim] in the sender's KV dtype
+(rows: block_size, and a quantized store's scale row): the slice a plan Message names. The header repeats the
+slice, says how many messages this destination rank gets in all and which KV dtype the payload holds (a receiver
+of another dtype converts it), and ends with the message's MAC. A DATA message by reference (magic TKR3, between
+agents of one
 host: kv_transfer/shm.py) carries an ShmRef, where the payload lies in the sender's shared staging, in place
 of the payload; the MAC then covers the ref. ACK (receiver -> sender) and ABORT (sender -> receiver) are a
 status code, the sending rank and the MAC. No message carries an address: an agent answers only the peers it
@@ -29,6 +31,8 @@ from dataclasses import dataclass
 
 import blake3
 import xxhash
+
+from tandem.kv_transfer.descriptor import KV_DTYPES
 
 KEY_SHIFT = 16
 KIND_SHIFT = 12
@@ -107,9 +111,9 @@ class MessageKey:
             raise ForgedMessage(f"MAC mismatch under tag {tag:#x}")
 
 
-_FIELDS = struct.Struct("<4sIIIIIIIIIQ")
-_MAGIC = b"TKV2"
-_MAGIC_REF = b"TKVR"
+_FIELDS = struct.Struct("<4sIIIIIIIIIQI4x")  # 8-byte multiple: a payload after it is aligned
+_MAGIC = b"TKV3"
+_MAGIC_REF = b"TKR3"
 HEADER_BYTES = _FIELDS.size + MAC_BYTES
 _REF = struct.Struct("<II16sQQQQQQ")  # pid, fd, nonce, offset, length, stamp, layer / K|V / block strides
 
@@ -163,6 +167,7 @@ class DataHeader:
     blocks: range
     payload_bytes: int
     ref: ShmRef | None = None
+    kv_dtype: str = "float32"  # the sender's KV store dtype (descriptor.KV_DTYPES): what the payload holds
 
     def seal(self, key: MessageKey, tag: int, payload) -> bytes:
         """The header's HEADER_BYTES (its fields, then the MAC of tag, fields and payload: the packed ref for a
@@ -174,7 +179,7 @@ class DataHeader:
         magic = _MAGIC if self.ref is None else _MAGIC_REF
         fields = _FIELDS.pack(magic, self.index, self.msgs_for_dst, self.src_rank, self.layers.start,
                               len(self.layers), self.kv_heads.start, len(self.kv_heads), self.blocks.start,
-                              len(self.blocks), self.payload_bytes)
+                              len(self.blocks), self.payload_bytes, KV_DTYPES.index(self.kv_dtype))
         return fields + key.mac(tag, fields, payload)
 
     @classmethod
@@ -185,7 +190,9 @@ class DataHeader:
             raise MalformedMessage(f"a DATA message of {len(message)} bytes is shorter than a header")
         fields = message[:_FIELDS.size]
         key.check(message[_FIELDS.size:HEADER_BYTES], tag, fields, message[HEADER_BYTES:])
-        magic, index, total, src, l0, nl, h0, nh, b0, nb, nbytes = _FIELDS.unpack(bytes(fields))
+        magic, index, total, src, l0, nl, h0, nh, b0, nb, nbytes, dtype = _FIELDS.unpack(bytes(fields))
+        if dtype >= len(KV_DTYPES):
+            raise MalformedMessage(f"unknown KV dtype code {dtype}")
         ref = None
         if magic == _MAGIC_REF:
             ref = ShmRef.unpack(message[HEADER_BYTES:])
@@ -195,7 +202,8 @@ class DataHeader:
             raise MalformedMessage(f"bad magic {magic!r}")
         elif nbytes != len(message) - HEADER_BYTES:
             raise MalformedMessage(f"the header names {nbytes} payload bytes, {len(message) - HEADER_BYTES} came")
-        return cls(index, total, src, range(l0, l0 + nl), range(h0, h0 + nh), range(b0, b0 + nb), nbytes, ref)
+        return cls(index, total, src, range(l0, l0 + nl), range(h0, h0 + nh), range(b0, b0 + nb), nbytes, ref,
+                   KV_DTYPES[dtype])
 
 
 _STATUS = struct.Struct("<IIQ")  # status, rank, bytes

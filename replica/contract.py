@@ -38,7 +38,8 @@ class ReplicaInfo:
     replica's KV transfer agent addresses, one per rank (empty for a colocated replica): where a prefill
     replica's descriptor pushes to, and the only peers a decode replica answers about a transfer (the router
     names the prefill replica's to reserve()); device: what the ranks compute on (engine/device.py
-    DeviceChoice.describe()); ranks: where each rank runs, as it reports itself."""
+    DeviceChoice.describe()); ranks: where each rank runs, as it reports itself; weights and kv_dtype: how its
+    weights and its KV cache are stored."""
 
     name: str
     pool: str
@@ -53,6 +54,8 @@ class ReplicaInfo:
     kv_addresses: tuple[str, ...] = ()
     device: str = "cpu"
     ranks: tuple[RankPlacement, ...] = ()
+    weights: str = "dense"  # how its projections are held (engine_config.WEIGHT_FORMATS)
+    kv_dtype: str = "float32"  # what its KV cache stores (engine/kv_cache.py KV_STORAGE names)
 
 
 @dataclass(frozen=True)

@@ -98,6 +98,8 @@ class ReplicaShell:
     # -- what every replica answers (contract.ReplicaAPI) ----------------------------------------------------
 
     async def ready(self) -> ReplicaInfo:
+        from tandem.engine.kv_cache import kv_dtype_name  # torch: only where a replica is built
+
         engine = self.engine
         return ReplicaInfo(name=self.name, pool=self.pool, pid=os.getpid(), node=node_address(), node_id=node_id(),
                            layout=tuple(engine.layout.describe()), world_size=engine.layout.world_size,
@@ -105,7 +107,8 @@ class ReplicaShell:
                            kv_blocks_total=engine.kv_cache_spec.num_blocks,
                            kv_addresses=self.connector.addresses if self.connector else (),
                            device=f"{engine.loaded.device.type} {str(engine.loaded.dtype).removeprefix('torch.')}",
-                           ranks=engine.rank_placements)
+                           ranks=engine.rank_placements, weights=engine.loaded.weight_format,
+                           kv_dtype=kv_dtype_name(engine.kv_dtype))
 
     async def stats(self) -> ReplicaStats:
         """Counters read on the engine thread between steps (exact, at the cost of waiting for a running step),

@@ -40,17 +40,19 @@ class AttentionMetadata:
     def is_decode_only(self) -> bool:
         return self.query_start_loc[-1] == self.num_seqs
 
-    def kv_rows(self, num_kv_heads: int, num_blocks: int) -> torch.Tensor:
+    def kv_rows(self, num_kv_heads: int, num_blocks: int, rows_per_block: int | None = None) -> torch.Tensor:
         """[2 * num_tokens * num_kv_heads] rows of one layer's head-major cache, viewed as
-        [2 * num_blocks * num_kv_heads * block_size, head_dim], that the new tokens' K heads (in (token, head)
-        order), then their V heads, are written to."""
+        [2 * num_blocks * num_kv_heads * rows_per_block, head_dim], that the new tokens' K heads (in (token, head)
+        order), then their V heads, are written to. rows_per_block: block_size, plus one for a quantized cache's
+        scale row (engine/kv_cache.py)."""
         def rows() -> torch.Tensor:
             bs, slots = self.block_size, self.slot_mapping
-            heads = torch.arange(num_kv_heads, device=slots.device) * bs
-            k = ((slots // bs) * (num_kv_heads * bs) + slots % bs)[:, None].add(heads).view(-1)
-            return torch.cat([k, k + num_blocks * num_kv_heads * bs])
+            per = rows_per_block or bs
+            heads = torch.arange(num_kv_heads, device=slots.device) * per
+            k = ((slots // bs) * (num_kv_heads * per) + slots % bs)[:, None].add(heads).view(-1)
+            return torch.cat([k, k + num_blocks * num_kv_heads * per])
 
-        return self.per_step(("kv_rows", num_kv_heads, num_blocks), rows)
+        return self.per_step(("kv_rows", num_kv_heads, num_blocks, rows_per_block), rows)
 
     def per_step(self, key, make):
         """A value every layer of the step shares (e.g. an index tensor), computed by the first layer that asks."""

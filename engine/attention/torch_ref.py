@@ -9,6 +9,9 @@ Decode-only batches gather each sequence's K/V into a padded batch and run one o
 scaled_dot_product_attention with the grouped heads). Which is faster depends on the CPU, the dtype and the batch
 size; `tuned_decode_plan` times both on this CPU (engine/kernel_tuning.py) and the backend runs the plan's choice
 by number of sequences.
+
+A quantized cache (int8 / fp8_e4m3 codes with a scale row per block, engine/attention/kv_quant.py) is written with
+its scales and read back through the same gathers, each gathered block turned into values by its own scale.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from tandem.engine.attention.kv_quant import dequantize_rows, is_quantized, write_quantized
 from tandem.engine.attention.metadata import AttentionMetadata
 from tandem.engine.kernel_tuning import BucketPlan, KernelTuner, copies_for, time_per_call
 
@@ -39,10 +43,14 @@ class TorchAttentionBackend:
     decode_plan: BucketPlan = FIXED_DECODE_PLAN  # which DECODE_KERNELS entry runs a decode batch, by its size
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor, meta: AttentionMetadata) -> None:
-        """Stores new K/V ([T, Hk, D]) into one layer's cache kv at meta.slot_mapping: one indexed copy for both."""
+        """Stores new K/V ([T, Hk, D]) into one layer's cache kv at meta.slot_mapping: one indexed copy for both
+        (a quantized cache: with its scales, kv_quant.write_quantized)."""
+        if is_quantized(kv):
+            write_quantized(k, v, kv, meta)
+            return
         d = kv.shape[4]
         rows = meta.kv_rows(kv.shape[2], kv.shape[1])
-        kv.view(-1, d).index_copy_(0, rows, torch.cat([k.reshape(-1, d), v.reshape(-1, d)]))
+        kv.view(-1, d).index_copy_(0, rows, torch.cat([k.reshape(-1, d), v.reshape(-1, d)]).to(kv.dtype))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor,
                 meta: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
@@ -68,7 +76,8 @@ class TorchAttentionBackend:
         step = meta.per_step(("decode", kv.shape[1:3], window), lambda: DecodeGather.build(
             meta, kv.shape[1], kv.shape[2], window, self.decode_plan))
         b, hk, d = meta.num_seqs, kv.shape[2], kv.shape[4]
-        both = F.embedding(step.rows, kv.view(-1, kv.shape[3] * d)).view(2, b, hk, -1, d)
+        both = _values(F.embedding(step.rows, kv.view(-1, kv.shape[3] * d)), kv, meta.block_size, q.dtype)
+        both = both.view(2, b, hk, -1, d)
         if both.shape[3] != step.max_len:
             both = both[:, :, :, : step.max_len]
         grouped = q.view(b, hk, q.shape[1] // hk, d)  # query heads of one KV head are adjacent
@@ -89,7 +98,7 @@ class TorchAttentionBackend:
         out = q if len(parts) == 1 else q.new_empty(q.shape)
         for part in parts:
             b, width = part.rows.shape[1], part.mask.shape[1] // group
-            both = F.embedding(part.rows, cache).view(2, b, hk, -1, d)
+            both = _values(F.embedding(part.rows, cache), kv, meta.block_size, q.dtype).view(2, b, hk, -1, d)
             if both.shape[3] != part.max_len:
                 both = both[:, :, :, : part.max_len]
             mine = q if len(parts) == 1 else q.index_select(0, part.tokens)
@@ -109,12 +118,15 @@ class TorchAttentionBackend:
         for i in range(meta.num_seqs):
             start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
             qlen, total = end - start, meta.seq_lens[i]
-            if qlen == total:  # nothing cached before this step: the fresh k/v are the whole context
+            # Nothing cached before this step: the fresh k/v are the whole context. A quantized cache is read back
+            # even then, so every path (one chunk, several, a cached prefix) attends to the values as stored.
+            if qlen == total and not is_quantized(kv):
                 keys, values = k[start:end].transpose(0, 1), v[start:end].transpose(0, 1)
             else:
                 table = meta.block_tables[i, : -(-total // bs)]
                 hk, d = kv.shape[2], kv.shape[4]
-                keys, values = (_gather_blocks(kv[j], table).view(hk, -1, d)[:, :total] for j in (0, 1))
+                keys, values = (_values(_gather_blocks(kv[j], table), kv, bs, q.dtype).view(hk, -1, d)[:, :total]
+                                for j in (0, 1))
             mask = None
             causal = qlen > 1
             if qlen != total or window is not None:
@@ -235,6 +247,15 @@ def _by_query_length(meta: AttentionMetadata) -> list[list[int]]:
     one = [i for i in range(meta.num_seqs) if starts[i + 1] - starts[i] == 1]
     more = [i for i in range(meta.num_seqs) if starts[i + 1] - starts[i] > 1]
     return [part for part in (one, more) if part]
+
+
+def _values(gathered: torch.Tensor, kv: torch.Tensor, block_size: int, dtype: torch.dtype) -> torch.Tensor:
+    """Gathered block rows [..., n, rows * D] of the layer cache kv as values in dtype: a quantized cache's codes
+    times their scales ([..., n * block_size, D]), a float cache's as they are (cast when it stores another
+    dtype than the model computes in)."""
+    if is_quantized(kv):
+        return dequantize_rows(gathered, block_size, kv.shape[4], dtype)
+    return gathered if gathered.dtype == dtype else gathered.to(dtype)
 
 
 def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tandem.engine.attention.kv_quant import convert_blocks
 from tandem.engine.attention.metadata import AttentionMetadata
 from tandem.engine.engine_config import ATTENTION_BACKENDS
 from tandem.engine.attention.torch_ref import TorchAttentionBackend
@@ -35,17 +36,20 @@ class TritonAttentionBackend(TorchAttentionBackend):
 
     def tune(self, heads: int, kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
              device: torch.device, windows: set[int | None] = frozenset({None}), *, batch: int = 16,
-             context: int = 1024) -> str:
+             context: int = 1024, kv_dtype: torch.dtype | None = None) -> str:
         """Runs both kernels once on a representative batch of this model's shape (decode: `batch` sequences of
         `context` tokens; prefill: one chunk of `context` tokens), so that Triton compiles them and times its
         candidate tile shapes now (triton.autotune: once per shape and dtype) rather than on a request. windows:
         the model's sliding windows (None: full attention), each its own compiled variant. Returns what was chosen,
-        for the log. Frees what it allocated."""
+        for the log. kv_dtype: what the KV cache stores (None: dtype; a quantized cache compiles its own variant).
+        Frees what it allocated."""
         from tandem.engine.attention import triton_decode, triton_prefill
 
         start = time.perf_counter()
         blocks = -(-context // block_size)
         kv = torch.randn(2, batch * blocks, kv_heads, block_size, head_dim, dtype=dtype, device=device)
+        if kv_dtype is not None and kv_dtype != dtype:
+            kv = convert_blocks(kv, block_size, kv_dtype)
         tables = torch.arange(batch * blocks, device=device).view(batch, blocks)
         lens = torch.full((batch,), context, dtype=torch.int64, device=device)
         decode_q = torch.randn(batch, heads, head_dim, dtype=dtype, device=device)
@@ -123,15 +127,16 @@ def _triton_import_error() -> str | None:
     return None
 
 
-def tune_for(model, block_size: int, *, log: bool = True) -> None:
+def tune_for(model, block_size: int, *, log: bool = True, kv_dtype: torch.dtype | None = None) -> None:
     """On CUDA with the Triton backend: tunes its kernels for this model (its rank's heads, head_dim, dtype and
-    sliding windows) before the engine serves, logging the choice at INFO with log. Nothing elsewhere."""
+    sliding windows) and KV cache dtype (None: the model's dtype) before the engine serves, logging the choice at
+    INFO with log. Nothing elsewhere."""
     backend = model.attention
     if not isinstance(backend, TritonAttentionBackend) or model.device.type != "cuda":
         return
     windows = {layer.window for layer in model.layers} or {None}
     chosen = backend.tune(model.num_heads, model.num_kv_heads, model.config.head_dim, block_size, model.dtype,
-                          model.device, windows)
+                          model.device, windows, kv_dtype=kv_dtype)
     if log:
         logger.info(chosen)
 

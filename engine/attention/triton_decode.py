@@ -14,6 +14,10 @@ class); float32, mixed dtypes and the interpreter widen tiles to float32 and use
 dot_precision() picks (the prefill kernel shares these helpers). The softmax runs in base 2 (exp2), the scale
 folded with log2(e).
 
+A quantized cache (int8 / fp8_e4m3 codes, a float32 scale per block and KV head in the block's extra row:
+kv_quant.py) is read the same way: each key's codes are loaded with its block's scale, and the tile is widened
+to float32 times the scale before the products, so the kernels never see a value that was not scaled.
+
 Triton is imported here only; the engine imports this module only when the Triton backend is chosen. On the CPU
 the kernels run under TRITON_INTERPRET=1 (tests), which must be set before this module is imported.
 """
@@ -25,6 +29,8 @@ import os
 import torch
 import triton
 import triton.language as tl
+
+from tandem.engine.attention.kv_quant import is_quantized, scales_of
 
 MIN_DOT = 16  # tl.dot needs at least 16 rows: a KV head's query group is padded up to this
 TENSOR_CORE_PRECISION = "tf32"  # Triton's own default for float32 tl.dot on NVIDIA tensor cores
@@ -81,14 +87,20 @@ def tuned(configs: list[triton.Config], interpreted: triton.Config, key: list[st
 
 
 @triton.jit
-def load_keys(head_base, table_row, tok, tok_ok, dims, stride_kv_kv, stride_kv_b, stride_kv_s,
-              BLOCK_SIZE: tl.constexpr):
+def load_keys(head_base, table_row, tok, tok_ok, dims, stride_kv_kv, stride_kv_b, stride_kv_s, scale_base,
+              stride_sc_kv, stride_sc_b, BLOCK_SIZE: tl.constexpr, QUANTIZED: tl.constexpr):
     """K and V [len(tok), HEAD_DIM] of the keys at positions tok (zeros where not tok_ok), each found through the
-    sequence's block table (table_row), so a tile may span KV blocks. Shared by both kernels."""
+    sequence's block table (table_row), so a tile may span KV blocks. QUANTIZED: the codes times their block's
+    scale (scale_base: this KV head's scales), in float32. Shared by both kernels."""
     block = tl.load(table_row + tok // BLOCK_SIZE, mask=tok_ok, other=0)
     offsets = block[:, None] * stride_kv_b + (tok % BLOCK_SIZE)[:, None] * stride_kv_s + dims[None, :]
     k = tl.load(head_base + offsets, mask=tok_ok[:, None], other=0.0)
     v = tl.load(head_base + stride_kv_kv + offsets, mask=tok_ok[:, None], other=0.0)
+    if QUANTIZED:
+        k_scale = tl.load(scale_base + block * stride_sc_b, mask=tok_ok, other=0.0)
+        v_scale = tl.load(scale_base + stride_sc_kv + block * stride_sc_b, mask=tok_ok, other=0.0)
+        k = k.to(tl.float32) * k_scale[:, None]
+        v = v.to(tl.float32) * v_scale[:, None]
     return k, v
 
 
@@ -123,15 +135,16 @@ _DECODE_CONFIGS = [triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=st)
 @tuned(_DECODE_CONFIGS, triton.Config({"BLOCK_N": 32}, num_warps=4, num_stages=1),
        key=["GROUP_PAD", "HEAD_DIM", "BLOCK_SIZE"])
 @triton.jit
-def _split_kernel(q_ptr, kv_ptr, tables_ptr, lens_ptr, part_out_ptr, part_m_ptr, part_l_ptr,
+def _split_kernel(q_ptr, kv_ptr, tables_ptr, lens_ptr, part_out_ptr, part_m_ptr, part_l_ptr, scales_ptr,
                   scale_log2, window,
                   stride_q_t, stride_q_h,
                   stride_kv_kv, stride_kv_b, stride_kv_h, stride_kv_s,
+                  stride_sc_kv, stride_sc_b, stride_sc_h,
                   stride_tab,
                   num_splits, blocks_per_split,
                   GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                   BLOCK_SIZE: tl.constexpr, HAS_WINDOW: tl.constexpr, NATIVE_DOT: tl.constexpr,
-                  DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr):
+                  DOT_PRECISION: tl.constexpr, QUANTIZED: tl.constexpr, BLOCK_N: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -162,7 +175,8 @@ def _split_kernel(q_ptr, kv_ptr, tables_ptr, lens_ptr, part_out_ptr, part_m_ptr,
         tok = start + cols
         tok_ok = tok < hi
         k, v = load_keys(head_base, tables_ptr + seq * stride_tab, tok, tok_ok, dims, stride_kv_kv, stride_kv_b,
-                         stride_kv_s, BLOCK_SIZE)
+                         stride_kv_s, scales_ptr + kv_head * stride_sc_h, stride_sc_kv, stride_sc_b, BLOCK_SIZE,
+                         QUANTIZED)
         scores = key_scores(q, k, scale_log2, NATIVE_DOT, DOT_PRECISION)  # [GROUP_PAD, BLOCK_N]
         visible = tok_ok
         if HAS_WINDOW:
@@ -200,9 +214,10 @@ def _combine_kernel(part_out_ptr, part_m_ptr, part_l_ptr, out_ptr, stride_o_t, s
 
 def check_paged_shapes(q: torch.Tensor, kv: torch.Tensor) -> tuple[int, int, int, int]:
     """(query heads, KV heads, head_dim, block_size) of q [tokens, Hq, D] and a layer's cache [2, blocks, Hk,
-    block_size, D]. Raises ValueError for shapes the kernels do not take."""
+    block_size (+ 1 quantized), D]. Raises ValueError for shapes the kernels do not take."""
     _, hq, d = q.shape
-    _, _, hk, block_size, d_kv = kv.shape
+    _, _, hk, rows, d_kv = kv.shape
+    block_size = rows - 1 if is_quantized(kv) else rows
     if d != d_kv or hq % hk:
         raise ValueError(f"q {tuple(q.shape)} does not fit the cache {tuple(kv.shape)}")
     if d & (d - 1) or block_size & (block_size - 1):
@@ -222,12 +237,29 @@ def choose_splits(num_seqs: int, num_kv_heads: int, max_blocks: int, *, target_p
     return max(1, min(wanted, triton.cdiv(max_blocks, min_blocks_per_split)))
 
 
+def scale_args(kv: torch.Tensor) -> tuple[torch.Tensor, int, int, int, bool]:
+    """What the kernels take for a quantized cache's scales: the float32 scales [2, blocks, Hk] and their strides
+    (K/V, block, head), and QUANTIZED; for a float cache the cache itself stands in, unread."""
+    if not is_quantized(kv):
+        return kv, 0, 0, 0, False
+    scales = scales_of(kv)
+    return (scales, *scales.stride(), True)
+
+
+def kernel_dtypes(q: torch.Tensor, kv: torch.Tensor) -> tuple[bool, str]:
+    """NATIVE_DOT and DOT_PRECISION for q against this cache (a quantized cache's values are float32 tiles)."""
+    if is_quantized(kv):
+        return False, dot_precision(q.dtype)
+    return native_dot(q.dtype, kv.dtype), dot_precision(torch.promote_types(q.dtype, kv.dtype))
+
+
 def paged_decode_attention(q: torch.Tensor, kv: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                            scale: float, window: int | None = None, num_splits: int | None = None) -> torch.Tensor:
     """q: [B, Hq, D], one query token per sequence (at position seq_lens[b] - 1); kv: one layer's cache
     [2, num_blocks, Hk, block_size, D]; block_tables: [B, max_blocks] int; seq_lens: [B] int (>= 1). Returns
     [B, Hq, D] in q's dtype. D and block_size must be powers of two; Hq a multiple of Hk; q and kv float32,
-    bfloat16 or float16. Raises ValueError otherwise."""
+    bfloat16 or float16, or kv an int8 / fp8_e4m3 cache with its scale rows (kv_quant.py). Raises ValueError
+    otherwise."""
     b = q.shape[0]
     hq, hk, d, block_size = check_paged_shapes(q, kv)
     group = hq // hk
@@ -240,12 +272,14 @@ def paged_decode_attention(q: torch.Tensor, kv: torch.Tensor, block_tables: torc
     part_m = torch.empty(parts, dtype=torch.float32, device=q.device)
     part_l = torch.empty(parts, dtype=torch.float32, device=q.device)
     tables, lens = block_tables, seq_lens  # the engine's own int64 tensors, read as they are
+    scales, sc_kv, sc_b, sc_h, quantized = scale_args(kv)
+    native, precision = kernel_dtypes(q, kv)
     _split_kernel[(b, hk, splits)](
-        q, kv, tables, lens, part_out, part_m, part_l, scale * LOG2E, window or 0,
-        q.stride(0), q.stride(1), kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3), tables.stride(0),
-        splits, blocks_per_split,
+        q, kv, tables, lens, part_out, part_m, part_l, scales, scale * LOG2E, window or 0,
+        q.stride(0), q.stride(1), kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3), sc_kv, sc_b, sc_h,
+        tables.stride(0), splits, blocks_per_split,
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=d, BLOCK_SIZE=block_size, HAS_WINDOW=window is not None,
-        NATIVE_DOT=native_dot(q.dtype, kv.dtype), DOT_PRECISION=dot_precision(torch.promote_types(q.dtype, kv.dtype)))
+        NATIVE_DOT=native, DOT_PRECISION=precision, QUANTIZED=quantized)
     out = torch.empty_like(q)
     _combine_kernel[(b, hq)](part_out, part_m, part_l, out, out.stride(0), out.stride(1), splits,
                              GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=d,

@@ -19,8 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tandem.engine.attention.triton_decode import (LOG2E, check_paged_shapes, dot_precision, key_scores, load_keys,
-                                                   native_dot, online_softmax_step, tuned)
+from tandem.engine.attention.triton_decode import (LOG2E, check_paged_shapes, kernel_dtypes, key_scores, load_keys,
+                                                   online_softmax_step, scale_args, tuned)
 
 _CONFIGS = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=st)
             for m, n, w, st in ((128, 64, 8, 3), (128, 64, 8, 2), (128, 128, 8, 2), (128, 32, 4, 3),
@@ -30,14 +30,15 @@ _CONFIGS = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=
 @tuned(_CONFIGS, triton.Config({"BLOCK_M": 16, "BLOCK_N": 32}, num_warps=4, num_stages=1),
        key=["GROUP", "HEAD_DIM", "BLOCK_SIZE"])
 @triton.jit
-def _prefill_kernel(q_ptr, kv_ptr, out_ptr, tables_ptr, starts_ptr, lens_ptr,
+def _prefill_kernel(q_ptr, kv_ptr, out_ptr, tables_ptr, starts_ptr, lens_ptr, scales_ptr,
                     scale_log2, window,
                     stride_q_t, stride_q_h, stride_o_t, stride_o_h,
                     stride_kv_kv, stride_kv_b, stride_kv_h, stride_kv_s,
+                    stride_sc_kv, stride_sc_b, stride_sc_h,
                     stride_tab,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                     HAS_WINDOW: tl.constexpr, NATIVE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                    QUANTIZED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     seq = tl.program_id(0)
     head = tl.program_id(1)
     tile = tl.program_id(2)
@@ -69,7 +70,8 @@ def _prefill_kernel(q_ptr, kv_ptr, out_ptr, tables_ptr, starts_ptr, lens_ptr,
             tok = key_start + cols
             tok_ok = tok < hi
             k, v = load_keys(head_base, tables_ptr + seq * stride_tab, tok, tok_ok, dims, stride_kv_kv, stride_kv_b,
-                             stride_kv_s, BLOCK_SIZE)
+                             stride_kv_s, scales_ptr + kv_head * stride_sc_h, stride_sc_kv, stride_sc_b, BLOCK_SIZE,
+                             QUANTIZED)
             scores = key_scores(q, k, scale_log2, NATIVE_DOT, DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
             visible = (tok[None, :] <= query_pos[:, None]) & tok_ok[None, :]
             if HAS_WINDOW:
@@ -88,16 +90,17 @@ def paged_prefill_attention(q: torch.Tensor, kv: torch.Tensor, block_tables: tor
     positions seq_lens[i] - query_len .. seq_lens[i] - 1); kv: one layer's cache [2, num_blocks, Hk, block_size,
     D] already holding the new tokens' K/V; block_tables: [B, max_blocks]. Returns [T, Hq, D] in q's dtype.
     Raises ValueError for shapes or dtypes the kernel does not take (D and block_size must be powers of two; q
-    and kv float32, bfloat16 or float16)."""
+    and kv float32, bfloat16 or float16, or kv an int8 / fp8_e4m3 cache with its scale rows)."""
     hq, hk, d, block_size = check_paged_shapes(q, kv)
     b = block_tables.shape[0]
     out = torch.empty_like(q)
     tables, starts, lens = block_tables, query_start_loc, seq_lens  # the engine's own int64 tensors, as they are
-    dtype = torch.promote_types(q.dtype, kv.dtype)
+    scales, sc_kv, sc_b, sc_h, quantized = scale_args(kv)
+    native, precision = kernel_dtypes(q, kv)
     _prefill_kernel[lambda meta: (b, hq, triton.cdiv(max_query_len, meta["BLOCK_M"]))](
-        q, kv, out, tables, starts, lens, scale * LOG2E, window or 0,
+        q, kv, out, tables, starts, lens, scales, scale * LOG2E, window or 0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3), tables.stride(0),
+        kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3), sc_kv, sc_b, sc_h, tables.stride(0),
         GROUP=hq // hk, HEAD_DIM=d, BLOCK_SIZE=block_size, HAS_WINDOW=window is not None,
-        NATIVE_DOT=native_dot(q.dtype, kv.dtype), DOT_PRECISION=dot_precision(dtype))
+        NATIVE_DOT=native, DOT_PRECISION=precision, QUANTIZED=quantized)
     return out

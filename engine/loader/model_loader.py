@@ -59,6 +59,7 @@ class LoadedModel:
     load_seconds: float
     dtype: torch.dtype = torch.float32
     device: torch.device = torch.device("cpu")
+    weight_format: str = "dense"  # engine_config.WEIGHT_FORMATS: how the projections are held (ranks too)
 
     def describe_kernels(self) -> list[str]:
         """What runs the weight products, for `tandem generate --verbose`: the CPU's probe and how kernels were
@@ -84,20 +85,33 @@ class LoadedModel:
 def load_model(path: str | Path | None = None, *, dtype: torch.dtype = torch.float32,
                device: torch.device | str = "cpu", progress: bool = True, packed: bool = False,
                weights: bool = True, cpu: CpuFeatures | None = None,
-               tuner: KernelTuner | None = None) -> LoadedModel:
+               tuner: KernelTuner | None = None, weight_format: str | None = None) -> LoadedModel:
     """Loads weights and tokenizer from `path` (None: the embedded model). Raises ModelLoadError on bad input.
 
     packed: run a GGUF file's Q4_0/Q4_1 projections on the packed 4-bit kernel (needs dtype=torch.bfloat16).
+    weight_format: engine_config.WEIGHT_FORMATS (None: "packed" if packed, else "dense"); int8 and int4 quantize
+    every projection of any checkpoint (int4 keeps a GGUF file's Q4_0/Q4_1 blocks as they are); all but dense
+    need dtype=torch.bfloat16.
     weights: False reads only the config and tokenizer (model is None).
     cpu: what the CPU runs, for the kernel choice (default: this process's probe, engine/cpu_features.py).
     tuner: measures the kernel choice on this CPU (default: as the environment says, engine/kernel_tuning.py).
     """
     start = time.perf_counter()
-    checkpoint = load_checkpoint(path, progress=progress, packed=packed, weights=weights)
+    weight_format = weight_format or ("packed" if packed else "dense")
+    checkpoint = load_checkpoint(path, progress=progress, packed=keeps_q4_blocks(path, weight_format),
+                                 weights=weights)
     model = None
     if weights:
         model = build_model(checkpoint.config, checkpoint.weights, dtype=dtype, device=device,
-                            source=str(checkpoint.source), cpu=cpu, tuner=tuner)
+                            source=str(checkpoint.source), cpu=cpu, tuner=tuner, weight_format=weight_format)
     return LoadedModel(model=model, tokenizer=checkpoint.tokenizer, config=checkpoint.config,
                        source=checkpoint.source, load_seconds=time.perf_counter() - start, dtype=dtype,
-                       device=torch.device(device))
+                       device=torch.device(device), weight_format=weight_format)
+
+
+def keeps_q4_blocks(path: str | Path | None, weight_format: str) -> bool:
+    """Whether the loader keeps a GGUF file's Q4_0/Q4_1 blocks 4-bit for this weight format: packed always
+    (a folder then fails with the reason), int4 for a GGUF file (its blocks are already what int4 makes)."""
+    if weight_format == "packed":
+        return True
+    return weight_format in ("int4", "int4_g128") and not resolve_model_path(path).is_dir()

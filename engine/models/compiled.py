@@ -249,13 +249,16 @@ def _use_inductor_cache(folder: Path) -> None:
         os.environ[_INDUCTOR_CACHE_ENV] = str(folder)
 
 
-def compile_decode(model: LlamaModel, max_batch: int,
-                   max_query_len: int = 1) -> CompiledDecode | CudaGraphDecode | None:
+def compile_decode(model: LlamaModel, max_batch: int, max_query_len: int = 1, *,
+                   kv_quantized: bool = False) -> CompiledDecode | CudaGraphDecode | None:
     """The model's compiled decode step, warmed up for 1..max_batch sequences (on CUDA: its CUDA graphs, captured);
     None (eager) where it cannot be compiled or compilation fails, with the reason logged. max_query_len > 1: on the
     CPU, steps whose sequences add up to that many tokens each (speculation) run compiled too, up to
-    max_batch * max_query_len tokens."""
+    max_batch * max_query_len tokens. kv_quantized: the KV cache is int8 / fp8, whose writes size their work from
+    the data (blocks whose scale grows), which a CUDA graph cannot capture: on CUDA the step then runs eager."""
     reason = why_not_compiled(model)
+    if reason is None and kv_quantized and model.device.type == "cuda":
+        reason = "CUDA graphs cannot capture the quantized KV cache's writes (their work depends on the data)"
     if reason is not None:
         _log.info("decode step runs eager: %s", reason)
         return None

@@ -45,6 +45,8 @@ class WorkerSpec:
     attention_backend: str = "auto"  # engine_config.ATTENTION_BACKENDS
     visible_gpus: tuple[str, ...] | None = None  # each rank's CUDA_VISIBLE_DEVICES (None: inherit; rank r: cuda:r)
     cpus: tuple[tuple[int, ...], ...] | None = None  # each rank's host CPUs (engine/cpu_affinity.py; None: inherit)
+    weight_format: str = "dense"  # engine_config.WEIGHT_FORMATS
+    kv_dtype: str = "auto"  # engine_config.KV_CACHE_DTYPES
 
 
 @dataclass(frozen=True)
@@ -75,8 +77,8 @@ def run_worker(rank: int, spec: WorkerSpec, conn: Connection) -> None:
 
         from tandem.engine.attention.triton_backend import select_backend, tune_for
         from tandem.engine.engine_config import available_memory_bytes
-        from tandem.engine.kv_cache import KVCacheSpec, PagedKVCache, store_memory_of
-        from tandem.engine.loader.model_loader import load_checkpoint
+        from tandem.engine.kv_cache import KVCacheSpec, PagedKVCache, kv_storage_dtype, store_memory_of
+        from tandem.engine.loader.model_loader import keeps_q4_blocks, load_checkpoint
         from tandem.engine.model_runner import ModelRunner
         from tandem.engine.models import build_model
         from tandem.engine.models.compiled import decode_step_summary
@@ -91,21 +93,23 @@ def run_worker(rank: int, spec: WorkerSpec, conn: Connection) -> None:
             torch.cuda.set_device(device)
         comm = ParallelComm(layout, rank, init_method=spec.init_method, timeout_s=spec.timeout_s, device=device)
         shard = layout.shard(rank)
-        checkpoint = load_checkpoint(spec.model_path, progress=False)
+        checkpoint = load_checkpoint(spec.model_path, progress=False,
+                                     packed=keeps_q4_blocks(spec.model_path, spec.weight_format))
         tokenizer = checkpoint.tokenizer  # the sampler rank's grammar backend reads it (structured output)
         dtype = getattr(torch, spec.dtype)
         model = build_model(checkpoint.config, checkpoint.weights, dtype=dtype, device=device,
-                            max_positions=spec.max_positions, source=str(checkpoint.source), shard=shard, comm=comm)
+                            max_positions=spec.max_positions, source=str(checkpoint.source), shard=shard, comm=comm,
+                            weight_format=spec.weight_format)
         del checkpoint
         model.attention = select_backend(spec.attention_backend, torch.device(device), log=rank == 0)  # once
-        tune_for(model, spec.block_size, log=rank == 0)
+        tune_for(model, spec.block_size, log=rank == 0, kv_dtype=kv_storage_dtype(spec.kv_dtype, dtype))
         config = model.config
         conn.send(("memory", available_memory_bytes(device)))
         kind, num_blocks = pickle.loads(conn.recv_bytes())
         if kind != "allocate":
             raise ValueError(f"expected the KV cache's size, got {kind!r}")
         kv_spec = KVCacheSpec(len(shard.layers), num_blocks, spec.block_size, len(shard.kv_heads),
-                              config.head_dim, dtype)
+                              config.head_dim, kv_storage_dtype(spec.kv_dtype, dtype))
         kv_cache = PagedKVCache(kv_spec, device, store_memory_of(spec.kv_agent, device))
         runner = ModelRunner(model, kv_cache, comm=comm,
                              samples=rank == layout.sampler_rank, micro_batches=spec.micro_batches)

@@ -3,6 +3,7 @@ one is reported whole, every problem with its YAML path, line and a hint."""
 
 from __future__ import annotations
 
+import re
 import socket
 from pathlib import Path
 
@@ -352,24 +353,42 @@ pools:
         ("pools.prefill.resources.gpus", True), ("pools.decode.resources.gpus", True)}
 
 
-def test_the_pools_kv_dtypes_must_agree_once_device_defaults_are_applied(tmp_path):
-    # prefill on GPUs defaults to bfloat16, decode on the CPU to float32: their KV blocks would not match
+def test_pools_of_different_kv_dtypes_are_valid_and_validate_says_what_converting_costs(
+        tmp_path, capsys, embedded_shape_once):
+    # prefill on GPUs defaults to bfloat16, decode on the CPU to float32: the decode pool converts what arrives
     path = _write(tmp_path, """\
 pools:
   prefill: {resources: {gpus: 1}}
-  decode: {resources: {gpus: 0}}
+  decode: {resources: {gpus: 0}, engine: {kv_cache_dtype: int8}}
 """)
-    [error] = _errors(path)
-    assert error.path == "pools.decode.engine.dtype"
-    assert "(bfloat16 vs float32)" in error.message and "set it on both pools" in error.hint
-    fixed = _write(tmp_path, """\
+    manifest = validate_file(path, check_ports=False)
+    assert (manifest.pools.prefill.dtype, manifest.pools.decode.dtype) == ("bfloat16", "float32")
+    assert main(["validate", "--no-port-check", str(path)]) == 0
+    out = capsys.readouterr().out
+    found = re.search(r"the prefill pool stores bfloat16 KV \(([\d.]+) KiB/token\), the decode pool int8 "
+                      r"\(([\d.]+) KiB/token\)\. Transfers carry ([\d.]+) KiB per token and the decode pool "
+                      r"converts each received block: ([\d.]+) ms per 1,000 tokens", out)
+    assert found, out
+    bf16, int8, carried, ms = map(float, found.groups())
+    assert bf16 == carried == 30 * 2 * 3 * 64 * 2 / 1024  # SmolLM2: 30 layers x 3 KV heads x 64, 2 bytes
+    assert int8 == round(bf16 / 2 * 17 / 16, 1)  # a byte a value, and a scale row per 16-token block
+    assert ms > 0
+    same = _write(tmp_path, """\
 pools:
-  prefill: {resources: {gpus: 1}, engine: {dtype: float32}}
-  decode: {resources: {gpus: 0}}
-""", "fixed.yaml")
-    manifest = validate_file(fixed, check_ports=False)
-    assert (manifest.pools.prefill.device, manifest.pools.prefill.dtype) == ("cuda", "float32")
-    assert (manifest.pools.decode.device, manifest.pools.decode.dtype) == ("cpu", "float32")
+  prefill: {engine: {kv_cache_dtype: int8}}
+  decode: {engine: {kv_cache_dtype: int8}}
+""", "same.yaml")
+    assert main(["validate", "--no-port-check", str(same)]) == 0
+    assert "converts on receive" not in capsys.readouterr().out
+
+
+def test_quantized_weights_compute_in_bfloat16(tmp_path):
+    path = _write(tmp_path, "pools:\n  prefill: {engine: {weights: int8}}\n  decode: {engine: {weights: int4}}\n")
+    manifest = validate_file(path, check_ports=False)
+    assert (manifest.pools.prefill.dtype, manifest.pools.decode.dtype) == ("bfloat16", "bfloat16")
+    bad = _write(tmp_path, "pools:\n  prefill: {}\n  decode: {engine: {weights: int8, dtype: float32}}\n", "bad.yaml")
+    [error] = _errors(bad)
+    assert error.path == "pools.decode.engine" and "int8 computes in bfloat16" in error.message
 
 
 def test_an_unreadable_tls_file_is_reported_at_its_key(tmp_path, monkeypatch, capsys):

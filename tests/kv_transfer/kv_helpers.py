@@ -10,7 +10,8 @@ from typing import Callable
 
 import torch
 
-from tandem.engine.kv_cache import KVCacheSpec, PagedKVCache
+from tandem.engine.attention.kv_quant import convert_blocks
+from tandem.engine.kv_cache import KV_STORAGE, KVCacheSpec, PagedKVCache
 from tandem.engine.parallel.layout import ParallelConfig, ReplicaLayout
 from tandem.kv_transfer.agent import KVTransferAgent
 from tandem.kv_transfer.config import TransferConfig
@@ -47,27 +48,29 @@ def wait_until(condition: Callable[[], bool], timeout_s: float = 20.0, what: str
 
 class AgentReplica:
     """One agent per rank of `layout`, each over its own share of a random global KV tensor
-    [layers, 2, blocks, KV heads, block_size, head_dim] (`whole`), as a replica's ranks hold it."""
+    [layers, 2, blocks, KV heads, rows, head_dim] (`whole`, in the stores' dtype: rows are block_size, and one
+    more for a quantized store's scales), as a replica's ranks hold it."""
 
     def __init__(self, layout: ReplicaLayout, *, num_blocks: int, block_size: int, head_dim: int, kind: str,
                  fabric: Fabric, config: TransferConfig = TransferConfig(), seed: int = 0,
-                 transport_wrapper=None, clock=time.time):
+                 transport_wrapper=None, clock=time.time, dtype: str = "float32"):
         gen = torch.Generator().manual_seed(seed)
         self.layout = layout
-        self.whole = torch.randn(layout.num_layers, 2, num_blocks, layout.num_kv_heads, block_size, head_dim,
-                                 generator=gen)
+        values = torch.randn(layout.num_layers, 2, num_blocks, layout.num_kv_heads, block_size, head_dim,
+                             generator=gen)
+        self.whole = convert_blocks(values, block_size, KV_STORAGE[dtype])
         self.agents: list[KVTransferAgent] = []
         for rank in range(layout.world_size):
             shard = layout.shard(rank)
             cache = PagedKVCache(KVCacheSpec(len(shard.layers), num_blocks, block_size, len(shard.kv_heads),
-                                             head_dim, torch.float32))
+                                             head_dim, KV_STORAGE[dtype]))
             cache.data.copy_(self.whole[shard.layers.start:shard.layers.stop, :, :,
                                         shard.kv_heads.start:shard.kv_heads.stop])
             transport = make_transport(kind, fabric)
             if transport_wrapper is not None:
                 transport = transport_wrapper(transport)
             self.agents.append(KVTransferAgent(cache, layout, rank, transport, config, clock=clock))
-        self.format = KVFormat(layout.num_layers, layout.num_kv_heads, head_dim, block_size, "float32")
+        self.format = KVFormat(layout.num_layers, layout.num_kv_heads, head_dim, block_size, dtype)
 
     @property
     def addresses(self) -> tuple[str, ...]:
@@ -92,7 +95,7 @@ class AgentReplica:
             shard = self.layout.shard(rank)
             mine = agent.kv.data.index_select(2, rows)
             want = expected[shard.layers.start:shard.layers.stop, :, :, shard.kv_heads.start:shard.kv_heads.stop]
-            if not torch.equal(mine, want):
+            if not torch.equal(mine.view(torch.uint8), want.view(torch.uint8)):  # bit for bit, float8 too
                 return False
         return True
 

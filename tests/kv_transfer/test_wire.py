@@ -71,10 +71,12 @@ def test_what_is_not_one_of_our_messages_is_malformed():
         DataHeader.open(KEY, TAG, sealed(h, payload)[:HEADER_BYTES - 1])
     with pytest.raises(MalformedMessage, match="payload bytes"):  # an authentic header naming other lengths
         DataHeader.open(KEY, TAG, sealed(header(payload_bytes=10), payload))
-    fields = struct.pack("<4sIIIIIIIIIQ", b"JUNK", 3, 4, 1, 2, 2, 0, 2, 0, 5, len(payload))
-    with pytest.raises(MalformedMessage, match="magic"):  # authentic, but not this format
-        DataHeader.open(KEY, TAG, np.frombuffer(fields + KEY.mac(TAG, fields, payload) + payload.tobytes(),
-                                                dtype=np.uint8))
+    for magic, dtype_code, why in ((b"JUNK", 0, "magic"), (b"TKV2", 0, "magic"), (b"TKV3", 9, "KV dtype code 9")):
+        # authentic, but not this format (an older header, an unknown payload dtype)
+        fields = struct.pack("<4sIIIIIIIIIQI4x", magic, 3, 4, 1, 2, 2, 0, 2, 0, 5, len(payload), dtype_code)
+        with pytest.raises(MalformedMessage, match=why):
+            DataHeader.open(KEY, TAG, np.frombuffer(fields + KEY.mac(TAG, fields, payload) + payload.tobytes(),
+                                                    dtype=np.uint8))
     tag = make_tag(5, Kind.ACK, 2)
     for status, rank, why in ((9, 2, "unknown status code 9"), (1, 2, "unknown status code 1"),
                               (0, 3, "rank 3 under tag index 2")):
