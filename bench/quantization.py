@@ -16,9 +16,10 @@ For each mode, on the embedded SmolLM2-135M-Instruct:
   - decode tokens/s at batch 1 (one request, --tokens tokens) and at 64 streams (64 requests at once), counted
     from the step after every request's prefill to the last token (steady-state decode), best of --rounds;
   - KV capacity: tokens a --kv-budget of KV memory holds in the mode's cache dtype (scales included);
-  - KV transfer of one request of --transfer-tokens tokens between two KV transfer agents over UCX on loopback
-    (gather, MAC, send, receive, verify, scatter; two agents in this process): bytes on the wire and time from
-    send to acknowledgement, median of --rounds; plus bfloat16 pages into an int8 store (converted on receive).
+  - KV transfer of requests of --transfer-tokens tokens between two KV transfer agents over UCX on loopback
+    (gather, MAC, send, receive, verify, scatter; two agents in this process), --transfer-requests of them back to
+    back: bytes on the wire per request and seconds per request, median of --rounds; plus bfloat16 pages into an
+    int8 store (converted on receive).
 The engines run eager (no compiled decode step) unless --compile, so every mode runs the same way.
 
     .venv/bin/python bench/quantization.py [--tokens 64] [--rounds 3] [--modes "float32,int8 weights"] [--compile]
@@ -132,9 +133,11 @@ def decode_rate(loaded, kv_cache_dtype: str, streams: int, tokens: int, compile_
     return generated / elapsed
 
 
-def transfer_times(dtypes: list[tuple[str, str]], tokens: int, rounds: int, message_bytes: int = 2 << 20) -> dict:
-    """For each (sender dtype, receiver dtype): bytes moved and median seconds for one request of `tokens` tokens
-    between two UCX agents in this process, the rounds of all pairs interleaved."""
+def transfer_times(dtypes: list[tuple[str, str]], tokens: int, rounds: int, requests: int = 8) -> dict:
+    """For each (sender dtype, receiver dtype): bytes on the wire per request of `tokens` tokens and seconds per
+    request, sending `requests` requests back to back between two UCX agents in this process (time from the first
+    send to the last acknowledgement, over the requests: what a stream of transfers costs each, with the agents'
+    pipelining filled), median of the rounds; the rounds of all pairs interleaved."""
     from tandem.engine.kv_cache import KV_STORAGE, KVCacheSpec, PagedKVCache
     from tandem.engine.parallel.layout import ParallelConfig, ReplicaLayout
     from tandem.kv_transfer.agent import KVTransferAgent
@@ -143,15 +146,15 @@ def transfer_times(dtypes: list[tuple[str, str]], tokens: int, rounds: int, mess
     from tandem.kv_transfer.ucx_transport import UCXTransport
 
     layout = ReplicaLayout.build(ParallelConfig(), num_layers=LAYERS, num_heads=9, num_kv_heads=KV_HEADS)
-    blocks = -(-tokens // BLOCK)
-    config = TransferConfig(staging_bytes=64 << 20, max_message_bytes=message_bytes)
+    per = -(-tokens // BLOCK)
+    config = TransferConfig(staging_bytes=256 << 20)
 
     def agent(dtype: str) -> KVTransferAgent:
-        cache = PagedKVCache(KVCacheSpec(LAYERS, blocks, BLOCK, KV_HEADS, HEAD_DIM, KV_STORAGE[dtype]))
+        cache = PagedKVCache(KVCacheSpec(LAYERS, per * requests, BLOCK, KV_HEADS, HEAD_DIM, KV_STORAGE[dtype]))
         if cache.spec.quantized:
             from tandem.engine.attention.kv_quant import convert_blocks
 
-            values = torch.randn(LAYERS, 2, blocks, KV_HEADS, BLOCK, HEAD_DIM)
+            values = torch.randn(LAYERS, 2, per * requests, KV_HEADS, BLOCK, HEAD_DIM)
             cache.data.view(torch.uint8).copy_(convert_blocks(values, BLOCK, cache.data.dtype).view(torch.uint8))
         else:
             cache.data.normal_()
@@ -163,26 +166,32 @@ def transfer_times(dtypes: list[tuple[str, str]], tokens: int, rounds: int, mess
     try:
         for r in range(rounds + 1):  # the first round warms the connections up, untimed
             for pair, (src, dst) in pairs.items():
-                transfer_id = f"{pair[0]}-{pair[1]}-{r}"
-                deadline = time.time() + 60
-                dst.expect(transfer_id, list(range(blocks)), deadline, (src.address,))
-                desc = TransferDescriptor(transfer_id, layout, (dst.address,), tuple(range(blocks)), tokens,
-                                          KVFormat(LAYERS, KV_HEADS, HEAD_DIM, BLOCK, pair[1]), deadline)
+                ids = [f"{pair[0]}-{pair[1]}-{r}-{i}" for i in range(requests)]
+                blocks = [list(range(i * per, (i + 1) * per)) for i in range(requests)]
+                deadline = time.time() + 120
+                descs = []
+                for transfer_id, own in zip(ids, blocks):
+                    dst.expect(transfer_id, own, deadline, (src.address,))
+                    descs.append(TransferDescriptor(transfer_id, layout, (dst.address,), tuple(own), tokens,
+                                                    KVFormat(LAYERS, KV_HEADS, HEAD_DIM, BLOCK, pair[1]), deadline))
                 start = time.perf_counter()
-                src.arm(desc)
-                src.send_all(transfer_id, list(range(blocks)))
-                while not (status := dst.poll([transfer_id])[transfer_id]).state.terminal:
+                for desc, own in zip(descs, blocks):
+                    src.arm(desc)
+                    src.send_all(desc.transfer_id, own)
+                while not all(s.state.terminal for s in (statuses := dst.poll(ids)).values()):
                     time.sleep(0.0001)
                 elapsed = time.perf_counter() - start
-                if status.state is not TransferState.DONE:
-                    raise RuntimeError(f"transfer {transfer_id} ended {status.state.value}: {status.error}")
-                while not src.poll([transfer_id])[transfer_id].state.terminal:
+                for transfer_id, status in statuses.items():
+                    if status.state is not TransferState.DONE:
+                        raise RuntimeError(f"transfer {transfer_id} ended {status.state.value}: {status.error}")
+                while not all(s.state.terminal for s in src.poll(ids).values()):
                     time.sleep(0.0001)
                 if r:
-                    times[pair].append(elapsed)
-                moved[pair] = status.nbytes
-                src.release(transfer_id)
-                dst.release(transfer_id)
+                    times[pair].append(elapsed / requests)
+                moved[pair] = statuses[ids[0]].nbytes
+                for transfer_id in ids:
+                    src.release(transfer_id)
+                    dst.release(transfer_id)
     finally:
         for src, dst in pairs.values():
             src.close()
@@ -198,6 +207,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--kv-budget", type=int, default=1 << 30, help="KV bytes for the capacity column")
     parser.add_argument("--transfer-tokens", type=int, default=1024)
+    parser.add_argument("--transfer-requests", type=int, default=8)
     parser.add_argument("--compile", action="store_true", help="run the compiled decode step (default eager)")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
@@ -245,7 +255,7 @@ def main() -> None:
     log("KV transfer")
     pairs = [("float32", "float32"), ("bfloat16", "bfloat16"), ("int8", "int8"), ("fp8_e4m3", "fp8_e4m3"),
              ("bfloat16", "int8")]
-    transfer = transfer_times(pairs, args.transfer_tokens, args.rounds)
+    transfer = transfer_times(pairs, args.transfer_tokens, args.rounds, args.transfer_requests)
     for row in transfer.values():
         row["bytes_ratio_vs_float32"] = round(row["bytes"] / transfer["float32->float32"]["bytes"], 3)
         row["time_ratio_vs_float32"] = round(row["seconds"] / transfer["float32->float32"]["seconds"], 3)
@@ -258,7 +268,8 @@ def main() -> None:
     }
     print(json.dumps({"machine": machine_line(), "cpu": cpu_report(), "threads": args.threads,
                       "compiled": args.compile, "tokens": args.tokens, "streams": args.streams,
-                      "transfer_tokens": args.transfer_tokens, "modes": results, "transfer": transfer,
+                      "transfer_tokens": args.transfer_tokens, "transfer_requests": args.transfer_requests,
+                      "modes": results, "transfer": transfer,
                       "summary": summary}))
 
 

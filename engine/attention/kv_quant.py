@@ -91,13 +91,20 @@ def _written_blocks(slots: torch.Tensor, block_size: int) -> tuple[torch.Tensor,
     return blocks, inverse, first
 
 
-def dequantize_rows(gathered: torch.Tensor, block_size: int, head_dim: int, dtype: torch.dtype) -> torch.Tensor:
-    """Gathered quantized rows [..., n, (block_size + 1) * D] (n blocks, codes then the scale row) -> the values
-    [..., n * block_size, D] in `dtype`."""
+def gatherable(kv: torch.Tensor) -> torch.Tensor:
+    """The cache as gathers read it: a float8 cache as its bytes (index ops on float8 are missing on some
+    devices), any other as it is. dequantize_rows takes the storage dtype back."""
+    return _bytes(kv) if is_quantized(kv) else kv
+
+
+def dequantize_rows(gathered: torch.Tensor, block_size: int, head_dim: int, dtype: torch.dtype,
+                    storage: torch.dtype) -> torch.Tensor:
+    """Gathered quantized rows [..., n, (block_size + 1) * D] (n blocks, codes then the scale row; as `storage`,
+    or its bytes) -> the values [..., n * block_size, D] in `dtype`."""
     shaped = gathered.view(*gathered.shape[:-1], block_size + 1, head_dim)
-    scale = scales_of(shaped).to(dtype)  # [..., n]
-    values = shaped[..., :block_size, :].to(dtype) * scale[..., None, None]
-    return values.view(*gathered.shape[:-2], -1, head_dim)
+    # In float32, rounded once to dtype: a bfloat16 scale would be off by up to 0.4% for a whole block.
+    values = shaped[..., :block_size, :].view(storage).float() * scales_of(shaped)[..., None, None]
+    return values.to(dtype).view(*gathered.shape[:-2], -1, head_dim)
 
 
 def convert_blocks(blocks: torch.Tensor, block_size: int, dtype: torch.dtype) -> torch.Tensor:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from tandem.engine.attention.kv_quant import dequantize_rows, is_quantized, write_quantized
+from tandem.engine.attention.kv_quant import dequantize_rows, gatherable, is_quantized, write_quantized
 from tandem.engine.attention.metadata import AttentionMetadata
 from tandem.engine.kernel_tuning import BucketPlan, KernelTuner, copies_for, time_per_call
 
@@ -76,7 +76,8 @@ class TorchAttentionBackend:
         step = meta.per_step(("decode", kv.shape[1:3], window), lambda: DecodeGather.build(
             meta, kv.shape[1], kv.shape[2], window, self.decode_plan))
         b, hk, d = meta.num_seqs, kv.shape[2], kv.shape[4]
-        both = _values(F.embedding(step.rows, kv.view(-1, kv.shape[3] * d)), kv, meta.block_size, q.dtype)
+        both = _values(F.embedding(step.rows, gatherable(kv).view(-1, kv.shape[3] * d)), kv, meta.block_size,
+                       q.dtype)
         both = both.view(2, b, hk, -1, d)
         if both.shape[3] != step.max_len:
             both = both[:, :, :, : step.max_len]
@@ -94,7 +95,7 @@ class TorchAttentionBackend:
         parts = meta.per_step(("short", kv.shape[1:3], window), lambda: [
             DecodeGather.build(meta, kv.shape[1], hk, window, self.decode_plan, group=group, seqs=seqs)
             for seqs in _by_query_length(meta)])
-        cache = kv.view(-1, kv.shape[3] * d)
+        cache = gatherable(kv).view(-1, kv.shape[3] * d)
         out = q if len(parts) == 1 else q.new_empty(q.shape)
         for part in parts:
             b, width = part.rows.shape[1], part.mask.shape[1] // group
@@ -125,8 +126,8 @@ class TorchAttentionBackend:
             else:
                 table = meta.block_tables[i, : -(-total // bs)]
                 hk, d = kv.shape[2], kv.shape[4]
-                keys, values = (_values(_gather_blocks(kv[j], table), kv, bs, q.dtype).view(hk, -1, d)[:, :total]
-                                for j in (0, 1))
+                keys, values = (_values(_gather_blocks(gatherable(kv)[j], table), kv, bs, q.dtype)
+                                .view(hk, -1, d)[:, :total] for j in (0, 1))
             mask = None
             causal = qlen > 1
             if qlen != total or window is not None:
@@ -254,7 +255,7 @@ def _values(gathered: torch.Tensor, kv: torch.Tensor, block_size: int, dtype: to
     times their scales ([..., n * block_size, D]), a float cache's as they are (cast when it stores another
     dtype than the model computes in)."""
     if is_quantized(kv):
-        return dequantize_rows(gathered, block_size, kv.shape[4], dtype)
+        return dequantize_rows(gathered, block_size, kv.shape[4], dtype, kv.dtype)
     return gathered if gathered.dtype == dtype else gathered.to(dtype)
 
 

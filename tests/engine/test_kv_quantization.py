@@ -149,3 +149,25 @@ def test_a_cached_prefix_of_quantized_pages_gives_the_tokens_of_computing_it(tin
     computed = run_all(chunked)[("computed", 0)]
     chunked.shutdown()
     assert again.token_ids == computed.token_ids
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled Triton kernels need a CUDA GPU")
+@pytest.mark.parametrize("dtype", QUANTIZED)
+@pytest.mark.parametrize("mode", ["decode", "prefill"])
+def test_compiled_triton_kernels_read_quantized_pages_on_the_gpu(dtype, mode):
+    """The compiled kernels (not the interpreter) over int8 / fp8 pages, against the torch reference on the same
+    device over the same pages, in bfloat16 queries as an engine on a GPU runs them."""
+    import os
+
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.fail("TRITON_INTERPRET=1 is set on a GPU machine; unset it to test the compiled kernels")
+    lens, done = ([1, 1, 1], [300, 17, 0]) if mode == "decode" else ([40, 1], [33, 64])
+    kv, meta, q, k, v = random_batch(lens, done, 16, 64, 4)
+    device = torch.device("cuda")
+    meta = AttentionMetadata.build(lens, done, meta.block_tables.tolist(), 16, device)
+    q, k, v = (t.to(device, torch.bfloat16) for t in (q, k, v))
+    ref_cache, triton_cache = (convert_blocks(kv, 16, dtype).to(device) for _ in range(2))
+    ref = TorchAttentionBackend().forward(q.float(), k.float(), v.float(), ref_cache, meta, 0.125)
+    out = TritonAttentionBackend().forward(q, k, v, triton_cache, meta, 0.125)
+    assert relative_error(out.float(), ref) < 2e-2  # bfloat16 queries and outputs

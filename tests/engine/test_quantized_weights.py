@@ -138,3 +138,24 @@ def test_the_int8_kernel_runs_on_an_avx2_capped_cpu():
     found = json.loads(out.stdout.strip().splitlines()[-1])
     assert found["kernel"] == "int8" and found["error"] < 0.02
     assert found["capability"] in ("AVX2", "DEFAULT")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="int8 weights on CUDA need a CUDA GPU")
+def test_int8_weights_on_cuda_match_dense_math_and_serve_the_embedded_model():
+    device = torch.device("cuda")
+    weight = torch.randn(256, 576)
+    layer = Int8Linear(weight, None, dtype=torch.bfloat16, device=device)
+    x = torch.randn(8, 576, device=device)
+    expected = x @ layer.dequantize().t()
+    out = layer(x.to(torch.bfloat16)).float()
+    assert (out - expected).abs().max().item() < 0.02 * expected.abs().max().item()
+    print(f"int8 kernel on CUDA: {layer.kernel}")  # int8: torch's int8 kernel; int8 widened: the fallback
+    from tandem.engine.generator import Generator
+    from tandem.engine.sampling_params import SamplingParams
+
+    loaded = load_model(progress=False, dtype=torch.bfloat16, device=device, weight_format="int8")
+    with Generator(loaded, max_model_len=256, kv_cache_dtype="int8") as generator:
+        result = generator.generate(loaded.tokenizer.encode("The capital of France is"),
+                                    SamplingParams(max_tokens=8, temperature=0))
+    assert "Paris" in result.text
