@@ -178,8 +178,10 @@ def transfer_times(dtypes: list[tuple[str, str]], tokens: int, rounds: int, requ
                 for desc, own in zip(descs, blocks):
                     src.arm(desc)
                     src.send_all(desc.transfer_id, own)
-                while not all(s.state.terminal for s in (statuses := dst.poll(ids)).values()):
+                statuses = dst.poll(ids)
+                while not all(s.state.terminal for s in statuses.values()):
                     time.sleep(0.0001)
+                    statuses = dst.poll(ids)
                 elapsed = time.perf_counter() - start
                 for transfer_id, status in statuses.items():
                     if status.state is not TransferState.DONE:

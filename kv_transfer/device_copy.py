@@ -62,14 +62,18 @@ class KVCopier:
     def __init__(self, data: torch.Tensor, layers: range, kv_heads: range):
         """data: a rank's KV store [layers, 2, blocks, KV heads, rows, head_dim] holding the global layers
         `layers` and KV heads `kv_heads` (rows: block_size, plus a quantized store's scale row). Payloads name
-        global layers and heads; block ids are this store's. A float8 store is copied as its bytes (torch's CPU
-        index ops skip float8)."""
+        global layers and heads; block ids are this store's. Copies move the store as machine words (int64 where
+        a row's bytes allow), whatever its dtype: torch's CPU index ops skip float8, and copying a 1-byte dtype
+        element by element costs about a third more per byte than words."""
         if data.dim() != 6 or data.shape[0] != len(layers) or data.shape[3] != len(kv_heads):
             raise ValueError(f"a KV store of shape {tuple(data.shape)} does not hold {len(layers)} layers x "
                              f"{len(kv_heads)} KV heads as [layers, 2, blocks, KV heads, rows, head_dim]")
         self.store_dtype = data.dtype
         self.block_size = data.shape[4] - (1 if data.dtype in QUANTIZED_KV else 0)
-        self.data = data.view(torch.uint8) if data.dtype.is_floating_point and data.element_size() == 1 else data
+        self.head_dim = data.shape[5]
+        row_bytes = data.shape[5] * data.element_size()
+        word = next(w for w in (torch.int64, torch.int32, torch.int16, torch.uint8) if row_bytes % w.itemsize == 0)
+        self.data = data.view(word)
         self.layers, self.kv_heads = layers, kv_heads
         self.device = data.device
         self.on_cuda = data.device.type == "cuda"
@@ -169,7 +173,7 @@ class KVCopier:
         if isinstance(payload, np.ndarray):
             payload = torch.from_numpy(payload)
         rows = block_size + (1 if dtype in QUANTIZED_KV else 0)
-        shape = (len(layers), 2, len(block_ids), len(kv_heads), rows, self.data.shape[5])
+        shape = (len(layers), 2, len(block_ids), len(kv_heads), rows, self.head_dim)
         if payload.dtype == torch.uint8 and payload.dim() == 1:
             if payload.numel() != int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size():
                 raise ValueError(f"a payload of {payload.numel()} bytes for a {dtype} slice {shape}")
@@ -186,8 +190,8 @@ class KVCopier:
         ids = self._check_blocks(block_ids)
         if len(set(ids)) != len(ids):
             raise ValueError(f"destination block ids repeat: {list(ids)}")
-        _, _, _, _, rows, head_dim = self.data.shape
-        shape = (len(layers), 2, len(ids), len(kv_heads), rows, head_dim)
+        rows = self.data.shape[4]
+        shape = (len(layers), 2, len(ids), len(kv_heads), rows, self.head_dim)
         if self.on_cuda or tuple(source.shape) != shape or source.dtype != self.store_dtype:
             raise ValueError(f"a {source.dtype} slice {tuple(source.shape)} for {shape} of a {self.store_dtype} "
                              f"store on {self.device}")
@@ -262,9 +266,10 @@ class KVCopier:
         return ids
 
     def _shaped(self, buffer: torch.Tensor, layers: range, kv_heads: range, num_blocks: int) -> torch.Tensor:
-        """buffer (uint8, contiguous) viewed as the slice [layers, 2, blocks, KV heads, block_size, head_dim]."""
-        _, _, _, _, block_size, head_dim = self.data.shape
-        shape = (len(layers), 2, num_blocks, len(kv_heads), block_size, head_dim)
+        """buffer (uint8, contiguous) viewed as the slice [layers, 2, blocks, KV heads, rows, words] of the store's
+        words (see __init__)."""
+        _, _, _, _, rows, words = self.data.shape
+        shape = (len(layers), 2, num_blocks, len(kv_heads), rows, words)
         nbytes = int(np.prod(shape)) * self.data.element_size()
         if buffer.numel() != nbytes:
             raise ValueError(f"a payload of {buffer.numel()} bytes for a slice of {nbytes}")

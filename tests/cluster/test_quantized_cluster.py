@@ -4,7 +4,12 @@ are), the status names each replica's KV dtype and weights, and the KV budget ho
 
 from __future__ import annotations
 
+import re
+import subprocess
+import sys
+
 import pytest
+import ray
 import torch
 
 from tandem.engine.engine_config import EngineConfig
@@ -61,3 +66,14 @@ def test_status_names_the_kv_dtype_and_weights_and_the_budget_counts_their_bytes
         assert (replica["kv_dtype"], replica["weights"]) == ("int8", "int8")
         assert replica["device"] == "cpu bfloat16"
         assert replica["kv_blocks_total"] == (256 << 20) // per_block  # kv_cache_bytes: 256MiB
+
+
+def test_tandem_status_prints_each_replicas_kv_dtype_and_weights(cluster):
+    address = ray.get_runtime_context().gcs_address
+    done = subprocess.run([sys.executable, "-m", "tandem.cluster.cli", "status", "--address", address],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    lines = [line for line in done.stdout.splitlines() if line.strip().startswith(("prefill-0", "decode-0"))]
+    assert len(lines) == 2, done.stdout
+    for line in lines:
+        assert "(cpu bfloat16, int8 weights)" in line and re.search(r"KV \d+/\d+ blocks \(\d+%, int8\)", line), line
