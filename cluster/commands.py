@@ -148,7 +148,8 @@ def status(args: argparse.Namespace) -> int:
         weights = f", {r['weights']} weights" if r.get("weights") not in (None, "dense") else ""
         queues = (f"running {r['running']}, waiting {r['waiting']}, waiting for KV {r['waiting_for_kv']}, "
                   f"in flight {r.get('in_flight', 0)}" if "running" in r else r.get("error", ""))
-        print(f"    {r['name']:<12} {r['state']:<12} node {r.get('node')} pid {r.get('pid')} ({r.get('device')}{weights})  "
+        print(f"    {r['name']:<12} {r['state']:<12} node {r.get('node')} pid {r.get('pid')} "
+              f"({r.get('device')}{weights})  "
               f"{queues}  {kv}")
         if r.get("speculation"):
             s = r["speculation"]

@@ -15,6 +15,7 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton")  # auto: Triton on CUDA, the to
 # int4_g128: every projection group-wise 4-bit, groups of 32 / 128 (engine/models/int4.py), the LM head int8.
 WEIGHT_FORMATS = ("dense", "packed", "int8", "int4", "int4_g128")
 QUANTIZED_WEIGHTS = ("packed", "int8", "int4", "int4_g128")  # these compute in bfloat16
+QUANTIZED_ON_LOAD = ("int8", "int4", "int4_g128")  # quantized from the checkpoint's floats as they are read
 # What the KV cache stores (engine/kv_cache.py): auto is the compute dtype; int8 and fp8_e4m3 hold codes with a
 # float32 scale per block, layer, K/V and KV head, computed from the data as tokens are written.
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "int8", "fp8_e4m3")

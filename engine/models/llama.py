@@ -20,11 +20,11 @@ import torch.nn.functional as F
 from tandem.engine.attention import AttentionMetadata, TorchAttentionBackend
 from tandem.engine.attention.torch_ref import FIXED_DECODE_PLAN, tuned_decode_plan
 from tandem.engine.cpu_features import FEATURES, CpuFeatures, cpu_features
+from tandem.engine.engine_config import QUANTIZED_ON_LOAD, WEIGHT_FORMATS
 from tandem.engine.errors import ModelLoadError
 from tandem.engine.kernel_tuning import KernelTuner
 from tandem.engine.kv_cache import PagedKVCache
 from tandem.engine.model_config import ModelConfig
-from tandem.engine.engine_config import QUANTIZED_WEIGHTS, WEIGHT_FORMATS
 from tandem.engine.models.int4 import GROUPS as INT4_GROUPS
 from tandem.engine.models.int4 import Int4Linear, Int4Weight
 from tandem.engine.models.int8 import Int8Linear
@@ -240,7 +240,7 @@ class LlamaModel:
         if weight_format not in WEIGHT_FORMATS:
             raise ValueError(f"weights must be one of {', '.join(WEIGHT_FORMATS)}, got {weight_format!r}")
         self.weight_format = weight_format
-        quantize = weight_format if weight_format in ("int8", "int4", "int4_g128") else None
+        quantize = weight_format if weight_format in QUANTIZED_ON_LOAD else None
         if quantize and dtype != torch.bfloat16:
             raise ValueError(f"{weight_format} weights compute in bfloat16, but dtype {dtype} was asked for")
         if quantize and quantize != "int8" and self.cpu is None:
@@ -272,7 +272,7 @@ class LlamaModel:
             if biases and (columns is None or shard.tp_index == 0):
                 bias = torch.cat([read_weight(b, r, dtype=dtype, device=self.device) for b, r in biases])
             whole = all(r is None for r in rows) and columns is None
-            if keep_packed and whole and all(isinstance(p, Int4Weight) for p in parts) and not head:
+            if keep_packed and whole and all(isinstance(p, Int4Weight) for p in parts) and not (head and quantize):
                 return Int4Linear(Int4Weight.cat(parts), bias, device=self.device)
             weight = torch.cat([read_weight(p, r, columns, dtype=torch.float32 if quantize else dtype,
                                             device=self.device) for p, r in zip(parts, rows)])
