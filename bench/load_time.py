@@ -40,7 +40,7 @@ def main() -> None:
     results = {
         "model": path.name,
         "tandem_float32_s": best_of(args.repeats, lambda: load_model(progress=False)),
-        "tandem_packed_int4_s": best_of(args.repeats, lambda: load_model(progress=False, packed=True,
+        "tandem_packed_int4_s": best_of(args.repeats, lambda: load_model(progress=False, weight_format="packed",
                                                                          dtype=torch.bfloat16)),
         "transformers_float32_s": best_of(args.repeats, lambda: (
             AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name),

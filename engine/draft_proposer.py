@@ -52,7 +52,8 @@ def load_draft(target: LoadedModel, draft: str, device: torch.device) -> LoadedM
     from tandem.engine.models.int4 import Int4Linear
 
     if draft == SELF:
-        loaded = load_model(target.source, dtype=torch.bfloat16, device=device, packed=True, progress=False)
+        loaded = load_model(target.source, dtype=torch.bfloat16, device=device, weight_format="packed",
+                            progress=False)
         if not any(isinstance(p, Int4Linear) for p in loaded.model.projections()):
             raise ValueError(f"{target.source} has no 4-bit (Q4_0/Q4_1) layers to run packed: the draft 'self' "
                              "needs them; name a smaller model of the same vocabulary as the draft instead")

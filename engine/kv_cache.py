@@ -22,6 +22,12 @@ KV_STORAGE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": t
 QUANTIZED_KV = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}  # quantized storage dtypes and their largest code
 
 
+def scale_rows(dtype: torch.dtype) -> int:
+    """Rows a block of a store of dtype holds beside its tokens' (per layer, K/V and KV head): a quantized
+    store's scale row, or none."""
+    return 1 if dtype in QUANTIZED_KV else 0
+
+
 def kv_storage_dtype(name: str, compute: torch.dtype) -> torch.dtype:
     """The dtype a KV cache of kv_cache_dtype `name` stores; auto: the compute dtype. Raises ValueError for an
     unknown name."""
@@ -63,7 +69,7 @@ class KVCacheSpec:
     @property
     def rows_per_block(self) -> int:
         """Rows of head_dim elements per (layer, K/V, block, KV head): the tokens, and a quantized store's scale row."""
-        return self.block_size + (1 if self.quantized else 0)
+        return self.block_size + scale_rows(self.dtype)
 
     @property
     def bytes_per_block(self) -> int:

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from tandem.engine.attention.kv_quant import convert_blocks
-from tandem.engine.kv_cache import KV_STORAGE, QUANTIZED_KV
+from tandem.engine.kv_cache import scale_rows
 
 _log = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ class KVCopier:
             raise ValueError(f"a KV store of shape {tuple(data.shape)} does not hold {len(layers)} layers x "
                              f"{len(kv_heads)} KV heads as [layers, 2, blocks, KV heads, rows, head_dim]")
         self.store_dtype = data.dtype
-        self.block_size = data.shape[4] - (1 if data.dtype in QUANTIZED_KV else 0)
+        self.block_size = data.shape[4] - scale_rows(data.dtype)
         self.head_dim = data.shape[5]
         row_bytes = data.shape[5] * data.element_size()
         word = next(w for w in (torch.int64, torch.int32, torch.int16, torch.uint8) if row_bytes % w.itemsize == 0)
@@ -172,7 +172,7 @@ class KVCopier:
         convert_blocks). Raises ValueError as scatter_from does."""
         if isinstance(payload, np.ndarray):
             payload = torch.from_numpy(payload)
-        rows = block_size + (1 if dtype in QUANTIZED_KV else 0)
+        rows = block_size + scale_rows(dtype)
         shape = (len(layers), 2, len(block_ids), len(kv_heads), rows, self.head_dim)
         if payload.dtype == torch.uint8 and payload.dim() == 1:
             if payload.numel() != int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size():

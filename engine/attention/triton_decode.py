@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from tandem.engine.attention.kv_quant import is_quantized, scales_of
+from tandem.engine.kv_cache import scale_rows
 
 MIN_DOT = 16  # tl.dot needs at least 16 rows: a KV head's query group is padded up to this
 TENSOR_CORE_PRECISION = "tf32"  # Triton's own default for float32 tl.dot on NVIDIA tensor cores
@@ -217,7 +218,7 @@ def check_paged_shapes(q: torch.Tensor, kv: torch.Tensor) -> tuple[int, int, int
     block_size (+ 1 quantized), D]. Raises ValueError for shapes the kernels do not take."""
     _, hq, d = q.shape
     _, _, hk, rows, d_kv = kv.shape
-    block_size = rows - 1 if is_quantized(kv) else rows
+    block_size = rows - scale_rows(kv.dtype)
     if d != d_kv or hq % hk:
         raise ValueError(f"q {tuple(q.shape)} does not fit the cache {tuple(kv.shape)}")
     if d & (d - 1) or block_size & (block_size - 1):

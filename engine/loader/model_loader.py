@@ -83,21 +83,19 @@ class LoadedModel:
 
 
 def load_model(path: str | Path | None = None, *, dtype: torch.dtype = torch.float32,
-               device: torch.device | str = "cpu", progress: bool = True, packed: bool = False,
-               weights: bool = True, cpu: CpuFeatures | None = None,
-               tuner: KernelTuner | None = None, weight_format: str | None = None) -> LoadedModel:
+               device: torch.device | str = "cpu", progress: bool = True, weights: bool = True,
+               cpu: CpuFeatures | None = None, tuner: KernelTuner | None = None,
+               weight_format: str = "dense") -> LoadedModel:
     """Loads weights and tokenizer from `path` (None: the embedded model). Raises ModelLoadError on bad input.
 
-    packed: run a GGUF file's Q4_0/Q4_1 projections on the packed 4-bit kernel (needs dtype=torch.bfloat16).
-    weight_format: engine_config.WEIGHT_FORMATS (None: "packed" if packed, else "dense"); int8 and int4 quantize
-    every projection of any checkpoint (int4 keeps a GGUF file's Q4_0/Q4_1 blocks as they are); all but dense
-    need dtype=torch.bfloat16.
+    weight_format: engine_config.WEIGHT_FORMATS: packed runs a GGUF file's Q4_0/Q4_1 projections on the packed
+    4-bit kernel; int8 and int4 quantize every projection of any checkpoint (int4 keeps a GGUF file's Q4_0/Q4_1
+    blocks as they are); all but dense need dtype=torch.bfloat16.
     weights: False reads only the config and tokenizer (model is None).
     cpu: what the CPU runs, for the kernel choice (default: this process's probe, engine/cpu_features.py).
     tuner: measures the kernel choice on this CPU (default: as the environment says, engine/kernel_tuning.py).
     """
     start = time.perf_counter()
-    weight_format = weight_format or ("packed" if packed else "dense")
     checkpoint = load_checkpoint(path, progress=progress, packed=keeps_q4_blocks(path, weight_format),
                                  weights=weights)
     model = None

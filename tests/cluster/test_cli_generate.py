@@ -172,7 +172,8 @@ def test_bfloat16_modes_run_on_an_avx2_cpu(embedded, flags, disable, int4_shapes
     for plan in plans:  # what an AVX2 CPU runs: no oneDNN bfloat16
         assert plan == "int4" or ("onednn" not in plan and ("linear" in plan or "widen" in plan)), plan
     features = dataclasses.replace(cpu_features(), onednn_bf16=False, int4=cpu_features().int4 and not disable)
-    loaded = load_model(progress=False, dtype=torch.bfloat16, packed="packed" in flags, cpu=features)
+    loaded = load_model(progress=False, dtype=torch.bfloat16, cpu=features,
+                        weight_format="packed" if "packed" in flags else "dense")
     expected = Generator(loaded, max_model_len=64).generate(
         embedded.tokenizer.encode(prompt), SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
     tokens = json.loads(proc.stdout)["token_ids"]

@@ -84,7 +84,8 @@ def test_bfloat16_models_stay_close_to_float32(embedded_generator, path):
 
     packed, on = PATHS[path]
     features = forced(**on)
-    loaded = load_model(progress=False, packed=packed, dtype=torch.bfloat16, cpu=features)
+    loaded = load_model(progress=False, weight_format="packed" if packed else "dense", dtype=torch.bfloat16,
+                        cpu=features)
     generator = Generator(loaded, max_model_len=2048)
     kernels = loaded.model.kernel_counts()
     if path == "bf16-packed-int4":
@@ -114,7 +115,7 @@ def test_packed_weights_are_expanded_where_the_int4_kernel_does_not_run(embedded
 
     no_int4 = forced(int4=False)
     with caplog.at_level(logging.WARNING, logger="tandem.engine.models.llama"):
-        packed = load_model(progress=False, packed=True, dtype=torch.bfloat16, cpu=no_int4)
+        packed = load_model(progress=False, weight_format="packed", dtype=torch.bfloat16, cpu=no_int4)
     assert "int4 CPU kernel does not run here" in caplog.text and "4x the weight memory" in caplog.text
     assert "int4" not in packed.model.kernel_counts()
     dense = load_model(progress=False, dtype=torch.bfloat16, cpu=no_int4)
@@ -126,7 +127,7 @@ def test_packed_weights_are_expanded_where_the_int4_kernel_does_not_run(embedded
 
 def test_packed_needs_bfloat16_and_a_gguf(tmp_path):
     with pytest.raises(ValueError, match="compute in bfloat16"):
-        load_model(progress=False, packed=True, dtype=torch.float32)
+        load_model(progress=False, weight_format="packed", dtype=torch.float32)
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(ValueError, match="Hugging Face folder has none"):
         load_checkpoint(tmp_path, packed=True)

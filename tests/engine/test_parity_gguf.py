@@ -41,7 +41,7 @@ def test_packed_mode_mixes_packed_and_dense_projections(tiny_gguf):
     from tandem.engine.models.int4 import Int4Linear
     from tandem.engine.models.linear import Linear
 
-    packed = load_model(tiny_gguf, progress=False, packed=True, dtype=torch.bfloat16)
+    packed = load_model(tiny_gguf, progress=False, weight_format="packed", dtype=torch.bfloat16)
     assert isinstance(packed.model.layers[0].qkv, Linear)
     dense = load_model(tiny_gguf, progress=False, dtype=torch.bfloat16)
     ids = dense.tokenizer.encode("Packed and dense weights agree.")

@@ -15,7 +15,7 @@ from tandem.engine.kv_cache import KV_STORAGE, KVCacheSpec, PagedKVCache
 from tandem.engine.parallel.layout import ParallelConfig, ReplicaLayout
 from tandem.kv_transfer.agent import KVTransferAgent
 from tandem.kv_transfer.config import TransferConfig
-from tandem.kv_transfer.descriptor import KVFormat, TransferDescriptor
+from tandem.kv_transfer.descriptor import KVFormat, TransferDescriptor, TransferState
 from tandem.kv_transfer.fake_transport import Fabric, FakeTransport
 
 TRANSPORTS = ["fake", "ucx"]
@@ -98,6 +98,16 @@ class AgentReplica:
             if not torch.equal(mine.view(torch.uint8), want.view(torch.uint8)):  # bit for bit, float8 too
                 return False
         return True
+
+    def push(self, dst: AgentReplica, desc: TransferDescriptor, block_ids) -> None:
+        """Every rank of this replica sends its share of block_ids (in token order) for desc to dst; returns once
+        both sides are DONE."""
+        for agent in self.agents:
+            agent.arm(desc)
+            agent.send_all(desc.transfer_id, block_ids)
+        transfer_id = desc.transfer_id
+        wait_until(lambda: all(s.state is TransferState.DONE for s in dst.states(transfer_id) +
+                               self.states(transfer_id)), what="both sides DONE")
 
     def states(self, transfer_id: str) -> list:
         return [agent.poll([transfer_id]).get(transfer_id) for agent in self.agents]

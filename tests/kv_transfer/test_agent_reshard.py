@@ -51,11 +51,7 @@ def test_every_destination_rank_gets_exactly_its_share(pair, kind, shared):
         before = dst.whole.clone()
         desc = dst.descriptor("req-1/0", DST_BLOCKS, num_tokens=5 * 16 - 3, senders=src.addresses,
                               shared_memory=shared)
-        for agent in src.agents:
-            agent.arm(desc)
-            agent.send_all("req-1/0", SRC_BLOCKS)
-        wait_until(lambda: all(s.state is TransferState.DONE for s in dst.states("req-1/0") + src.states("req-1/0")),
-                   what="both sides DONE")
+        src.push(dst, desc, SRC_BLOCKS)
         assert dst.holds(DST_BLOCKS, src.whole[:, :, SRC_BLOCKS])
         untouched = [b for b in range(10) if b not in DST_BLOCKS]
         assert dst.holds(untouched, before[:, :, untouched])

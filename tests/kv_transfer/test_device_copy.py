@@ -170,11 +170,7 @@ def test_agents_on_either_path_move_kv_byte_for_byte(kind, kv_path):
         assert [(a.stats().device, a.stats().path) for a in src.agents + dst.agents] == [("cpu", want)] * 4
         blocks_from, blocks_to = [4, 9, 1, 6, 0, 3], [7, 2, 8, 5, 1, 0]
         desc = dst.descriptor("r/0", blocks_to, num_tokens=6 * 16, senders=src.addresses)
-        for agent in src.agents:
-            agent.arm(desc)
-            agent.send_all("r/0", blocks_from)
-        wait_until(lambda: all(s.state is TransferState.DONE for s in dst.states("r/0") + src.states("r/0")),
-                   what="both sides DONE")
+        src.push(dst, desc, blocks_from)
         assert dst.holds(blocks_to, src.whole[:, :, blocks_from])
         assert any(a.stats().one_off_buffers for a in src.agents)  # a second copy in flight found staging full
         for agent in src.agents + dst.agents:

@@ -11,9 +11,9 @@ from tandem.engine.attention.kv_quant import convert_blocks, scales_of
 from tandem.engine.kv_cache import KV_STORAGE
 from tandem.engine.parallel.layout import ParallelConfig
 from tandem.kv_transfer.config import TransferConfig
-from tandem.kv_transfer.descriptor import KVFormat, TransferState
+from tandem.kv_transfer.descriptor import KVFormat
 from tandem.kv_transfer.fake_transport import Fabric
-from tests.kv_transfer.kv_helpers import AgentReplica, layout_of, wait_until
+from tests.kv_transfer.kv_helpers import AgentReplica, layout_of
 
 SHAPE = dict(num_layers=4, num_heads=6, num_kv_heads=3)
 SRC_BLOCKS, DST_BLOCKS = [5, 2, 7], [1, 8, 3]
@@ -30,11 +30,7 @@ def _move(src_dtype: str, dst_dtype: str, shared: bool, src_cfg=ParallelConfig(t
     try:
         desc = dst.descriptor("req", DST_BLOCKS, num_tokens=3 * BLOCK - 5, senders=src.addresses,
                               shared_memory=shared)
-        for agent in src.agents:
-            agent.arm(desc)
-            agent.send_all("req", SRC_BLOCKS)
-        wait_until(lambda: all(s.state is TransferState.DONE for s in dst.states("req") + src.states("req")),
-                   what="both sides DONE")
+        src.push(dst, desc, SRC_BLOCKS)
         moved = sum(s.nbytes for s in dst.states("req"))
         for agent in src.agents + dst.agents:
             agent.release("req")
