@@ -107,10 +107,14 @@ def load_keys(head_base, table_row, tok, tok_ok, dims, stride_kv_kv, stride_kv_b
 
 @triton.jit
 def key_scores(q, k, scale_log2, NATIVE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """q . k^T, scaled into base 2: [rows, keys]."""
+    """q . k^T, scaled into base 2: [rows, keys]. One return after an if/else: Triton's compiler goes on past a
+    return inside a constexpr branch, so an early return would also build the other product (bf16 against a
+    float32 tile: a compilation error on the GPU that the interpreter, running plain Python, never shows)."""
     if NATIVE_DOT:
-        return tl.dot(q, tl.trans(k)) * scale_log2
-    return tl.dot(q, tl.trans(k.to(tl.float32)), input_precision=DOT_PRECISION) * scale_log2
+        scores = tl.dot(q, tl.trans(k))
+    else:
+        scores = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision=DOT_PRECISION)
+    return scores * scale_log2
 
 
 @triton.jit

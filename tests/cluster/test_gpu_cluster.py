@@ -35,9 +35,9 @@ def gpu_cluster(tmp_path_factory):
     """gpu-1.yaml copied with its two listen ports moved to free ones, validated as `tandem validate` does
     (ports included), and started on a local Ray of one GPU; stopped (Ray too) after the module."""
     text = (MANIFESTS / "gpu-1.yaml").read_text()
-    for port in ("50051", "8000"):
-        assert text.count(f"127.0.0.1:{port}") == 1
-        text = text.replace(f"127.0.0.1:{port}", f"127.0.0.1:{free_port()}")
+    for key, port in (("grpc", "50051"), ("http", "8000")):  # the listen lines (comments may name the ports too)
+        assert text.count(f"{key}: 127.0.0.1:{port}") == 1
+        text = text.replace(f"{key}: 127.0.0.1:{port}", f"{key}: 127.0.0.1:{free_port()}")
     path = tmp_path_factory.mktemp("gpu-1") / "gpu-1.yaml"
     path.write_text(text)
     manifest = validate_file(path)
