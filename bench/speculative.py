@@ -14,7 +14,7 @@ over rounds. Outputs are checked to be identical to those without speculation (t
 Acceptance: accepted / proposed tokens, and tokens per verified step, from the engine's own counters.
 
     .venv/bin/python bench/speculative.py [--rounds 3] [--tokens 96] [--k 4] [--threads 2]
-        [--workloads repetition,multi_turn,open_chat] [--proposers ngram,suffix,draft] [--replay]
+        [--workloads repetition,multi_turn,open_chat] [--proposers ngram,suffix,draft] [--replay] [--device cuda]
 
 --replay adds the offline replay of the proposers against the model's own greedy output (acceptance only, no
 timing). The last line of output is one JSON object with every number.
@@ -191,16 +191,22 @@ def main() -> None:
     parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated subset")
     parser.add_argument("--proposers", default="ngram,suffix,draft", help="comma-separated subset")
     parser.add_argument("--replay", action="store_true", help="also replay the proposers offline")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                        help="where the engine runs (float32 on the CPU, bfloat16 on CUDA)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
+    from tandem.engine.device import default_dtype
     from tandem.engine.loader import load_model
     from tandem.engine.proposers import NgramProposer
     from tandem.engine.suffix_proposer import SuffixProposer
 
-    loaded = load_model(progress=False)
+    dtype = default_dtype(args.device)
+    loaded = load_model(progress=False, dtype=getattr(torch, dtype), device=args.device)
     workloads = {name: WORKLOADS[name] for name in args.workloads.split(",")}
-    report = {"bench": "speculative", "machine": machine_line(), "k": args.k, "tokens": args.tokens,
+    report = {"bench": "speculative", "machine": machine_line(), "device": args.device, "dtype": dtype,
+              **({"gpu": torch.cuda.get_device_name()} if args.device == "cuda" else {}), "k": args.k,
+              "tokens": args.tokens,
               "rounds": args.rounds, "engine": measure(loaded, workloads, args)}
     if args.replay:
         replayed: dict[str, dict] = {}

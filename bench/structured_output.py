@@ -10,7 +10,7 @@
    outputs run longer than the measured steps) against the same requests unconstrained, interleaved rounds;
    mask filling runs on a helper thread during the forward pass (engine/model_runner.py).
 
-    .venv/bin/python bench/structured_output.py [--batch 64] [--steps 32] [--rounds 3] [--threads 2]
+    .venv/bin/python bench/structured_output.py [--batch 64] [--steps 32] [--rounds 3] [--threads 2] [--device cuda]
 
 The last line of output is one JSON object with every number.
 """
@@ -217,16 +217,22 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                        help="where the engine runs (float32 on the CPU, bfloat16 on CUDA)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
+    from tandem.engine.device import default_dtype
     from tandem.engine.engine_config import EngineConfig
     from tandem.engine.llm_engine import LLMEngine
     from tandem.engine.loader import load_model
 
-    loaded = load_model(progress=False)
+    dtype = default_dtype(args.device)
+    loaded = load_model(progress=False, dtype=getattr(torch, dtype), device=args.device)
     outputs = reference_outputs(loaded, LLMEngine, EngineConfig(num_kv_blocks=2048, max_num_seqs=64, compile=False))
     result = {"bench": "structured_output", "machine": machine_line(), "cpu": cpu_report(), "threads": args.threads,
+              "device": args.device, "dtype": dtype,
+              **({"gpu": torch.cuda.get_device_name()} if args.device == "cuda" else {}),
               "vocab": loaded.config.vocab_size, **compare_libraries(loaded, outputs), "engine": []}
     for batch in sorted({1, args.batch}):
         row = step_overhead(loaded, LLMEngine, EngineConfig, batch, args.steps, args.rounds)
