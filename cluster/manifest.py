@@ -113,13 +113,16 @@ class Replicas(_Strict):
 class SpeculativeSettings(_Strict):
     """Speculative decoding on a pool's replicas (engine/speculation.py): a cheap proposer guesses each decoding
     sequence's next tokens and the model verifies them in its step; a cost model measured on the replica keeps only
-    proposals that pay (none at a large batch or a low acceptance). The output is the same as without."""
+    proposals that pay (none at a large batch or a low acceptance). The output is the same as without.
+    adaptive: false turns the cost model off and verifies max_tokens proposals whenever the proposer has them (tests
+    and benchmarks of verification; a server keeps the default)."""
 
     proposer: Literal["ngram", "suffix"] = "suffix"
     max_tokens: int = Field(4, ge=1, le=MAX_SPECULATIVE_TOKENS)
     ngram_min: int = Field(2, ge=1)
     ngram_max: int = Field(4, ge=1)
     suffix_cached_requests: int = Field(256, ge=0)
+    adaptive: bool = True
 
     @model_validator(mode="after")
     def _ngram_order(self) -> SpeculativeSettings:
@@ -129,7 +132,7 @@ class SpeculativeSettings(_Strict):
 
     def config(self) -> SpeculativeConfig:
         return SpeculativeConfig(self.proposer, self.max_tokens, self.ngram_min, self.ngram_max,
-                                 self.suffix_cached_requests)
+                                 self.suffix_cached_requests, adaptive=self.adaptive)
 
 
 class EngineLimits(_Strict):

@@ -26,10 +26,22 @@ from tests.cluster.structured_checks import (greedy_reply_equals_one_process, sa
 MAX_TOKENS = 24
 
 
+def forced_speculation(manifest):
+    """local.yaml with its decode pool's speculation forced (adaptive: false): whether the cost model would let
+    proposals pay depends on this machine's speed (an AVX2 CPU's steps priced them out), and the tests here check
+    the speculated path against one process. The decision itself is tested in tests/engine/
+    test_speculative_engine.py."""
+    decode = manifest.pools.decode
+    speculative = decode.engine.speculative.model_copy(update={"adaptive": False})
+    engine = decode.engine.model_copy(update={"speculative": speculative})
+    return manifest.pools.model_copy(update={"decode": decode.model_copy(update={"engine": engine})})
+
+
 @pytest.fixture(scope="module")
 def cluster():
+    manifest = manifest_for_test("local.yaml")
     with simulated_cluster() as (ray_cluster, node_ids):
-        with running(manifest_for_test("local.yaml")) as tandem:
+        with running(manifest.model_copy(update={"pools": forced_speculation(manifest)})) as tandem:
             tandem.node_ids = node_ids
             yield tandem
 
@@ -269,9 +281,10 @@ def test_structured_output_holds_across_the_transfer(cluster, embedded):
 
 
 def test_the_decode_replica_speculates_on_a_transferred_prompt_with_one_process_output(cluster, client, embedded):
-    """local.yaml's decode pool speculates (the suffix proposer over the transferred prompt and the output): a
-    reply that quotes its prompt equals one process's without speculation, and the decode replica's counters (in
-    `tandem status`, as on /metrics) show accepted proposals; the prefill replica never speculates."""
+    """local.yaml's decode pool speculates (the suffix proposer over the transferred prompt and the output; forced
+    here, see forced_speculation): a reply that quotes its prompt equals one process's without speculation, and
+    the decode replica's counters (in `tandem status`, as on /metrics) show accepted proposals; the prefill replica
+    never speculates."""
     question = ("Repeat this sentence exactly, twice: The old lighthouse keeper climbed the stairs every evening "
                 "to light the lamp for the ships.")
     before = {r["name"]: r.get("speculation") for r in wait_idle(cluster)}

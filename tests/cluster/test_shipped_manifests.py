@@ -95,8 +95,11 @@ def test_the_local_decode_pools_speculate_and_a_prefill_pool_never_does():
     asked = parse_manifest(text.replace("engine: {block_size: 16,", "engine: {speculative: {proposer: ngram}, "
                                         "block_size: 16,", 1))
     assert {plan.pool: plan.spec.engine.speculative for plan in replica_plans(asked)}["prefill"] is None
+    forced = parse_manifest(text.replace("{proposer: suffix, max_tokens: 4}", "{proposer: suffix, adaptive: false}"))
+    assert {plan.pool: plan.spec.engine.speculative for plan in replica_plans(forced)}["decode"] == \
+        SpeculativeConfig(proposer="suffix", adaptive=False)
     for bad, message in (("{proposer: eagle}", "proposer"), ("{max_tokens: 17}", "max_tokens"),
-                         ("{ngram_min: 3, ngram_max: 2}", "ngram_min")):
+                         ("{ngram_min: 3, ngram_max: 2}", "ngram_min"), ("{adaptive: sometimes}", "adaptive")):
         with pytest.raises(ValueError, match=message):
             parse_manifest(text.replace("engine: {block_size: 16,", f"engine: {{speculative: {bad}, block_size: 16,",
                                         1))

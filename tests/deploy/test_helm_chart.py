@@ -2,7 +2,7 @@
 binary, no cluster): the chart lints and renders for its default values and the value sets in ci/ (CPU demo, one
 GPU node, multi-node GPU); every rendered core object validates against Kubernetes' schemas (kubernetes-validate,
 strict: unknown fields fail) at the oldest and the newest version the chart supports; the RayCluster validates
-against the KubeRay CRD in ../shared/schemas/kuberay/ (and has no field the CRD would silently prune); the
+against the KubeRay CRD in tests/deploy/schemas/kuberay/ (and has no field the CRD would silently prune); the
 manifest in the ConfigMap passes `tandem validate`; what the objects promise (probes, ports, the NetworkPolicy,
 Ray resources that match the manifest) holds; and bad values fail the install with their messages."""
 
@@ -26,7 +26,7 @@ from tests.deploy.helm_render import (CHART, NAMESPACE, RELEASE, ROOT, VALUE_SET
 from tests.deploy.model_shapes import LLAMA3_8B, LLAMA3_70B, manifest_with_model, write_hf_shaped_folder
 from tests.router.test_tls import _issue, _write
 
-CRD = ROOT.parent / "shared" / "schemas" / "kuberay" / "ray.io_rayclusters.yaml"
+CRD = Path(__file__).parent / "schemas" / "kuberay" / "ray.io_rayclusters.yaml"  # source: its README.md
 KUBE_VERSIONS = ("1.27.0", "1.37.0")  # the chart's kubeVersion floor, and the newest kubernetes-validate knows
 CORE_GROUPS = ("v1", "apps/", "policy/", "networking.k8s.io/", "batch/", "autoscaling/", "rbac.authorization.k8s.io/")
 

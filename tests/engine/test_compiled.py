@@ -151,14 +151,25 @@ with torch.inference_mode():
     out = model.forward(ids, positions, step, kv, compiled=compiled)
 assert compiled.steps == 1
 torch.testing.assert_close(out, eager, rtol=1e-4, atol=1e-4)
-print(torch.get_cpu_capability() if hasattr(torch, "get_cpu_capability") else torch.backends.cpu.get_cpu_capability())
+import json
+from tandem.engine.kernel_tuning import machine_key
+print(json.dumps(machine_key(model.cpu, torch.get_num_threads())))
 """
 
 
 def test_the_compiled_cache_is_kept_per_cpu_capability(embedded, tmp_path):
     """Inductor's own cache key leaves out torch's CPU capability: code cached by an AVX-512 process and loaded by
     an AVX2 one (ATEN_CPU_CAPABILITY=avx2, as on a shared home directory) computed NaN. tandem keeps one inductor
-    cache per machine key, so each process here compiles its own code and matches eager."""
+    cache per machine key, so each process here compiles its own code and matches eager.
+
+    One process runs as it is, the other capped at AVX2 (ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2). The
+    machine key holds torch's capability and the oneDNN cap, so the two never share a folder, on any CPU, for a
+    reason that depends on the CPU:
+      - AVX-512: the capabilities differ (AVX512 against AVX2), and so do the oneDNN caps;
+      - AVX2 only (no avx512f flag): both processes run AVX2 code, and only the oneDNN cap tells them apart. Two
+        folders are still right there: the kernel timings in the same key depend on oneDNN's ISA, and a cap
+        that changes nothing on this CPU costs one more compilation, never a wrong answer."""
+    import json
     import subprocess
     import sys
 
@@ -167,14 +178,24 @@ def test_the_compiled_cache_is_kept_per_cpu_capability(embedded, tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "ATEN_CPU_CAPABILITY",
                                                              "ONEDNN_MAX_CPU_ISA")}
     env |= {"TANDEM_CACHE_DIR": str(tmp_path / "cache"), "TANDEM_KERNEL_TUNING": "off"}
-    capabilities = []
+    keys = []
     for extra in ({}, {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}):
         done = subprocess.run([sys.executable, "-c", CHECK_SCRIPT, source], env=env | extra, capture_output=True,
                               text=True, timeout=600)
         assert done.returncode == 0, done.stderr[-3000:]
-        capabilities.append(done.stdout.split()[-1])
-    assert capabilities[1] == "AVX2"
-    assert len(list((tmp_path / "cache" / INDUCTOR_FOLDER).iterdir())) == (1 if capabilities[0] == "AVX2" else 2)
+        keys.append(json.loads(done.stdout.splitlines()[-1]))
+    native, capped = keys
+    assert capped["capability"] == "AVX2" and capped["onednn_max_isa"] == "AVX2"
+    assert native["onednn_max_isa"] == ""
+    differ = {field for field in native if native[field] != capped[field]}
+    if "avx512f" in native["flags"]:
+        assert native["capability"].startswith("AVX512")
+        # the oneDNN probes (bfloat16 kernels) may differ too: the capped process has no AVX-512 for them
+        assert {"capability", "onednn_max_isa"} <= differ <= {"capability", "onednn_max_isa", "features"}
+    else:
+        assert native["capability"] == "AVX2"
+        assert differ == {"onednn_max_isa"}
+    assert len(list((tmp_path / "cache" / INDUCTOR_FOLDER).iterdir())) == 2
 
 
 def test_a_cache_folder_the_user_chose_is_kept(monkeypatch, tmp_path):
