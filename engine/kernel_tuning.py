@@ -32,10 +32,10 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
+from tandem.engine.cache_dir import cache_root
 from tandem.engine.cpu_features import FEATURES, CpuFeatures, cpu_model
 
 TUNING_ENV = "TANDEM_KERNEL_TUNING"
-CACHE_ENV = "TANDEM_CACHE_DIR"
 FORMAT = 1  # bump when a cached entry's meaning changes: older files are then ignored
 # The size of the working set a timing cycles through: well past the caches of the CPUs we run on (32 MiB of L3 on
 # the CI machines; at 48 MiB some reads still hit it), so that a product reads its weight from memory, as a decode
@@ -56,13 +56,6 @@ def machine_key(cpu: CpuFeatures, threads: int) -> dict[str, object]:
 def machine_digest(cpu: CpuFeatures, threads: int) -> str:
     """machine_key as a short name: what a file or folder of per-machine answers is called."""
     return hashlib.sha256(json.dumps(machine_key(cpu, threads), sort_keys=True).encode()).hexdigest()[:16]
-
-
-def cache_root() -> Path:
-    """Where tandem keeps what it measures or compiles per machine: $TANDEM_CACHE_DIR, else
-    $XDG_CACHE_HOME/tandem, else ~/.cache/tandem."""
-    return Path(os.environ.get(CACHE_ENV) or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "tandem"))
 
 
 def default_cache_dir() -> Path:

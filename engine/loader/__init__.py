@@ -1,6 +1,7 @@
 """Loads a model from a Hugging Face folder or a GGUF file (default: the embedded SmolLM2-135M-Instruct GGUF).
 
-  model_info.py    config and tokenizer only, torch-free (gguf_metadata.py, hf_metadata.py): for the router
+  model_info.py    config and tokenizer only, torch-free (gguf_index.py + gguf_metadata.py, hf_metadata.py): for the
+                   router; gguf_index.py parses a GGUF file once per version of it and caches the result
   model_loader.py  load_checkpoint (the format's weight loader: gguf_file.py, hf_folder.py) and load_model
 
 The names below are imported on first use (PEP 562), so that importing the torch-free part of this package

@@ -14,12 +14,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, ReaderTensor
+from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from tandem.engine.errors import UnsupportedModelError
 from tandem.engine.loader.checkpoint import Checkpoint
-from tandem.engine.loader.gguf_metadata import QK_ROWS_PERMUTED, gguf_model_info, open_gguf
+from tandem.engine.loader.gguf_index import GGUFIndex, GGUFTensorInfo, open_gguf
+from tandem.engine.loader.gguf_metadata import QK_ROWS_PERMUTED, gguf_model_info
 from tandem.engine.loader.lazy_tensor import LazyTensor
 from tandem.engine.loader.progress import progress_bar
 from tandem.engine.models.int4 import Int4Weight
@@ -71,16 +72,17 @@ def _permute_rows(weight: Int4Weight, n_head: int) -> Int4Weight:
 
 @dataclass(frozen=True)
 class _GGUFTensor:
-    """LazyTensor's fetch for one tensor: dequantizes it from the reader's memory map (only the rows asked for
+    """LazyTensor's fetch for one tensor: dequantizes it from the file's memory map (only the rows asked for
     when its rows are stored in order), un-permutes Q/K rows over `heads` (None: not permuted), then slices."""
 
     file: Path
-    tensor: ReaderTensor  # its data is a view of the file's memory map
+    index: GGUFIndex
+    tensor: GGUFTensorInfo
     shape: tuple[int, ...]
     heads: int | None
 
     def __call__(self, rows: slice, columns: slice | None) -> torch.Tensor:
-        data, shape = self.tensor.data, self.shape
+        data, shape = self.index.data(self.tensor), self.shape
         # Each stored row (quantized: a run of whole blocks) is one row of the tensor, so a rank's rows can be
         # cut out before dequantizing; permuted Q/K rows are un-permuted over the whole tensor first.
         if self.heads is None and len(shape) == 2:
@@ -104,12 +106,12 @@ def load_gguf(path: Path, *, progress: bool = True, packed: bool = False) -> Che
     packed: keep Q4_0/Q4_1 projection weights as Int4Weight (4-bit codes, read here) instead. Raises
     ModelLoadError / UnsupportedModelError (for a tensor type the gguf package cannot dequantize: when the
     tensor is read)."""
-    reader = open_gguf(path)
-    info = gguf_model_info(reader, path)
+    index = open_gguf(path)
+    info = gguf_model_info(index, path)
     config = info.config
     permuted = config.architecture in QK_ROWS_PERMUTED
     tensors: dict[str, LazyTensor | Int4Weight] = {}
-    for t in progress_bar(reader.tensors, len(reader.tensors), f"indexing {path.name}", progress):
+    for t in progress_bar(index.tensors, len(index.tensors), f"indexing {path.name}", progress):
         hf = _hf_name(t.name)
         if hf is None:
             continue
@@ -121,8 +123,8 @@ def load_gguf(path: Path, *, progress: bool = True, packed: bool = False) -> Che
         elif permuted and hf.endswith(("k_proj.weight", "k_proj.bias")):
             heads = config.num_kv_heads
         if packed and qtype in _Q4_HEADER and hf.endswith("_proj.weight"):
-            weight = _unpack_q4(t.data, qtype, shape[0])
+            weight = _unpack_q4(index.data(t), qtype, shape[0])
             tensors[hf] = weight if heads is None else _permute_rows(weight, heads)
         else:
-            tensors[hf] = LazyTensor(shape, t.name, _GGUFTensor(path, t, shape, heads))
+            tensors[hf] = LazyTensor(shape, t.name, _GGUFTensor(path, index, t, shape, heads))
     return Checkpoint(config=config, weights=tensors, tokenizer=info.tokenizer, source=path)

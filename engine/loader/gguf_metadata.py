@@ -1,5 +1,6 @@
 """GGUF files (llama.cpp), without their tensors: metadata -> ModelConfig and tokenizer. Torch-free (numpy and
-the `gguf` package only), so the router can read a model's shape and vocabulary; gguf_file.py reads the tensors.
+the `gguf` package only), so the router can read a model's shape and vocabulary; gguf_index.py opens the file,
+gguf_file.py reads the tensors.
 """
 
 from __future__ import annotations
@@ -7,10 +8,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from gguf import GGUFReader
-
 from tandem.engine.errors import ModelLoadError, UnsupportedModelError
 from tandem.engine.loader.checkpoint import ModelInfo
+from tandem.engine.loader.gguf_index import GGUFIndex
 from tandem.engine.model_config import ModelConfig, RopeConfig
 from tandem.engine.tokenizer.gguf_vocab import tokenizer_from_gguf
 
@@ -18,37 +18,6 @@ from tandem.engine.tokenizer.gguf_vocab import tokenizer_from_gguf
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 # Hugging Face architectures whose Q and K rows llama.cpp's converter permutes for its interleaved RoPE
 QK_ROWS_PERMUTED = frozenset({"LlamaForCausalLM", "MistralForCausalLM"})
-_MAGIC = b"GGUF"
-
-
-def open_gguf(path: Path) -> GGUFReader:
-    """Opens a GGUF file (memory-mapped; nothing is dequantized). Raises ModelLoadError if it is not a GGUF
-    file, or if it is garbled or truncated (a tensor ending past the end of the file)."""
-    with path.open("rb") as f:
-        head = f.read(4)
-    if head != _MAGIC:
-        raise ModelLoadError(f"{path}: not a GGUF file (expected magic 'GGUF', found {head!r}); "
-                             "pass a .gguf file or a Hugging Face folder")
-    try:
-        reader = GGUFReader(path)
-    except Exception as e:  # the reader raises whatever numpy/struct raise on a short or garbled file
-        raise ModelLoadError(f"{path}: GGUF file is truncated or corrupt ({type(e).__name__}: {e})") from None
-    size = path.stat().st_size
-    for t in reader.tensors:
-        if t.data_offset + t.n_bytes > size or t.data.nbytes != t.n_bytes:
-            raise ModelLoadError(f"{path}: GGUF file is truncated: tensor {t.name!r} ends at byte "
-                                 f"{t.data_offset + t.n_bytes} but the file has {size} bytes")
-    return reader
-
-
-def _metadata(reader: GGUFReader, path: Path) -> dict[str, Any]:
-    meta: dict[str, Any] = {}
-    for key, field in reader.fields.items():
-        try:
-            meta[key] = field.contents()
-        except Exception as e:
-            raise ModelLoadError(f"{path}: GGUF metadata {key!r} is corrupt ({e})") from None
-    return meta
 
 
 def _config(meta: dict[str, Any], tensor_names: set[str], path: Path) -> ModelConfig:
@@ -100,9 +69,8 @@ def _config(meta: dict[str, Any], tensor_names: set[str], path: Path) -> ModelCo
     )
 
 
-def gguf_model_info(reader: GGUFReader, path: Path) -> ModelInfo:
-    """The config and tokenizer of an opened GGUF file (open_gguf). Raises ModelLoadError for missing or corrupt
+def gguf_model_info(index: GGUFIndex, path: Path) -> ModelInfo:
+    """The config and tokenizer of an opened GGUF file (gguf_index.open_gguf). Raises ModelLoadError for missing
     metadata, UnsupportedModelError for an architecture, RoPE variant or tokenizer tandem does not run."""
-    meta = _metadata(reader, path)
-    config = _config(meta, {t.name for t in reader.tensors}, path)
-    return ModelInfo(config=config, tokenizer=tokenizer_from_gguf(meta), source=path)
+    config = _config(index.metadata, {t.name for t in index.tensors}, path)
+    return ModelInfo(config=config, tokenizer=tokenizer_from_gguf(index.metadata), source=path)

@@ -12,7 +12,8 @@ from pathlib import Path
 from tandem.engine.errors import ModelLoadError
 from tandem.engine.loader.checkpoint import ModelInfo
 from tandem.engine.loader.embedded import default_model_path
-from tandem.engine.loader.gguf_metadata import gguf_model_info, open_gguf
+from tandem.engine.loader.gguf_index import open_gguf
+from tandem.engine.loader.gguf_metadata import gguf_model_info
 from tandem.engine.loader.hf_metadata import hf_model_info
 
 __all__ = ["ModelInfo", "load_model_info", "resolve_model_path"]

@@ -43,7 +43,8 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from tandem.engine.kernel_tuning import cache_root, machine_digest
+from tandem.engine.cache_dir import cache_root
+from tandem.engine.kernel_tuning import machine_digest
 from tandem.engine.models.mlp import GatedMLP
 
 if TYPE_CHECKING:

@@ -9,7 +9,7 @@ import pytest
 import sentencepiece as spm
 from gguf import GGUFReader, GGUFWriter
 
-from tandem.engine.loader.gguf_metadata import _metadata
+from tandem.engine.loader.gguf_index import metadata_of
 from tandem.engine.tokenizer.gguf_vocab import tokenizer_from_gguf
 from tests.engine.test_tokenizer import BASE, CORPUS
 
@@ -48,7 +48,7 @@ def trained(tmp_path_factory):
 @pytest.fixture(scope="module")
 def ours(trained):
     _, path = trained
-    return tokenizer_from_gguf(_metadata(GGUFReader(path), path))
+    return tokenizer_from_gguf(metadata_of(GGUFReader(path), path))
 
 
 def test_ids_match_sentencepiece(trained, ours):
