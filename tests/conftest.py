@@ -1,9 +1,11 @@
-"""Shared fixtures: the embedded model (ours and the transformers reference), loaded once per session."""
+"""Shared fixtures: the embedded model (ours and the transformers reference), loaded once per session; the
+suite's time report."""
 
 from __future__ import annotations
 
 import gc
 import os
+import time
 
 import pytest
 import torch
@@ -16,6 +18,30 @@ os.environ.setdefault("TANDEM_COMPILE", "off")
 # Without a GPU, Triton kernels run on Triton's CPU interpreter (read when a kernel module is imported).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+_FILE_SECONDS: dict[str, float] = {}
+_STARTED = time.monotonic()
+
+
+def pytest_runtest_logreport(report):
+    """Each test's setup, call and teardown seconds, summed per file."""
+    path = report.nodeid.split("::")[0]
+    _FILE_SECONDS[path] = _FILE_SECONDS.get(path, 0.0) + report.duration
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_terminal_summary(terminalreporter):
+    """The suite's budget in every log (CI gives `make test` 30 minutes on a slow 2-core machine): wall time and
+    the ten files that took longest (module fixtures such as a cluster's start count in their first test's
+    setup)."""
+    wall = time.monotonic() - _STARTED
+    total = sum(_FILE_SECONDS.values())
+    terminalreporter.section("time")
+    terminalreporter.write_line(f"wall time {wall / 60:.1f} min ({wall:.0f} s); test time {total:.0f} s over "
+                                f"{len(_FILE_SECONDS)} files")
+    for path, seconds in sorted(_FILE_SECONDS.items(), key=lambda kv: -kv[1])[:10]:
+        terminalreporter.write_line(f"{seconds:8.1f} s  {path}")
 
 
 def pytest_collection_finish(session):
