@@ -15,6 +15,12 @@ torch.set_num_threads(min(2, os.cpu_count() or 1))
 # Engines run eager unless a test asks for the compiled decode step (tests/engine/test_compiled.py): compiling
 # the step of each model a test builds would take minutes of the suite.
 os.environ.setdefault("TANDEM_COMPILE", "off")
+# CPU kernels are the probe's fixed choices (engine/models/linear.py fixed_plan) unless a test asks for measured
+# ones (tests/engine/test_kernel_tuning.py, test_linear.py, the CLI's --verbose test): a choice timed on the
+# machine at hand differs from run to run, and so do the near-ties of greedy tests on it (the quantization gate
+# failed one run in two on an AVX2 machine); and measuring every shape of every test model cost ~2.5 minutes of
+# a fresh machine's suite. Ray replicas and subprocesses inherit the setting.
+os.environ.setdefault("TANDEM_KERNEL_TUNING", "off")
 # Without a GPU, Triton kernels run on Triton's CPU interpreter (read when a kernel module is imported).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -75,7 +75,7 @@ def forced(**on: bool) -> CpuFeatures:
     return dataclasses.replace(here, **on)
 
 
-@pytest.mark.slow
+@pytest.mark.reference
 @pytest.mark.parametrize("path", list(PATHS))
 def test_bfloat16_models_stay_close_to_float32(embedded_generator, path):
     """Reduced precision cannot match float32 to 1e-3; it must keep the same next-token distribution: the same

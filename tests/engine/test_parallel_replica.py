@@ -76,9 +76,13 @@ def embedded_reference(embedded, embedded_prompts):
     return run_staggered(LLMEngine(embedded, CONFIG), embedded_prompts)
 
 
-@pytest.mark.parametrize("parallel", [ParallelConfig(tp=2), ParallelConfig(tp=3), ParallelConfig(pp=2),
-                                      ParallelConfig(pp=3), ParallelConfig(tp=2, pp=2),
-                                      ParallelConfig(pp=2, stage_layers=(21, 9), micro_batches=3)], ids=label)
+# tp=3 (9 query and 3 KV heads split three ways), tp=2 x pp=2 and an uneven pp=2 with micro-batches in `make test`;
+# plain tp=2, pp=2 and pp=3 repeat what those show and are the slow variants.
+@pytest.mark.parametrize("parallel", [
+    pytest.param(ParallelConfig(tp=2), marks=pytest.mark.slow), ParallelConfig(tp=3),
+    pytest.param(ParallelConfig(pp=2), marks=pytest.mark.slow),
+    pytest.param(ParallelConfig(pp=3), marks=pytest.mark.slow),
+    ParallelConfig(tp=2, pp=2), ParallelConfig(pp=2, stage_layers=(21, 9), micro_batches=3)], ids=label)
 def test_embedded_model_split_gives_one_process_tokens(parallel, embedded_prompts, embedded_reference):
     meta = load_model(weights=False, progress=False)
     with LLMEngine(meta, CONFIG, parallel=parallel) as engine:

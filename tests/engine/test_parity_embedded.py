@@ -35,7 +35,7 @@ def _prompt_ids(tokenizer, spec) -> list[int]:
     return tokenizer.encode(spec["raw"])
 
 
-@pytest.mark.slow
+@pytest.mark.reference
 @pytest.mark.parametrize("name", sorted(PROMPTS))
 def test_greedy_tokens_and_logits_match_transformers(name, embedded, embedded_generator, hf_embedded):
     hf_model, _ = hf_embedded
@@ -53,7 +53,7 @@ def test_greedy_tokens_and_logits_match_transformers(name, embedded, embedded_ge
     embedded_generator.block_pool.check_integrity()
 
 
-@pytest.mark.slow
+@pytest.mark.reference
 def test_chat_prompt_ids_match_transformers_template(embedded, hf_embedded):
     _, hf_tokenizer = hf_embedded
     messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi there!"},

@@ -41,7 +41,7 @@ def test_corpus_is_large_enough():
     assert len(set(CORPUS)) >= 200
 
 
-@pytest.mark.slow
+@pytest.mark.reference
 def test_ids_match_transformers(embedded, hf_embedded):
     _, hf_tokenizer = hf_embedded
     mismatches = [s for s in CORPUS if embedded.tokenizer.encode(s) != hf_tokenizer(s)["input_ids"]]

@@ -62,11 +62,15 @@ def relative_error(out, ref) -> float:
 
 
 DECODE_LENS = [1, 15, 17, 130, 2000, 33]  # unaligned to blocks, one long sequence among short ones
+# Query heads per KV head x head_dim x block size. `make test` runs four shapes that hold every group, and every
+# head_dim with every block size; the other twelve of the grid are its slow variants (`make test-all`).
+GRID = [(group, head_dim, block) for group in (1, 3, 4, 8) for head_dim in (64, 128) for block in (16, 32)]
+COVERING = {(1, 64, 16), (3, 128, 32), (4, 128, 16), (8, 64, 32)}
+SHAPES = [pytest.param(*shape, marks=() if shape in COVERING else pytest.mark.slow,
+                       id=f"group{shape[0]}-dim{shape[1]}-block{shape[2]}") for shape in GRID]
 
 
-@pytest.mark.parametrize("block_size", [16, 32])
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("group", [1, 3, 4, 8])
+@pytest.mark.parametrize("group, head_dim, block_size", SHAPES)
 def test_decode_matches_the_reference(block_size, head_dim, group):
     out, ref = compare([1] * len(DECODE_LENS), [n - 1 for n in DECODE_LENS], block_size, head_dim, group)
     assert relative_error(out, ref) <= 1e-4
@@ -87,9 +91,7 @@ def test_split_choice_fills_the_device_only_when_the_batch_does_not():
     assert choose_splits(num_seqs=1, num_kv_heads=8, max_blocks=3) == 1  # short context: nothing to split
 
 
-@pytest.mark.parametrize("block_size", [16, 32])
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("group", [1, 3, 4, 8])
+@pytest.mark.parametrize("group, head_dim, block_size", SHAPES)
 def test_prefill_chunks_over_cached_context_match_the_reference(block_size, head_dim, group):
     # a fresh prompt, a chunk after 70 cached tokens, a decode mixed in, a chunk after a long cached prefix
     out, ref = compare([37, 20, 1, 45], [0, 70, 99, 300], block_size, head_dim, group)

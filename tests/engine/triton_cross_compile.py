@@ -11,8 +11,7 @@ it for the test process), so the test runs this file as a script:
 
     python tests/engine/triton_cross_compile.py [--arch 90] [--all-configs]
 
---all-configs compiles every autotune configuration of every launch (default: the first of each, and every one
-for bfloat16 without a window, the GPU engines' default). The last line of output is one JSON object: {"arch", "compiled":
+--all-configs compiles every autotune configuration of every launch (default: the first of each). The last line of output is one JSON object: {"arch", "compiled":
 [{kernel, case, config}], "failed": [{kernel, case, config, error}]}. Exit status 1 when anything failed.
 """
 
@@ -129,7 +128,7 @@ def main() -> int:
     target = GPUTarget("cuda", args.arch, 32)
     compiled, failed, seen = [], [], set()
     for case, kernel, call_args, kwargs in _launches():
-        every = args.all_configs or case in ("decode bfloat16/bfloat16", "prefill bfloat16/bfloat16")
+        every = args.all_configs
         jit, configs = _configs(kernel, every)
         for tuned, options in configs:
             constants = kwargs | tuned
