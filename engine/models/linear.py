@@ -177,7 +177,8 @@ def run(kernel: str, x: torch.Tensor, weight: torch.Tensor, in_features: int) ->
         groups = weight.view(in_features, SPLIT, -1).permute(1, 0, 2)  # group g: columns [g * k, (g + 1) * k)
         rows = x.shape[0]
         out = torch.bmm(x.unsqueeze(0).expand(SPLIT, rows, in_features), groups)  # [SPLIT, M, k]
-        return out.view(1, -1) if rows == 1 else out.permute(1, 0, 2).reshape(rows, -1)
+        # The width is spelled out: an empty x (an expert-parallel rank's share of no tokens) has no -1 to infer.
+        return out.view(1, -1) if rows == 1 else out.permute(1, 0, 2).reshape(rows, weight.shape[1])
     raise ValueError(f"unknown kernel {kernel!r}; known: {', '.join(KERNELS)}")
 
 

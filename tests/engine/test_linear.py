@@ -33,7 +33,7 @@ def _runs_here(kernel: str, dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("kernel,dtype", CASES, ids=[f"{k}-{str(d)[6:]}" for k, d in CASES])
-@pytest.mark.parametrize("rows", [1, 3, WIDEN_FROM_ROWS, 70])
+@pytest.mark.parametrize("rows", [0, 1, 3, WIDEN_FROM_ROWS, 70])  # 0: an expert rank given no tokens
 @pytest.mark.parametrize("out_features,with_bias", [(45, True), (64, False)])  # odd: the columns layout pads
 def test_kernel_matches_float64_math(kernel, dtype, rows, out_features, with_bias, monkeypatch):
     _runs_here(kernel, dtype)
