@@ -150,27 +150,32 @@ def test_backend_selection():
         select_backend("flash", torch.device("cpu"))
 
 
-def test_engine_with_the_triton_backend_gives_the_reference_tokens(embedded):
+@pytest.mark.parametrize("model", ["tiny_llama", pytest.param("embedded", marks=pytest.mark.slow)])
+def test_engine_with_the_triton_backend_gives_the_reference_tokens(model, request):
+    """The engine's path through the Triton backend (prefill, then decode over the paged cache) on the tiny Llama
+    3 (grouped queries, 3 layers); the embedded model's 30 layers cost a minute under the interpreter, so that
+    variant is in `make test-all`."""
     from tandem.engine.engine_config import EngineConfig
     from tandem.engine.llm_engine import LLMEngine
     from tandem.engine.sampling_params import SamplingParams
     from tests.engine.engine_helpers import run_all
 
-    prompts = [embedded.tokenizer.encode("The capital of France is"),
-               embedded.tokenizer.encode_chat([{"role": "user", "content": "Name a color."}])]
+    loaded = request.getfixturevalue(model)
+    prompts = [loaded.tokenizer.encode("The capital of France is"),
+               loaded.tokenizer.encode_chat([{"role": "user", "content": "Name a color."}])]
     # Two decode steps after the prefill cover both kernels; each step costs seconds under the interpreter.
     params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
     results = {}
     try:
         for backend in ("torch", "triton"):
-            engine = LLMEngine(embedded, EngineConfig(num_kv_blocks=32, max_model_len=256, attention_backend=backend))
-            assert type(embedded.model.attention).__name__ == {"torch": "TorchAttentionBackend",
-                                                                "triton": "TritonAttentionBackend"}[backend]
+            engine = LLMEngine(loaded, EngineConfig(num_kv_blocks=32, max_model_len=256, attention_backend=backend))
+            assert type(loaded.model.attention).__name__ == {"torch": "TorchAttentionBackend",
+                                                              "triton": "TritonAttentionBackend"}[backend]
             for i, prompt in enumerate(prompts):
                 engine.add_request(str(i), prompt, params)
             results[backend] = {key: out.token_ids for key, out in run_all(engine).items()}
     finally:
-        embedded.model.attention = TorchAttentionBackend()  # the session-wide model goes back to the reference
+        loaded.model.attention = TorchAttentionBackend()  # the session-wide model goes back to the reference
     assert results["triton"] == results["torch"]
 
 
