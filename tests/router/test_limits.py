@@ -65,7 +65,8 @@ class Front(BackgroundLoop):
 
         http_port, grpc_port = self.run(boot())
         self.url = f"http://127.0.0.1:{http_port}"
-        self.channel = grpc.insecure_channel(f"127.0.0.1:{grpc_port}")
+        self.target = f"127.0.0.1:{grpc_port}"
+        self.channel = grpc.insecure_channel(self.target)
         self.stub = pb_grpc.TandemStub(self.channel)
 
     def chat(self, headers=ACME, **body) -> httpx.Response:
@@ -74,8 +75,15 @@ class Front(BackgroundLoop):
         return httpx.post(f"{self.url}/v1/chat/completions", json=body, headers=headers, timeout=30)
 
     def generate(self, metadata=ACME, timeout=30, **kwargs) -> list[pb.GenerateResponse]:
+        """One call on a channel of its own. In 2 of 4 full-suite runs (never in this module alone), the call after
+        the test that aborts a stream mid-flight waited out its whole 30 s deadline on the one shared channel with
+        no answer, not even the server's own 5 s DEADLINE_EXCEEDED: a suspected client-channel state, not proven.
+        A fresh channel keeps one test's streams from touching the next; a server that stops answering still
+        fails every test here."""
         kwargs = {"prompt": "Hi", "max_tokens": 2} | kwargs
-        return list(self.stub.Generate(build_request(**kwargs), metadata=tuple(metadata.items()), timeout=timeout))
+        with grpc.insecure_channel(self.target) as channel:
+            stub = pb_grpc.TandemStub(channel)
+            return list(stub.Generate(build_request(**kwargs), metadata=tuple(metadata.items()), timeout=timeout))
 
     def held(self) -> dict:
         return dict(self.serving.gate.held)
