@@ -7,7 +7,8 @@ Greedy agreement is reported, and held to bfloat16's: this 135M model meets near
 (plain bfloat16 weights and KV keep float32's first 16 tokens on 3 of the 7), so a quantized mode must agree on
 at least as many prompts as bfloat16 does, less one.
 
-Every model here runs the CPU probe's fixed kernels (TANDEM_KERNEL_TUNING=off), its float32 reference included:
+Every model here runs the CPU probe's fixed kernels (TANDEM_KERNEL_TUNING=off, the suite's setting in
+tests/conftest.py), the shared float32 reference included:
 near-ties flip with the summation order, and the tuner's choice of kernel, timed on the machine at hand, changed
 bfloat16's agreement from run to run on one AVX2 machine (5/7 in one run, where int8 KV's 3/7 then failed the
 gate; 3/7 with the fixed kernels, where int8 KV agrees on 4/7)."""
@@ -19,30 +20,15 @@ import torch
 
 import tandem.engine.attention.kv_quant as kv_quant
 from bench.quantization import AGREEMENT_TOKENS, agreement, greedy_tokens, load, parity_prompts, text_perplexity
-from tandem.engine.kernel_tuning import TUNING_ENV
 
 GATES = {"int8 weights": 1.01, "int8 KV": 1.02, "fp8 KV": 1.03}
 KV_DTYPES = {"int8 KV": torch.int8, "fp8 KV": torch.float8_e4m3fn}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def fixed_kernels():
-    """The probe's fixed kernels for every model this module loads (see the module docstring)."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv(TUNING_ENV, "off")
-        yield
-
-
 @pytest.fixture(scope="module")
-def float32_model(fixed_kernels):
-    return load("float32")
-
-
-@pytest.fixture(scope="module")
-def float32_reference(float32_model):
+def float32_reference(embedded):
     """float32 weights and KV: the perplexity and greedy tokens every mode is held to."""
-    return (text_perplexity(float32_model, torch.float32),
-            greedy_tokens(float32_model, "auto", parity_prompts(float32_model.tokenizer)))
+    return text_perplexity(embedded, torch.float32), greedy_tokens(embedded, "auto", parity_prompts(embedded.tokenizer))
 
 
 @pytest.fixture(scope="module")
@@ -56,10 +42,10 @@ def bfloat16_agreement(float32_reference) -> int:
 
 
 @pytest.mark.parametrize("mode", list(GATES))
-def test_each_quantized_mode_keeps_perplexity_within_its_gate(mode, float32_model, float32_reference,
+def test_each_quantized_mode_keeps_perplexity_within_its_gate(mode, embedded, float32_reference,
                                                               bfloat16_agreement):
     baseline, reference_tokens = float32_reference
-    loaded = load("int8 weights") if mode == "int8 weights" else float32_model
+    loaded = load("int8 weights") if mode == "int8 weights" else embedded
     kv = KV_DTYPES.get(mode, torch.bfloat16)
     ratio = text_perplexity(loaded, kv).ratio(baseline)
     print(f"{mode}: perplexity {ratio:.4f}x float32's ({baseline.value:.3f})")
@@ -72,11 +58,11 @@ def test_each_quantized_mode_keeps_perplexity_within_its_gate(mode, float32_mode
     assert full >= bfloat16_agreement - 1
 
 
-def test_the_gate_fails_when_kv_scales_are_forced_to_one(float32_model, float32_reference, monkeypatch):
+def test_the_gate_fails_when_kv_scales_are_forced_to_one(embedded, float32_reference, monkeypatch):
     """Scales that are not the data's (the failure vLLM #19292 and TensorRT-LLM #16916 met in the field) must not
     pass: int8 codes of unit scale round every K/V value to an integer."""
     baseline, _ = float32_reference
     monkeypatch.setattr(kv_quant, "data_scales", lambda peak, dtype: torch.ones_like(peak))
-    ratio = text_perplexity(float32_model, torch.int8).ratio(baseline)
+    ratio = text_perplexity(embedded, torch.int8).ratio(baseline)
     print(f"int8 KV with unit scales: perplexity {ratio:.2f}x float32's")
     assert ratio > GATES["int8 KV"] * 2
