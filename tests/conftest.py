@@ -46,25 +46,73 @@ def pytest_terminal_summary(terminalreporter):
     terminalreporter.section("time")
     terminalreporter.write_line(f"wall time {wall / 60:.1f} min ({wall:.0f} s); test time {total:.0f} s over "
                                 f"{len(_FILE_SECONDS)} files")
+    terminalreporter.write_line(f"garbage collector: {_COLLECTOR.seconds:.1f} s, {_COLLECTOR.full} full "
+                                f"collections, longest pause {_COLLECTOR.longest:.2f} s")
     for path, seconds in sorted(_FILE_SECONDS.items(), key=lambda kv: -kv[1])[:10]:
         terminalreporter.write_line(f"{seconds:8.1f} s  {path}")
 
 
+class _CollectorClock:
+    """The cyclic garbage collector's pauses (gc.callbacks): it holds the GIL while it scans, so a long pause
+    stalls every thread of the suite's process, the event loops of the routers and mock replicas a test runs
+    here included. Measured with py-spy on a full run before the freezing below: one collection held the GIL
+    for more than 6 s in a router test, and a test's mock request ran past its own 5 s deadline (the
+    DEADLINE_EXCEEDED of test_limits that came and went between full runs, never in the module alone)."""
+
+    def __init__(self):
+        self.seconds = self.longest = 0.0
+        self.full = 0
+        self._started: float | None = None
+        self.explicit = False
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if self.explicit:  # the collections at file boundaries: between tests, they stall none
+            return
+        if phase == "start":
+            self._started = time.perf_counter()
+        elif self._started is not None:
+            took = time.perf_counter() - self._started
+            self.seconds += took
+            self.longest = max(self.longest, took)
+            self.full += info["generation"] == 2
+            self._started = None
+
+
+_COLLECTOR = _CollectorClock()
+_FROZEN_AFTER: list[str] = []  # the last file whose survivors were frozen
+
+
+def _collect_and_freeze() -> None:
+    """Collects what is garbage now, then moves every survivor to the collector's permanent generation: later
+    collections scan only what later tests create. Survivors are what lives on (libraries' modules, session
+    fixtures, torch's and dynamo's caches); a frozen object still goes when its last reference does, only a
+    reference cycle made of frozen objects stays until the process ends."""
+    _COLLECTOR.explicit = True
+    try:
+        gc.collect()
+    finally:
+        _COLLECTOR.explicit = False
+    gc.freeze()
+
+
 def pytest_collection_finish(session):
     """Every test module is imported now: what lives (the libraries' modules, classes and functions, ~0.4 M
-    objects) lives to the end, so the cyclic collector stops scanning it, and full collections come 10x less
-    often. Measured with gc.callbacks over a full run on a 2-core machine: 110 s of the suite went to the
-    collector (~0.5 s a full collection), 21 s with this."""
-    gc.collect()
-    gc.freeze()
+    objects) lives to the end, so it is frozen, and full collections come 10x less often. Measured with
+    gc.callbacks over a full run on a 2-core machine: 110 s of the suite went to the collector (~0.5 s a full
+    collection), 21 s with this."""
+    _collect_and_freeze()
     gc.set_threshold(700, 10, 100)
+    gc.callbacks.append(_COLLECTOR)
 
 
-def pytest_unconfigure(config):
-    """Shutdown frees what was frozen as it would have (native extensions such as Triton's report objects still
-    alive at exit as leaks)."""
-    gc.unfreeze()
-    gc.collect()
+def pytest_runtest_setup(item):
+    """At the first test of each file (the last file's module fixtures are torn down by then): its garbage is
+    collected and what survives it is frozen, so a full collection never scans what every earlier file left
+    alive (the session's models, compiled graphs, grammars): the pauses stay those of one file's objects."""
+    path = item.nodeid.split("::")[0]
+    if _FROZEN_AFTER[-1:] != [path]:
+        _FROZEN_AFTER[:] = [path]
+        _collect_and_freeze()
 
 
 @pytest.fixture(scope="session")
