@@ -24,6 +24,7 @@ from tandem.engine.sampled_token import SampledToken
 from tandem.engine.sampling_params import SamplingParams
 from tandem.kv_transfer.config import TransferConfig
 from tandem.kv_transfer.descriptor import TransferDescriptor, TransferFailedError, TransferState
+from tandem.replica.contract import STREAM_CALLS
 from tandem.replica.shell import ReplicaShell
 from tandem.replica.spec import ReplicaSpec
 
@@ -33,7 +34,7 @@ if TYPE_CHECKING:  # the runtime is imported when the replica is built (replica/
 
 class DecodeReplica(ReplicaShell):
     pool = "decode"
-    streams = frozenset({"decode", "generate", "resume"})
+    streams = STREAM_CALLS
     connector: DecodeConnector | None
 
     def __init__(self, name: str, spec: ReplicaSpec, transfer: TransferConfig | None):

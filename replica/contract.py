@@ -176,6 +176,53 @@ class DecodeReplicaAPI(ReplicaAPI, Protocol):
 
 
 @dataclass(frozen=True)
+class DecodeCall:
+    """DecodeReplicaAPI.decode as a message: what a stream over the token channel (or a Ray streaming call) runs
+    on the replica. Each stream call opens its own method, by reference: no method name crosses the line."""
+
+    request_id: str
+    first_token: SampledToken
+
+    def open(self, replica: DecodeReplicaAPI) -> AsyncIterator[list[RequestOutput]]:
+        return replica.decode(self.request_id, self.first_token)
+
+
+@dataclass(frozen=True)
+class GenerateCall:
+    """DecodeReplicaAPI.generate as a message (see DecodeCall)."""
+
+    request_id: str
+    prompt_token_ids: Sequence[int]
+    params: SamplingParams
+    priority: int = 0
+    cache_salt: str | None = None
+
+    def open(self, replica: DecodeReplicaAPI) -> AsyncIterator[list[RequestOutput]]:
+        return replica.generate(self.request_id, self.prompt_token_ids, self.params, priority=self.priority,
+                                cache_salt=self.cache_salt)
+
+
+@dataclass(frozen=True)
+class ResumeCall:
+    """DecodeReplicaAPI.resume as a message (see DecodeCall)."""
+
+    request_id: str
+    prompt_token_ids: Sequence[int]
+    params: SamplingParams
+    resume: ResumeState
+    priority: int = 0
+    cache_salt: str | None = None
+
+    def open(self, replica: DecodeReplicaAPI) -> AsyncIterator[list[RequestOutput]]:
+        return replica.resume(self.request_id, self.prompt_token_ids, self.params, self.resume,
+                              priority=self.priority, cache_salt=self.cache_salt)
+
+
+StreamCall = Union[DecodeCall, GenerateCall, ResumeCall]
+STREAM_CALLS = (DecodeCall, GenerateCall, ResumeCall)
+
+
+@dataclass(frozen=True)
 class ReadyReplica:
     """A started replica as the control plane hands it to the router: its API and its info."""
 

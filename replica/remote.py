@@ -1,8 +1,9 @@
 """A replica's Ray actor handle behind the contract's Protocols (replica/contract.py): each method makes the one
-Ray call of the same name and awaits it, and a streaming method yields each item as it arrives: over the
-replica's token channel (replica/token_channel.py: one TCP connection per router and replica, the Ray call
+Ray call of the same name and awaits it, and a streaming method sends its call as a typed message
+(replica/contract.py StreamCall: DecodeCall, GenerateCall, ResumeCall) and yields each item as it arrives: over
+the replica's token channel (replica/token_channel.py: one TCP connection per router and replica, the Ray call
 stream_on_channel beside it) or, where the channel cannot be opened or token_channel=False, as a Ray streaming
-call. The router and the control plane hold these, so a call reads `await replica.api.reserve(...)` and a reader
+call of the replica's `stream`. The router and the control plane hold these, so a call reads `await replica.api.reserve(...)` and a reader
 can jump from it to the Protocol and from there to the actor's method. Picklable (a Ray handle is; the channel is
 not pickled, each process opens its own): the control plane passes them to the router actor.
 
@@ -21,7 +22,8 @@ from tandem.engine.resume import ResumeState
 from tandem.engine.sampled_token import SampledToken
 from tandem.engine.sampling_params import SamplingParams
 from tandem.kv_transfer.descriptor import TransferDescriptor
-from tandem.replica.contract import KVEventsReply, PrefillResult, ReplicaInfo, ReplicaStats
+from tandem.replica.contract import (DecodeCall, GenerateCall, KVEventsReply, PrefillResult, ReplicaInfo,
+                                     ReplicaStats, ResumeCall, StreamCall)
 from tandem.replica.token_channel import CLOSED, ChannelClient, ChannelEnd, ChannelError, open_channel
 
 _log = logging.getLogger(__name__)
@@ -34,15 +36,15 @@ async def _stream(generator) -> AsyncIterator[Any]:
         yield await ref
 
 
-async def _channel_stream(actor: Any, client: ChannelClient, method: str, *args, **kwargs) -> AsyncIterator[Any]:
-    """The batches of the replica's streaming `method` over its token channel (token_channel.py, step 2): yields
+async def _channel_stream(actor: Any, client: ChannelClient, call: StreamCall) -> AsyncIterator[Any]:
+    """The batches of the replica's stream `call` over its token channel (token_channel.py, step 2): yields
     frames as they arrive until the Ray call has answered and every frame it counted has; then raises the
     stream's exception, if any. The replica's death raises the Ray call's error after the frames that arrived.
     Leaving early cancels the Ray call."""
     import ray
 
     key, queue = client.open()
-    ref = actor.stream_on_channel.remote(client.connection, key, method, *args, **kwargs)
+    ref = actor.stream_on_channel.remote(client.connection, key, call)
     call = asyncio.ensure_future(ref)
 
     def answered(done: asyncio.Future) -> None:
@@ -164,12 +166,12 @@ class RemoteDecodeReplica(RemoteReplica):
             self._client, self.token_channel = None, False
         return self._client
 
-    async def _streamed(self, method: str, *args, **kwargs) -> AsyncIterator[list[RequestOutput]]:
+    async def _streamed(self, call: StreamCall) -> AsyncIterator[list[RequestOutput]]:
         client = await self._channel()
         if client is None:
-            stream = _stream(getattr(self.actor, method).options(num_returns="streaming").remote(*args, **kwargs))
+            stream = _stream(self.actor.stream.options(num_returns="streaming").remote(call))
         else:
-            stream = _channel_stream(self.actor, client, method, *args, **kwargs)
+            stream = _channel_stream(self.actor, client, call)
         async for batch in stream:
             yield batch
 
@@ -180,19 +182,17 @@ class RemoteDecodeReplica(RemoteReplica):
                                                cache_salt=cache_salt, senders=senders)
 
     def decode(self, request_id: str, first_token: SampledToken) -> AsyncIterator[list[RequestOutput]]:
-        return self._streamed("decode", request_id, first_token)
+        return self._streamed(DecodeCall(request_id, first_token))
 
     def generate(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *,
                  priority: int = 0, cache_salt: str | None = None) -> AsyncIterator[list[RequestOutput]]:
-        return self._streamed("generate", request_id, prompt_token_ids, params, priority=priority,
-                              cache_salt=cache_salt)
+        return self._streamed(GenerateCall(request_id, prompt_token_ids, params, priority, cache_salt))
 
 
     def resume(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
                resume: ResumeState, *, priority: int = 0,
                cache_salt: str | None = None) -> AsyncIterator[list[RequestOutput]]:
-        return self._streamed("resume", request_id, prompt_token_ids, params, resume, priority=priority,
-                              cache_salt=cache_salt)
+        return self._streamed(ResumeCall(request_id, prompt_token_ids, params, resume, priority, cache_salt))
 
 
 def remote_replica(pool: str, actor: Any, *, token_channel: bool = True) -> RemotePrefillReplica | RemoteDecodeReplica:

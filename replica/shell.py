@@ -16,13 +16,14 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from typing import TYPE_CHECKING, Callable, ClassVar
+from typing import TYPE_CHECKING, AsyncIterator, Callable, ClassVar
 
 from tandem.engine.kv_events import KVEventBatch, KVEventLog, KVSnapshot
 from tandem.engine.speculation import SpeculationStats
 from tandem.kv_transfer.config import TransferConfig
 from tandem.kv_transfer.drops import MessageDrops
-from tandem.replica.contract import KVEventsReply, ReplicaInfo, ReplicaStats, RequestAbortedError
+from tandem.engine.output_processor import RequestOutput
+from tandem.replica.contract import KVEventsReply, ReplicaInfo, ReplicaStats, RequestAbortedError, StreamCall
 from tandem.replica.spec import ReplicaSpec
 from tandem.replica.token_channel import ChannelEnd, ChannelEndpoint, ChannelServer
 
@@ -62,7 +63,7 @@ class ReplicaShell:
     connector is built."""
 
     pool: ClassVar[str]
-    streams: ClassVar[frozenset[str]] = frozenset()  # the streaming methods stream_on_channel may run
+    streams: ClassVar[tuple[type, ...]] = ()  # the stream calls (replica/contract.py StreamCall) it answers
 
     def __init__(self, name: str, spec: ReplicaSpec, transfer: TransferConfig | None, connect: Connect, *,
                  clock: Callable[[], float] = time.monotonic):
@@ -191,20 +192,26 @@ class ReplicaShell:
         first ask on this node's address, with the secret it must prove."""
         return await self._channel.start(node_address())
 
-    async def stream_on_channel(self, connection: int, key: int, method: str, *args, **kwargs) -> ChannelEnd:
-        """Runs the streaming method `method` (one of self.streams) and writes each batch it yields on the token
+    async def stream_on_channel(self, connection: int, key: int, call: StreamCall) -> ChannelEnd:
+        """Runs the stream `call` names (one of self.streams) and writes each batch it yields on the token
         channel's `connection` under `key`; returns how many it wrote and the exception it ended with (returned,
         not raised, so that the router raises it after the batches before it)."""
-        if method not in self.streams:
-            raise ValueError(f"{method!r} is not a stream of a {self.pool} replica")
         sent = 0
         try:
-            async for batch in getattr(self, method)(*args, **kwargs):
+            async for batch in self.stream(call):
                 await self._channel.send(connection, key, batch)
                 sent += 1
         except Exception as e:
             return ChannelEnd(sent, e)
         return ChannelEnd(sent)
+
+    async def stream(self, call: StreamCall) -> AsyncIterator[list[RequestOutput]]:
+        """The batches of the stream `call` names: what stream_on_channel sends, and the Ray streaming call the
+        router makes where it has no token channel. Raises TypeError for a call this role does not answer."""
+        if not isinstance(call, self.streams):
+            raise TypeError(f"a {self.pool} replica runs no {type(call).__name__} stream")
+        async for batch in call.open(self):
+            yield batch
 
     async def shutdown(self) -> None:
         await self._channel.close()

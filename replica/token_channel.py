@@ -13,8 +13,9 @@ How a stream goes (replica/remote.py opens it, replica/shell.py answers it):
      32-byte secret, over Ray: only members of the Ray cluster learn it) and connects. Both sides prove they
      hold the secret (HMAC-SHA256 over both sides' nonces; ChannelServer/open_channel), and the replica tells
      the router the connection's number, then that it is ready.
-  2. For each stream the router makes one Ray call, stream_on_channel(connection, key, method, args): the
-     replica runs its streaming method (generate / decode / resume) and writes each batch as a frame (key,
+  2. For each stream the router makes one Ray call, stream_on_channel(connection, key, call): the replica runs
+     the stream the typed call names (replica/contract.py StreamCall: decode / generate / resume, each opening
+     its method by reference, never by name) and writes each batch as a frame (key,
      pickled batch) on that connection, then returns a ChannelEnd: how many frames it wrote and the exception
      the stream ended with, if any. The router yields frames until it has that many, then raises the
      exception: the order is the same as over a Ray stream.

@@ -4,6 +4,7 @@ parameters and the same sync/async/streaming kind, and the router's side of it i
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import subprocess
 import sys
@@ -105,3 +106,43 @@ def test_the_router_imports_no_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+class _Recorder:
+    """Stands in for a decode replica: each streaming method records how it was called and yields one batch."""
+
+    def __getattr__(self, name):
+        async def method(*args, **kwargs):
+            yield [(name, args, kwargs)]
+
+        return method
+
+
+def test_each_stream_call_opens_the_method_it_stands_for_with_every_field():
+    """What crosses the token channel (and the Ray streaming call) is a typed StreamCall, never a method name:
+    each opens its Protocol method by reference, passing every field."""
+    from tandem.engine.resume import ResumeState
+    from tandem.engine.sampled_token import SampledToken
+    from tandem.engine.sampling_params import SamplingParams
+    from tandem.replica.shell import ReplicaShell
+
+    params, token = SamplingParams(max_tokens=3), SampledToken(7, None, ())
+    resume = ResumeState(output_token_ids=(1, 2), seed=3)
+    calls = [(contract.DecodeCall("a", token), ("decode", ("a", token), {})),
+             (contract.GenerateCall("b", [1], params, 2, "salt"),
+              ("generate", ("b", [1], params), {"priority": 2, "cache_salt": "salt"})),
+             (contract.ResumeCall("c", [1], params, resume, -1, None),
+              ("resume", ("c", [1], params, resume), {"priority": -1, "cache_salt": None}))]
+    assert set(contract.STREAM_CALLS) == {type(call) for call, _ in calls}
+    assert set(_protocol_methods(contract.DecodeReplicaAPI)) >= {name for _, (name, _, _) in calls}
+
+    async def first(stream):
+        return [batch async for batch in stream][0][0]
+
+    decode = type("Decode", (_Recorder,), {"streams": contract.STREAM_CALLS, "pool": "decode"})()
+    prefill = type("Prefill", (_Recorder,), {"streams": (), "pool": "prefill"})()
+    for call, expected in calls:
+        assert asyncio.run(first(call.open(_Recorder()))) == expected
+        assert asyncio.run(first(ReplicaShell.stream(decode, call))) == expected
+        with pytest.raises(TypeError, match=f"a prefill replica runs no {type(call).__name__} stream"):
+            asyncio.run(first(ReplicaShell.stream(prefill, call)))

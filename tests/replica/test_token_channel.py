@@ -11,8 +11,12 @@ import dataclasses
 
 import pytest
 
+from tandem.engine.sampling_params import SamplingParams
+from tandem.replica.contract import GenerateCall
 from tandem.replica.remote import _channel_stream
 from tandem.replica.token_channel import ChannelEnd, ChannelError, ChannelServer, open_channel
+
+CALL = GenerateCall("req-1", [1, 2, 3], SamplingParams(max_tokens=4))
 
 
 def run(coro):
@@ -67,8 +71,8 @@ class FakeDecodeActor:
         outer = self
 
         class Method:
-            def remote(self, connection, key, method, *args, **kwargs):
-                outer.calls.append((method, args, kwargs))
+            def remote(self, connection, key, call):
+                outer.calls.append(call)
                 return outer._stream(connection, key)
 
         self.stream_on_channel = Method()
@@ -88,7 +92,7 @@ def collect(actor_for, *, close_after: int | None = None):
         actor = actor_for(server)
         got, error = [], None
         try:
-            async for batch in _channel_stream(actor, client, "generate", "req-1", [1, 2, 3], priority=0):
+            async for batch in _channel_stream(actor, client, CALL):
                 got.append(batch)
                 if close_after is not None and len(got) == close_after:
                     await server.close()  # the connection drops under the stream
@@ -106,7 +110,7 @@ def test_a_stream_yields_every_counted_batch_in_order_then_its_error():
     actor, got, error = collect(lambda s: FakeDecodeActor(s, batches, ValueError("the replica refused it")))
     assert got == batches
     assert isinstance(error, ValueError) and "refused" in str(error)
-    assert actor.calls == [("generate", ("req-1", [1, 2, 3]), {"priority": 0})]
+    assert actor.calls == [CALL]
 
 
 def test_a_stream_that_ends_normally_raises_nothing():
