@@ -115,6 +115,15 @@ def pytest_runtest_setup(item):
         _collect_and_freeze()
 
 
+def pytest_unconfigure(config):
+    """Shutdown frees what was frozen as it would have (native extensions such as Triton's report objects still
+    alive at exit as leaks)."""
+    if _COLLECTOR in gc.callbacks:
+        gc.callbacks.remove(_COLLECTOR)
+    gc.unfreeze()
+    gc.collect()
+
+
 @pytest.fixture(scope="session")
 def embedded():
     from tandem.engine.loader import load_model
