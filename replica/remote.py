@@ -3,8 +3,9 @@ Ray call of the same name and awaits it, and a streaming method sends its call a
 (replica/contract.py StreamCall: DecodeCall, GenerateCall, ResumeCall) and yields each item as it arrives: over
 the replica's token channel (replica/token_channel.py: one TCP connection per router and replica, the Ray call
 stream_on_channel beside it) or, where the channel cannot be opened or token_channel=False, as a Ray streaming
-call of the replica's `stream`. The router and the control plane hold these, so a call reads `await replica.api.reserve(...)` and a reader
-can jump from it to the Protocol and from there to the actor's method. Picklable (a Ray handle is; the channel is
+call of the replica's `stream`. The router and the control plane hold these, so a call reads
+`await replica.api.reserve(...)` and a reader can jump from it to the Protocol and from there to the actor's
+method. Picklable (a Ray handle is; the channel is
 not pickled, each process opens its own): the control plane passes them to the router actor.
 
 Errors come back as Ray raises them: the replica's own exception (ValueError, TransferFailedError, ...) as is,
@@ -187,7 +188,6 @@ class RemoteDecodeReplica(RemoteReplica):
     def generate(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *,
                  priority: int = 0, cache_salt: str | None = None) -> AsyncIterator[list[RequestOutput]]:
         return self._streamed(GenerateCall(request_id, prompt_token_ids, params, priority, cache_salt))
-
 
     def resume(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
                resume: ResumeState, *, priority: int = 0,

@@ -19,10 +19,10 @@ import time
 from typing import TYPE_CHECKING, AsyncIterator, Callable, ClassVar
 
 from tandem.engine.kv_events import KVEventBatch, KVEventLog, KVSnapshot
+from tandem.engine.output_processor import RequestOutput
 from tandem.engine.speculation import SpeculationStats
 from tandem.kv_transfer.config import TransferConfig
 from tandem.kv_transfer.drops import MessageDrops
-from tandem.engine.output_processor import RequestOutput
 from tandem.replica.contract import KVEventsReply, ReplicaInfo, ReplicaStats, RequestAbortedError, StreamCall
 from tandem.replica.spec import ReplicaSpec
 from tandem.replica.token_channel import ChannelEnd, ChannelEndpoint, ChannelServer

@@ -79,7 +79,7 @@ class _CollectorClock:
 
 
 _COLLECTOR = _CollectorClock()
-_FROZEN_AFTER: list[str] = []  # the last file whose survivors were frozen
+_frozen_at: str | None = None  # the file at whose first test survivors were last frozen
 
 
 def _collect_and_freeze() -> None:
@@ -109,9 +109,10 @@ def pytest_runtest_setup(item):
     """At the first test of each file (the last file's module fixtures are torn down by then): its garbage is
     collected and what survives it is frozen, so a full collection never scans what every earlier file left
     alive (the session's models, compiled graphs, grammars): the pauses stay those of one file's objects."""
+    global _frozen_at
     path = item.nodeid.split("::")[0]
-    if _FROZEN_AFTER[-1:] != [path]:
-        _FROZEN_AFTER[:] = [path]
+    if path != _frozen_at:
+        _frozen_at = path
         _collect_and_freeze()
 
 

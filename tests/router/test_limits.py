@@ -75,11 +75,9 @@ class Front(BackgroundLoop):
         return httpx.post(f"{self.url}/v1/chat/completions", json=body, headers=headers, timeout=30)
 
     def generate(self, metadata=ACME, timeout=30, **kwargs) -> list[pb.GenerateResponse]:
-        """One call on a channel of its own. In 2 of 4 full-suite runs (never in this module alone), the call after
-        the test that aborts a stream mid-flight waited out its whole 30 s deadline on the one shared channel with
-        no answer, not even the server's own 5 s DEADLINE_EXCEEDED: a suspected client-channel state, not proven.
-        A fresh channel keeps one test's streams from touching the next; a server that stops answering still
-        fails every test here."""
+        """One call on a channel of its own, so one test's streams never share a channel with the next test's.
+        The failures this module met only in full-suite runs were the suite process's own: a full garbage
+        collection held the GIL for seconds (tests/conftest.py freezes each file's survivors against it)."""
         kwargs = {"prompt": "Hi", "max_tokens": 2} | kwargs
         with grpc.insecure_channel(self.target) as channel:
             stub = pb_grpc.TandemStub(channel)
