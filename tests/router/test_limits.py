@@ -5,6 +5,7 @@ per-tenant caps that answer 429 + Retry-After without slowing other tenants."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 import time
@@ -34,15 +35,24 @@ LIMITS = RequestLimits(max_body_bytes=64 << 10, max_prompt_chars=20_000, max_n=4
 
 
 class PriorityDecode(MockDecode):
-    """A mock decode replica that records the priority each request reached it with."""
+    """A mock decode replica that records the priority each request reached it with, and keeps the streams of
+    the tenants in `holding` at their first token until the test empties it (a cap test's holders stay admitted
+    for as long as the test needs, however slow the machine)."""
 
     def __init__(self, name: str, **kwargs):
         super().__init__(name, **kwargs)
         self.priorities: dict[str, int] = {}
+        self.holding: set[str] = set()
 
     def generate(self, request_id, prompt_token_ids, params, *, priority=0, cache_salt=None):
         self.priorities[request_id] = priority
         return super().generate(request_id, prompt_token_ids, params, priority=priority, cache_salt=cache_salt)
+
+    async def _stream(self, request_id, *args, **kwargs):
+        while request_id.partition("/")[0] in self.holding:
+            await asyncio.sleep(0.005)
+        async for batch in super()._stream(request_id, *args, **kwargs):
+            yield batch
 
 
 class Front(BackgroundLoop):
@@ -288,13 +298,29 @@ def test_priorities_are_clamped_to_the_tenants_range(front):
 
 
 def test_a_tenant_past_its_cap_gets_429_with_retry_after_and_others_are_not_slowed(front):
-    # acme may hold 2 requests; two long ones hold them.
-    holders = [threading.Thread(target=front.chat, kwargs=dict(max_tokens=60, ignore_eos=True)) for _ in range(2)]
+    # acme may hold 2 requests; two held at the replica until the checks are done hold them.
+    replies = []
+    holders = [threading.Thread(target=lambda: replies.append(front.chat(max_tokens=60, ignore_eos=True)))
+               for _ in range(2)]
+    front.decode.holding.add("acme")
+    try:
+        for t in holders:
+            t.start()
+        deadline = time.monotonic() + 10
+        while front.held().get("acme", 0) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert front.held() == {"acme": 2}, "the two holders were not both admitted within 10 s"
+        _refused_past_the_cap(front)
+    finally:
+        front.decode.holding.clear()
     for t in holders:
-        t.start()
-    deadline = time.monotonic() + 10
-    while front.held().get("acme", 0) < 2 and time.monotonic() < deadline:
-        time.sleep(0.01)
+        t.join(30)
+    assert [r.status_code for r in replies] == [200, 200]
+    assert front.held() == {}
+    assert front.chat().status_code == 200
+
+
+def _refused_past_the_cap(front: Front) -> None:
     refused = front.chat()
     assert refused.status_code == 429 and refused.headers["retry-after"] == "3"
     assert refused.json()["error"]["type"] == "rate_limit_error"
@@ -304,11 +330,7 @@ def test_a_tenant_past_its_cap_gets_429_with_retry_after_and_others_are_not_slow
     assert ("grpc-retry-pushback-ms", "3000") in caught.value.trailing_metadata()
     start = time.monotonic()
     assert front.chat(BETA).status_code == 200  # another tenant is let in at once, served at the usual pace
-    assert time.monotonic() - start < 1.0  # 2 tokens at 20 ms a step; acme's 60-token requests take 1.2 s
-    for t in holders:
-        t.join(30)
-    assert front.held() == {}
-    assert front.chat().status_code == 200
+    assert time.monotonic() - start < 1.0  # 2 tokens at 20 ms a step, while acme's requests are held
 
 
 def test_an_aborted_id_can_be_used_again_once_its_request_ended(front):
