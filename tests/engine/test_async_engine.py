@@ -190,7 +190,10 @@ def test_batches_group_what_arrived_and_tick_keeps_the_loop_polling(tiny_llama):
         server = AsyncEngine(make(tiny_llama), tick=lambda: ticks.append(1) or len(ticks) < 50)
         async with server:
             stream = server.add_request("a", [5, 6, 7], SamplingParams(max_tokens=12, ignore_eos=True))
-            await asyncio.sleep(0.5)  # let outputs pile up before reading
+            deadline = asyncio.get_running_loop().time() + 20
+            while len(ticks) < 50:  # the loop polls on after the request's 12 steps: its outputs pile up unread
+                assert asyncio.get_running_loop().time() < deadline, f"{len(ticks)} ticks"
+                await asyncio.sleep(0.01)
             return [batch async for batch in server.batches("a", stream)]
 
     batches = asyncio.run(asyncio.wait_for(main(), 30))

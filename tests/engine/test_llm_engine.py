@@ -128,7 +128,7 @@ def test_admission_control_rejects_at_once_and_serves_the_rest(embedded):
         engine.add_request("huge-n", [1], SamplingParams(n=2**31 - 1, max_tokens=4))
     with pytest.raises(RequestRejectedError, match="n=2147483647 samples exceed max_num_seqs"):
         engine.reserve_for_transfer("huge-n", [1], SamplingParams(n=2**31 - 1, max_tokens=4))
-    assert time.perf_counter() - start < 1.0
+    assert time.perf_counter() - start < 5.0  # a seed per sample, 2**31 of them, would take minutes
     assert run_all(engine)[("ok", 0)].finish_reason == "length"
 
 

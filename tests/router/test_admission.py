@@ -430,7 +430,7 @@ def test_refusals_carry_retry_after_on_both_apis(front):
                                 f"rate has been measured yet (at most {SLOTS} may wait until one is); retry in 1 s")
     with pytest.raises(grpc.RpcError) as caught:
         list(front.stub.Generate(build_request(prompt="Hi", max_tokens=2), timeout=10))
-    assert time.monotonic() - sent < 1.0
+    assert time.monotonic() - sent < 5.0  # at once: a refusal that waited for a slot would wait out the 10 s
     assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert caught.value.details() == error["message"]
     metadata = dict(caught.value.trailing_metadata())

@@ -111,7 +111,9 @@ class Front(BackgroundLoop):
 @pytest.fixture(scope="module")
 def front():
     tenants = {"acme": TenantLimits(priority=PriorityRange(min=-5, max=5), max_requests=2, retry_after_s=3)}
-    f = Front(ServingLimits(limits=LIMITS, tenants=tenants, request_timeout_s=5.0), step_s=0.02)
+    # request_timeout_s: far past what any request here takes (the deadline tests set their own), so that a slow
+    # machine never turns a held request into a 504.
+    f = Front(ServingLimits(limits=LIMITS, tenants=tenants, request_timeout_s=30.0), step_s=0.02)
     yield f
     f.close()
 
@@ -271,14 +273,19 @@ def test_the_same_request_id_in_two_tenants_is_two_requests_and_abort_reaches_on
 
     acme, beta = [], []
     threads = [threading.Thread(target=stream, args=(ACME, acme)), threading.Thread(target=stream, args=(BETA, beta))]
-    for t in threads:
-        t.start()
-    deadline = time.monotonic() + 10
-    while len(front.serving.active) < 2 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert {(k.tenant, k.request_id) for k in front.serving.active} == {("acme", "shared"), ("beta", "shared")}
-    assert not front.stub.Abort(pb.AbortRequest(request_id="nobody-has-this"), metadata=tuple(BETA.items())).found
-    assert front.stub.Abort(pb.AbortRequest(request_id="shared"), metadata=tuple(BETA.items())).found
+    front.decode.holding |= {"acme", "beta"}  # both stay at the replica until beta's abort has been sent
+    try:
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 10
+        while len(front.serving.active) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert {(k.tenant, k.request_id) for k in front.serving.active} == {("acme", "shared"), ("beta", "shared")}
+        assert not front.stub.Abort(pb.AbortRequest(request_id="nobody-has-this"),
+                                    metadata=tuple(BETA.items())).found
+        assert front.stub.Abort(pb.AbortRequest(request_id="shared"), metadata=tuple(BETA.items())).found
+    finally:
+        front.decode.holding.clear()
     for t in threads:
         t.join(30)
     assert beta == [grpc.StatusCode.CANCELLED]  # beta aborted its own request ...
@@ -335,10 +342,17 @@ def _refused_past_the_cap(front: Front) -> None:
 
 def test_an_aborted_id_can_be_used_again_once_its_request_ended(front):
     """Replicas remember aborted ids for a while; each run of an id is a new request to them."""
-    call = front.stub.Generate(build_request(prompt="Hi", request_id="again", max_tokens=40, ignore_eos=True),
-                               metadata=tuple(ACME.items()))
-    next(call)
-    assert front.stub.Abort(pb.AbortRequest(request_id="again"), metadata=tuple(ACME.items())).found
+    front.decode.holding.add("acme")  # the request stays at the replica until its abort has been sent
+    try:
+        call = front.stub.Generate(build_request(prompt="Hi", request_id="again", max_tokens=40, ignore_eos=True),
+                                   metadata=tuple(ACME.items()))
+        deadline = time.monotonic() + 10
+        while ("acme", "again") not in {(k.tenant, k.request_id) for k in front.serving.active}:
+            assert time.monotonic() < deadline, "the request never became active"
+            time.sleep(0.01)
+        assert front.stub.Abort(pb.AbortRequest(request_id="again"), metadata=tuple(ACME.items())).found
+    finally:
+        front.decode.holding.clear()
     with pytest.raises(grpc.RpcError) as caught:
         list(call)
     assert caught.value.code() == grpc.StatusCode.CANCELLED
@@ -364,19 +378,20 @@ def test_a_deadline_aborts_the_request_everywhere_with_504_or_deadline_exceeded(
         front.generate(timeout=0.3, max_tokens=60, ignore_eos=True, request_id="late")
     assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     deadline = time.monotonic() + 5
-    while "acme/late" not in aborted(front) and time.monotonic() < deadline:
+    while not ("acme/late" in aborted(front) and front.held() == {} and front.decode.running == 0):
+        assert time.monotonic() < deadline, (aborted(front), front.held(), front.decode.running)
         time.sleep(0.01)
-    assert "acme/late" in aborted(front) and front.held() == {}
-    assert front.decode.running == 0
 
 
 def test_the_manifest_deadline_applies_when_the_client_sets_none():
-    f = Front(ServingLimits(request_timeout_s=0.3), step_s=0.02, keys=None)
+    f = Front(ServingLimits(request_timeout_s=2.0), step_s=0.02, keys=None)
+    f.decode.holding.add("slow")  # held at the replica until the deadline (no tenant: the replica's id is slow/run)
     try:
         with pytest.raises(grpc.RpcError) as caught:
             f.generate({}, request_id="slow", max_tokens=60, ignore_eos=True)
         assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED  # the client set no deadline of its own
         assert "slow" in aborted(f)
+        f.decode.holding.clear()
         assert f.generate({})[-1].finish_reason == "length"
     finally:
         f.close()

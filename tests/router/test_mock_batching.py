@@ -136,19 +136,20 @@ def test_c_first_token_timing_and_token_counts():
         d = BatchedDecode("d", costs)
         ttft, outputs = await timed(d.generate("a", ids, params(5)))
         expected = 4 * costs.step_s + 200 * costs.prefill_token_s
-        assert expected - 0.002 <= ttft < expected + 0.03
+        assert expected - 0.002 <= ttft < expected + 0.08  # above: the machine's lateness, which a busy one adds
         assert [o.token_ids[0] for o in outputs] == [token_for(ids, i) for i in range(5)]
         assert [o.finished for o in outputs] == [False] * 4 + [True] and outputs[0].num_cached_tokens == 0
         assert d.loop.num_steps == 4 + 4  # the prefill's steps, then one step per later token
         # The same prompt again: its 12 full blocks are cached, 8 tokens are computed in one step.
         ttft, outputs = await timed(d.generate("b", ids, params(1)))
-        assert ttft < 2 * costs.step_s and outputs[0].num_cached_tokens == 192 and len(outputs) == 1
+        # one step of 8 tokens; all 200 again would take >= 6 steps' time
+        assert ttft < 3.5 * costs.step_s and outputs[0].num_cached_tokens == 192 and len(outputs) == 1
 
         p, d = BatchedPrefill("p", costs), BatchedDecode("d2", costs)
         ttft, outputs = await timed(disaggregated(p, d, "c", ids, 6))
         transfer = costs.transfer_time(200)
         assert transfer == pytest.approx(0.1)
-        assert expected + transfer - 0.002 <= ttft < expected + transfer + 0.03
+        assert expected + transfer - 0.002 <= ttft < expected + transfer + 0.08
         assert [o.token_ids[0] for o in outputs] == [token_for(ids, i) for i in range(6)]
         assert outputs[-1].finished and d.loop.num_steps == 5  # the first token came with the transfer
         for replica in (p, d):
