@@ -11,9 +11,10 @@ YAML.
         parallelism: {tp: 2, pp: 1, ep: 1}
         resources: {cpus: 0.5, gpus: 0, custom: {prefill: 1}}    # per rank
         replicas: {min: 1, max: 1, initial: 1}
-        engine: {block_size: 16, kv_cache_bytes: 256MiB, max_num_batched_tokens: 2048, max_num_seqs: 64,
+        engine: {block_size: 16, kv_cache_bytes: 256MiB, max_num_batched_tokens: 2048, max_num_seqs: 128,
                  device: auto, dtype: null,   # auto: CUDA when the ranks ask for GPUs; null: bfloat16 on CUDA
-                 speculative: null}           # or {proposer: suffix, max_tokens: 4}: speculative decoding
+                 speculative: null}           # or {proposer: suffix, max_tokens: 4} (ngram, suffix or draft)
+                                    # every key of engine/engine_config.py EngineConfig (cluster/engine_settings.py)
         cpu_affinity: null          # or host CPUs, [0, 1] or "0-3,8": rank r pins to the r-th equal share
         autoscaling: {interval_s: 1, up_window_s: 10, down_window_s: 60, target_utilization: 0.8,
                       down_utilization: 0.5, panic_window_s: 3, panic_pressure: 2, kv_high: 0.8,
@@ -57,10 +58,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from tandem.cluster.autoscaling import ScalingSettings
+from tandem.cluster.engine_settings import EngineSettings
 from tandem.engine.cpu_affinity import format_cpus, parse_cpu_list
 from tandem.engine.device import default_dtype, planned_device
-from tandem.engine.sampling_params import MAX_SPECULATIVE_TOKENS
-from tandem.engine.speculation import SpeculativeConfig
 from tandem.router.limits import RequestLimits, TenantLimits, parse_bytes
 from tandem.router.tls import TLSConfig
 
@@ -108,78 +108,6 @@ class Replicas(_Strict):
     @property
     def start(self) -> int:
         return self.initial if self.initial is not None else max(self.min, 1)
-
-
-class SpeculativeSettings(_Strict):
-    """Speculative decoding on a pool's replicas (engine/speculation.py): a cheap proposer guesses each decoding
-    sequence's next tokens and the model verifies them in its step; a cost model measured on the replica keeps only
-    proposals that pay (none at a large batch or a low acceptance). The output is the same as without.
-    adaptive: false turns the cost model off and verifies max_tokens proposals whenever the proposer has them (tests
-    and benchmarks of verification; a server keeps the default)."""
-
-    proposer: Literal["ngram", "suffix"] = "suffix"
-    max_tokens: int = Field(4, ge=1, le=MAX_SPECULATIVE_TOKENS)
-    ngram_min: int = Field(2, ge=1)
-    ngram_max: int = Field(4, ge=1)
-    suffix_cached_requests: int = Field(256, ge=0)
-    adaptive: bool = True
-
-    @model_validator(mode="after")
-    def _ngram_order(self) -> SpeculativeSettings:
-        if self.ngram_min > self.ngram_max:
-            raise ValueError(f"ngram_min ({self.ngram_min}) is more than ngram_max ({self.ngram_max})")
-        return self
-
-    def config(self) -> SpeculativeConfig:
-        return SpeculativeConfig(self.proposer, self.max_tokens, self.ngram_min, self.ngram_max,
-                                 self.suffix_cached_requests, adaptive=self.adaptive)
-
-
-class EngineLimits(_Strict):
-    """The engine settings of each replica of a pool (engine/engine_config.py). kv_cache_bytes takes units."""
-
-    block_size: int = 16
-    kv_cache_bytes: int | None = Field(None, ge=1)
-    num_kv_blocks: int | None = Field(None, ge=1)
-    max_num_batched_tokens: int = Field(2048, ge=1)
-    max_num_seqs: int = Field(64, ge=1)
-    max_model_len: int | None = Field(None, ge=1)
-    enable_prefix_caching: bool = True
-    device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: CUDA when Ray gave the rank a GPU (resources.gpus)
-    dtype: Literal["float32", "bfloat16"] | None = None  # None: bfloat16 on CUDA or quantized weights, else float32
-    # How projection weights are held (engine_config.WEIGHT_FORMATS): dense in dtype; packed (a GGUF file's 4-bit
-    # layers, CPU); int8 (any checkpoint, CPU and CUDA); int4 / int4_g128 (group-wise 4-bit, CPU). All but dense
-    # compute in bfloat16.
-    weights: Literal["dense", "packed", "int8", "int4", "int4_g128"] = "dense"
-    # What the KV cache stores (engine/kv_cache.py): auto is dtype; int8 and fp8_e4m3 keep a scale per block and
-    # head and hold about twice the tokens of bfloat16 in the same bytes. Two pools that differ convert on receive.
-    kv_cache_dtype: Literal["auto", "bfloat16", "float16", "int8", "fp8_e4m3"] = "auto"
-    attention_backend: Literal["auto", "torch", "triton"] = "auto"  # auto: Triton on CUDA, torch elsewhere
-    # Compile the decode step at start-up (engine/models/compiled.py). None: on for the pools that decode (unless
-    # TANDEM_COMPILE=off), off for a disaggregated cluster's prefill pool.
-    compile: bool | None = None
-    # Speculative decoding on the replicas that decode (a disaggregated cluster's prefill pool never does); null: off.
-    speculative: SpeculativeSettings | None = None
-
-    @field_validator("kv_cache_bytes", mode="before")
-    @classmethod
-    def _bytes(cls, value: Any) -> Any:
-        return None if value is None else parse_bytes(value)
-
-    @field_validator("block_size")
-    @classmethod
-    def _power_of_two(cls, value: int) -> int:
-        if value < 1 or value & (value - 1):
-            raise ValueError(f"block_size must be a power of two, got {value}")
-        return value
-
-    @model_validator(mode="after")
-    def _one_budget(self) -> EngineLimits:
-        if self.kv_cache_bytes is not None and self.num_kv_blocks is not None:
-            raise ValueError("give one KV budget: kv_cache_bytes or num_kv_blocks, not both")
-        if self.weights != "dense" and self.dtype == "float32":
-            raise ValueError(f"weights: {self.weights} computes in bfloat16; drop dtype or set it to bfloat16")
-        return self
 
 
 class AutoscalingSettings(_Strict):
@@ -232,7 +160,7 @@ class Pool(_Strict):
     parallelism: Parallelism = Parallelism()
     resources: Resources = Resources()
     replicas: Replicas = Replicas()
-    engine: EngineLimits = EngineLimits()
+    engine: EngineSettings = EngineSettings()
     cpu_affinity: tuple[int, ...] | None = None  # after parallelism: its check reads the world size
     autoscaling: AutoscalingSettings = AutoscalingSettings()
 

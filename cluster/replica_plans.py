@@ -3,11 +3,11 @@ transfer), plus the Ray placement each replica asks for."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
 from tandem.cluster.manifest import Manifest, Pool
-from tandem.engine.engine_config import EngineConfig
 from tandem.engine.parallel.layout import ParallelConfig
 from tandem.kv_transfer.config import DEFAULT_UCX_ENV, TransferConfig
 from tandem.replica.spec import ReplicaSpec
@@ -40,12 +40,10 @@ def replica_spec(manifest: Manifest, pool: Pool) -> ReplicaSpec:
     # compiling it (and start sooner).
     decodes = not (manifest.mode == "disaggregated" and pool is manifest.pools.prefill)
     compile_step = False if e.compile is None and pool is manifest.pools.prefill else e.compile
-    engine = EngineConfig(block_size=e.block_size, kv_cache_bytes=e.kv_cache_bytes, num_kv_blocks=e.num_kv_blocks,
-                          max_model_len=e.max_model_len, max_num_batched_tokens=e.max_num_batched_tokens,
-                          max_num_seqs=e.max_num_seqs, enable_prefix_caching=e.enable_prefix_caching,
-                          attention_backend=e.attention_backend, compile=compile_step,
-                          kv_cache_dtype=e.kv_cache_dtype,
-                          speculative=e.speculative.config() if e.speculative and decodes else None)
+    speculative = e.speculative.config() if e.speculative and decodes else None
+    if speculative is not None and speculative.draft != "self":  # a draft model's path, as every node reads it
+        speculative = dataclasses.replace(speculative, draft=str(Path(speculative.draft).expanduser().resolve()))
+    engine = e.config(compile=compile_step, speculative=speculative)
     p = pool.parallelism
     threads = max(1, round(pool.resources.cpus * p.world_size))
     return ReplicaSpec(model=absolute_model(manifest), device=e.device, dtype=pool.dtype if e.weights != "dense"

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated, Literal, get_args
+
+from annotated_types import Ge, Gt, Le
 
 from tandem.engine.speculation import SpeculativeConfig
 
 DEFAULT_CPU_KV_FRACTION = 0.25  # of available RAM: the CPU is shared with the tokenizer, the OS and peers
 DEFAULT_GPU_KV_FRACTION = 0.90  # of free device memory after the weights are loaded
-ATTENTION_BACKENDS = ("auto", "torch", "triton")  # auto: Triton on CUDA, the torch reference elsewhere
+AttentionBackend = Literal["auto", "torch", "triton"]  # auto: Triton on CUDA, the torch reference elsewhere
+ATTENTION_BACKENDS = get_args(AttentionBackend)
 # How projection weights are held (engine/models/llama.py): dense in the compute dtype; packed: a GGUF file's
 # Q4_0/Q4_1 layers kept 4-bit; int8: every projection per-output-channel int8 (engine/models/int8.py); int4 /
 # int4_g128: every projection group-wise 4-bit, groups of 32 / 128 (engine/models/int4.py), the LM head int8.
@@ -18,30 +22,35 @@ QUANTIZED_WEIGHTS = ("packed", "int8", "int4", "int4_g128")  # these compute in 
 QUANTIZED_ON_LOAD = ("int8", "int4", "int4_g128")  # quantized from the checkpoint's floats as they are read
 # What the KV cache stores (engine/kv_cache.py): auto is the compute dtype; int8 and fp8_e4m3 hold codes with a
 # float32 scale per block, layer, K/V and KV head, computed from the data as tokens are written.
-KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "int8", "fp8_e4m3")
+KVCacheDtype = Literal["auto", "bfloat16", "float16", "int8", "fp8_e4m3"]
+KV_CACHE_DTYPES = get_args(KVCacheDtype)
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     """KV budget: exactly one of num_kv_blocks, kv_cache_bytes, kv_cache_fraction may be set; with none, the
-    default fraction of the device's free memory applies. max_model_len None: the model's own context."""
+    default fraction of the device's free memory applies. max_model_len None: the model's own context.
 
-    block_size: int = 16
-    num_kv_blocks: int | None = None
-    kv_cache_bytes: int | None = None
-    kv_cache_fraction: float | None = None
-    max_model_len: int | None = None
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 128
+    The one definition of each engine setting: a manifest's `engine:` section takes these fields, types and
+    defaults as they are (cluster/engine_settings.py). The ranges in the annotations (annotated_types) are what
+    the manifest checks per key; __post_init__ checks them here too, and what no annotation says."""
+
+    block_size: Annotated[int, Ge(1)] = 16
+    num_kv_blocks: Annotated[int, Ge(1)] | None = None
+    kv_cache_bytes: Annotated[int, Ge(1)] | None = None
+    kv_cache_fraction: Annotated[float, Gt(0), Le(1)] | None = None
+    max_model_len: Annotated[int, Ge(1)] | None = None
+    max_num_batched_tokens: Annotated[int, Ge(1)] = 2048
+    max_num_seqs: Annotated[int, Ge(1)] = 128
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
     check_integrity: bool = False  # verify KV ownership after every step (debug; costs O(blocks) per step)
-    attention_backend: str = "auto"  # one of ATTENTION_BACKENDS
+    attention_backend: AttentionBackend = "auto"
     # Compile the decode step (engine/models/compiled.py) at start-up; None: as TANDEM_COMPILE says (default on).
     compile: bool | None = None
     # Speculative decoding (engine/speculation.py): None decodes one token per step.
     speculative: SpeculativeConfig | None = None
-    kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES
+    kv_cache_dtype: KVCacheDtype = "auto"
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -54,8 +63,9 @@ class EngineConfig:
         budgets = [n for n in ("num_kv_blocks", "kv_cache_bytes", "kv_cache_fraction") if getattr(self, n) is not None]
         if len(budgets) > 1:
             raise ValueError(f"give one KV budget, not {' and '.join(budgets)}")
-        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
-            raise ValueError(f"num_kv_blocks must be at least 1, got {self.num_kv_blocks}")
+        for name in ("num_kv_blocks", "max_model_len", "max_num_batched_tokens", "max_num_seqs"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
             raise ValueError(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}")
         if self.kv_cache_fraction is not None and not 0 < self.kv_cache_fraction <= 1:

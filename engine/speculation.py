@@ -35,14 +35,17 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Literal, Sequence
+from typing import Annotated, Literal, Sequence, get_args
+
+from annotated_types import Ge, Interval
 
 from tandem.engine.proposers import NgramProposer, Proposer
 from tandem.engine.request import RequestStatus, Sequence as Seq
 from tandem.engine.sampling_params import MAX_SPECULATIVE_TOKENS
 from tandem.engine.suffix_proposer import SuffixProposer
 
-PROPOSERS = ("ngram", "suffix", "draft")
+ProposerName = Literal["ngram", "suffix", "draft"]
+PROPOSERS = get_args(ProposerName)
 ACCEPTANCE_BUCKETS = tuple(range(MAX_SPECULATIVE_TOKENS + 1))  # accepted proposals per verified step
 
 
@@ -55,11 +58,11 @@ class SpeculativeConfig:
     whenever the proposer has them (benchmarks and tests of verification; production keeps True). Raises
     ValueError for values out of range."""
 
-    proposer: Literal["ngram", "suffix", "draft"] = "suffix"
-    max_tokens: int = 4
-    ngram_min: int = 2
-    ngram_max: int = 4
-    suffix_cached_requests: int = 256
+    proposer: ProposerName = "suffix"
+    max_tokens: Annotated[int, Interval(ge=1, le=MAX_SPECULATIVE_TOKENS)] = 4
+    ngram_min: Annotated[int, Ge(1)] = 2
+    ngram_max: Annotated[int, Ge(1)] = 4
+    suffix_cached_requests: Annotated[int, Ge(0)] = 256
     adaptive: bool = True
     draft: str = "self"
 

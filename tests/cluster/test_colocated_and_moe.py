@@ -12,11 +12,12 @@ import httpx
 import openai
 
 from tandem.cluster.cli import main as tandem_main
+from tandem.cluster.manifest_yaml import parse_manifest
 from tandem.engine.generator import Generator
 from tandem.engine.loader import load_model
 from tandem.engine.sampling_params import SamplingParams
 from tandem.router.client import TandemClient
-from tests.cluster.ray_cluster import (QUESTIONS, chat, check_integrity, manifest_for_test, running,
+from tests.cluster.ray_cluster import (MANIFESTS, QUESTIONS, chat, check_integrity, manifest_for_test, running,
                                       simulated_cluster, wait_idle)
 from tests.cluster.structured_checks import greedy_reply_equals_one_process
 
@@ -33,17 +34,31 @@ def single_process(loaded, max_tokens: int):
         return [reference.generate(loaded.tokenizer.encode_chat(chat(q)), params) for q in QUESTIONS]
 
 
+def draft_manifest():
+    """local-colocated.yaml with its pool speculating by a draft model, as a manifest says it: `speculative:
+    {proposer: draft, draft: self, adaptive: false}` (the embedded model's own GGUF weights, run 4-bit; adaptive
+    off so that it proposes whatever this machine's speed, as in test_disaggregated's forced_speculation)."""
+    text = (MANIFESTS / "local-colocated.yaml").read_text()
+    asked = "speculative: {proposer: draft, draft: self, max_tokens: 4, adaptive: false}"
+    drafted = text.replace("speculative: {proposer: suffix, max_tokens: 4}", asked)
+    assert drafted != text
+    manifest = manifest_for_test("local-colocated.yaml")
+    return manifest.model_copy(update={"pools": parse_manifest(drafted).pools})
+
+
 def test_colocated_mode_serves_through_the_same_router(embedded):
     nodes = {"decode": dict(num_cpus=2, resources={"decode": 4})}
-    with simulated_cluster(nodes) as (_, node_ids), running(manifest_for_test("local-colocated.yaml")) as cluster:
+    with simulated_cluster(nodes) as (_, node_ids), running(draft_manifest()) as cluster:
         status = cluster.status()
         assert [r["name"] for r in status["replicas"]] == ["decode-0"]
         assert status["replicas"][0]["node_id"] == node_ids["decode"]
         results = run_concurrently(cluster.endpoint, 16)
         for got, want in zip(results, single_process(embedded, 16)):
-            assert got.token_ids[0] == want.token_ids
+            assert got.token_ids[0] == want.token_ids  # the draft's proposals changed nothing
             assert (got.prefill_replica, got.decode_replica) == ("", "decode-0")
             assert got.usage.completion_tokens == len(want.token_ids)
+        speculation = wait_idle(cluster)[0]["speculation"]
+        assert speculation["proposer"] == "draft" and speculation["accepted"] > 0, speculation
         with TandemClient(cluster.endpoint) as client:
             (model,) = client.list_models()
             assert model.mode == "colocated"

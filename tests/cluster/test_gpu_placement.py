@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from tandem.cluster.manifest import EngineLimits, Pool, Pools, Resources
+from tandem.cluster.manifest import EngineSettings, Pool, Pools, Resources
 from tandem.engine.loader.synthetic import write_synthetic_model
 from tandem.router.client import TandemClient
 from tests.cluster.ray_cluster import manifest_for_test, running, simulated_cluster
@@ -20,7 +20,7 @@ def test_each_rank_sees_only_the_gpu_ray_gave_it(tmp_path):
     nodes = {name: dict(num_cpus=2, num_gpus=GPUS_PER_NODE) for name in ("gpu-node-a", "gpu-node-b")}
     # Three tp=2 replicas of one GPU per rank: 6 GPUs, more than one node has, so both nodes take replicas.
     decode = Pool(parallelism={"tp": 2}, resources=Resources(cpus=0.5, gpus=1), replicas={"min": 3, "max": 3},
-                  engine=EngineLimits(device="cpu", kv_cache_bytes=8 << 20, max_model_len=256))
+                  engine=EngineSettings(device="cpu", kv_cache_bytes=8 << 20, max_model_len=256))
     manifest = manifest_for_test("local-colocated.yaml", model=str(folder), pools=Pools(decode=decode))
     with simulated_cluster(nodes) as (_, node_ids), running(manifest) as cluster:
         replicas = cluster.status()["replicas"]
