@@ -26,8 +26,10 @@ from typing import AsyncIterator, Callable, NamedTuple, Sequence
 from tandem.bench.loadgen.records import Clock, RequestRecord, WorkRequest
 from tandem.engine.sampling_params import SamplingParams
 from tandem.router.accounting import Accounting
-from tandem.router.lifecycle import DriverSettings, Replica, RequestDriver
+from tandem.router.driver_settings import DriverSettings
+from tandem.router.lifecycle import RequestDriver
 from tandem.router.mock_batching import BLOCK_SIZE, BatchedDecode, BatchedPrefill, StepCosts
+from tandem.router.replicas import Replica
 from tandem.router.request_parsing import ParsedRequest
 from tandem.router.routing import RoutingSettings
 from tandem.router.serving import error_code

@@ -31,9 +31,11 @@ import sys
 import time
 
 from tandem.engine.sampling_params import SamplingParams
-from tandem.router.lifecycle import DriverSettings, Replica, RequestDriver
+from tandem.router.driver_settings import DriverSettings
+from tandem.router.lifecycle import RequestDriver
 from tandem.router.mock_replicas import MockDecode, MockPrefill
 from tandem.router.policy import ReplicaLoad, RoutingWeights
+from tandem.router.replicas import Replica
 from tandem.router.request_parsing import ParsedRequest
 from tandem.router.routing import Routing, RoutingSettings
 

@@ -36,7 +36,7 @@ from tandem.cluster.pool_pressure import SLO, PoolGauge
 from tandem.cluster.pool_scaler import PoolScaler
 from tandem.cluster.replica_plans import absolute_model
 from tandem.cluster.replica_set import HEARTBEAT_S, HEARTBEAT_TIMEOUT_S, STATS_TIMEOUT_S, ReplicaSet, cause
-from tandem.router.lifecycle import DriverSettings
+from tandem.router.driver_settings import DriverSettings
 from tandem.router.limits import ServingLimits
 from tandem.router.policy import RoutingWeights
 from tandem.router.pool_signals import PoolScaling

@@ -23,9 +23,11 @@ from tandem.cluster.pool_pressure import SLO, PoolGauge
 from tandem.cluster.pool_scaler import PoolCounts, PoolScaler
 from tandem.engine.sampling_params import SamplingParams
 from tandem.router.accounting import Accounting, Timings
-from tandem.router.lifecycle import DriverSettings, Replica, RequestDriver
+from tandem.router.driver_settings import DriverSettings
+from tandem.router.lifecycle import RequestDriver
 from tandem.router.mock_batching import BLOCK_SIZE, BatchedDecode, BatchedPrefill, StepCosts
 from tandem.router.pool_signals import PoolLoad, PoolSignals
+from tandem.router.replicas import Replica
 from tandem.router.request_parsing import ParsedRequest
 
 

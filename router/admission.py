@@ -28,7 +28,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
-from tandem.router.lifecycle import NoCapacityError
+from tandem.router.replicas import NoCapacityError
 from tandem.router.limits import AdmissionSettings
 
 BUCKET_S = 1.0  # the start rate's time resolution

@@ -22,15 +22,13 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterable
+from typing import Callable, Iterable
 
 from tandem.engine.kv_events import KVEventBatch, KVSnapshot
 from tandem.replica.contract import KVEventsReply
 from tandem.router.kv_index import PrefixIndex
 from tandem.router.policy import ReplicaLoad
-
-if TYPE_CHECKING:  # lifecycle.py imports this module
-    from tandem.router.lifecycle import Replica
+from tandem.router.replicas import Replica
 
 _log = logging.getLogger(__name__)
 

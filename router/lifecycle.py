@@ -39,86 +39,25 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections import deque
-from dataclasses import dataclass, field
-from typing import AsyncIterator, Awaitable, Callable, Generic, TypeVar
+from dataclasses import dataclass
+from typing import AsyncIterator, Awaitable, Callable, TypeVar
 
-from tandem.engine.errors import EngineDeadError, ReplicaFailedError
 from tandem.engine.output_processor import RequestOutput
 from tandem.kv_transfer.descriptor import TransferDescriptor, TransferFailedError
-from tandem.replica.contract import DecodeReplicaAPI, PrefillReplicaAPI, ReplicaInfo
+from tandem.replica.contract import DecodeReplicaAPI, PrefillReplicaAPI
+from tandem.router.driver_settings import DriverSettings
 from tandem.router.kv_feed import KVFeed
 from tandem.router.migration import MIGRATION, PREFILL_DIED, Replay, seeded
 from tandem.router.policy import ReplicaLoad
+from tandem.router.prefill_waiting_room import PrefillWaitingRoom
+from tandem.router.replicas import (NoCapacityError, NoReplicaError, Replica, ReplicaLostError, ReplicaPools,
+                                    is_replica_death)
 from tandem.router.request_parsing import ParsedRequest
-from tandem.router.routing import PREFILL_POOL, RoutePlan, Routing, RoutingSettings
+from tandem.router.routing import PREFILL_POOL, RoutePlan, Routing
 
 _log = logging.getLogger(__name__)
 RETRY_INTERVAL_S = 0.02
-API = TypeVar("API", PrefillReplicaAPI, DecodeReplicaAPI)
 T = TypeVar("T")
-
-
-class NoCapacityError(RuntimeError):
-    """No replica had room within the queue's limits (gRPC RESOURCE_EXHAUSTED)."""
-
-
-class NoReplicaError(RuntimeError):
-    """The pool has no live replica (gRPC UNAVAILABLE)."""
-
-
-class ReplicaLostError(RuntimeError):
-    """A replica serving the request died (gRPC UNAVAILABLE); the router no longer routes to it."""
-
-
-def is_replica_death(error: BaseException) -> bool:
-    """Whether error says the replica can serve no more: its actor is gone (Ray's RayActorError and its
-    subclasses), or its engine died under it (a rank process killed mid-step: EngineDeadError or
-    ReplicaFailedError, as the replica raised it or wrapped in Ray's RayTaskError)."""
-    if isinstance(error, (EngineDeadError, ReplicaFailedError)) or isinstance(
-            getattr(error, "cause", None), (EngineDeadError, ReplicaFailedError)):
-        return True
-    try:
-        from ray.exceptions import RayActorError
-    except ImportError:  # the driver also runs over mock replicas without Ray
-        return False
-    return isinstance(error, RayActorError)
-
-
-@dataclass
-class Replica(Generic[API]):
-    """A replica as the router sees it: the contract it answers (PrefillReplicaAPI or DecodeReplicaAPI), its
-    static info (None: not known, e.g. a test's mock), and the router's load counters for it."""
-
-    name: str
-    pool: str
-    api: API
-    info: ReplicaInfo | None = None
-    load: ReplicaLoad = None
-
-    def __post_init__(self) -> None:
-        self.load = self.load or ReplicaLoad(self.name)
-
-
-@dataclass(frozen=True)
-class DriverSettings:
-    """max_migrations: how many times one request may move to another replica after one serving it died (a
-    decode replica mid-stream: token replay; a prefill replica mid-prefill: prefill again); 0 ends it
-    UNAVAILABLE at the first death."""
-
-    mode: str = "disaggregated"
-    max_queued_requests: int = 256
-    queue_timeout_s: float = 30.0
-    routing: RoutingSettings = field(default_factory=RoutingSettings)
-    kv_events_interval_s: float = 0.05  # how often the router polls every replica's KV events and load
-    max_migrations: int = 3
-    prefill_queue_tokens: int = 0  # late binding: see RequestDriver._wait_for_prefill_room (0: off)
-
-    def __post_init__(self) -> None:
-        if self.max_migrations < 0:
-            raise ValueError(f"max_migrations must be at least 0, got {self.max_migrations}")
-        if self.prefill_queue_tokens < 0:
-            raise ValueError(f"prefill_queue_tokens must be at least 0, got {self.prefill_queue_tokens}")
 
 
 @dataclass
@@ -144,19 +83,37 @@ class RequestDriver:
     def __init__(self, prefill: list[Replica[PrefillReplicaAPI]], decode: list[Replica[DecodeReplicaAPI]],
                  settings: DriverSettings, *, block_size: int | None = None):
         """block_size: the replicas' KV block size in tokens (None: read from their info, else 16)."""
-        self.prefill = prefill
-        self.decode = decode
+        self.pools = ReplicaPools(prefill, decode)
         self.settings = settings
         if block_size is None:
             block_size = next((r.info.block_size for r in prefill + decode if r.info is not None), 16)
         self.routing = Routing(settings.routing, block_size)
         self.feed = KVFeed(self.routing.indexes)
         self.num_queued = 0  # requests waiting for decode room (step 1)
-        self.num_waiting_prefill = 0  # requests waiting for a prefill replica's queue to shorten (late binding)
-        self.prefill_waiting_tokens = 0  # their uncached prompt tokens
-        self._prefill_waiters: deque[asyncio.Future] = deque()  # in arrival order
-        self.lost: list[str] = []  # replicas found dead, no longer routed to
-        self._replicas = {r.name: r for r in prefill + decode}
+        self.waiting_room = PrefillWaitingRoom(settings.prefill_queue_tokens)
+
+    @property
+    def prefill(self) -> list[Replica[PrefillReplicaAPI]]:
+        return self.pools.prefill
+
+    @property
+    def decode(self) -> list[Replica[DecodeReplicaAPI]]:
+        return self.pools.decode
+
+    @property
+    def lost(self) -> list[str]:
+        """Replicas found dead, no longer routed to."""
+        return self.pools.lost
+
+    @property
+    def num_waiting_prefill(self) -> int:
+        """Requests waiting for a prefill replica's queue to shorten (late binding)."""
+        return self.waiting_room.num_waiting
+
+    @property
+    def prefill_waiting_tokens(self) -> int:
+        """Their uncached prompt tokens."""
+        return self.waiting_room.waiting_tokens
 
     @property
     def num_fallbacks(self) -> int:
@@ -175,33 +132,29 @@ class RequestDriver:
 
     def replicas(self) -> list[Replica]:
         """Every replica routed to (what the KV feed polls)."""
-        return self.prefill + self.decode
+        return self.pools.all()
 
     def remove(self, name: str) -> bool:
         """Stops routing to a replica (dead, or leaving its pool) and forgets what the index held for it.
         Returns whether it was in a pool."""
-        replica = self._replicas.pop(name, None)
+        replica = self.pools.remove(name)
         if replica is None:
             return False
-        (self.prefill if replica.pool == "prefill" else self.decode).remove(replica)
         self.routing.forget_replica(replica.pool, name)
         self.feed.forget(name)
-        self._wake_prefill_waiter()  # with the prefill pool empty, the decode replicas prefill
+        self.waiting_room.wake(self.prefill)  # with the prefill pool empty, the decode replicas prefill
         return True
 
     def add(self, replica: Replica) -> None:
-        """Starts routing to a ready replica."""
-        if replica.name in self._replicas:
-            raise ValueError(f"replica {replica.name} is already routed to")
-        self._replicas[replica.name] = replica
-        (self.prefill if replica.pool == "prefill" else self.decode).append(replica)
-        self._wake_prefill_waiter()
+        """Starts routing to a ready replica. Raises ValueError for a name already routed to."""
+        self.pools.add(replica)
+        self.waiting_room.wake(self.prefill)
 
     def _prefill(self, load: ReplicaLoad) -> Replica[PrefillReplicaAPI]:
-        return self._replicas[load.name]
+        return self.pools[load.name]
 
     def _decode(self, load: ReplicaLoad) -> Replica[DecodeReplicaAPI]:
-        return self._replicas[load.name]
+        return self.pools[load.name]
 
     async def run(self, request: ParsedRequest) -> AsyncIterator[Progress]:
         """Yields Progress until the request's last output. Raises InvalidRequest-like ValueErrors from the
@@ -236,69 +189,18 @@ class RequestDriver:
             await asyncio.shield(self._abort_everywhere(request.request_id, touched))
 
     async def _wait_for_prefill_room(self, request: ParsedRequest, plan: RoutePlan, local: str | None) -> RoutePlan:
-        """Late binding (step 0, with prefill_queue_tokens set): while the planned prefill replica has that many
-        uncached tokens queued, the request waits here holding nothing (no decode reservation: a prefill
-        backlog does not tie up decode room), in arrival order, and is planned again when it is woken: a
-        prefill replica's queue went below the limit, or the pool changed (so a replica that joins the pool, or
-        empties its queue, takes the next request). Waits count in num_waiting_prefill / prefill_waiting_tokens
-        (the prefill pool's backlog, for the autoscaler) and against max_queued_requests and queue_timeout_s
-        like a wait for decode room."""
-        limit = self.settings.prefill_queue_tokens
-        start = time.monotonic()
-        waiting = 0  # the tokens counted as waiting (0: not waiting)
-        try:
-            while plan.prefill is not None and plan.prefill.queued_prefill_tokens >= limit:
-                if not waiting:
-                    if self.num_queued + self.num_waiting_prefill >= self.settings.max_queued_requests:
-                        raise NoCapacityError(f"every prefill replica has {limit} or more tokens queued and "
-                                              f"{self.num_queued + self.num_waiting_prefill} requests are "
-                                              f"already waiting")
-                    waiting = max(1, plan.uncached_tokens)
-                    self.num_waiting_prefill += 1
-                    self.prefill_waiting_tokens += waiting
-                woken = asyncio.get_running_loop().create_future()
-                self._prefill_waiters.append(woken)
-                try:
-                    await asyncio.wait_for(woken, self.settings.queue_timeout_s - (time.monotonic() - start))
-                except asyncio.TimeoutError:
-                    if woken.done() and not woken.cancelled():
-                        self._wake_prefill_waiter()  # woken as it timed out: the next one takes the turn
-                    raise NoCapacityError(f"no prefill replica had fewer than {limit} tokens queued within "
-                                          f"{self.settings.queue_timeout_s:g} s") from None
-                finally:
-                    if not woken.done() or woken.cancelled():
-                        self._forget_waiter(woken)
-                if not self.decode:
-                    raise NoReplicaError("no ready replica in the decode pool")
-                plan = self.routing.plan(request.prompt_token_ids, prefill=[r.load for r in self.prefill],
-                                         decode=[r.load for r in self.decode], local_reason=local,
-                                         cache_salt=request.cache_salt, session=request.session_id)
-        finally:
-            if waiting:
-                self.num_waiting_prefill -= 1
-                self.prefill_waiting_tokens -= waiting
-        return plan
+        """Late binding (step 0, with prefill_queue_tokens set): prefill_waiting_room.py's wait, planning the
+        request again each time it is woken."""
+        def replan() -> RoutePlan:
+            if not self.decode:
+                raise NoReplicaError("no ready replica in the decode pool")
+            return self.routing.plan(request.prompt_token_ids, prefill=[r.load for r in self.prefill],
+                                     decode=[r.load for r in self.decode], local_reason=local,
+                                     cache_salt=request.cache_salt, session=request.session_id)
 
-    def _forget_waiter(self, woken: asyncio.Future) -> None:
-        try:
-            self._prefill_waiters.remove(woken)
-        except ValueError:
-            pass
-
-    def _wake_prefill_waiter(self) -> None:
-        """Wakes the longest-waiting request of the late-binding queue if a prefill replica's queue is below the
-        limit or the prefill pool is empty (it plans again: it goes, or waits at the back). The one that goes
-        wakes the next (_disaggregated), so a replica with room for several takes several."""
-        limit = self.settings.prefill_queue_tokens
-        if not limit or not self._prefill_waiters:
-            return
-        if self.prefill and min(r.load.queued_prefill_tokens for r in self.prefill) >= limit:
-            return
-        while self._prefill_waiters:
-            woken = self._prefill_waiters.popleft()
-            if not woken.done():
-                woken.set_result(None)
-                return
+        return await self.waiting_room.wait(plan, replan, queued=lambda: self.num_queued,
+                                            max_queued=self.settings.max_queued_requests,
+                                            timeout_s=self.settings.queue_timeout_s)
 
     async def _call(self, replica: Replica, call: Awaitable[T]) -> T:
         """Awaits a call on replica; if the replica died, stops routing to it and raises ReplicaLostError."""
@@ -325,7 +227,7 @@ class RequestDriver:
         if not is_replica_death(error):
             return
         if self.remove(replica.name):
-            self.lost.append(replica.name)
+            self.pools.lost.append(replica.name)
             _log.error("replica %s died; no longer routing to it: %s", replica.name, error)
         raise ReplicaLostError(f"replica {replica.name} died while serving the request") from None
 
@@ -358,7 +260,7 @@ class RequestDriver:
         try:
             while True:
                 for load in order:
-                    if (replica := self._replicas.get(load.name)) is None:
+                    if (replica := self.pools.get(load.name)) is None:
                         continue  # it left the pool since the ranking
                     try:
                         descriptor = await self._call(replica, replica.api.reserve(
@@ -401,7 +303,7 @@ class RequestDriver:
         # Counted as queued on the prefill replica from the decision on, so that a burst of requests spreads
         # by load before any of them reaches it.
         prefill.load.queued_prefill_tokens += plan.uncached_tokens
-        self._wake_prefill_waiter()  # room left for the next one too?
+        self.waiting_room.wake(self.prefill)  # room left for the next one too?
         decode = None
         failure: Exception | None = None
         try:
@@ -420,7 +322,7 @@ class RequestDriver:
             failure = e  # the prefill replica died
         finally:
             prefill.load.queued_prefill_tokens -= plan.uncached_tokens
-            self._wake_prefill_waiter()
+            self.waiting_room.wake(self.prefill)
         if isinstance(failure, ReplicaLostError):
             async for progress in self._prefill_again(request, decode, failure, touched, replay):
                 yield progress

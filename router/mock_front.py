@@ -9,7 +9,9 @@ import threading
 
 from tandem.router.grpc_service import TandemServicer, start_grpc_server
 from tandem.router.http_service import build_app, start_http_server
-from tandem.router.lifecycle import DriverSettings, Replica, RequestDriver
+from tandem.router.driver_settings import DriverSettings
+from tandem.router.lifecycle import RequestDriver
+from tandem.router.replicas import Replica
 from tandem.router.request_parsing import ModelFacts
 from tandem.router.serving import Serving
 

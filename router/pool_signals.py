@@ -16,7 +16,8 @@ from collections import deque
 from dataclasses import dataclass, replace
 from typing import Callable, Iterable
 
-from tandem.router.lifecycle import Progress, Replica
+from tandem.router.lifecycle import Progress
+from tandem.router.replicas import Replica
 from tandem.router.routing import PREFILL_POOL
 
 

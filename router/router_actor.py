@@ -14,9 +14,11 @@ from pathlib import Path
 from tandem.engine.loader.model_info import load_model_info
 from tandem.replica.contract import DecodeReplicaAPI, PrefillReplicaAPI, ReadyReplica
 from tandem.router.auth import Authenticator
-from tandem.router.lifecycle import DriverSettings, Replica, RequestDriver
+from tandem.router.driver_settings import DriverSettings
+from tandem.router.lifecycle import RequestDriver
 from tandem.router.limits import ServingLimits
 from tandem.router.pool_signals import PoolLoad, PoolScaling
+from tandem.router.replicas import Replica
 from tandem.router.request_parsing import ModelFacts
 from tandem.router.tls import TLSConfig
 

@@ -19,11 +19,11 @@ from tandem.proto.v1 import tandem_pb2 as pb
 from tandem.router.accounting import Accounting
 from tandem.router.admission import AdmissionController, AtCapacity
 from tandem.router.auth import Authenticator, Unauthenticated, cache_salt_for
-from tandem.router.lifecycle import (NoCapacityError, NoReplicaError, Progress, ReplicaLostError, RequestDriver,
-                                     is_replica_death)
+from tandem.router.lifecycle import Progress, RequestDriver
 from tandem.router.limits import ServingLimits
 from tandem.router.metrics import RouterMetrics
 from tandem.router.pool_signals import PoolSignals
+from tandem.router.replicas import NoCapacityError, NoReplicaError, ReplicaLostError, is_replica_death
 from tandem.router.request_parsing import InvalidRequest, ModelFacts, ParsedRequest, parse_request
 from tandem.router.tenant_gate import Admission, TenantGate, TooManyRequests
 

@@ -13,7 +13,7 @@ from tandem.bench.loadgen.arrivals import RealClock
 from tandem.bench.loadgen.records import RequestRecord, WorkRequest
 from tandem.bench.loadgen.runner import open_loop
 from tandem.bench.loadgen.workloads import Conversation
-from tandem.router.lifecycle import DriverSettings
+from tandem.router.driver_settings import DriverSettings
 from tandem.router.mock_batching import BatchedDecode, BatchedPrefill, StepCosts
 
 COSTS = StepCosts(step_s=0.002, decode_token_s=0.0001, prefill_token_s=0.00002, max_num_batched_tokens=256,

@@ -29,7 +29,8 @@ from schemathesis.core import NOT_SET
 from tandem.proto.v1 import tandem_pb2 as pb
 from tandem.router.auth import Authenticator
 from tandem.router.http_service import build_app
-from tandem.router.lifecycle import DriverSettings, RequestDriver
+from tandem.router.driver_settings import DriverSettings
+from tandem.router.lifecycle import RequestDriver
 from tandem.router.request_parsing import CHAT_ROLES, ModelFacts
 from tandem.router.serving import Serving
 

@@ -93,13 +93,13 @@ def test_the_router_imports_no_torch():
     torch-free loader. The replica actor classes' modules are here too: Ray imports an actor's class module in
     every process that receives its handle (to read its methods), so the router imports them when the control
     plane hands it the replicas (importing torch there cost a replacement router seconds before it served)."""
-    modules = ["tandem.router.serving", "tandem.router.lifecycle", "tandem.router.http_service",
-               "tandem.router.grpc_service", "tandem.router.router_actor", "tandem.router.mock_replicas",
-               "tandem.replica.contract", "tandem.replica.remote", "tandem.prefill_worker.replica",
-               "tandem.decode_worker.replica"]
+    modules = ["tandem.router.serving", "tandem.router.lifecycle", "tandem.router.replicas",
+               "tandem.router.http_service", "tandem.router.grpc_service", "tandem.router.router_actor",
+               "tandem.router.mock_replicas", "tandem.replica.contract", "tandem.replica.remote",
+               "tandem.prefill_worker.replica", "tandem.decode_worker.replica"]
     code = ("import sys\n" + "".join(f"import {m}\n" for m in modules)
             + "from tandem.router.router_actor import RouterActor\n"
-            + "from tandem.router.lifecycle import DriverSettings\n"
+            + "from tandem.router.driver_settings import DriverSettings\n"
             + "actor = RouterActor(None, DriverSettings())\n"
             + "assert actor.config.vocab_size == actor.tokenizer.vocab_size, actor.config\n"
             + "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))")

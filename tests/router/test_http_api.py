@@ -18,7 +18,9 @@ import pytest
 from tandem.engine.loader import load_model
 from tandem.router.auth import Authenticator
 from tandem.router.http_service import build_app, start_http_server
-from tandem.router.lifecycle import DriverSettings, Replica, RequestDriver
+from tandem.router.driver_settings import DriverSettings
+from tandem.router.lifecycle import RequestDriver
+from tandem.router.replicas import Replica
 from tandem.router.request_parsing import ModelFacts
 from tandem.router.serving import Serving
 from tandem.router.mock_replicas import DyingDecode, MockDecode, MockPrefill, token_for

@@ -12,7 +12,9 @@ import pytest
 from tandem.engine.sampling_params import SamplingParams
 from tandem.kv_transfer.descriptor import TransferState
 from tandem.router.grpc_service import status_for
-from tandem.router.lifecycle import DriverSettings, NoCapacityError, NoReplicaError, Replica, RequestDriver
+from tandem.router.driver_settings import DriverSettings
+from tandem.router.lifecycle import RequestDriver
+from tandem.router.replicas import NoCapacityError, NoReplicaError, Replica
 from tandem.router.request_parsing import InvalidRequest, ParsedRequest
 from tandem.router.mock_replicas import MockDecode, MockPrefill, token_for
 
@@ -164,7 +166,7 @@ def test_cancelling_a_queued_request_leaves_the_queue_and_holds_nothing():
 
 def test_a_replica_that_dies_mid_stream_is_unavailable_without_migrations_and_no_longer_routed_to():
     """With max_migrations=0 (tests/router/test_migration.py covers the default, where the stream moves on)."""
-    from tandem.router.lifecycle import ReplicaLostError
+    from tandem.router.replicas import ReplicaLostError
     from tandem.router.mock_replicas import DyingDecode
 
     dying, healthy = DyingDecode("decode-0", after=2), MockDecode("decode-1")

@@ -20,9 +20,11 @@ from tandem.router.auth import Authenticator
 from tandem.router.client import build_request
 from tandem.router.grpc_service import TandemServicer, start_grpc_server
 from tandem.router.http_service import build_app, start_http_server
-from tandem.router.lifecycle import DriverSettings, Replica, RequestDriver
+from tandem.router.driver_settings import DriverSettings
+from tandem.router.lifecycle import RequestDriver
 from tandem.router.limits import PriorityRange, RequestLimits, ServingLimits, TenantLimits
 from tandem.router.mock_replicas import MockDecode
+from tandem.router.replicas import Replica
 from tandem.router.serving import Serving
 
 from tests.router.router_harness import MODEL, BackgroundLoop, embedded, model_facts

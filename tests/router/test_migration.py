@@ -14,10 +14,12 @@ import pytest
 from tandem.engine.resume import ResumeState
 from tandem.engine.sampling_params import SamplingParams
 from tandem.router.grpc_service import status_for
-from tandem.router.lifecycle import DriverSettings, Progress, Replica, ReplicaLostError, RequestDriver
+from tandem.router.driver_settings import DriverSettings
+from tandem.router.lifecycle import Progress, RequestDriver
 from tandem.router.migration import Replay, seeded
 from tandem.router.mock_batching import BatchedDecode, StepCosts
 from tandem.router.mock_replicas import DyingDecode, DyingPrefill, MockDecode, MockPrefill, token_for
+from tandem.router.replicas import Replica, ReplicaLostError
 from tandem.router.request_parsing import ParsedRequest
 from tandem.router.serving import error_code
 
@@ -254,7 +256,7 @@ def test_a_replica_whose_engine_died_under_it_counts_as_dead():
     from ray.exceptions import RayActorError, RayTaskError
 
     from tandem.engine.errors import EngineDeadError, ReplicaFailedError
-    from tandem.router.lifecycle import is_replica_death
+    from tandem.router.replicas import is_replica_death
 
     rank_killed = EngineDeadError("the engine failed: ReplicaFailedError('rank 1 (stage 1, ep 0, tp 0) is gone')")
     wrapped = RayTaskError("DecodeReplica.decode", "Traceback ...", rank_killed).as_instanceof_cause()

@@ -13,9 +13,11 @@ import pytest
 from tandem.engine.sampling_params import SamplingParams
 from tandem.kv_transfer.descriptor import TransferState
 from tandem.replica.contract import RequestAbortedError
-from tandem.router.lifecycle import DriverSettings, Replica, RequestDriver
+from tandem.router.driver_settings import DriverSettings
+from tandem.router.lifecycle import RequestDriver
 from tandem.router.mock_batching import BatchedDecode, BatchedPrefill, StepCosts, StepLoop, _Seq
 from tandem.router.mock_replicas import token_for
+from tandem.router.replicas import Replica
 from tandem.router.request_parsing import ParsedRequest
 
 pytestmark = pytest.mark.timing  # token gaps measured within a few milliseconds of the cost model

@@ -12,7 +12,9 @@ import pytest
 from tandem.engine.kv_events import KVEventLog
 from tandem.engine.sampling_params import SamplingParams
 from tandem.router.auth import cache_salt_for
-from tandem.router.lifecycle import DriverSettings, Replica, RequestDriver
+from tandem.router.driver_settings import DriverSettings
+from tandem.router.lifecycle import RequestDriver
+from tandem.router.replicas import Replica
 from tandem.router.request_parsing import ParsedRequest
 from tandem.router.routing import RoutingSettings
 from tandem.router.mock_replicas import MockDecode, MockPrefill
