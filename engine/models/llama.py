@@ -12,27 +12,26 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterator, Protocol
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
 import torch.nn.functional as F
 
 from tandem.engine.attention import AttentionMetadata, TorchAttentionBackend
 from tandem.engine.attention.torch_ref import FIXED_DECODE_PLAN, tuned_decode_plan
-from tandem.engine.cpu_features import FEATURES, CpuFeatures, cpu_features
-from tandem.engine.engine_config import QUANTIZED_ON_LOAD, WEIGHT_FORMATS
+from tandem.engine.cpu_features import CpuFeatures, cpu_features
 from tandem.engine.errors import ModelLoadError
 from tandem.engine.kernel_tuning import KernelTuner
 from tandem.engine.kv_cache import PagedKVCache
 from tandem.engine.model_config import ModelConfig
-from tandem.engine.models.int4 import GROUPS as INT4_GROUPS
-from tandem.engine.models.int4 import Int4Linear, Int4Weight
+from tandem.engine.models.int4 import Int4Linear
 from tandem.engine.models.int8 import Int8Linear
-from tandem.engine.models.linear import Linear, tuned_plan
+from tandem.engine.models.linear import Linear
 from tandem.engine.models.mlp import GatedMLP
 from tandem.engine.models.moe import MoEBlock
+from tandem.engine.models.projections import ProjectionBuilder, Weight
 from tandem.engine.models.rope import RotaryEmbedding
-from tandem.engine.parallel.layout import ParallelConfig, RankShard, ReplicaLayout, split_evenly
+from tandem.engine.parallel.layout import ParallelConfig, RankShard, ReplicaLayout
 
 if TYPE_CHECKING:
     from tandem.engine.models.compiled import CompiledDecode, CompiledOps
@@ -40,47 +39,6 @@ if TYPE_CHECKING:
     from tandem.engine.parallel.comm import ParallelComm
 
 _log = logging.getLogger(__name__)
-
-
-class LazyWeight(Protocol):
-    """A checkpoint tensor read on demand (engine/loader/lazy_tensor.py's LazyTensor; named here by what it
-    offers, since models/ sits below loader/): its whole shape without reading data, and a read of some of its
-    rows (dim 0) or columns (dim 1), None meaning all, as a new tensor of `dtype` on `device`."""
-
-    @property
-    def shape(self) -> tuple[int, ...]: ...
-
-    def read(self, rows: range | None = None, columns: range | None = None, *, dtype: torch.dtype,
-             device: torch.device | str) -> torch.Tensor: ...
-
-
-Weight = torch.Tensor | Int4Weight | LazyWeight
-
-
-def read_weight(weight: Weight, rows: range | None = None, columns: range | None = None, *, dtype: torch.dtype,
-                device: torch.device) -> torch.Tensor:
-    """The rows and columns asked for (None: all) of a checkpoint value, as `dtype` on `device`. A LazyWeight
-    reads only that slice from its file; an Int4Weight is expanded (float32) before it is sliced."""
-    if not isinstance(weight, (torch.Tensor, Int4Weight)):
-        return weight.read(rows, columns, dtype=dtype, device=device)
-    if isinstance(weight, Int4Weight):
-        weight = weight.dequantize()
-    if rows is not None:
-        weight = weight[rows.start:rows.stop]
-    if columns is not None:
-        weight = weight[:, columns.start:columns.stop]
-    return weight.to(device=device, dtype=dtype)
-
-
-def int4_group(weight_format: str, in_features: int) -> int:
-    """The group size of an int4 projection: 128 for int4_g128 (32 for int4), or the largest smaller group of the
-    kernel's that divides in_features (SmolLM2's 576 inputs take groups of 64 under int4_g128). Raises ValueError
-    when none does."""
-    wanted = 128 if weight_format == "int4_g128" else 32
-    for group in sorted((g for g in INT4_GROUPS if g <= wanted), reverse=True):
-        if in_features % group == 0:
-            return group
-    raise ValueError(f"int4 weights need in_features divisible by 32, got {in_features}")
 
 
 def expert_names(config: ModelConfig, layer: int, expert: int | None) -> tuple[str, str, str]:
@@ -206,15 +164,13 @@ class LlamaModel:
                  tuner: KernelTuner | None = None, weight_format: str = "dense"):
         """Consumes `weights`: the entries this rank holds are popped (to keep peak memory low) and read, a
         LazyWeight only for the rows or columns of this rank's shard, straight into `dtype` on `device`; other
-        stages' layers and other EP indices' experts stay in the dict, unread. Int4Weight entries stay packed when
-        every part of a fused projection is packed, the rank holds the whole projection and the CPU runs the int4
-        kernel (otherwise they are expanded to bfloat16, with a warning). cpu: what the CPU runs, for the kernel
-        choice (default: this process's probe; ignored off the CPU). tuner: times the candidate kernels of each
-        projection shape and of decode attention on this CPU and keeps the fastest (default: as the environment
-        says, engine/kernel_tuning.py; a disabled tuner keeps the probe's fixed choices). Raises ModelLoadError
-        on bad shapes, ValueError if packed weights are combined with a dtype other than bfloat16 or a device other
-        than the CPU. weight_format: engine_config.WEIGHT_FORMATS; int8 and int4 quantize every projection from
-        its float32 values as it is read (this rank's slice of it), the LM head to int8 either way."""
+        stages' layers and other EP indices' experts stay in the dict, unread. How each projection is held
+        (weight_format: engine_config.WEIGHT_FORMATS; packed Int4Weight entries) is the policy of
+        engine/models/projections.py, which raises ValueError for a combination that cannot run. cpu: what the
+        CPU runs, for the kernel choice (default: this process's probe; ignored off the CPU). tuner: times the
+        candidate kernels of each projection shape and of decode attention on this CPU and keeps the fastest
+        (default: as the environment says, engine/kernel_tuning.py; a disabled tuner keeps the probe's fixed
+        choices). Raises ModelLoadError on bad shapes."""
         check_weights(config, weights, source)  # source names the checkpoint in errors
         self.config = config
         self.dtype = dtype
@@ -233,66 +189,10 @@ class LlamaModel:
         self.shard = shard
         self.num_heads, self.num_kv_heads = len(shard.q_heads), len(shard.kv_heads)
         tp = 1 if comm is None else comm.tp_size
-
-        def take(name: str) -> torch.Tensor:
-            return read_weight(weights.pop(name), dtype=dtype, device=self.device)
-
-        if weight_format not in WEIGHT_FORMATS:
-            raise ValueError(f"weights must be one of {', '.join(WEIGHT_FORMATS)}, got {weight_format!r}")
         self.weight_format = weight_format
-        quantize = weight_format if weight_format in QUANTIZED_ON_LOAD else None
-        if quantize and dtype != torch.bfloat16:
-            raise ValueError(f"{weight_format} weights compute in bfloat16, but dtype {dtype} was asked for")
-        if quantize and quantize != "int8" and self.cpu is None:
-            raise ValueError(f"{weight_format} weights run on the CPU only (torch's int4 CPU kernel); use int8 on "
-                             f"{self.device.type}")
-        if quantize and quantize != "int8" and not self.cpu.int4:
-            _log.warning("%s weights: %s does not run here (%s); the projections are int8 instead", weight_format,
-                         FEATURES["int4"], self.cpu.why_not.get("int4", "?"))
-            quantize = "int8"
-        packed = [n for n, w in weights.items() if isinstance(w, Int4Weight)]
-        if packed and dtype != torch.bfloat16:
-            raise ValueError(f"packed 4-bit weights compute in bfloat16, but dtype {dtype} was asked for")
-        if packed and self.cpu is None:
-            raise ValueError("packed 4-bit weights run on the CPU only (torch's int4 CPU kernel)")
-        keep_packed = bool(packed) and self.cpu.int4
-        if packed and not keep_packed:
-            _log.warning("packed 4-bit weights: %s does not run here (%s); they are expanded to bfloat16, with "
-                         "4x the weight memory", FEATURES["int4"], self.cpu.why_not.get("int4", "?"))
-
-        def linear(names: list[str], rows: list[range | None] | None = None, columns: range | None = None,
-                   head: bool = False) -> Linear | Int4Linear | Int8Linear:
-            """One projection from the concatenated [out, in] weights of `names`: of each, only the output rows
-            in `rows` (column parallel) or the input columns in `columns` (row parallel: the bias, a term of the
-            sum, stays on TP rank 0 only) are read. head: the LM head (int8 when the weights are quantized)."""
-            rows = rows or [None] * len(names)
-            parts = [weights.pop(f"{n}.weight") for n in names]
-            biases = [(weights.pop(f"{n}.bias"), r) for n, r in zip(names, rows) if f"{n}.bias" in weights]
-            bias = None
-            if biases and (columns is None or shard.tp_index == 0):
-                bias = torch.cat([read_weight(b, r, dtype=dtype, device=self.device) for b, r in biases])
-            whole = all(r is None for r in rows) and columns is None
-            if keep_packed and whole and all(isinstance(p, Int4Weight) for p in parts) and not (head and quantize):
-                return Int4Linear(Int4Weight.cat(parts), bias, device=self.device)
-            weight = torch.cat([read_weight(p, r, columns, dtype=torch.float32 if quantize else dtype,
-                                            device=self.device) for p, r in zip(parts, rows)])
-            return dense(weight, bias, head)
-
-        def dense(weight: torch.Tensor, bias: torch.Tensor | None, head: bool = False
-                  ) -> Linear | Int4Linear | Int8Linear:
-            """weight: float32 when the projections are quantized, else in dtype."""
-            if quantize == "int8" or (quantize and head):
-                return Int8Linear(weight, bias, dtype=dtype, device=self.device)
-            if quantize:
-                return Int4Linear(Int4Weight.quantize(weight, int4_group(quantize, weight.shape[1])), bias,
-                                  device=self.device)
-            plan = None if self.tuner is None else tuned_plan(self.tuner, dtype, *weight.shape)
-            return Linear(weight, bias, dtype=dtype, device=self.device, cpu=self.cpu, plan=plan)
-
-        def mlp(names: tuple[str, str, str], size: int) -> GatedMLP:
-            cols = range(0, size) if tp == 1 else split_evenly(size, tp)[shard.tp_index]
-            split = None if tp == 1 else cols
-            return GatedMLP(linear(list(names[:2]), [split, split]), linear([names[2]], columns=split))
+        build = ProjectionBuilder(weights, dtype=dtype, device=self.device, cpu=self.cpu, tuner=self.tuner,
+                                  weight_format=weight_format, tp=tp, tp_index=shard.tp_index)
+        take, linear, mlp = build.take, build.linear, build.mlp
 
         expert_ranks = (0,) * config.num_experts if comm is None else comm.layout.expert_ranks
         d = config.head_dim
@@ -328,13 +228,12 @@ class LlamaModel:
         self.embed = self.norm = self.lm_head = None
         tied = config.tie_word_embeddings
         if shard.is_first_stage or (shard.is_last_stage and tied):
-            embed = read_weight(weights.pop("model.embed_tokens.weight"),
-                                dtype=torch.float32 if quantize else dtype, device=self.device)
+            embed = build.embedding("model.embed_tokens.weight")
             self.embed = embed.to(dtype)
         if shard.is_last_stage:
             self.norm = take("model.norm.weight")
             # A tied head gets its own copy in the product layout; the embedding stays [vocab, hidden] for lookups.
-            self.lm_head = dense(embed, None, head=True) if tied else linear(["lm_head"], head=True)
+            self.lm_head = build.dense(embed, None, head=True) if tied else linear(["lm_head"], head=True)
             if not shard.is_first_stage:
                 self.embed = None
         positions = max_positions or config.max_position_embeddings

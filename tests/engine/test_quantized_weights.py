@@ -15,7 +15,7 @@ import torch
 from tandem.engine.loader import load_model
 from tandem.engine.models.int4 import Int4Linear, Int4Weight
 from tandem.engine.models.int8 import QMAX, Int8Linear, quantize_rows
-from tandem.engine.models.llama import int4_group
+from tandem.engine.models.projections import int4_group
 
 
 def test_int8_rows_reconstruct_within_half_a_step_of_their_own_scale():
