@@ -6,8 +6,8 @@ with one rank, API keys on, tight router.limits so that a valid request costs at
   HTTP, raw: whole requests from fuzz_strategies.http_raw (invalid UTF-8, NUL bytes, JSON nested 100,000 deep,
       unknown fields, huge arrays, huge / negative / non-finite / wrong-typed numbers, bodies cut short or over
       max_body_bytes, broken framing and keys) over plain sockets.
-  gRPC, messages: tandem.v1 requests built from the proto's descriptors (fuzz_strategies.grpc_message).
-  gRPC, raw: bytes that are no well-formed message (fuzz_strategies.grpc_raw) through a generic stub.
+  gRPC, messages: tandem.v1 requests built from the proto's descriptors (fuzz_grpc.grpc_message).
+  gRPC, raw: bytes that are no well-formed message (fuzz_grpc.grpc_raw) through a generic stub.
 
 Every reply is checked: HTTP status < 500 (a 504 only for a body that asked for a shorter `timeout`, a 503 only
 for honest overload), OpenAI's error object on every 4xx of an API route, well-formed 200s (a stream's error
@@ -42,7 +42,8 @@ from tandem.cluster.launcher import RunningCluster
 from tandem.cluster.manifest import ApiKey, AuthSettings
 from tandem.router.client import TandemClient
 from tandem.router.limits import RequestLimits
-from tests.cluster.fuzz_strategies import MODEL, PARTS, RawGrpc, RawHttp, draw, openapi_document
+from tests.cluster.fuzz_cases import MODEL, RawGrpc, RawHttp
+from tests.cluster.fuzz_strategies import PARTS, draw, openapi_document
 from tests.cluster.ray_cluster import chat, check_integrity, manifest_for_test, running, simulated_cluster, wait_idle
 
 KEY = "sk-fuzz-test-0123456789"

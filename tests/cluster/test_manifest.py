@@ -1,46 +1,22 @@
 """The cluster manifest as `tandem validate` and `tandem up` see it: the shipped manifests are valid, and a broken
-one is reported whole, every problem with its YAML path, line and a hint."""
+one is reported whole, every problem with its YAML path, line and a hint. Listen addresses, ports and exposure:
+test_manifest_network.py."""
 
 from __future__ import annotations
 
 import re
-import socket
-from pathlib import Path
 
 import pytest
 
 from tandem.cluster.cli import main
 from tandem.cluster.manifest import parse_bytes
 from tandem.cluster.manifest_checks import validate_file
-from tandem.cluster.manifest_yaml import ManifestInvalid
-
-MANIFESTS = Path(__file__).resolve().parents[2] / "deploy" / "manifests"
+from tests.cluster.manifest_files import MANIFESTS, manifest_errors, write_manifest
 
 
 @pytest.fixture(autouse=True)
 def _load_embedded_once(embedded_shape_once):
     """validate_file loads the embedded model's shape once for the session (tests/conftest.py)."""
-
-
-def _write(tmp_path: Path, text: str, name: str = "manifest.yaml") -> Path:
-    path = tmp_path / name
-    path.write_text(text)
-    return path
-
-
-def _errors(path: Path, *, check_ports: bool = False) -> list:
-    with pytest.raises(ManifestInvalid) as info:
-        validate_file(path, check_ports=check_ports)
-    assert info.value.source == str(path)
-    return info.value.errors
-
-
-def _busy_port():
-    """A socket listening on a free 127.0.0.1 port (close it when done)."""
-    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    s.bind(("127.0.0.1", 0))
-    s.listen(1)
-    return s, s.getsockname()[1]
 
 
 # --- sizes -------------------------------------------------------------------------------------------------------
@@ -95,7 +71,7 @@ listen:
 
 
 def test_a_broken_manifest_reports_every_problem_with_path_line_and_hint(tmp_path, embedded_shape):
-    errors = _errors(_write(tmp_path, BROKEN))
+    errors = manifest_errors(write_manifest(tmp_path, BROKEN))
     by_path = {e.path: e for e in errors}
     assert len(by_path) == len(errors), "one error per problem"
     assert {path: e.line for path, e in by_path.items()} == {
@@ -139,28 +115,28 @@ def test_parallelism_is_checked_against_the_model_heads(tmp_path, embedded_shape
     # 9 query heads / 3 KV heads: tp=10 has a rank without a head; tp=4 splits the query heads (3+2+2+2) and
     # each rank reads its KV heads equally, which ReplicaLayout accepts.
     assert (embedded_shape.config.num_heads, embedded_shape.config.num_kv_heads) == (9, 3)
-    path = _write(tmp_path, """\
+    path = write_manifest(tmp_path, """\
 pools:
   prefill:
     parallelism: {tp: 10}
   decode:
     parallelism: {tp: 4, pp: 2}
 """)
-    [error] = _errors(path)
+    [error] = manifest_errors(path)
     assert (error.path, error.line) == ("pools.prefill.parallelism", 3)
     assert "tp=10 is more than the model's 9 attention heads" in error.message
 
 
 def test_a_missing_moe_model_hints_at_make_model_next_to_the_mode_error(tmp_path):
     model = tmp_path / "tiny-moe"
-    path = _write(tmp_path, f"""\
+    path = write_manifest(tmp_path, f"""\
 mode: colocated
 model: {model}
 pools:
   prefill: {{}}
   decode: {{}}
 """)
-    errors = _errors(path)
+    errors = manifest_errors(path)
     assert [(e.path, e.line) for e in errors] == [("mode", 1), ("model", 2)]
     assert "colocated mode runs only the decode pool" in errors[0].message
     assert "remove pools.prefill" in errors[0].message
@@ -170,8 +146,8 @@ pools:
 
 def test_a_missing_model_and_no_prefill_pool_in_disaggregated_mode(tmp_path):
     model = tmp_path / "llama-folder"
-    path = _write(tmp_path, f"model: {model}\nmode: disaggregated\npools:\n  decode: {{}}\n")
-    errors = _errors(path)
+    path = write_manifest(tmp_path, f"model: {model}\nmode: disaggregated\npools:\n  decode: {{}}\n")
+    errors = manifest_errors(path)
     assert [(e.path, e.line) for e in errors] == [("model", 1), ("mode", 2)]
     errors = [errors[1], errors[0]]
     assert "disaggregated mode needs a prefill pool (pools.prefill)" in errors[0].message
@@ -180,76 +156,35 @@ def test_a_missing_model_and_no_prefill_pool_in_disaggregated_mode(tmp_path):
 
 @pytest.mark.parametrize("text", ["- a\n- b\n", "just words\n", ""])
 def test_a_manifest_that_is_not_a_mapping(tmp_path, text):
-    [error] = _errors(_write(tmp_path, text))
+    [error] = manifest_errors(write_manifest(tmp_path, text))
     assert error.path == ""
     assert error.message == "the manifest must be a YAML mapping"
     assert "deploy/manifests/local.yaml" in error.hint
 
 
 def test_invalid_yaml_reports_the_line(tmp_path):
-    [error] = _errors(_write(tmp_path, "name: tandem\nmodel: embedded\nmode: colocated: yes\npools: {}\n"))
+    [error] = manifest_errors(write_manifest(tmp_path, "name: tandem\nmodel: embedded\nmode: colocated: yes\npools: {}\n"))
     assert error.line == 3
     assert error.message.startswith("not valid YAML: mapping values are not allowed here")
 
 
 def test_an_unreadable_manifest(tmp_path):
-    [error] = _errors(tmp_path / "absent.yaml")
+    [error] = manifest_errors(tmp_path / "absent.yaml")
     assert "cannot be read" in error.message
 
 
-# --- ports -------------------------------------------------------------------------------------------------------
-
-VALID_ON_PORT = """\
-mode: colocated
-pools:
-  decode: {{}}
-listen:
-  grpc: 127.0.0.1:{port}
-"""
-
+# --- modes and router settings --------------------------------------------------------------------------------
 
 def test_a_mode_error_is_reported_beside_field_errors(tmp_path):
-    path = _write(tmp_path, "mode: colocated\npools:\n  prefill: {}\n  decode: {}\nrouter: {policy: fastest}\n")
-    errors = _errors(path)
+    path = write_manifest(tmp_path, "mode: colocated\npools:\n  prefill: {}\n  decode: {}\nrouter: {policy: fastest}\n")
+    errors = manifest_errors(path)
     assert [(e.path, e.line) for e in errors] == [("mode", 1), ("router.policy", 5)]
 
 
-def test_a_listen_address_that_is_not_this_machines_is_reported(tmp_path):
-    path = _write(tmp_path, "pools:\n  prefill: {}\n  decode: {}\nlisten: {grpc: '10.255.1.2:50051'}\n")
-    [error] = _errors(path, check_ports=True)
-    assert error.path == "listen.grpc" and "cannot listen on 10.255.1.2:50051" in error.message
-
-
-def test_a_listen_port_in_use_is_reported(tmp_path):
-    busy, port = _busy_port()
-    with busy:
-        path = _write(tmp_path, VALID_ON_PORT.format(port=port))
-        [error] = _errors(path, check_ports=True)
-        assert (error.path, error.line) == ("listen.grpc", 5)
-        assert error.message == f"127.0.0.1:{port} is already in use"
-        assert "another port" in error.hint
-        # The port check is what `--no-port-check` turns off.
-        assert validate_file(path, check_ports=False).listen.grpc == f"127.0.0.1:{port}"
-    assert validate_file(path, check_ports=True).listen.grpc == f"127.0.0.1:{port}"  # free again
-
-
-def test_the_http_port_is_checked_like_the_grpc_port(tmp_path):
-    busy, port = _busy_port()
-    with busy:
-        path = _write(tmp_path, "pools:\n  prefill: {}\n  decode: {}\n"
-                                f"listen: {{grpc: '127.0.0.1:0', http: '127.0.0.1:{port}'}}\n")
-        [error] = _errors(path, check_ports=True)
-        assert error.path == "listen.http" and error.message == f"127.0.0.1:{port} is already in use"
-    same = _write(tmp_path, "pools:\n  prefill: {}\n  decode: {}\nlisten: {grpc: '127.0.0.1:7000', http: "
-                            "'127.0.0.1:7000'}\n", "same.yaml")
-    [error] = _errors(same)
-    assert error.path == "listen.http" and "also the gRPC address" in error.message
-
-
 def test_router_settings_are_checked(tmp_path):
-    path = _write(tmp_path, "pools:\n  prefill: {}\n  decode: {}\nrouter:\n  policy: fastest\n"
+    path = write_manifest(tmp_path, "pools:\n  prefill: {}\n  decode: {}\nrouter:\n  policy: fastest\n"
                             "  weights: {prefix_tokens: -1, queued_prefil_tokens: 2}\n  local_prefill_max_tokens: -5\n")
-    errors = {e.path: e for e in _errors(path)}
+    errors = {e.path: e for e in manifest_errors(path)}
     assert "cache_aware" in errors["router.policy"].message
     assert "router.weights.prefix_tokens" in errors and "router.local_prefill_max_tokens" in errors
     assert "queued_prefill_tokens" in errors["router.weights.queued_prefil_tokens"].hint  # did you mean
@@ -259,13 +194,13 @@ def test_router_admission_defaults_to_the_queue_timeout_and_slo_mode_needs_a_ttf
     from tandem.cluster.controller import serving_limits
 
     pools = "pools:\n  prefill: {}\n  decode: {}\n"
-    assert validate_file(_write(tmp_path, pools), check_ports=False).router.admission == "queue_timeout"
-    errors = {e.path: e for e in _errors(_write(tmp_path, pools + "router:\n  admission: slo\n"))}
+    assert validate_file(write_manifest(tmp_path, pools), check_ports=False).router.admission == "queue_timeout"
+    errors = {e.path: e for e in manifest_errors(write_manifest(tmp_path, pools + "router:\n  admission: slo\n"))}
     assert "TTFT SLO" in errors["router.admission"].message and "slo.ttft_s" in errors["router.admission"].hint
     assert errors["router.admission"].line == 5
-    errors = {e.path: e for e in _errors(_write(tmp_path, pools + "router:\n  admission: fastest\n"))}
+    errors = {e.path: e for e in manifest_errors(write_manifest(tmp_path, pools + "router:\n  admission: fastest\n"))}
     assert "queue_timeout" in errors["router.admission"].message
-    manifest = validate_file(_write(tmp_path, pools + "router:\n  admission: slo\nslo:\n  ttft_s: 0.5\n"),
+    manifest = validate_file(write_manifest(tmp_path, pools + "router:\n  admission: slo\nslo:\n  ttft_s: 0.5\n"),
                              check_ports=False)
     admission = serving_limits(manifest).admission  # what the router is started with
     assert (admission.mode, admission.ttft_slo_s) == ("slo", 0.5)
@@ -284,7 +219,7 @@ def test_cli_validate_accepts_the_local_manifest(capsys):
 
 
 def test_cli_validate_lists_every_error_as_path_line_and_exits_2(tmp_path, capsys):
-    path = _write(tmp_path, BROKEN)
+    path = write_manifest(tmp_path, BROKEN)
     assert main(["validate", str(path)]) == 2
     err = capsys.readouterr().err
     assert f"{path}:6: pools.prefill.parallelism: impossible for this model: pp=99" in err
@@ -295,19 +230,9 @@ def test_cli_validate_lists_every_error_as_path_line_and_exits_2(tmp_path, capsy
     assert f"tandem: {path}: 8 error(s)" in err
 
 
-def test_cli_validate_checks_ports_unless_told_not_to(tmp_path, capsys):
-    busy, port = _busy_port()
-    with busy:
-        path = _write(tmp_path, VALID_ON_PORT.format(port=port))
-        assert main(["validate", str(path)]) == 2
-        assert f"{path}:5: listen.grpc: 127.0.0.1:{port} is already in use" in capsys.readouterr().err
-        assert main(["validate", "--no-port-check", str(path)]) == 0
-        assert f"{path}: valid (colocated; decode 1x1x1" in capsys.readouterr().out
-
-
 def test_the_same_message_at_two_paths_is_reported_twice(tmp_path):
-    path = _write(tmp_path, "pools:\n  prefill:\n    engine: {block_size: 3}\n  decode:\n    engine: {block_size: 3}\n")
-    errors = _errors(path)
+    path = write_manifest(tmp_path, "pools:\n  prefill:\n    engine: {block_size: 3}\n  decode:\n    engine: {block_size: 3}\n")
+    errors = manifest_errors(path)
     assert [(e.path, e.line) for e in errors] == [("pools.prefill.engine.block_size", 3),
                                                   ("pools.decode.engine.block_size", 5)]
     assert errors[0].message == errors[1].message == "block_size must be a power of two, got 3"
@@ -317,7 +242,7 @@ def test_the_same_message_at_two_paths_is_reported_twice(tmp_path):
 
 
 def test_cuda_needs_a_gpu_per_rank_and_a_split_replica_needs_whole_gpus(tmp_path):
-    path = _write(tmp_path, """\
+    path = write_manifest(tmp_path, """\
 pools:
   prefill:
     parallelism: {tp: 2}
@@ -327,7 +252,7 @@ pools:
     resources: {gpus: 0}
     engine: {device: cuda, dtype: bfloat16}
 """)
-    errors = {e.path: e for e in _errors(path)}
+    errors = {e.path: e for e in manifest_errors(path)}
     assert set(errors) == {"pools.prefill.resources.gpus", "pools.decode.engine.device"}
     split = errors["pools.prefill.resources.gpus"]
     assert split.line == 4 and "0.5 of a GPU per rank" in split.message and "2 ranks" in split.message
@@ -338,25 +263,25 @@ pools:
 
 
 def test_a_single_rank_may_share_a_gpu_and_whole_gpus_are_whole(tmp_path):
-    shared = _write(tmp_path, """\
+    shared = write_manifest(tmp_path, """\
 pools:
   prefill: {resources: {gpus: 0.5}, engine: {device: cuda}}
   decode: {resources: {gpus: 0.5}}
 """, "shared.yaml")
     assert validate_file(shared, check_ports=False).pools.decode.device == "cuda"  # auto, given a GPU share
-    odd = _write(tmp_path, """\
+    odd = write_manifest(tmp_path, """\
 pools:
   prefill: {resources: {gpus: 1.5}}
   decode: {resources: {gpus: 1.5}}
 """, "odd.yaml")
-    assert {(e.path, e.hint.startswith("Ray hands out fractions below 1 or whole GPUs")) for e in _errors(odd)} == {
+    assert {(e.path, e.hint.startswith("Ray hands out fractions below 1 or whole GPUs")) for e in manifest_errors(odd)} == {
         ("pools.prefill.resources.gpus", True), ("pools.decode.resources.gpus", True)}
 
 
 def test_pools_of_different_kv_dtypes_are_valid_and_validate_says_what_converting_costs(
         tmp_path, capsys, embedded_shape_once):
     # prefill on GPUs defaults to bfloat16, decode on the CPU to float32: the decode pool converts what arrives
-    path = _write(tmp_path, """\
+    path = write_manifest(tmp_path, """\
 pools:
   prefill: {resources: {gpus: 1}}
   decode: {resources: {gpus: 0}, engine: {kv_cache_dtype: int8}}
@@ -373,7 +298,7 @@ pools:
     assert bf16 == carried == 30 * 2 * 3 * 64 * 2 / 1024  # SmolLM2: 30 layers x 3 KV heads x 64, 2 bytes
     assert int8 == round(bf16 / 2 * 17 / 16, 1)  # a byte a value, and a scale row per 16-token block
     assert ms > 0
-    same = _write(tmp_path, """\
+    same = write_manifest(tmp_path, """\
 pools:
   prefill: {engine: {kv_cache_dtype: int8}}
   decode: {engine: {kv_cache_dtype: int8}}
@@ -383,93 +308,22 @@ pools:
 
 
 def test_quantized_weights_compute_in_bfloat16(tmp_path):
-    path = _write(tmp_path, "pools:\n  prefill: {engine: {weights: int8}}\n  decode: {engine: {weights: int4}}\n")
+    path = write_manifest(tmp_path, "pools:\n  prefill: {engine: {weights: int8}}\n  decode: {engine: {weights: int4}}\n")
     manifest = validate_file(path, check_ports=False)
     assert (manifest.pools.prefill.dtype, manifest.pools.decode.dtype) == ("bfloat16", "bfloat16")
-    bad = _write(tmp_path, "pools:\n  prefill: {}\n  decode: {engine: {weights: int8, dtype: float32}}\n", "bad.yaml")
-    [error] = _errors(bad)
+    bad = write_manifest(tmp_path, "pools:\n  prefill: {}\n  decode: {engine: {weights: int8, dtype: float32}}\n", "bad.yaml")
+    [error] = manifest_errors(bad)
     assert error.path == "pools.decode.engine" and "int8 computes in bfloat16" in error.message
 
 
 def test_an_unreadable_tls_file_is_reported_at_its_key(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)  # relative tls paths start where tandem runs
     (tmp_path / "server.key").write_text("not a key\n")
-    path = _write(tmp_path, "pools:\n  prefill: {}\n  decode: {}\ntls:\n  cert_file: server.pem\n"
+    path = write_manifest(tmp_path, "pools:\n  prefill: {}\n  decode: {}\ntls:\n  cert_file: server.pem\n"
                             "  key_file: server.key\n")
-    [error] = _errors(path)
+    [error] = manifest_errors(path)
     assert (error.path, error.line) == ("tls.cert_file", 5)
     assert f"cannot read {tmp_path.resolve() / 'server.pem'}" in error.message
     assert "relative paths start there" in error.hint
     assert main(["validate", str(path), "--no-port-check"]) == 2
     assert "tls.cert_file" in capsys.readouterr().err
-
-
-# --- exposure warnings and ports a stopped server left behind ---------------------------------------------------
-
-
-def test_a_port_whose_last_connections_are_in_time_wait_is_free():
-    """A router that just stopped leaves its side of closed connections in TIME_WAIT; the servers bind with
-    SO_REUSEADDR, so the port check must not call the port busy (`tandem up` right after `tandem down`)."""
-    from tandem.cluster.manifest_checks import listen_problem
-
-    server = socket.socket()
-    server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    server.bind(("127.0.0.1", 0))
-    server.listen(1)
-    port = server.getsockname()[1]
-    client = socket.create_connection(("127.0.0.1", port))
-    accepted, _ = server.accept()
-    accepted.close()  # the server closes first, as uvicorn does after a `Connection: close` response
-    client.recv(1)
-    client.close()
-    assert listen_problem(f"127.0.0.1:{port}") is not None  # still listening: busy
-    server.close()
-    with socket.socket() as plain, pytest.raises(OSError):
-        plain.bind(("127.0.0.1", port))  # what the old check did: TIME_WAIT made it fail
-    assert listen_problem(f"127.0.0.1:{port}") is None
-
-
-EXPOSED = """\
-mode: colocated
-pools:
-  decode: {{}}
-listen:
-  grpc: {grpc}
-  http: {http}
-{extra}"""
-
-
-def test_a_router_open_to_other_machines_without_keys_is_a_warning(tmp_path, capsys):
-    from tandem.cluster.manifest_checks import check_file
-
-    path = _write(tmp_path, EXPOSED.format(grpc="0.0.0.0:50051", http="'[::]:8000'", extra=""))
-    checked = check_file(path, check_ports=False)
-    assert [(w.path, w.line) for w in checked.warnings] == [("listen.grpc", 5), ("listen.http", 6)]
-    assert "0.0.0.0:50051 is reachable from other machines and auth.api_keys is empty" in checked.warnings[0].message
-    assert "auth.api_keys" in checked.warnings[0].hint
-    assert main(["validate", "--no-port-check", str(path)]) == 0  # valid all the same
-    captured = capsys.readouterr()
-    assert f"tandem: warning: {path}:5: listen.grpc: 0.0.0.0:50051 is reachable" in captured.err
-    assert f"{path}: valid" in captured.out
-    keyed = _write(tmp_path, EXPOSED.format(grpc="0.0.0.0:50051", http="'[::]:8000'",
-                                            extra="auth: {api_keys: [{tenant: a, key: secret-a}]}\n"), "keyed.yaml")
-    assert check_file(keyed, check_ports=False).warnings == []
-    loopback = _write(tmp_path, EXPOSED.format(grpc="localhost:50051", http="'[::1]:8000'", extra=""), "lo.yaml")
-    assert check_file(loopback, check_ports=False).warnings == []
-    for shipped in ("local.yaml", "local-colocated.yaml", "local-parallel.yaml"):
-        assert check_file(MANIFESTS / shipped, check_ports=False).warnings == []
-
-
-def test_a_ray_head_beyond_loopback_is_a_warning_and_an_unspecified_address_an_error(tmp_path):
-    from tandem.cluster.manifest_checks import check_file
-
-    path = _write(tmp_path, EXPOSED.format(grpc="127.0.0.1:50051", http="null", extra="ray: {host: 10.0.0.5}\n"))
-    [warning] = check_file(path, check_ports=False).warnings
-    assert (warning.path, warning.line) == ("ray.host", 7)
-    assert "listens on 10.0.0.5: whoever reaches its ports can run code" in warning.message
-    assert "docs/SECURITY.md" in warning.hint
-    anywhere = _write(tmp_path, EXPOSED.format(grpc="127.0.0.1:50051", http="null", extra="ray: {host: 0.0.0.0}\n"),
-                      "anywhere.yaml")
-    [error] = _errors(anywhere)
-    assert (error.path, error.line) == ("ray.host", 7)
-    assert "0.0.0.0 is not an address other nodes can reach" in error.message
