@@ -32,6 +32,7 @@ import torch
 from tandem.engine.attention import AttentionMetadata
 from tandem.engine.block_pool import BlockPool
 from tandem.engine.kv_cache import KVCacheSpec, PagedKVCache
+from tandem.engine.models.step import run_step
 from tandem.engine.sampler import SampleRequest, sample_batch
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.speculation import StepCost
@@ -177,7 +178,7 @@ class DraftProposer:
         ids = torch.tensor([t for tokens, _ in chunks for t in tokens], dtype=torch.int64, device=device)
         positions = torch.tensor([p for tokens, s in chunks for p in range(s, s + len(tokens))], dtype=torch.int64,
                                  device=device)
-        hidden = self.model.forward(ids, positions, meta, self.kv_cache, compiled=self.compiled)
+        hidden = run_step(self.model, ids, positions, meta, self.kv_cache, compiled=self.compiled)
         last = torch.tensor(meta.query_start_loc[1:], device=device) - 1
         drawn = [t.token_id for t in sample_batch(self.model.compute_logits(hidden[last]), requests)]
         self.cost.observe(len(ids), time.perf_counter() - start)

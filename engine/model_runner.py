@@ -24,6 +24,7 @@ import torch
 from tandem.engine.attention import AttentionMetadata
 from tandem.engine.kv_cache import PagedKVCache
 from tandem.engine.models import LlamaModel
+from tandem.engine.models.step import run_step
 from tandem.engine.rejection_sampler import accept_drawn
 from tandem.engine.sampler import SampleRequest, sample_batch
 from tandem.engine.sampling_params import SamplingParams
@@ -140,7 +141,7 @@ class ModelRunner:
                 hidden, work = receives[i]
                 self.comm.wait(work)
             start = time.perf_counter()
-            out = self.model.forward(ids, positions, meta, self.kv_cache, hidden, observers[i], self.compiled)
+            out = run_step(self.model, ids, positions, meta, self.kv_cache, hidden, observers[i], self.compiled)
             self.times.forward += time.perf_counter() - start
             if shard.is_last_stage:
                 rows = [end - j for c, end in zip(runs[i], meta.query_start_loc[1:])

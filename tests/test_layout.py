@@ -103,7 +103,7 @@ MAX_MODULE_LINES = 450  # STYLE.md: a file readable in one sitting
 # What is still over the limit or in a circle (issue 43 splits them); each entry must still be one, so the lists
 # only shrink.
 LONG_MODULES: set[str] = set()  # the package's and the tests' modules
-IMPORT_CIRCLES = [{"tandem.engine.models.llama", "tandem.engine.models.compiled", "tandem.engine.models.cuda_graphs"}]
+IMPORT_CIRCLES: list[set[str]] = []
 
 
 def _package_modules() -> dict[str, Path]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -34,8 +34,6 @@ from tandem.engine.models.rope import RotaryEmbedding
 from tandem.engine.parallel.layout import ParallelConfig, RankShard, ReplicaLayout
 
 if TYPE_CHECKING:
-    from tandem.engine.models.compiled import CompiledDecode, CompiledOps
-    from tandem.engine.models.cuda_graphs import CudaGraphDecode
     from tandem.engine.parallel.comm import ParallelComm
 
 _log = logging.getLogger(__name__)
@@ -131,6 +129,15 @@ class _Layer:
     window: int | None
     q_norm: torch.Tensor | None = None  # [head_dim], Qwen3's per-head query/key norms
     k_norm: torch.Tensor | None = None
+
+
+class LayerOps(Protocol):
+    """What the layer loop (run_layers) calls for weight products and attention: plain calls (_EagerOps), or the
+    custom ops a compiled step traces (engine/models/compiled.py CompiledOps)."""
+
+    def project(self, projection: Linear | Int4Linear | Int8Linear, x: torch.Tensor) -> torch.Tensor: ...
+
+    def attend(self, index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)
@@ -314,25 +321,18 @@ class LlamaModel:
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_cache: PagedKVCache, hidden: torch.Tensor | None = None,
-                on_layer: Callable[[int], None] | None = None,
-                compiled: CompiledDecode | CudaGraphDecode | None = None) -> torch.Tensor:
+                on_layer: Callable[[int], None] | None = None) -> torch.Tensor:
         """input_ids, positions: [T] int64 (the batch's new tokens, flattened). A later pipeline stage passes
         the previous stage's output as `hidden` [T, hidden_size] instead of embedding input_ids. Returns the
         hidden states [T, hidden_size]: normed on the last stage, the residual stream on the others.
 
         Mutates kv_cache: each new token's K/V is written at meta.slot_mapping in every layer this rank holds.
         on_layer(global layer index) is called as soon as a layer's K/V is written (KV transfer sends it while
-        the next layers compute). compiled: this model's compiled decode step (engine/models/compiled.py; its CUDA
-        graphs on a GPU, engine/models/cuda_graphs.py), which runs a batch it was warmed up for: up to max_batch tokens,
-        none of its sequences adding more than max_query_len (1 for a decode; more for speculated tokens).
+        the next layers compute). This is the eager step; engine/models/step.py's run_step chooses between it
+        and a compiled one.
         """
         if int(positions.max()) >= self.rope.max_positions:
             raise ValueError(f"position {int(positions.max())} is beyond the model's {self.rope.max_positions}")
-        if compiled is not None and hidden is None and input_ids.shape[0] <= compiled.max_batch and \
-                meta.max_query_len <= compiled.max_query_len:
-            out = compiled(input_ids, positions, meta, kv_cache, on_layer)
-            if out is not None:
-                return out
         return self.run_layers(input_ids, positions, hidden, _EagerOps(self, meta, kv_cache, on_layer))
 
     def attend(self, index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
@@ -345,7 +345,7 @@ class LlamaModel:
         return out
 
     def run_layers(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor | None,
-                   ops: _EagerOps | CompiledOps) -> torch.Tensor:
+                   ops: LayerOps) -> torch.Tensor:
         """forward's body, with weight products and attention through `ops` (eager calls, or the custom ops a
         compiled step traces: engine/models/compiled.py)."""
         cfg = self.config

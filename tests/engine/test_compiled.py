@@ -14,6 +14,7 @@ from tandem.engine.llm_engine import LLMEngine
 from tandem.engine.loader import load_model
 from tandem.engine.models.compiled import (INDUCTOR_FOLDER, compile_decode, compile_enabled, decode_step_summary,
                                            why_not_compiled)
+from tandem.engine.models.step import run_step
 from tandem.engine.sampling_params import SamplingParams
 from tests.engine.engine_helpers import run_all
 from tests.engine.test_parity_embedded import PROMPTS, _prompt_ids
@@ -84,7 +85,7 @@ def test_a_batch_without_a_warmed_up_graph_runs_eager(tiny, caplog):
     ids, positions = torch.tensor([5, 6]), torch.tensor([3, 3])
     with caplog.at_level(logging.WARNING, logger="tandem.engine.models.compiled"), torch.inference_mode():
         assert compiled(ids, positions, meta, kv, None) is None
-        out = model.forward(ids, positions, meta, kv, compiled=compiled)  # eager, through the same entry point
+        out = run_step(model, ids, positions, meta, kv, compiled=compiled)  # eager, through the same entry point
     assert out.shape == (2, model.config.hidden_size) and torch.isfinite(out).all()
     assert compiled.compiles == 1 and compiled.fallbacks == 1  # forward did not even try: 2 > max_batch
     assert "needs a graph warm-up did not compile" in caplog.text
@@ -138,6 +139,7 @@ from tandem.engine.attention import AttentionMetadata
 from tandem.engine.kv_cache import KVCacheSpec, PagedKVCache
 from tandem.engine.loader import load_model
 from tandem.engine.models.compiled import compile_decode
+from tandem.engine.models.step import run_step
 model = load_model(sys.argv[1], progress=False).model
 compiled = compile_decode(model, max_batch=1)
 assert compiled is not None
@@ -148,7 +150,7 @@ with torch.inference_mode():
     step = AttentionMetadata.build([1], [7], [[2]], 16, torch.device("cpu"))
     ids, positions = torch.tensor([20]), torch.tensor([7])
     eager = model.forward(ids, positions, step, kv)
-    out = model.forward(ids, positions, step, kv, compiled=compiled)
+    out = run_step(model, ids, positions, step, kv, compiled=compiled)
 assert compiled.steps == 1
 torch.testing.assert_close(out, eager, rtol=1e-4, atol=1e-4)
 import json
