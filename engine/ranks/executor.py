@@ -18,12 +18,15 @@ from typing import Callable, Mapping, TypeVar
 from tandem.engine.device import RankPlacement
 from tandem.engine.errors import ReplicaFailedError
 from tandem.engine.parallel.layout import ReplicaLayout
-from tandem.engine.ranks.worker import RankStats, WorkerSpec, run_worker
+from tandem.engine.ranks.messages import (AgentAnswer, AgentCall, Allocate, GetStats, Memory, RankError, RankStats,
+                                          Ready, Step, StepResult, Stop)
+from tandem.engine.ranks.worker import WorkerSpec, run_worker
 from tandem.engine.scheduler_output import RunnerOutput, SchedulerOutput
 
 __all__ = ["MultiprocExecutor", "ReplicaFailedError", "free_port"]
 
 T = TypeVar("T")
+M = TypeVar("M")
 
 
 def free_port() -> int:
@@ -57,15 +60,15 @@ class MultiprocExecutor:
             self._procs.append(proc)
         ranks = list(range(self.layout.world_size))
         deadline = time.monotonic() + startup_timeout_s
-        free = self._collect(ranks, "memory", deadline)
+        free = self._collect(ranks, Memory, deadline)
         try:
-            self.num_kv_blocks = kv_blocks(min(free.values()))
+            self.num_kv_blocks = kv_blocks(min(m.free_bytes for m in free.values()))
         except ValueError:
             self.shutdown(graceful=False)
             raise
-        self._broadcast(("allocate", self.num_kv_blocks))
-        placements = self._collect(ranks, "ready", deadline)
-        self.placements: list[RankPlacement] = [placements[r] for r in ranks]
+        self._broadcast(Allocate(self.num_kv_blocks))
+        ready = self._collect(ranks, Ready, deadline)
+        self.placements: list[RankPlacement] = [ready[r].placement for r in ranks]
 
     def _describe(self, rank: int) -> str:
         stage, ep, tp = self.layout.coords(rank)
@@ -75,14 +78,15 @@ class MultiprocExecutor:
         self.shutdown(graceful=False)
         raise ReplicaFailedError(message)
 
-    def _collect(self, ranks: list[int], kind: str, deadline: float) -> dict:
-        """Waits until each of `ranks` has sent a `kind` message; returns their payloads by rank. An error from
-        any rank, a message nobody waits for, a rank's death or the deadline fails the replica."""
+    def _collect(self, ranks: list[int], kind: type[M], deadline: float) -> dict[int, M]:
+        """Waits until each of `ranks` has sent a message of type `kind`; returns them by rank. An error from any
+        rank, a message nobody waits for, a rank's death or the deadline fails the replica."""
         waiting, got = set(ranks), {}
         while waiting:
             left = deadline - time.monotonic()
             if left <= 0:
-                self._fail(f"{self._describe(min(waiting))} did not answer within the timeout (waiting for {kind!r})")
+                self._fail(f"{self._describe(min(waiting))} did not answer within the timeout (waiting for "
+                           f"{kind.__name__})")
             ready = wait(self._conns + [p.sentinel for p in self._procs], timeout=left)
             for item in ready:
                 if item in self._conns:
@@ -91,13 +95,13 @@ class MultiprocExecutor:
                         message = item.recv()
                     except (EOFError, OSError):  # it died: say which, with its exit code when known
                         self._procs[rank].join(timeout=1)
-                        message = ("error", f"{self._describe(rank)} is gone (exit code "
+                        message = RankError(f"{self._describe(rank)} is gone (exit code "
                                             f"{self._procs[rank].exitcode}, pid {self._procs[rank].pid})")
-                    if message[0] == "error":
-                        self._fail(message[1])
-                    if message[0] != kind or rank not in waiting:
-                        self._fail(f"{self._describe(rank)} sent an unexpected {message[0]!r}")
-                    got[rank] = message[1]
+                    if isinstance(message, RankError):
+                        self._fail(message.text)
+                    if not isinstance(message, kind) or rank not in waiting:
+                        self._fail(f"{self._describe(rank)} sent an unexpected {type(message).__name__}")
+                    got[rank] = message
                     waiting.discard(rank)
             for item in ready:
                 if item not in self._conns:
@@ -108,7 +112,7 @@ class MultiprocExecutor:
                                f"(killed or crashed; pid {self._procs[rank].pid})")
         return got
 
-    def _broadcast(self, message: tuple) -> None:
+    def _broadcast(self, message: Allocate | Step | GetStats) -> None:
         if self._dead:
             raise ReplicaFailedError("the replica has been shut down")
         payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
@@ -120,9 +124,9 @@ class MultiprocExecutor:
 
     def execute_step(self, output: SchedulerOutput) -> RunnerOutput:
         """Runs one step on every rank; returns the sampler rank's RunnerOutput."""
-        self._broadcast(("step", self._prev_tokens, output))
+        self._broadcast(Step(self._prev_tokens, output))
         sampler = self.layout.sampler_rank
-        result: RunnerOutput = self._collect([sampler], "output", time.monotonic() + self.step_timeout_s)[sampler]
+        result = self._collect([sampler], StepResult, time.monotonic() + self.step_timeout_s)[sampler].output
         self._prev_tokens = {seq_id: result.token_ids(seq_id) for seq_id in result.sampled}
         return result
 
@@ -133,23 +137,24 @@ class MultiprocExecutor:
         first by rank) and the rank lives on; a rank that dies fails the replica (ReplicaFailedError)."""
         if self._dead:
             raise ReplicaFailedError("the replica has been shut down")
-        payloads = {rank: pickle.dumps(("agent", fn, args), protocol=pickle.HIGHEST_PROTOCOL)
+        payloads = {rank: pickle.dumps(AgentCall(fn, args), protocol=pickle.HIGHEST_PROTOCOL)
                     for rank, args in args_by_rank.items()}
         for rank, payload in payloads.items():
             try:
                 self._conns[rank].send_bytes(payload)
             except (BrokenPipeError, ConnectionResetError, EOFError):
                 self._fail(f"{self._describe(rank)} is gone (its pipe is closed)")
-        answers = self._collect(list(payloads), "agent", time.monotonic() + self.step_timeout_s)
-        for rank, (how, value) in sorted(answers.items()):
-            if how == "raised":
-                raise value
-        return {rank: value for rank, (_, value) in answers.items()}
+        answers: dict[int, AgentAnswer] = self._collect(list(payloads), AgentAnswer,
+                                                         time.monotonic() + self.step_timeout_s)
+        for rank, answer in sorted(answers.items()):
+            if answer.raised:
+                raise answer.value
+        return {rank: answer.value for rank, answer in answers.items()}
 
     def rank_stats(self) -> list[RankStats]:
         """Each rank's memory, time split and expert load, in rank order."""
-        self._broadcast(("stats",))
-        stats = self._collect(list(range(self.layout.world_size)), "stats", time.monotonic() + self.step_timeout_s)
+        self._broadcast(GetStats())
+        stats = self._collect(list(range(self.layout.world_size)), RankStats, time.monotonic() + self.step_timeout_s)
         return [stats[rank] for rank in range(self.layout.world_size)]
 
     def ranks_alive(self) -> list[bool]:
@@ -181,7 +186,7 @@ class MultiprocExecutor:
             return
         self._dead = True
         if graceful:
-            payload = pickle.dumps(("stop",))
+            payload = pickle.dumps(Stop())
             for conn in self._conns:
                 try:
                     conn.send_bytes(payload)

@@ -2,16 +2,14 @@
 
 Start-up: the rank pins itself to the host CPUs the driver names for it (every thread, before torch starts its
 thread pool; no more torch threads than those CPUs), takes the GPUs the driver names for it (CUDA_VISIBLE_DEVICES,
-before CUDA starts), loads its shard onto its device, answers ("memory", its device's free bytes) and waits for
-("allocate", blocks): the driver sizes every rank's KV cache from the smallest answer. Then it sends ("ready",
+before CUDA starts), loads its shard onto its device, answers Memory (its device's free bytes) and waits for
+Allocate: the driver sizes every rank's KV cache from the smallest answer. Then it sends Ready (its
 RankPlacement).
-The driver (engine/ranks/executor.py) sends each message to every rank over a pipe: ("step", prev_tokens,
-SchedulerOutput) pickled once, ("stats",) or ("stop",); and ("agent", fn, args) to the ranks it names, which
-run fn(agent, *args) on their KV transfer agent and answer with the result. fn is a picklable callable (a
-module-level function, or an unbound method such as KVTransferAgent.expect, which pickles by its qualified
-name), never a method name. The sampler rank answers each step with its RunnerOutput; every rank answers
-"stats". A rank that fails sends ("error", text) and exits, which the driver sees at once. Later issues start
-the same `run_worker` inside Ray actors.
+The driver (engine/ranks/executor.py) sends each message (engine/ranks/messages.py) to every rank over a pipe:
+Step (pickled once), GetStats or Stop; and AgentCall to the ranks it names, which run fn(agent, *args) on their
+KV transfer agent and answer AgentAnswer. The sampler rank answers each step with StepResult; every rank answers
+GetStats with RankStats. A rank that fails sends RankError and exits, which the driver sees at once. Later
+issues start the same `run_worker` inside Ray actors.
 """
 
 from __future__ import annotations
@@ -25,6 +23,8 @@ from multiprocessing.connection import Connection
 from tandem.engine.cpu_affinity import current_cpus, pin_process, pinned_threads
 from tandem.engine.device import RankPlacement
 from tandem.engine.parallel.layout import ReplicaLayout
+from tandem.engine.ranks.messages import (AgentAnswer, AgentCall, Allocate, GetStats, Memory, RankError, RankStats,
+                                          Ready, Step, StepResult, Stop)
 
 
 @dataclass(frozen=True)
@@ -49,23 +49,8 @@ class WorkerSpec:
     kv_dtype: str = "auto"  # engine_config.KV_CACHE_DTYPES
 
 
-@dataclass(frozen=True)
-class RankStats:
-    """What one rank holds and where its time went (seconds since start)."""
-
-    rank: int
-    weight_bytes: int
-    kv_cache_bytes: int
-    kv_cache_shape: tuple[int, ...]
-    step_s: float
-    forward_s: float
-    num_steps: int
-    comm_s: dict[str, float]
-    expert_load: dict[int, int]
-
-
 def run_worker(rank: int, spec: WorkerSpec, conn: Connection) -> None:
-    """The rank's whole life. Returns on ("stop",) or after reporting an error."""
+    """The rank's whole life. Returns on Stop or after reporting an error."""
     comm = agent = None
     try:
         cpus = None if spec.cpus is None else spec.cpus[rank]
@@ -104,11 +89,11 @@ def run_worker(rank: int, spec: WorkerSpec, conn: Connection) -> None:
         model.attention = select_backend(spec.attention_backend, torch.device(device), log=rank == 0)  # once
         tune_for(model, spec.block_size, log=rank == 0, kv_dtype=kv_storage_dtype(spec.kv_dtype, dtype))
         config = model.config
-        conn.send(("memory", available_memory_bytes(device)))
-        kind, num_blocks = pickle.loads(conn.recv_bytes())
-        if kind != "allocate":
-            raise ValueError(f"expected the KV cache's size, got {kind!r}")
-        kv_spec = KVCacheSpec(len(shard.layers), num_blocks, spec.block_size, len(shard.kv_heads),
+        conn.send(Memory(available_memory_bytes(device)))
+        allocate = pickle.loads(conn.recv_bytes())
+        if not isinstance(allocate, Allocate):
+            raise ValueError(f"expected the KV cache's size, got {allocate!r}")
+        kv_spec = KVCacheSpec(len(shard.layers), allocate.num_blocks, spec.block_size, len(shard.kv_heads),
                               config.head_dim, kv_storage_dtype(spec.kv_dtype, dtype))
         kv_cache = PagedKVCache(kv_spec, device, store_memory_of(spec.kv_agent, device))
         runner = ModelRunner(model, kv_cache, comm=comm,
@@ -119,41 +104,37 @@ def run_worker(rank: int, spec: WorkerSpec, conn: Connection) -> None:
             runner.grammars = GrammarBackend(tokenizer, config.vocab_size)
         if spec.kv_agent is not None:
             agent = runner.layer_observer = spec.kv_agent(rank, layout, runner.kv_cache)
-        conn.send(("ready", RankPlacement(rank, os.getpid(), str(device), os.environ.get("CUDA_VISIBLE_DEVICES"),
-                                          model.attention.choice.summary(), current_cpus(),
-                                          decode_step_summary(model, True, None))))  # eager: spans processes
+        conn.send(Ready(RankPlacement(rank, os.getpid(), str(device), os.environ.get("CUDA_VISIBLE_DEVICES"),
+                                      model.attention.choice.summary(), current_cpus(),
+                                      decode_step_summary(model, True, None))))  # eager: spans processes
         while True:
             message = pickle.loads(conn.recv_bytes())
-            kind = message[0]
-            if kind == "step":
-                _, prev_tokens, schedule = message
-                output = runner.execute_step(schedule, prev_tokens)
+            if isinstance(message, Step):
+                output = runner.execute_step(message.schedule, message.prev_tokens)
                 if runner.samples:
-                    conn.send(("output", output))
-            elif kind == "stats":
+                    conn.send(StepResult(output))
+            elif isinstance(message, GetStats):
                 data = runner.kv_cache.data
-                conn.send(("stats", RankStats(
-                    rank, model.weight_bytes(), data.numel() * data.element_size(), tuple(data.shape),
-                    runner.times.steps, runner.times.forward, runner.times.num_steps, dict(comm.seconds),
-                    model.expert_load())))
-            elif kind == "agent":
-                _, fn, args = message
+                conn.send(RankStats(rank, model.weight_bytes(), data.numel() * data.element_size(), tuple(data.shape),
+                                    runner.times.steps, runner.times.forward, runner.times.num_steps,
+                                    dict(comm.seconds), model.expert_load()))
+            elif isinstance(message, AgentCall):
                 try:  # the agent's own errors (bad descriptor, ...) go back to the caller; the rank lives on
-                    conn.send(("agent", ("ok", fn(agent, *args))))
+                    conn.send(AgentAnswer(message.fn(agent, *message.args)))
                 except Exception as e:
-                    conn.send(("agent", ("raised", e)))
-            elif kind == "stop":
+                    conn.send(AgentAnswer(e, raised=True))
+            elif isinstance(message, Stop):
                 if agent is not None:
                     agent.close()
                 comm.close()
                 return
             else:
-                raise ValueError(f"unknown message {kind!r}")
+                raise ValueError(f"unknown message {message!r}")
     except (EOFError, KeyboardInterrupt):
         return  # the driver went away: nothing to report to
     except BaseException as e:
         try:
             where = f"rank {rank}"
-            conn.send(("error", f"{where}: {type(e).__name__}: {e}\n{traceback.format_exc()}"))
+            conn.send(RankError(f"{where}: {type(e).__name__}: {e}\n{traceback.format_exc()}"))
         except (OSError, EOFError):
             pass
