@@ -28,18 +28,17 @@ if not torch.cuda.is_available():
 
 _FILE_SECONDS: dict[str, float] = {}
 _STARTED = time.monotonic()
-# The test files that start a Ray cluster or `tandem up` (they import ray, the simulated cluster or the local Ray
-# head) are marked `ray`: make test runs them in its second pass, one at a time and alone on the machine, as it
-# runs the tests marked `timing`. Run beside the engine's tests (measured: on two xdist workers), their replicas,
-# which Ray runs niced, got half the CPU they get alone: the fuzz's HTTP clients saw connections closed
-# unanswered and a failover drill's prompt fell back twice.
-_STARTS_RAY = ("ray", "simulated_cluster", "local_ray")
+# The files that start a Ray cluster or `tandem up` (every file of tests/cluster/, and the Helm demo's) are marked
+# `ray`: make test runs them in its second pass, alone on the machine, as it runs the tests marked `timing`. Run
+# beside the engine's tests (measured: both on two xdist workers), their replicas, which Ray runs niced, got half
+# the CPU they get alone: the fuzz's HTTP clients saw connections closed unanswered and a failover drill's
+# prompt fell back twice.
+_RAY_FILES = ("tests/cluster/", "tests/deploy/test_helm_demo_serves.py")
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        module = getattr(item, "module", None)
-        if module is not None and any(name in vars(module) for name in _STARTS_RAY):
+        if item.nodeid.startswith(_RAY_FILES):
             item.add_marker(pytest.mark.ray)
 
 
