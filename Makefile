@@ -26,15 +26,14 @@ run: setup
 	$(VENV)/bin/tandem up deploy/manifests/local.yaml --ask "$(PROMPT)" --max-tokens 128
 
 # Every feature's tests; the exhaustive variants (marked slow: more layouts, shapes and dtypes of what a test here
-# already shows) are left to test-all. Two passes: the tests of the engine, router, KV transfer, replicas,
-# deployment checks and benches on TEST_WORKERS pytest-xdist workers (each file on one worker, in order), then,
-# one at a time and alone on the machine, the tests that start Ray clusters (marked ray) and those that time
-# the machine within milliseconds (marked timing): tests/conftest.py says why. Each pass ends with its wall
-# time and its ten slowest files (CI's budget for both: 30 minutes on a slow 2-core machine). Both passes always
-# run; the exit status fails if either did.
+# already shows) are left to test-all. Two passes: the suite on TEST_WORKERS pytest-xdist workers (each file on
+# one worker in order, every file that starts Ray on the same one: tests/conftest.py), then the tests marked
+# timing (wall-clock times within milliseconds of a model) alone on the machine. Each pass ends with its wall
+# time and its ten slowest files (CI's budget: 30 minutes on a slow 2-core machine). Both passes always run;
+# the exit status fails if either did.
 TEST_WORKERS ?= 2
-PYTEST_TWO_PASSES = $(PY) -m pytest -m "$(1)not timing and not ray" -n $(TEST_WORKERS); parallel=$$?; \
-	$(PY) -m pytest -m "$(1)(timing or ray)"; alone=$$?; exit $$(( parallel || alone ))
+PYTEST_TWO_PASSES = $(PY) -m pytest -m "$(1)not timing" -n $(TEST_WORKERS); parallel=$$?; \
+	$(PY) -m pytest -m "$(1)timing"; alone=$$?; exit $$(( parallel || alone ))
 
 test: setup
 	@$(call PYTEST_TWO_PASSES,not slow and )

@@ -28,33 +28,28 @@ if not torch.cuda.is_available():
 
 _FILE_SECONDS: dict[str, float] = {}
 _STARTED = time.monotonic()
-# The files that start a Ray cluster or `tandem up` (every file of tests/cluster/, and the Helm demo's) are marked
-# `ray`: make test runs them in its second pass, alone on the machine, as it runs the tests marked `timing`. Run
-# beside the engine's tests (measured: both on two xdist workers), their replicas, which Ray runs niced, got half
-# the CPU they get alone: the fuzz's HTTP clients saw connections closed unanswered and a failover drill's
-# prompt fell back twice.
-_RAY_FILES = ("tests/cluster/", "tests/deploy/test_helm_demo_serves.py")
+# The files that start a Ray cluster or `tandem up` (every file of tests/cluster/, and the Helm demo's): under
+# pytest-xdist one worker runs them one after another, so no two Ray heads ever run at once. Every other file is
+# a unit of its own: its tests run on one worker, in order, its module fixtures built once.
+_ONE_RAY_AT_A_TIME = ("tests/cluster/", "tests/deploy/test_helm_demo_serves.py")
 
 
-def pytest_collection_modifyitems(config, items):
-    for item in items:
-        if item.nodeid.startswith(_RAY_FILES):
-            item.add_marker(pytest.mark.ray)
+def _work_unit(nodeid: str) -> str:
+    path = nodeid.split("::")[0]
+    return "ray" if path.startswith(_ONE_RAY_AT_A_TIME) else path
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
-    """make test's first pass (-n): each test file is one unit of work, run on one worker in order, so that its
-    module fixtures are built once (xdist's default sends single tests to either worker), largest files first.
-    (Its `--dist loadfile` orders units as collected, and `loadgroup` renames node ids in a way pytest 9.2
-    ignores.)"""
+    """make test's workers (-n): xdist's scope scheduling over _work_unit's units, largest first. (Its
+    `--dist loadgroup` would do this from markers, but it renames node ids in a way pytest 9.2 ignores.)"""
     from xdist.scheduler import LoadScopeScheduling
 
-    class ByFile(LoadScopeScheduling):
+    class ByWorkUnit(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return nodeid.split("::")[0]
+            return _work_unit(nodeid)
 
-    return ByFile(config, log)
+    return ByWorkUnit(config, log)
 
 
 def pytest_runtest_logreport(report):
