@@ -26,24 +26,17 @@ run: setup
 	$(VENV)/bin/tandem up deploy/manifests/local.yaml --ask "$(PROMPT)" --max-tokens 128
 
 # Every feature's tests; the exhaustive variants (marked slow: more layouts, shapes and dtypes of what a test here
-# already shows) are left to test-all. Two passes: the suite on TEST_WORKERS pytest-xdist workers (each file on
-# one worker in order, every file that starts Ray on the same one: tests/conftest.py), then the tests marked
-# timing (wall-clock times within milliseconds of a model) alone on the machine. Each pass ends with its wall
-# time and its ten slowest files (CI's budget: 30 minutes on a slow 2-core machine). Both passes always run;
-# the exit status fails if either did.
-TEST_WORKERS ?= 2
-PYTEST_TWO_PASSES = $(PY) -m pytest -m "$(1)not timing" -n $(TEST_WORKERS); parallel=$$?; \
-	$(PY) -m pytest -m "$(1)timing"; alone=$$?; exit $$(( parallel || alone ))
-
+# already shows) are left to test-all. Ends with the wall time and the ten slowest files (CI's budget: 30 minutes
+# on a slow 2-core machine).
 test: setup
-	@$(call PYTEST_TWO_PASSES,not slow and )
+	$(PY) -m pytest -m "not slow"
 
 test-all: setup
-	@$(call PYTEST_TWO_PASSES,)
+	$(PY) -m pytest
 
 # The suite as an AVX2-only CPU runs it (torch's ATen dispatch and oneDNN capped at AVX2): for AVX-512 machines.
 test-avx2: setup
-	@export ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2; $(call PYTEST_TWO_PASSES,not slow and )
+	ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 $(PY) -m pytest -m "not slow"
 
 # The GPU checks, on a machine with an NVIDIA GPU and a CUDA build of torch in $(VENV): the tests marked gpu, the
 # Triton attention kernels against the memory-bandwidth and matmul floors, the engine's throughput on CUDA and the

@@ -28,33 +28,10 @@ if not torch.cuda.is_available():
 
 _FILE_SECONDS: dict[str, float] = {}
 _STARTED = time.monotonic()
-# The files that start a Ray cluster or `tandem up` (every file of tests/cluster/, and the Helm demo's): under
-# pytest-xdist one worker runs them one after another, so no two Ray heads ever run at once. Every other file is
-# a unit of its own: its tests run on one worker, in order, its module fixtures built once.
-_ONE_RAY_AT_A_TIME = ("tests/cluster/", "tests/deploy/test_helm_demo_serves.py")
-
-
-def _work_unit(nodeid: str) -> str:
-    path = nodeid.split("::")[0]
-    return "ray" if path.startswith(_ONE_RAY_AT_A_TIME) else path
-
-
-@pytest.hookimpl(optionalhook=True)
-def pytest_xdist_make_scheduler(config, log):
-    """make test's workers (-n): xdist's scope scheduling over _work_unit's units, largest first. (Its
-    `--dist loadgroup` would do this from markers, but it renames node ids in a way pytest 9.2 ignores.)"""
-    from xdist.scheduler import LoadScopeScheduling
-
-    class ByWorkUnit(LoadScopeScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            return _work_unit(nodeid)
-
-    return ByWorkUnit(config, log)
 
 
 def pytest_runtest_logreport(report):
-    """Each test's setup, call and teardown seconds, summed per file (under xdist: the controller's copy of each
-    worker's report)."""
+    """Each test's setup, call and teardown seconds, summed per file."""
     path = report.nodeid.split("::")[0]
     _FILE_SECONDS[path] = _FILE_SECONDS.get(path, 0.0) + report.duration
 
@@ -69,10 +46,8 @@ def pytest_terminal_summary(terminalreporter):
     terminalreporter.section("time")
     terminalreporter.write_line(f"wall time {wall / 60:.1f} min ({wall:.0f} s); test time {total:.0f} s over "
                                 f"{len(_FILE_SECONDS)} files")
-    clocks = [(_COLLECTOR.seconds, _COLLECTOR.full, _COLLECTOR.longest)] + _WORKER_COLLECTORS
-    terminalreporter.write_line(f"garbage collector: {sum(c[0] for c in clocks):.1f} s, "
-                                f"{sum(c[1] for c in clocks)} full collections, longest pause "
-                                f"{max(c[2] for c in clocks):.2f} s")
+    terminalreporter.write_line(f"garbage collector: {_COLLECTOR.seconds:.1f} s, {_COLLECTOR.full} full "
+                                f"collections, longest pause {_COLLECTOR.longest:.2f} s")
     for path, seconds in sorted(_FILE_SECONDS.items(), key=lambda kv: -kv[1])[:10]:
         terminalreporter.write_line(f"{seconds:8.1f} s  {path}")
 
@@ -139,21 +114,6 @@ def pytest_runtest_setup(item):
     if path != _frozen_at:
         _frozen_at = path
         _collect_and_freeze()
-
-
-_WORKER_COLLECTORS: list[tuple[float, int, float]] = []  # each xdist worker's clock, as it ended
-
-
-def pytest_sessionfinish(session):
-    """An xdist worker hands its collector clock to the controller, which prints the time section."""
-    if hasattr(session.config, "workeroutput"):
-        session.config.workeroutput["collector"] = (_COLLECTOR.seconds, _COLLECTOR.full, _COLLECTOR.longest)
-
-
-@pytest.hookimpl(optionalhook=True)
-def pytest_testnodedown(node, error):
-    if "collector" in getattr(node, "workeroutput", {}):
-        _WORKER_COLLECTORS.append(tuple(node.workeroutput["collector"]))
 
 
 def pytest_unconfigure(config):

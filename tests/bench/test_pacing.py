@@ -123,7 +123,6 @@ class InstantBackend(StreamingBackend):
         return ""
 
 
-@pytest.mark.timing
 def test_the_real_clock_keeps_a_high_asked_rate():
     """200 req/s for 2 s: a sender sleeping 1/rate after each send loses the time each send takes."""
     offsets = ArrivalProcess(200, "constant").offsets(count=400)

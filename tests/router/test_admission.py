@@ -392,7 +392,6 @@ def run_burst() -> BurstOutcome:
         front.close()
 
 
-@pytest.mark.timing
 def test_a_burst_of_ten_times_capacity_is_refused_at_once_and_the_admitted_meet_the_slo():
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
         outcome = pool.submit(run_burst).result(timeout=180)

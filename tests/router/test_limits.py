@@ -306,7 +306,6 @@ def test_priorities_are_clamped_to_the_tenants_range(front):
         assert seen[f"{tenant}/{rid}"] == expected
 
 
-@pytest.mark.timing  # "not slowed": beta's request within 1 s
 def test_a_tenant_past_its_cap_gets_429_with_retry_after_and_others_are_not_slowed(front):
     # acme may hold 2 requests; two held at the replica until the checks are done hold them.
     replies = []
@@ -400,7 +399,6 @@ def test_the_manifest_deadline_applies_when_the_client_sets_none():
         f.close()
 
 
-@pytest.mark.timing
 def test_a_maximal_prompt_is_parsed_off_the_event_loop_without_delaying_other_streams():
     """A prompt at the character limit takes the tokenizer about a second on this machine; another request's
     tokens keep flowing meanwhile (the same tokenizing on the event loop would stall them all that long)."""

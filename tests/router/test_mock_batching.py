@@ -20,8 +20,6 @@ from tandem.router.mock_replicas import token_for
 from tandem.router.replicas import Replica
 from tandem.router.request_parsing import ParsedRequest
 
-pytestmark = pytest.mark.timing  # token gaps measured within a few milliseconds of the cost model
-
 # A chunk next to one decode is 63 prompt tokens: 12.6 ms on top of a 5.2 ms decode step.
 COSTS = StepCosts(step_s=0.005, decode_token_s=0.0002, prefill_token_s=0.0002, max_num_batched_tokens=64)
 LONG = 63 * 12  # a prompt of 12 chunks beside one decode
