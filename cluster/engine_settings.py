@@ -48,6 +48,9 @@ def _section_of(config_type: type, *, skip: tuple[str, ...] = ()) -> type[_Stric
                         **_fields_of(config_type, skip=skip))
 
 
+_SPECULATIVE_KEYS = tuple(f.name for f in dataclasses.fields(SpeculativeConfig))
+
+
 class SpeculativeSettings(_section_of(SpeculativeConfig)):
     """Speculative decoding on a pool's replicas (engine/speculation.py): a cheap proposer (ngram, suffix, or
     draft: a draft model, "self" being the target's own GGUF weights run 4-bit) guesses each decoding sequence's
@@ -62,7 +65,7 @@ class SpeculativeSettings(_section_of(SpeculativeConfig)):
         return self
 
     def config(self) -> SpeculativeConfig:
-        return SpeculativeConfig(**{name: getattr(self, name) for name in _fields_of(SpeculativeConfig)})
+        return SpeculativeConfig(**{name: getattr(self, name) for name in _SPECULATIVE_KEYS})
 
 
 _OWN_KEYS = ("kv_cache_bytes", "speculative")  # the engine's, but taken differently here (see the module doc)
