@@ -96,7 +96,7 @@ def main() -> None:
     start = time.perf_counter()
     compiled = engine(True)
     compile_s = time.perf_counter() - start
-    if compiled.runner.compiled is None:
+    if compiled.executor.runner.compiled is None:
         raise SystemExit("the decode step did not compile on this machine (see the log)")
     eager = engine(False)
     results: dict[str, dict] = {}
@@ -124,8 +124,8 @@ def main() -> None:
     print(json.dumps({"bench": "compiled_step", "machine": machine_line(), "cpu": cpu_report(), "device": args.device,
                       "gpu": gpu, "dtype": args.dtype, "decode_step": compiled.rank_placements[0].decode_step,
                       "threads": args.threads, "steps": args.steps, "rounds": args.rounds,
-                      "compile_s": round(compile_s, 1), "compiled_graphs": compiled.runner.compiled.compiles,
-                      "fallback_steps": compiled.runner.compiled.fallbacks, "batches": results}))
+                      "compile_s": round(compile_s, 1), "compiled_graphs": compiled.executor.runner.compiled.compiles,
+                      "fallback_steps": compiled.executor.runner.compiled.fallbacks, "batches": results}))
 
 
 if __name__ == "__main__":

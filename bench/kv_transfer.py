@@ -304,7 +304,7 @@ def pipelining(conn, prefill_tokens: int, rounds: int, device: str, secret: byte
                        EngineConfig(num_kv_blocks=4 * (prefill_tokens // BLOCK + 2),
                                     max_num_batched_tokens=prefill_tokens),
                        kv_agent=AgentFactory(config, share_kv_store=shared))
-    agent = engine.local_kv_agent
+    agent = engine.executor.agent
     per = -(-prefill_tokens // BLOCK)
     rows = []
     for r in range(rounds):

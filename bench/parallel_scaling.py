@@ -29,6 +29,8 @@ from pathlib import Path
 
 import torch
 
+from tandem.engine.runner.executor import LocalExecutor
+
 QUESTION = "Request {i}: explain, step by step, how a bicycle gear system trades speed for force."
 
 
@@ -47,11 +49,12 @@ def write_moe(folder: Path, args, tokenizer) -> Path:
 
 def rank_times(engine) -> list[dict]:
     """Per rank, seconds since start: inside steps, in the model's forward, and per kind of communication."""
-    runner = engine.runner
-    if not hasattr(runner, "rank_stats"):
+    executor = engine.executor
+    if isinstance(executor, LocalExecutor):
+        runner = executor.runner
         return [{"rank": 0, "step_s": runner.times.steps, "forward_s": runner.times.forward, "comm_s": {}}]
     return [{"rank": s.rank, "step_s": s.step_s, "forward_s": s.forward_s, "comm_s": s.comm_s}
-            for s in runner.rank_stats()]
+            for s in executor.rank_stats()]
 
 
 def decode_run(engine, prompts: list[list[int]], tokens: int) -> dict:
@@ -85,14 +88,14 @@ def decode_run(engine, prompts: list[list[int]], tokens: int) -> dict:
 
 
 def memory(engine) -> list[dict]:
-    runner = engine.runner
-    if not hasattr(runner, "rank_stats"):
-        model, data = runner.model, runner.kv_cache.data
+    executor = engine.executor
+    if isinstance(executor, LocalExecutor):
+        model, data = executor.runner.model, executor.runner.kv_cache.data
         # In this process: its RSS also holds the benchmark's other models, so only the model's own bytes count.
         return [{"rank": 0, "weight_bytes": model.weight_bytes(), "kv_cache_bytes": data.numel() * data.element_size(),
                  "rss_bytes": None}]
     return [{"rank": s.rank, "weight_bytes": s.weight_bytes, "kv_cache_bytes": s.kv_cache_bytes, "rss_bytes": rss,
-             "expert_load": s.expert_load} for s, rss in zip(runner.rank_stats(), runner.rank_rss_bytes())]
+             "expert_load": s.expert_load} for s, rss in zip(executor.rank_stats(), executor.rank_rss_bytes())]
 
 
 def main() -> int:

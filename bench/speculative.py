@@ -106,7 +106,7 @@ def engine_run(loaded, requests: list[list[int]], tokens: int, batch: int, specu
 
 
 def measure(loaded, workloads: dict, args) -> dict:
-    from tandem.engine.speculation import SpeculativeConfig
+    from tandem.engine.engine_config import SpeculativeConfig
 
     settings = {"off": None} | {name: SpeculativeConfig(proposer=name, max_tokens=args.k)
                                  for name in args.proposers.split(",")}

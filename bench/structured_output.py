@@ -8,7 +8,7 @@
    size on disk of each library and of what it pulls in that tandem would not have otherwise.
 2. The engine: decode steps of a batch of --batch sequences (and of one), constrained (a JSON schema whose
    outputs run longer than the measured steps) against the same requests unconstrained, interleaved rounds;
-   mask filling runs on a helper thread during the forward pass (engine/model_runner.py).
+   mask filling runs on a helper thread during the forward pass (engine/runner/model_runner.py).
 
     .venv/bin/python bench/structured_output.py [--batch 64] [--steps 32] [--rounds 3] [--threads 2] [--device cuda]
 

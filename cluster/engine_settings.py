@@ -1,5 +1,5 @@
 """A pool's `engine:` section of the manifest, derived from the engine's own configuration types: every field of
-EngineConfig (engine/engine_config.py) and SpeculativeConfig (engine/speculation.py), with its type, its range
+EngineConfig and SpeculativeConfig (both engine/engine_config.py), with its type, its range
 (the annotated_types in its annotation) and its default, is a manifest key as it is, so that a new engine setting
 needs one definition. What the manifest adds on top:
 
@@ -19,8 +19,7 @@ from typing import Any, Literal, get_type_hints
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 
-from tandem.engine.engine_config import EngineConfig
-from tandem.engine.speculation import SpeculativeConfig
+from tandem.engine.engine_config import EngineConfig, SpeculativeConfig
 from tandem.replica.spec import ReplicaSpec
 from tandem.router.limits import parse_bytes
 

@@ -6,9 +6,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Literal, get_args
 
-from annotated_types import Ge, Gt, Le
+from annotated_types import Ge, Gt, Interval, Le
 
-from tandem.engine.speculation import SpeculativeConfig
+from tandem.engine.sampling_params import MAX_SPECULATIVE_TOKENS
 
 DEFAULT_CPU_KV_FRACTION = 0.25  # of available RAM: the CPU is shared with the tokenizer, the OS and peers
 DEFAULT_GPU_KV_FRACTION = 0.90  # of free device memory after the weights are loaded
@@ -24,6 +24,37 @@ QUANTIZED_ON_LOAD = ("int8", "int4", "int4_g128")  # quantized from the checkpoi
 # float32 scale per block, layer, K/V and KV head, computed from the data as tokens are written.
 KVCacheDtype = Literal["auto", "bfloat16", "float16", "int8", "fp8_e4m3"]
 KV_CACHE_DTYPES = get_args(KVCacheDtype)
+
+ProposerName = Literal["ngram", "suffix", "draft"]  # speculative decoding's proposers (engine/speculation.py)
+PROPOSERS = get_args(ProposerName)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """proposer: "ngram", "suffix" or "draft". max_tokens: proposals per sequence and step at most (the cost model
+    picks 0..max_tokens). ngram_min/ngram_max: the n-gram proposer's match lengths. suffix_cached_requests: finished
+    requests whose outputs the suffix proposer keeps per tenant. draft: the draft model, "self" (the target's GGUF
+    weights run packed 4-bit: engine/draft_proposer.py) or a model path. adaptive: False proposes max_tokens
+    whenever the proposer has them (benchmarks and tests of verification; production keeps True). Raises
+    ValueError for values out of range."""
+
+    proposer: ProposerName = "suffix"
+    max_tokens: Annotated[int, Interval(ge=1, le=MAX_SPECULATIVE_TOKENS)] = 4
+    ngram_min: Annotated[int, Ge(1)] = 2
+    ngram_max: Annotated[int, Ge(1)] = 4
+    suffix_cached_requests: Annotated[int, Ge(0)] = 256
+    adaptive: bool = True
+    draft: str = "self"
+
+    def __post_init__(self) -> None:
+        if self.proposer not in PROPOSERS:
+            raise ValueError(f"speculative proposer must be one of {', '.join(PROPOSERS)}, got {self.proposer!r}")
+        if not 1 <= self.max_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"speculative max_tokens must be in 1..{MAX_SPECULATIVE_TOKENS}, got {self.max_tokens}")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}")
+        if self.suffix_cached_requests < 0:
+            raise ValueError(f"suffix_cached_requests must be >= 0, got {self.suffix_cached_requests}")
 
 
 @dataclass(frozen=True)

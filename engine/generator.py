@@ -18,7 +18,8 @@ from tandem.engine.block_pool import BlockPool
 from tandem.engine.engine_config import EngineConfig
 from tandem.engine.llm_engine import LLMEngine, RequestRejectedError
 from tandem.engine.loader.model_loader import LoadedModel
-from tandem.engine.model_runner import SequenceChunk
+from tandem.engine.runner.executor import LocalExecutor
+from tandem.engine.runner.model_runner import ModelRunner, SequenceChunk
 from tandem.engine.parallel import ParallelConfig
 from tandem.engine.sampling_params import SamplingParams
 
@@ -65,11 +66,18 @@ class Generator:
             block_size=block_size, num_kv_blocks=-(-self.max_model_len // block_size),
             max_model_len=self.max_model_len, max_num_batched_tokens=self.max_model_len, max_num_seqs=1,
             enable_prefix_caching=False, kv_cache_dtype=kv_cache_dtype), parallel=parallel)
-        self.runner = self.engine.runner
         # Load time includes starting the ranks (and their loading their shards) for a multi-process replica.
         self.load_seconds = loaded.load_seconds + time.perf_counter() - start
         self.last_timings = Timings(load=self.load_seconds)
         self._ids = itertools.count()
+
+    @property
+    def runner(self) -> ModelRunner:
+        """This process's model runner (prompt_logits computes with it). Raises ValueError for a model split over
+        rank processes."""
+        if not isinstance(self.engine.executor, LocalExecutor):
+            raise ValueError("the model runs in rank processes: no runner in this process")
+        return self.engine.executor.runner
 
     def close(self) -> None:
         self.engine.shutdown()

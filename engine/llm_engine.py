@@ -5,8 +5,9 @@ the result (tokens, stop tokens, lengths, caching), the output processor turns t
 catches stop strings. add_request validates at once and raises before anything is queued; abort_request frees
 the request's blocks immediately. This class is synchronous; engine/async_engine.py runs it on a thread.
 
-With a ParallelConfig of more than one rank the model runs in separate processes (engine/ranks/, split as
-engine/parallel/layout.py says): the scheduler stays here and a MultiprocExecutor takes the runner's place.
+The model runs behind an Executor (engine/runner/executor.py, built by engine/runner/builder.py): in this
+process, or with a ParallelConfig of more than one rank in separate processes (engine/ranks/, split as
+engine/parallel/layout.py says) while the scheduler stays here.
 Every rank's KV cache has the same number of blocks (block ids are global), each holding only that rank's layers
 and KV heads. Call shutdown() (or use the engine as a context manager) to stop the ranks.
 
@@ -26,30 +27,23 @@ router's migration after a replica died; engine/resume.py).
 
 from __future__ import annotations
 
-import os
 import secrets
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence as Seq, TypeVar
+from typing import Callable, Mapping, Sequence as Seq, TypeVar
 
-import torch
-
-from tandem.engine.cpu_affinity import current_cpus
 from tandem.engine.device import RankPlacement
-from tandem.engine.draft_proposer import DraftProposer, load_draft
-from tandem.engine.engine_config import EngineConfig, available_memory_bytes
-from tandem.engine.errors import ReplicaFailedError
+from tandem.engine.engine_config import EngineConfig
 from tandem.engine.grammar import GrammarBackend
-from tandem.engine.kv_cache import KVCacheSpec, PagedKVCache, kv_storage_dtype, store_memory_of
+from tandem.engine.kv_cache import kv_storage_dtype
 from tandem.engine.kv_cache_manager import KVCacheManager
 from tandem.engine.kv_events import KVEventSink, discard_events
 from tandem.engine.loader.model_loader import LoadedModel
-from tandem.engine.model_runner import ModelRunner
-from tandem.engine.models.compiled import compile_decode, compile_enabled, decode_step_summary
-from tandem.engine.parallel.layout import ParallelConfig, ReplicaLayout
 from tandem.engine.output_processor import OutputProcessor, RequestOutput
+from tandem.engine.parallel.layout import ParallelConfig, ReplicaLayout
 from tandem.engine.request import RequestStatus, Sequence, token_stop_status
 from tandem.engine.resume import ResumeState
+from tandem.engine.runner.builder import ExecutorRequest, KVAgentFactory, build_executor
 from tandem.engine.sampled_token import SampledToken
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.scheduler import RequestRejectedError, Scheduler, SchedulerConfig, SchedulerStats
@@ -57,8 +51,6 @@ from tandem.engine.speculation import SpeculationStats, Speculator
 
 __all__ = ["EngineStats", "KVAgentFactory", "LLMEngine", "RequestRejectedError"]
 
-STARTUP_PORT_ATTEMPTS = 3
-KVAgentFactory = Callable[[int, ReplicaLayout, PagedKVCache], Any]
 T = TypeVar("T")
 
 
@@ -87,118 +79,32 @@ class LLMEngine:
         if max_len > model_config.max_position_embeddings:
             raise ValueError(f"max_model_len {max_len} exceeds the model's context "
                              f"({model_config.max_position_embeddings})")
-        device = loaded.device
-        proposer = None  # the speculative proposer, when the engine builds it (a draft model)
         self.layout = ReplicaLayout.build(parallel, num_layers=model_config.num_layers,
                                           num_heads=model_config.num_heads, num_kv_heads=model_config.num_kv_heads,
                                           num_experts=model_config.num_experts)
-        # The largest rank share of one block (its layers x its KV heads) sets how many blocks the budget buys.
-        shares = [self.layout.shard(r) for r in range(self.layout.world_size)]
-        largest = max(shares, key=lambda s: len(s.layers) * len(s.kv_heads))
         self.kv_dtype = kv_storage_dtype(config.kv_cache_dtype, loaded.dtype)
-        probe = KVCacheSpec(len(largest.layers), 1, config.block_size, len(largest.kv_heads), model_config.head_dim,
-                            self.kv_dtype)
-
-        def blocks_for(free_bytes: int) -> int:
-            return config.num_blocks(probe.bytes_per_block, free_bytes, device.type == "cuda")
-
-        if self.layout.world_size == 1:
-            if loaded.model is None:
-                raise ValueError("a single-process engine needs the model's weights (load_model(weights=True))")
-            from tandem.engine.attention.triton_backend import select_backend, tune_for
-
-            loaded.model.attention = select_backend(config.attention_backend, device)
-            draft = self._draft(loaded, device)  # a draft model's KV shares the budget
-            if draft is not None:
-                bytes_per_block = probe.bytes_per_block + KVCacheSpec(
-                    draft.config.num_layers, 1, config.block_size, draft.config.num_kv_heads, draft.config.head_dim,
-                    draft.dtype).bytes_per_block
-                num_blocks = config.num_blocks(bytes_per_block, available_memory_bytes(device), device.type == "cuda")
-            else:
-                num_blocks = blocks_for(available_memory_bytes(device))  # after the weights were loaded
-            # Frees what it takes before the cache is allocated.
-            tune_for(loaded.model, config.block_size, kv_dtype=self.kv_dtype)
-            self.runner = ModelRunner(loaded.model, PagedKVCache(self._kv_spec(num_blocks), device,
-                                                                 store_memory_of(kv_agent, device)))
-            compiling = compile_enabled(config.compile)
-            if compiling:
-                self.runner.compiled = compile_decode(loaded.model, config.max_num_seqs, 1 + (
-                    config.speculative.max_tokens if config.speculative is not None else 0),
-                    kv_quantized=probe.quantized)
-            if draft is not None:
-                tune_for(draft.model, config.block_size)
-                # The draft's first pass of a round computes the 1-2 tokens it lacks per sequence: compiled too.
-                proposer = DraftProposer(draft.model, num_blocks, config.block_size, compile_decode(
-                    draft.model, config.max_num_seqs, 1 + config.speculative.max_tokens) if compiling else None)
-                proposer.warm_up(config.max_num_seqs)
-            # This process's KV transfer agent (None without kv_agent, or when the ranks hold their own).
-            self.local_kv_agent = kv_agent(0, self.layout, self.runner.kv_cache) if kv_agent else None
-            self.runner.layer_observer = self.local_kv_agent
-            self.rank_placements = (RankPlacement(0, os.getpid(), str(device), os.environ.get("CUDA_VISIBLE_DEVICES"),
-                                                  loaded.model.attention.choice.summary(), current_cpus(),
-                                                  decode_step_summary(loaded.model, compiling, self.runner.compiled)),)
-        else:
-            if config.speculative is not None and config.speculative.proposer == "draft":
-                raise ValueError("a draft model runs in the engine's process, beside a model in one process; a "
-                                 "replica split over ranks speculates with the ngram or suffix proposer")
-            from tandem.engine.ranks.executor import MultiprocExecutor, free_port
-            from tandem.engine.ranks.worker import WorkerSpec
-
-            # Each rank measures its device's free memory once its shard is loaded (this process never touches
-            # CUDA) and the smallest answer sizes every rank's cache; CPU ranks share this host, so they split it.
-            share = 1 if device.type == "cuda" else self.layout.world_size
-            if rank_cpus is not None and len(rank_cpus) != self.layout.world_size:
-                raise ValueError(f"rank_cpus lists {len(rank_cpus)} CPU sets for {self.layout.world_size} ranks")
-            threads = max(1, torch.get_num_threads() // self.layout.world_size)
-            for attempt in range(STARTUP_PORT_ATTEMPTS):
-                # free_port() may be taken by another process before rank 0 binds it: then try another port.
-                try:
-                    self.runner = MultiprocExecutor(WorkerSpec(
-                        model_path=str(loaded.source), dtype=str(loaded.dtype).removeprefix("torch."),
-                        device=str(device), layout=self.layout, block_size=config.block_size,
-                        max_positions=model_config.max_position_embeddings,
-                        init_method=f"tcp://127.0.0.1:{free_port()}", timeout_s=parallel.collective_timeout_s,
-                        threads=threads, micro_batches=parallel.num_micro_batches, kv_agent=kv_agent,
-                        attention_backend=config.attention_backend, visible_gpus=rank_gpus,
-                        cpus=None if rank_cpus is None else tuple(tuple(c) for c in rank_cpus),
-                        weight_format=loaded.weight_format, kv_dtype=config.kv_cache_dtype),
-                        kv_blocks=lambda free: blocks_for(free // share))
-                    break
-                except ReplicaFailedError as e:
-                    if "EADDRINUSE" not in str(e) or attempt == STARTUP_PORT_ATTEMPTS - 1:
-                        raise
-            num_blocks = self.runner.num_kv_blocks
-            self.local_kv_agent = None
-            self.rank_placements = tuple(self.runner.placements)
-        self.kv_cache_spec = self._kv_spec(num_blocks)
+        request = ExecutorRequest(loaded, config, self.layout, parallel, self.kv_dtype, kv_agent, rank_gpus, rank_cpus)
+        built = build_executor(request)
+        self.executor = built.executor
+        self.kv_cache_spec = request.replica_spec(self.executor.num_kv_blocks)
         self.has_kv_agents = kv_agent is not None
-        self.kv_manager = KVCacheManager(num_blocks, config.block_size,
+        self.kv_manager = KVCacheManager(self.executor.num_kv_blocks, config.block_size,
                                          enable_prefix_caching=config.enable_prefix_caching, event_sink=event_sink)
         self.scheduler = Scheduler(
             SchedulerConfig(max_model_len=max_len, max_num_batched_tokens=config.max_num_batched_tokens,
                             max_num_seqs=config.max_num_seqs, enable_chunked_prefill=config.enable_chunked_prefill),
             self.kv_manager, frozenset(self.tokenizer.eos_token_ids),
-            Speculator(config.speculative, proposer) if config.speculative is not None else None)
+            Speculator(config.speculative, built.proposer) if config.speculative is not None else None)
         self.outputs = OutputProcessor(self.tokenizer)
         self.vocab_size = model_config.vocab_size
-        # Structured output: compiled here to refuse a bad constraint at add_request, and used by this process's
-        # runner (a replica of several ranks builds its own on the sampler rank: engine/ranks/worker.py).
-        self.grammars = GrammarBackend(self.tokenizer, self.vocab_size)
-        if isinstance(self.runner, ModelRunner):
-            self.runner.grammars = self.grammars
+        self.grammars = GrammarBackend(self.tokenizer, self.vocab_size)  # refuses a bad constraint at add_request
         self.num_steps = 0
         self._arrivals = 0
 
-    def _draft(self, loaded: LoadedModel, device: torch.device) -> LoadedModel | None:
-        """The draft model speculative decoding asks for (its attention backend set), or None."""
-        spec = self.config.speculative
-        if spec is None or spec.proposer != "draft":
-            return None
-        from tandem.engine.attention.triton_backend import select_backend
-
-        draft = load_draft(loaded, spec.draft, device)
-        draft.model.attention = select_backend(self.config.attention_backend, device)
-        return draft
+    @property
+    def rank_placements(self) -> tuple[RankPlacement, ...]:
+        """Where each rank runs (its process, device, CPUs, attention kernels and decode step), in rank order."""
+        return self.executor.placements
 
     @property
     def max_model_len(self) -> int:
@@ -290,9 +196,7 @@ class LLMEngine:
         rank fails."""
         if not self.has_kv_agents:
             raise ValueError("this engine was built without a KV transfer agent (LLMEngine(kv_agent=...))")
-        if self.local_kv_agent is not None:
-            return {rank: fn(self.local_kv_agent, *args) for rank, args in args_by_rank.items()}
-        return self.runner.call_agents(fn, args_by_rank)
+        return self.executor.call_agents(fn, args_by_rank)
 
     def hold_blocks_after(self, request_id: str, key: str) -> None:
         """From now on, blocks the request frees (when it ends, is aborted or preempted) stay allocated, held
@@ -310,12 +214,6 @@ class LLMEngine:
         """Ends a request now, freeing its blocks; returns its final outputs (empty for an unknown or finished id)."""
         return self.outputs.aborted(self.scheduler.abort_request(request_id))
 
-    def _kv_spec(self, num_blocks: int) -> KVCacheSpec:
-        """The whole replica's KV cache (every layer and KV head; each rank holds its share)."""
-        c = self.loaded.config
-        return KVCacheSpec(c.num_layers, num_blocks, self.config.block_size, c.num_kv_heads, c.head_dim,
-                           self.kv_dtype)
-
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
@@ -328,7 +226,7 @@ class LLMEngine:
         sample that got tokens (a speculating sample may get several in one output)."""
         start = time.perf_counter()
         schedule = self.scheduler.schedule()
-        result = self.runner.execute_step(schedule)
+        result = self.executor.execute_step(schedule)
         updates = self.scheduler.update(schedule, result)
         outputs: dict[str, RequestOutput] = {}
         emitted = len(updates)
@@ -368,18 +266,15 @@ class LLMEngine:
 
     def dead_ranks(self) -> list[str]:
         """The rank processes of a multi-process replica that have exited, described (safe from any thread)."""
-        return self.runner.dead_ranks() if hasattr(self.runner, "dead_ranks") else []
+        return self.executor.dead_ranks()
 
     def ranks_alive(self) -> list[bool]:
         """Whether each rank's process runs (one rank in this process: it does). Safe from any thread."""
-        return self.runner.ranks_alive() if hasattr(self.runner, "ranks_alive") else [True]
+        return self.executor.ranks_alive()
 
     def shutdown(self) -> None:
         """Stops the ranks of a multi-process replica, or this process's KV transfer agent. Idempotent."""
-        if self.local_kv_agent is not None:
-            self.local_kv_agent.close()
-        if hasattr(self.runner, "shutdown"):
-            self.runner.shutdown()
+        self.executor.shutdown()
 
     def __enter__(self) -> LLMEngine:
         return self

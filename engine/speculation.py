@@ -20,7 +20,7 @@ steps that did not, no proposals are made. After 32 declined steps in a row one 
 probe), so that estimates follow a changing workload. At a large batch or a low acceptance the step thus runs as
 without speculation.
 
-Verification (engine/model_runner.py) scores each sequence's proposals as a short chunk through the paged KV cache,
+Verification (engine/runner/) scores each sequence's proposals as a short chunk through the paged KV cache,
 and the scheduler keeps the accepted ones. Which sequences never speculate: those with structured output (the
 grammar would have to follow the proposals), those whose request set speculative_tokens=0, and any whose remaining
 max_tokens or context leaves no room. Greedy and sampled outputs are identical to decoding without speculation
@@ -35,54 +35,24 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Annotated, Literal, Sequence, get_args
+from typing import Sequence
 
-from annotated_types import Ge, Interval
-
+from tandem.engine.engine_config import SpeculativeConfig
 from tandem.engine.proposers import NgramProposer, Proposer
 from tandem.engine.request import RequestStatus, Sequence as Seq
 from tandem.engine.sampling_params import MAX_SPECULATIVE_TOKENS
 from tandem.engine.suffix_proposer import SuffixProposer
 
-ProposerName = Literal["ngram", "suffix", "draft"]
-PROPOSERS = get_args(ProposerName)
 ACCEPTANCE_BUCKETS = tuple(range(MAX_SPECULATIVE_TOKENS + 1))  # accepted proposals per verified step
 
 
-@dataclass(frozen=True)
-class SpeculativeConfig:
-    """proposer: "ngram", "suffix" or "draft". max_tokens: proposals per sequence and step at most (the cost model
-    picks 0..max_tokens). ngram_min/ngram_max: the n-gram proposer's match lengths. suffix_cached_requests: finished
-    requests whose outputs the suffix proposer keeps per tenant. draft: the draft model, "self" (the target's GGUF
-    weights run packed 4-bit: engine/draft_proposer.py) or a model path. adaptive: False proposes max_tokens
-    whenever the proposer has them (benchmarks and tests of verification; production keeps True). Raises
-    ValueError for values out of range."""
-
-    proposer: ProposerName = "suffix"
-    max_tokens: Annotated[int, Interval(ge=1, le=MAX_SPECULATIVE_TOKENS)] = 4
-    ngram_min: Annotated[int, Ge(1)] = 2
-    ngram_max: Annotated[int, Ge(1)] = 4
-    suffix_cached_requests: Annotated[int, Ge(0)] = 256
-    adaptive: bool = True
-    draft: str = "self"
-
-    def __post_init__(self) -> None:
-        if self.proposer not in PROPOSERS:
-            raise ValueError(f"speculative proposer must be one of {', '.join(PROPOSERS)}, got {self.proposer!r}")
-        if not 1 <= self.max_tokens <= MAX_SPECULATIVE_TOKENS:
-            raise ValueError(f"speculative max_tokens must be in 1..{MAX_SPECULATIVE_TOKENS}, got {self.max_tokens}")
-        if not 1 <= self.ngram_min <= self.ngram_max:
-            raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}")
-        if self.suffix_cached_requests < 0:
-            raise ValueError(f"suffix_cached_requests must be >= 0, got {self.suffix_cached_requests}")
-
-    def make_proposer(self) -> Proposer:
-        """The n-gram or suffix proposer; a draft model is built by the engine (it needs the target's weights)."""
-        if self.proposer == "ngram":
-            return NgramProposer(self.ngram_min, self.ngram_max)
-        if self.proposer == "suffix":
-            return SuffixProposer(cached_requests=self.suffix_cached_requests)
-        raise ValueError("the draft proposer is built from the engine's model (engine/draft_proposer.py)")
+def make_proposer(config: SpeculativeConfig) -> Proposer:
+    """The n-gram or suffix proposer; a draft model is built by the engine (it needs the target's weights)."""
+    if config.proposer == "ngram":
+        return NgramProposer(config.ngram_min, config.ngram_max)
+    if config.proposer == "suffix":
+        return SuffixProposer(cached_requests=config.suffix_cached_requests)
+    raise ValueError("the draft proposer is built from the engine's model (engine/draft_proposer.py)")
 
 
 @dataclass(frozen=True)
@@ -177,7 +147,7 @@ class Speculator:
 
     def __post_init__(self) -> None:
         if self.proposer is None:
-            self.proposer = self.config.make_proposer()
+            self.proposer = make_proposer(self.config)
         self._seqs: dict[str, _Acceptance] = {}
         self._started: set[str] = set()
         self._replica = _Acceptance(1.0, 2.0)  # prior: half the proposals accepted

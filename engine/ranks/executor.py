@@ -68,7 +68,7 @@ class MultiprocExecutor:
             raise
         self._broadcast(Allocate(self.num_kv_blocks))
         ready = self._collect(ranks, Ready, deadline)
-        self.placements: list[RankPlacement] = [ready[r].placement for r in ranks]
+        self.placements: tuple[RankPlacement, ...] = tuple(ready[r].placement for r in ranks)
 
     def _describe(self, rank: int) -> str:
         stage, ep, tp = self.layout.coords(rank)

@@ -64,7 +64,7 @@ def run_worker(rank: int, spec: WorkerSpec, conn: Connection) -> None:
         from tandem.engine.engine_config import available_memory_bytes
         from tandem.engine.kv_cache import KVCacheSpec, PagedKVCache, kv_storage_dtype, store_memory_of
         from tandem.engine.loader.model_loader import keeps_q4_blocks, load_checkpoint
-        from tandem.engine.model_runner import ModelRunner
+        from tandem.engine.runner.model_runner import ModelRunner
         from tandem.engine.models import build_model
         from tandem.engine.models.compiled import decode_step_summary
         from tandem.engine.parallel.comm import ParallelComm
@@ -96,14 +96,15 @@ def run_worker(rank: int, spec: WorkerSpec, conn: Connection) -> None:
         kv_spec = KVCacheSpec(len(shard.layers), allocate.num_blocks, spec.block_size, len(shard.kv_heads),
                               config.head_dim, kv_storage_dtype(spec.kv_dtype, dtype))
         kv_cache = PagedKVCache(kv_spec, device, store_memory_of(spec.kv_agent, device))
-        runner = ModelRunner(model, kv_cache, comm=comm,
-                             samples=rank == layout.sampler_rank, micro_batches=spec.micro_batches)
-        if runner.samples:
+        agent = spec.kv_agent(rank, layout, kv_cache) if spec.kv_agent is not None else None
+        samples = rank == layout.sampler_rank
+        grammars = None
+        if samples:
             from tandem.engine.grammar import GrammarBackend
 
-            runner.grammars = GrammarBackend(tokenizer, config.vocab_size)
-        if spec.kv_agent is not None:
-            agent = runner.layer_observer = spec.kv_agent(rank, layout, runner.kv_cache)
+            grammars = GrammarBackend(tokenizer, config.vocab_size)
+        runner = ModelRunner(model, kv_cache, comm=comm, samples=samples, micro_batches=spec.micro_batches,
+                             layer_observer=agent, grammars=grammars)
         conn.send(Ready(RankPlacement(rank, os.getpid(), str(device), os.environ.get("CUDA_VISIBLE_DEVICES"),
                                       model.attention.choice.summary(), current_cpus(),
                                       decode_step_summary(model, True, None))))  # eager: spans processes

@@ -13,7 +13,7 @@ from tandem.cluster.engine_settings import EngineSettings, SpeculativeSettings
 from tandem.cluster.manifest_yaml import ManifestInvalid, parse_manifest
 from tandem.cluster.replica_plans import replica_plans
 from tandem.engine.engine_config import EngineConfig
-from tandem.engine.speculation import SpeculativeConfig
+from tandem.engine.engine_config import SpeculativeConfig
 from tandem.replica.spec import ReplicaSpec
 
 MANIFESTS = Path(__file__).resolve().parents[2] / "deploy" / "manifests"

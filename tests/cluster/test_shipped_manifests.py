@@ -84,7 +84,7 @@ def test_the_local_decode_pools_speculate_and_a_prefill_pool_never_does():
     pool (it only samples a first token) gets none even where its manifest section asks."""
     from tandem.cluster.manifest_yaml import parse_manifest
     from tandem.cluster.replica_plans import replica_plans
-    from tandem.engine.speculation import SpeculativeConfig
+    from tandem.engine.engine_config import SpeculativeConfig
 
     for name in ("local.yaml", "local-colocated.yaml"):
         manifest = validate_file(MANIFESTS / name, check_ports=False)

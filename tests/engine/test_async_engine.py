@@ -153,7 +153,7 @@ def test_an_engine_failure_reaches_every_stream_and_refuses_new_requests(tiny_ll
     def broken(_schedule):
         raise RuntimeError("device lost")
 
-    engine.runner.execute_step = broken
+    engine.executor.execute_step = broken
 
     async def main():
         async with AsyncEngine(engine) as server:

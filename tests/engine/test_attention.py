@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from tandem.engine.attention import AttentionMetadata, TorchAttentionBackend
 from tandem.engine.attention.torch_ref import DECODE_KERNELS
 from tandem.engine.kernel_tuning import BucketPlan
-from tandem.engine.model_runner import ModelRunner, SequenceChunk
+from tandem.engine.runner.model_runner import ModelRunner, SequenceChunk
 
 HQ, HK, D, BS, NUM_BLOCKS = 6, 2, 16, 4, 64
 

@@ -44,11 +44,11 @@ def test_greedy_output_is_eager_output_on_the_parity_prompts(embedded):
     on the tiny checkpoints in make test, both buckets included."""
     prompts = [_prompt_ids(embedded.tokenizer, spec) for _, spec in sorted(PROMPTS.items())]
     with _engine(embedded, False) as eager:
-        assert eager.runner.compiled is None
+        assert eager.executor.runner.compiled is None
         assert eager.rank_placements[0].decode_step == "eager (compile off)"
         expected = _greedy(eager, prompts)
     with _engine(embedded, True) as engine:
-        compiled = engine.runner.compiled
+        compiled = engine.executor.runner.compiled
         assert compiled is not None and compiled.compiles == 2  # warm-up: one sequence, and 2-4
         assert engine.rank_placements[0].decode_step == "compiled (1 and 2-4 sequences)"
         assert _greedy(engine, prompts) == expected
@@ -72,7 +72,7 @@ def test_tiny_models_compiled_equal_eager(tiny):
     with _engine(tiny, False) as eager:
         expected = _greedy(eager, prompts, 40)
     with _engine(tiny, True) as engine:
-        compiled = engine.runner.compiled
+        compiled = engine.executor.runner.compiled
         assert _greedy(engine, prompts, 40) == expected
         assert compiled.steps > 0 and compiled.compiles == 2 and compiled.fallbacks == 0
 
@@ -107,7 +107,7 @@ def test_compilation_failure_leaves_the_engine_eager(tiny, monkeypatch, caplog):
     torch._dynamo.reset()  # forget graphs compiled earlier in this process
     with caplog.at_level(logging.WARNING, logger="tandem.engine.models.compiled"):
         with _engine(tiny, True) as engine:
-            assert engine.runner.compiled is None
+            assert engine.executor.runner.compiled is None
             assert engine.rank_placements[0].decode_step.startswith("eager (compilation failed")
             monkeypatch.undo()
             prompts = [list(range(10, 20))]

@@ -57,10 +57,10 @@ def test_greedy_tokens_from_graphs_are_eager_tokens_on_the_parity_prompts(cuda_m
     as prompts finish: padded to 8, 4 and 2), against the same engine eager on the same GPU."""
     prompts = [_prompt_ids(cuda_model.tokenizer, spec) for _, spec in sorted(PROMPTS.items())]
     with _engine(cuda_model, False, max_num_seqs) as eager:
-        assert eager.runner.compiled is None
+        assert eager.executor.runner.compiled is None
         expected = _greedy(eager, prompts)
     with _engine(cuda_model, True, max_num_seqs) as engine:
-        graphs = engine.runner.compiled
+        graphs = engine.executor.runner.compiled
         assert isinstance(graphs, CudaGraphDecode)
         assert graphs.compiles == len(batch_buckets(max_num_seqs))
         assert engine.rank_placements[0].decode_step == f"CUDA graphs ({graphs.buckets} sequences)"

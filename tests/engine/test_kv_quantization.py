@@ -112,7 +112,7 @@ def test_the_kv_budget_in_blocks_grows_by_the_byte_ratio(tiny_llama):
     for name in ("auto", "bfloat16", "float16", "int8", "fp8_e4m3"):
         engine = LLMEngine(tiny_llama, EngineConfig(kv_cache_bytes=budget, kv_cache_dtype=name, compile=False))
         blocks[name], per_block[name] = engine.kv_cache_spec.num_blocks, engine.kv_cache_spec.bytes_per_block
-        assert engine.runner.kv_cache.data.dtype == (torch.float32 if name == "auto" else KV_STORAGE[name])
+        assert engine.executor.runner.kv_cache.data.dtype == (torch.float32 if name == "auto" else KV_STORAGE[name])
         engine.shutdown()
     spec = KVCacheSpec(3, 1, 16, 2, 16, torch.float32)  # tiny_llama: 3 layers, 2 KV heads of 16
     assert per_block["auto"] == spec.bytes_per_block

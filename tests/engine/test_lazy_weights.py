@@ -25,7 +25,7 @@ from tandem.engine.kv_cache import KVCacheSpec, PagedKVCache
 from tandem.engine.loader import default_model_path, load_checkpoint
 from tandem.engine.loader.lazy_tensor import LazyTensor
 from tandem.engine.model_config import ModelConfig
-from tandem.engine.model_runner import ModelRunner, SequenceChunk
+from tandem.engine.runner.model_runner import ModelRunner, SequenceChunk
 from tandem.engine.models import LlamaModel, build_model
 from tandem.engine.models.llama import check_weights, expected_shapes, expert_names, router_name
 from tandem.engine.parallel import ParallelConfig, ReplicaLayout

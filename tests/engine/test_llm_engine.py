@@ -134,11 +134,11 @@ def test_admission_control_rejects_at_once_and_serves_the_rest(embedded):
 
 def test_kv_agent_is_called_by_reference_in_one_process(embedded):
     with LLMEngine(embedded, EngineConfig(num_kv_blocks=16, max_model_len=1024), kv_agent=ProbeAgent) as engine:
-        shape = tuple(engine.runner.kv_cache.data.shape)
+        shape = tuple(engine.executor.runner.kv_cache.data.shape)
         assert engine.call_kv_agents(ProbeAgent.where, {0: ("tag",)}) == {0: (0, os.getpid(), shape, "tag")}
         with pytest.raises(LookupError, match="rank 0 refuses"):
             engine.call_kv_agents(ProbeAgent.refuse, {0: ()})
-    assert engine.local_kv_agent.closed
+    assert engine.executor.agent.closed
     with LLMEngine(embedded, EngineConfig(num_kv_blocks=16, max_model_len=1024)) as plain:
         with pytest.raises(ValueError, match="without a KV transfer agent"):
             plain.call_kv_agents(ProbeAgent.where, {0: ("tag",)})

@@ -9,7 +9,7 @@ import torch
 from tandem.engine.kv_cache import KVCacheSpec, PagedKVCache
 from tandem.engine.loader import load_checkpoint
 from tandem.engine.model_config import model_config_from_hf
-from tandem.engine.model_runner import ModelRunner, SequenceChunk
+from tandem.engine.runner.model_runner import ModelRunner, SequenceChunk
 from tandem.engine.models import build_model
 from tandem.engine.models.llama import expert_names, router_name
 from tandem.engine.models.moe import MoEBlock

@@ -56,7 +56,7 @@ def check_kv_shares(engine: LLMEngine) -> None:
     spec, layout = engine.kv_cache_spec, engine.layout
     per_layer_head = spec.bytes_per_block // (spec.num_layers * spec.num_kv_heads) * spec.num_blocks
     whole = per_layer_head * spec.num_layers * spec.num_kv_heads
-    stats = engine.runner.rank_stats()
+    stats = engine.executor.rank_stats()
     for rank_stats in stats:
         shard = layout.shard(rank_stats.rank)
         assert rank_stats.kv_cache_bytes == per_layer_head * len(shard.layers) * len(shard.kv_heads)
@@ -141,7 +141,7 @@ def test_kv_agents_answer_in_each_rank_process_and_a_killed_rank_fails_the_repli
                        rank_gpus=("7", "5"))
     try:
         where = engine.call_kv_agents(ProbeAgent.where, {0: ("first",), 1: ("second",)})
-        shapes = [s.kv_cache_shape for s in engine.runner.rank_stats()]
+        shapes = [s.kv_cache_shape for s in engine.executor.rank_stats()]
         assert [(rank, shape, tag) for rank, _, shape, tag in (where[0], where[1])] == [
             (0, shapes[0], "first"), (1, shapes[1], "second")]
         assert len({where[0][1], where[1][1], os.getpid()}) == 3, "each agent lives in its own rank's process"
@@ -162,7 +162,7 @@ def test_kv_agents_answer_in_each_rank_process_and_a_killed_rank_fails_the_repli
         engine.add_request("a", embedded_prompts[0], SamplingParams(max_tokens=50, temperature=0))
         engine.step()
         assert engine.dead_ranks() == []
-        engine.runner.kill_rank(1)
+        engine.executor.kill_rank(1)
         deadline = time.monotonic() + 5
         while not engine.dead_ranks() and time.monotonic() < deadline:  # seen before any step runs (heartbeat)
             time.sleep(0.01)
@@ -172,7 +172,7 @@ def test_kv_agents_answer_in_each_rank_process_and_a_killed_rank_fails_the_repli
             for _ in range(50):
                 engine.step()
         assert time.monotonic() - start < 10, "a dead rank must not wait out the collective timeout"
-        assert not any(p.is_alive() for p in engine.runner._procs), "the surviving ranks must be stopped"
+        assert not any(p.is_alive() for p in engine.executor._procs), "the surviving ranks must be stopped"
         assert engine.dead_ranks() == [], "ranks stopped on purpose are not reported dead"
         with pytest.raises(ReplicaFailedError, match="shut down"):
             engine.step()
@@ -186,7 +186,7 @@ def test_an_error_on_a_rank_reaches_the_driver_with_its_traceback(embedded_promp
         bogus = SchedulerOutput(cached_seqs=(CachedSequenceData("never-sent", 0, (), None),),
                                 num_scheduled_tokens={"never-sent": 1})
         with pytest.raises(ReplicaFailedError, match="KeyError: 'never-sent'"):
-            engine.runner.execute_step(bogus)
+            engine.executor.execute_step(bogus)
 
 
 def test_async_engine_streams_from_a_split_replica_and_ends_streams_when_a_rank_dies(embedded_prompts,
@@ -204,7 +204,7 @@ def test_async_engine_streams_from_a_split_replica_and_ends_streams_when_a_rank_
                 streamed = [t async for o in server.generate("a", embedded_prompts[0], params) for t in o.token_ids]
                 long = server.generate("b", embedded_prompts[1], SamplingParams(max_tokens=500, ignore_eos=True))
                 await anext(long)
-                engine.runner.kill_rank(0)
+                engine.executor.kill_rank(0)
                 with pytest.raises(EngineDeadError, match="rank 0"):
                     async for _ in long:
                         pass

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tandem.engine.model_runner import split_micro_batches
+from tandem.engine.runner.model_runner import split_micro_batches
 from tandem.engine.parallel import ParallelConfig, ReplicaLayout, split_evenly
 
 SMOLLM2 = dict(num_layers=30, num_heads=9, num_kv_heads=3)

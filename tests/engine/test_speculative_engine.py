@@ -8,14 +8,14 @@ import random
 
 import pytest
 
-from tandem.engine.engine_config import EngineConfig
+from tandem.engine.engine_config import EngineConfig, SpeculativeConfig
 from tandem.engine.kv_events import BlockStored, KVEventRecorder
 from tandem.engine.llm_engine import LLMEngine
 from tandem.engine.loader import load_model
 from tandem.engine.parallel import ParallelConfig
 from tandem.engine.request import RequestStatus
 from tandem.engine.sampling_params import SamplingParams
-from tandem.engine.speculation import SpeculativeConfig, Speculator, StepCost
+from tandem.engine.speculation import Speculator, StepCost
 from tandem.engine.structured_output import StructuredOutput
 from tests.engine.engine_helpers import run_all
 from tests.engine.test_parity_embedded import PROMPTS, _prompt_ids

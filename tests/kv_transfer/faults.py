@@ -72,15 +72,21 @@ class FaultyTransport:
 
 class LayerTap:
     """Stands between a runner and its agent: calls `on_layer(layer)` before passing each layer on, and stops
-    passing layers on once `cut` is set (a sender that died mid-prefill)."""
+    passing layers on once `cut` is set (a sender that died mid-prefill). Taps the agent from construction
+    (its on_layers_done, which the runner calls) until remove()."""
 
     def __init__(self, agent, on_layer):
         self.agent, self.on_layer, self.cut = agent, on_layer, False
+        self._passed = agent.on_layers_done
+        agent.on_layers_done = self.on_layers_done
 
     def on_layers_done(self, layer, tables):
         self.on_layer(layer)
         if not self.cut:
-            self.agent.on_layers_done(layer, tables)
+            self._passed(layer, tables)
+
+    def remove(self) -> None:
+        del self.agent.on_layers_done  # the agent's own method again
 
 
 @dataclass
@@ -231,15 +237,13 @@ def _child_side(conn, role: str, model_path: str, secret: bytes) -> None:
         conn.send(dc.reserve("r", prompt, params, lease_s=lease_s, senders=senders))
         conn.recv()  # never comes: the parent kills this process
         return
-    agent = engine.local_kv_agent
+    agent = engine.executor.agent
 
-    class DieAtLayer1:
-        def on_layers_done(self, layer, tables):
-            if layer == 1:
-                time.sleep(0.2)  # layer 0 reaches the peer first
-                os.kill(os.getpid(), signal.SIGKILL)
-            agent.on_layers_done(layer, tables)
-    engine.runner.layer_observer = DieAtLayer1()
+    def die_at_layer_1(layer):
+        if layer == 1:
+            time.sleep(0.2)  # layer 0 reaches the peer first
+            os.kill(os.getpid(), signal.SIGKILL)
+    LayerTap(agent, die_at_layer_1)
     prompt, params, desc = conn.recv()
     PrefillConnector(engine).submit("r", prompt, params, desc)
     conn.send("submitted")

@@ -152,13 +152,12 @@ def test_a_drill_that_drops_the_connections_mid_transfer_fails_it_on_both_sides(
     dropped = []
     tap = LayerTap(pair.prefill.agent, lambda layer: dropped.append(pair.prefill.agent.drop_connections())
                    if layer == 1 else None)
-    pair.prefill.engine.runner.layer_observer = tap
     pair.pc.submit(rid, prompts[0], GREEDY, desc)
     pair.run_prefill()
     assert dropped == [1]
     # The sender's ABORT, or (payloads by reference) a slot it took back when it failed, read after that.
     assert_told_of_failure(pair, rid, ("source rank 0", "took its slot back"))
-    pair.prefill.engine.runner.layer_observer = pair.prefill.agent
+    tap.remove()
     pair.assert_clean()
     next_transfer_succeeds(pair, prompts, colocated)
 
@@ -188,12 +187,11 @@ def test_decode_peer_dies_mid_transfer(rid, pair, prompts, colocated):
     else:
         desc = pair.reserve(rid, prompts[0], GREEDY, lease_s=3.0)
         kill = pair.decode.transport.inner.kill
-    pair.prefill.engine.runner.layer_observer = LayerTap(pair.prefill.agent,
-                                                         lambda layer: kill() if layer == 1 else None)
+    tap = LayerTap(pair.prefill.agent, lambda layer: kill() if layer == 1 else None)
     pair.pc.submit(rid, prompts[0], GREEDY, desc)
     pair.run_prefill()
     assert pair.settle(rid)[0] in (TransferState.FAILED, TransferState.EXPIRED)
-    pair.prefill.engine.runner.layer_observer = pair.prefill.agent
+    tap.remove()
     if pair.kind == "fake":  # the decode driver outlived its transport here: its lease frees the blocks
         assert pair.settle(rid)[1] is TransferState.EXPIRED
         pair.replace_decode()
@@ -218,7 +216,6 @@ def test_prefill_peer_dies_mid_transfer(rid, pair, prompts, colocated):
                 tap.cut = True
                 pair.prefill.transport.inner.kill()
         tap = LayerTap(pair.prefill.agent, kill_prefill)
-        pair.prefill.engine.runner.layer_observer = tap
         pair.pc.submit(rid, prompts[0], GREEDY, desc)
         pair.run_prefill()
         pair.replace_prefill()
@@ -266,7 +263,6 @@ def test_abort_at_any_moment_from_either_side(rid, pair, prompts, colocated, mom
         def stop_at_layer_1(layer):
             tap.cut = tap.cut or layer == 1
         tap.on_layer = stop_at_layer_1
-    pair.prefill.engine.runner.layer_observer = tap
     pair.pc.submit(rid, prompts[0], GREEDY, desc)
     if moment == "prefill-after-submit":
         pair.pc.abort(rid)
@@ -286,6 +282,6 @@ def test_abort_at_any_moment_from_either_side(rid, pair, prompts, colocated, mom
     }[moment]
     assert (prefill_state, decode_state) == expected
     assert pair.pc.state(rid) is None and pair.dc.state(rid) is None
-    pair.prefill.engine.runner.layer_observer = pair.prefill.agent
+    tap.remove()
     pair.assert_clean()
     next_transfer_succeeds(pair, prompts, colocated)
