@@ -42,7 +42,7 @@ from tandem.cluster.mock_cluster import MockCluster
 from tandem.cluster.pool_pressure import SLO
 from tandem.cluster.virtual_time import run_virtual
 from tandem.router.driver_settings import DriverSettings
-from tandem.router.mock_batching import StepCosts
+from tandem.router.mocks.batching import StepCosts
 from tandem.router.serving import error_code
 
 POOLS = ("prefill", "decode")

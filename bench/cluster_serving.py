@@ -146,8 +146,8 @@ def in_process_engine():
     clusters get)."""
     import torch
 
+    from tandem.engine.core.llm_engine import LLMEngine
     from tandem.engine.engine_config import EngineConfig
-    from tandem.engine.llm_engine import LLMEngine
     from tandem.engine.loader import load_model
 
     torch.set_num_threads(2)
@@ -158,7 +158,7 @@ def in_process_engine():
 
 def bench_in_process(requests: int, tokens: int) -> dict:
     """The engine behind AsyncEngine in this process."""
-    from tandem.engine.async_engine import AsyncEngine
+    from tandem.engine.core.async_engine import AsyncEngine
     from tandem.engine.sampling_params import SamplingParams
     from tandem.router.client import TokenClock
 

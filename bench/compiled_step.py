@@ -78,9 +78,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     batches = [int(b) for b in args.batches.split(",")]
 
-    from tandem.engine.device import default_dtype
+    from tandem.engine.core.llm_engine import LLMEngine
     from tandem.engine.engine_config import EngineConfig
-    from tandem.engine.llm_engine import LLMEngine
+    from tandem.engine.hardware.device import default_dtype
     from tandem.engine.loader import load_model
 
     args.dtype = args.dtype or default_dtype(args.device)

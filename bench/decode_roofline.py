@@ -78,7 +78,7 @@ MODES = {
 
 
 def tandem_runner(load_args: dict):
-    from tandem.engine.generator import Generator
+    from tandem.engine.core.generator import Generator
     from tandem.engine.loader import load_model
     from tandem.engine.sampling_params import SamplingParams
 

@@ -101,7 +101,7 @@ def section(result: dict) -> str:
         lines += [
             "### At 8-32 replicas per pool (mock engine)", "",
             "The same workload and SLOs through the router's real request driver over batched mock replicas "
-            "(`router/mock_batching.py`: one step loop per replica, chunked prefill beside decodes in colocated "
+            "(`router/mocks/batching.py`: one step loop per replica, chunked prefill beside decodes in colocated "
             "replicas) whose costs were measured on the real model in the same run (`bench/disagg_scale.py`: "
             + ", ".join(f"{k} {v:.3g}" for k, v in costs.items() if isinstance(v, (int, float))) +
             "). N prefill + N decode replicas against 2N colocated ones, the rate scaled by N.", "",

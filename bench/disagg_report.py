@@ -8,7 +8,7 @@ core; colocated runs one replica on both cores with chunked prefill (512 tokens 
 --long-share of long prompts at each --rates rate for --duration seconds, through gRPC.
 
 Part 2, scale (--scale 8,16,32): the router's real request driver over batched mock replicas
-(router/mock_batching.py) whose per-token prefill cost, decode step cost and KV bytes are measured on the real
+(router/mocks/batching.py) whose per-token prefill cost, decode step cost and KV bytes are measured on the real
 model here (bench/disagg_scale.py): N prefill + N decode replicas against 2N colocated ones, at the same rates per
 replica pair.
 

@@ -1,5 +1,5 @@
 """Disaggregated against colocated serving at 8-32 replicas per pool, in one process: the router's real request
-driver, routing and KV feed over the batching mock replicas (router/mock_batching.py), whose step costs are
+driver, routing and KV feed over the batching mock replicas (router/mocks/batching.py), whose step costs are
 measured on the real embedded model here (calibrate). A library for the benchmark that runs the load generator
 (bench/loadgen) over it: build_deployment() builds either deployment, run_feed() runs its KV feed around a run,
 and DriverBackend is the load generator's Backend over the deployment's driver.
@@ -28,7 +28,7 @@ from tandem.engine.sampling_params import SamplingParams
 from tandem.router.accounting import Accounting
 from tandem.router.driver_settings import DriverSettings
 from tandem.router.lifecycle import RequestDriver
-from tandem.router.mock_batching import BLOCK_SIZE, BatchedDecode, BatchedPrefill, StepCosts
+from tandem.router.mocks.batching import BLOCK_SIZE, BatchedDecode, BatchedPrefill, StepCosts
 from tandem.router.replicas import Replica
 from tandem.router.request_parsing import ParsedRequest
 from tandem.router.routing import RoutingSettings
@@ -62,8 +62,8 @@ def calibrate(threads: int = 1, *, prompt_tokens: int = 1024, batch_sizes: Seque
         raise ValueError(f"batch_sizes must hold at least two different sizes >= 1, got {tuple(batch_sizes)}")
     import torch
 
+    from tandem.engine.core.llm_engine import LLMEngine
     from tandem.engine.engine_config import EngineConfig
-    from tandem.engine.llm_engine import LLMEngine
     from tandem.engine.loader import load_model
 
     previous = torch.get_num_threads()

@@ -172,7 +172,7 @@ def device_report(device: str) -> dict:
 
 
 def main() -> None:
-    from tandem.engine.device import default_dtype
+    from tandem.engine.hardware.device import default_dtype
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--concurrency", default="1,8,32,64")
@@ -204,8 +204,8 @@ def main() -> None:
 
 def measure(args: argparse.Namespace) -> dict:
     """Every number of the module docstring, for args.dtype on args.device."""
+    from tandem.engine.core.llm_engine import LLMEngine
     from tandem.engine.engine_config import EngineConfig
-    from tandem.engine.llm_engine import LLMEngine
     from tandem.engine.loader import load_model
 
     dtype = getattr(torch, args.dtype)

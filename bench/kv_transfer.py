@@ -53,7 +53,7 @@ def make_store(num_blocks: int, fill: bool, device: str, shared: bool = False):
     """shared: in shared memory, as a prefill replica's store (AgentFactory.share_kv_store; CPU only)."""
     import torch
 
-    from tandem.engine.kv_cache import KVCacheSpec, PagedKVCache
+    from tandem.engine.kv.kv_cache import KVCacheSpec, PagedKVCache
     from tandem.kv_transfer.agent_factory import AgentFactory
 
     from tandem.kv_transfer.config import TransferConfig
@@ -291,8 +291,8 @@ def pipelining(conn, prefill_tokens: int, rounds: int, device: str, secret: byte
     shared: through shared memory (as between replicas of one host), else through the transport."""
     import torch
 
+    from tandem.engine.core.llm_engine import LLMEngine
     from tandem.engine.engine_config import EngineConfig
-    from tandem.engine.llm_engine import LLMEngine
     from tandem.engine.loader import load_model
     from tandem.engine.sampling_params import SamplingParams
     from tandem.kv_transfer.agent_factory import AgentFactory

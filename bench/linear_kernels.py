@@ -5,7 +5,7 @@ the product, each over enough copies of the weight to read it from memory (as a 
 - tuned: the plan this CPU's measurement chose (engine/models/linear.py `tuned_plan`, what the engine runs);
 - fixed: the plan without measurement (`fixed_plan`, the choices measured on the CI machines, what ran before);
 - F.linear: torch with no kernel choice (the peer).
-The tuner's cache (engine/kernel_tuning.py) is used as the engine uses it: a first run measures and stores.
+The tuner's cache (engine/hardware/kernel_tuning.py) is used as the engine uses it: a first run measures and stores.
 
     .venv/bin/python bench/linear_kernels.py [--threads 2] [--rows 1,4,16,64,256] [--dtypes float32,bfloat16]
 
@@ -26,8 +26,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.machine import cpu_report, machine_line  # noqa: E402
-from tandem.engine.cpu_features import cpu_features  # noqa: E402
-from tandem.engine.kernel_tuning import KernelTuner, copies_for, time_per_call  # noqa: E402
+from tandem.engine.hardware.cpu_features import cpu_features  # noqa: E402
+from tandem.engine.hardware.kernel_tuning import KernelTuner, copies_for, time_per_call  # noqa: E402
 from tandem.engine.models.linear import Linear, fixed_plan, tuned_plan  # noqa: E402
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}

@@ -1,6 +1,6 @@
 """Does `tandem bench` send at the rate it is asked for? Its pacer against the fixed-sleep sender other tools used
 (vLLM #21104: a sender that slept 1/rate after each send delivered 183.5 req/s for 200 asked), in one run, on the
-same requests, against the same server: the router's gRPC front door over a mock replica (router/mock_front.py,
+same requests, against the same server: the router's gRPC front door over a mock replica (router/mocks/front.py,
 in its own process; 2 ms a token, 4 tokens a request), constant arrivals at each --rates rate for --seconds.
 
 For each sender: the achieved rate ((n - 1) / (last send - first send)), the p99 of send lateness (actual minus
@@ -35,8 +35,8 @@ from tandem.bench.loadgen.workloads import Conversation  # noqa: E402
 def serve(conn) -> None:
     """The mock front door, in its own process: sends its gRPC target, serves until told to stop."""
     from tandem.engine.loader.model_info import load_model_info
-    from tandem.router.mock_front import MockFront
-    from tandem.router.mock_replicas import MockDecode
+    from tandem.router.mocks.front import MockFront
+    from tandem.router.mocks.replicas import MockDecode
     from tandem.router.request_parsing import ModelFacts
 
     info = load_model_info(None)

@@ -8,7 +8,7 @@ import platform
 
 import torch
 
-from tandem.engine.cpu_features import cpu_model
+from tandem.engine.hardware.cpu_features import cpu_model
 
 
 def machine_line() -> str:
@@ -19,7 +19,7 @@ def machine_line() -> str:
 
 def cpu_report() -> dict:
     """The probe of this process (with TANDEM_CPU_DISABLE applied) as JSON-ready values."""
-    from tandem.engine.cpu_features import FEATURES, cpu_features
+    from tandem.engine.hardware.cpu_features import FEATURES, cpu_features
 
     found = cpu_features()
     return {"capability": found.capability, "flags": list(found.flags),

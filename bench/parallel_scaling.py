@@ -110,8 +110,8 @@ def main() -> int:
     parser.add_argument("--moe-layers", type=int, default=8)
     args = parser.parse_args()
 
+    from tandem.engine.core.llm_engine import LLMEngine
     from tandem.engine.engine_config import EngineConfig
-    from tandem.engine.llm_engine import LLMEngine
     from tandem.engine.loader import load_model
     from tandem.engine.parallel import ParallelConfig
 

@@ -67,7 +67,7 @@ def load(mode: str):
 
 
 def kv_storage(mode: str) -> torch.dtype:
-    from tandem.engine.kv_cache import kv_storage_dtype
+    from tandem.engine.kv.kv_cache import kv_storage_dtype
 
     _, dtype, kv = MODES[mode]
     return kv_storage_dtype(kv, dtype)
@@ -88,8 +88,8 @@ def parity_prompts(tokenizer) -> list[list[int]]:
 def greedy_tokens(loaded, kv_cache_dtype: str, prompts: list[list[int]], tokens: int = AGREEMENT_TOKENS
                   ) -> list[list[int]]:
     """Each prompt's first `tokens` greedy tokens, the prompts batched in one engine."""
+    from tandem.engine.core.llm_engine import LLMEngine
     from tandem.engine.engine_config import EngineConfig
-    from tandem.engine.llm_engine import LLMEngine
     from tandem.engine.sampling_params import SamplingParams
 
     engine = LLMEngine(loaded, EngineConfig(num_kv_blocks=512, max_model_len=2048, kv_cache_dtype=kv_cache_dtype,
@@ -112,8 +112,8 @@ def agreement(reference: list[list[int]], tokens: list[list[int]]) -> list[int]:
 
 def decode_rate(loaded, kv_cache_dtype: str, streams: int, tokens: int, compile_step: bool) -> float:
     """Steady-state decode tokens/s of `streams` requests generating `tokens` each (after every prefill)."""
+    from tandem.engine.core.llm_engine import LLMEngine
     from tandem.engine.engine_config import EngineConfig
-    from tandem.engine.llm_engine import LLMEngine
     from tandem.engine.sampling_params import SamplingParams
 
     engine = LLMEngine(loaded, EngineConfig(num_kv_blocks=streams * 8 + 8, max_model_len=128, max_num_seqs=streams,
@@ -138,7 +138,7 @@ def transfer_times(dtypes: list[tuple[str, str]], tokens: int, rounds: int, requ
     request, sending `requests` requests back to back between two UCX agents in this process (time from the first
     send to the last acknowledgement, over the requests: what a stream of transfers costs each, with the agents'
     pipelining filled), median of the rounds; the rounds of all pairs interleaved."""
-    from tandem.engine.kv_cache import KV_STORAGE, KVCacheSpec, PagedKVCache
+    from tandem.engine.kv.kv_cache import KV_STORAGE, KVCacheSpec, PagedKVCache
     from tandem.engine.parallel.layout import ParallelConfig, ReplicaLayout
     from tandem.kv_transfer.agent import KVTransferAgent
     from tandem.kv_transfer.config import TransferConfig
@@ -216,7 +216,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     from bench.machine import cpu_report, machine_line  # noqa: E402 - after the path insert
-    from tandem.engine.kv_cache import KVCacheSpec, kv_dtype_name
+    from tandem.engine.kv.kv_cache import KVCacheSpec, kv_dtype_name
 
     modes = [m.strip() for m in args.modes.split(",")]
     if modes[0] != "float32":

@@ -2,7 +2,7 @@
 
 Part 1, policies. The router's real request driver, routing, prefix index and KV feed (polling every 50 ms, as
 in a cluster) drive --prefill 4 prefill replicas and 4 decode replicas of the mock engine
-(router/mock_replicas.py). A mock prefill replica computes one prompt at a time and takes
+(router/mocks/replicas.py). A mock prefill replica computes one prompt at a time and takes
 --prefill-us microseconds per uncached prompt token; its prefix cache holds --cache-blocks blocks (LRU, the
 engine's hashing, real KV events). By default the per-token cost is measured first on the real embedded model in
 this process (one prefill of a --system-tokens-long prompt, 2 torch threads), so the simulated replicas
@@ -33,7 +33,7 @@ import time
 from tandem.engine.sampling_params import SamplingParams
 from tandem.router.driver_settings import DriverSettings
 from tandem.router.lifecycle import RequestDriver
-from tandem.router.mock_replicas import MockDecode, MockPrefill
+from tandem.router.mocks.replicas import MockDecode, MockPrefill
 from tandem.router.policy import ReplicaLoad, RoutingWeights
 from tandem.router.replicas import Replica
 from tandem.router.request_parsing import ParsedRequest
@@ -51,7 +51,7 @@ def calibrate(system_tokens: int) -> float:
     """Seconds per prompt token of one prefill on the real embedded model here (2 torch threads)."""
     import torch
 
-    from tandem.engine.generator import Generator
+    from tandem.engine.core.generator import Generator
     from tandem.engine.loader import load_model
 
     torch.set_num_threads(2)
@@ -130,8 +130,8 @@ def decision_cost(args) -> dict:
     # The index: chains of 64 blocks (1024-token prefixes), each held by 1-3 prefill replicas.
     prefixes = []
     index = routing.indexes["prefill"]
-    from tandem.engine.kv_events import BlockStored
-    from tandem.engine.prefix_cache import block_hashes
+    from tandem.engine.kv.kv_events import BlockStored
+    from tandem.engine.kv.prefix_cache import block_hashes
 
     while len(index) < args.indexed_blocks:
         tokens = tuple(rng.randrange(100, 30000) for _ in range(1024))

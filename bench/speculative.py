@@ -73,8 +73,8 @@ WORKLOADS = {
 
 def engine_run(loaded, requests: list[list[int]], tokens: int, batch: int, speculative, k: int) -> dict:
     """Runs requests through a fresh engine, `batch` at a time; returns tokens/s, outputs and speculation counters."""
+    from tandem.engine.core.llm_engine import LLMEngine
     from tandem.engine.engine_config import EngineConfig
-    from tandem.engine.llm_engine import LLMEngine
     from tandem.engine.sampling_params import SamplingParams
 
     config = EngineConfig(num_kv_blocks=1024, max_num_seqs=16, enable_prefix_caching=False, speculative=speculative)
@@ -139,8 +139,8 @@ def measure(loaded, workloads: dict, args) -> dict:
 
 
 def greedy_outputs(loaded, chats, tokens: int) -> list[tuple[list[int], list[int]]]:
+    from tandem.engine.core.llm_engine import LLMEngine
     from tandem.engine.engine_config import EngineConfig
-    from tandem.engine.llm_engine import LLMEngine
     from tandem.engine.sampling_params import SamplingParams
 
     prompts = [loaded.tokenizer.encode_chat(c) for c in chats]
@@ -196,10 +196,10 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    from tandem.engine.device import default_dtype
+    from tandem.engine.decoding.proposers import NgramProposer
+    from tandem.engine.decoding.suffix_proposer import SuffixProposer
+    from tandem.engine.hardware.device import default_dtype
     from tandem.engine.loader import load_model
-    from tandem.engine.proposers import NgramProposer
-    from tandem.engine.suffix_proposer import SuffixProposer
 
     dtype = default_dtype(args.device)
     loaded = load_model(progress=False, dtype=getattr(torch, dtype), device=args.device)

@@ -80,7 +80,7 @@ class Llguidance:
     name = "llguidance"
 
     def __init__(self, tokenizer, vocab: int):
-        from tandem.engine.grammar import GrammarBackend
+        from tandem.engine.decoding.grammar import GrammarBackend
 
         self.backend = GrammarBackend(tokenizer, vocab)
         self.vocab = vocab
@@ -96,7 +96,7 @@ class Llguidance:
         return self.backend.compile(spec)
 
     def replay(self, compiled, tokens: list[int]) -> tuple[list[float], bool]:
-        from tandem.engine.grammar_masks import allocate_bitmask, fill_masks
+        from tandem.engine.decoding.grammar_masks import allocate_bitmask, fill_masks
 
         matcher, mask, times = compiled.matcher(), allocate_bitmask(1, self.vocab), []
         for t in tokens:
@@ -222,9 +222,9 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    from tandem.engine.device import default_dtype
+    from tandem.engine.core.llm_engine import LLMEngine
     from tandem.engine.engine_config import EngineConfig
-    from tandem.engine.llm_engine import LLMEngine
+    from tandem.engine.hardware.device import default_dtype
     from tandem.engine.loader import load_model
 
     dtype = default_dtype(args.device)

@@ -76,8 +76,8 @@ def _generate(args: argparse.Namespace) -> int:
         return generate_remote(args)
     import torch
 
-    from tandem.engine.device import resolve_device
-    from tandem.engine.generator import Generator
+    from tandem.engine.core.generator import Generator
+    from tandem.engine.hardware.device import resolve_device
     from tandem.engine.loader import load_model
     from tandem.engine.parallel import ParallelConfig
     from tandem.engine.sampling_params import SamplingParams

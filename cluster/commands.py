@@ -191,7 +191,7 @@ def _count(text: str) -> int | bool:
 def _rank_place(placement: dict) -> str:
     """Where a rank runs, as `tandem status` prints it after the rank's layout line: its GPUs and the host CPUs
     it may run on (all of the host's unless the pool sets cpu_affinity)."""
-    from tandem.engine.cpu_affinity import format_cpus
+    from tandem.engine.hardware.cpu_affinity import format_cpus
 
     gpus, cpus = placement.get("visible_gpus"), placement.get("cpus")
     return (f", GPU {gpus}" if gpus else "") + (f", CPUs {format_cpus(cpus)}" if cpus else "")

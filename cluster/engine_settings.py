@@ -51,7 +51,7 @@ _SPECULATIVE_KEYS = tuple(f.name for f in dataclasses.fields(SpeculativeConfig))
 
 
 class SpeculativeSettings(_section_of(SpeculativeConfig)):
-    """Speculative decoding on a pool's replicas (engine/speculation.py): a cheap proposer (ngram, suffix, or
+    """Speculative decoding on a pool's replicas (engine/decoding/speculation.py): a cheap proposer (ngram, suffix, or
     draft: a draft model, "self" being the target's own GGUF weights run 4-bit) guesses each decoding sequence's
     next tokens and the model verifies them in its step; a cost model measured on the replica keeps only proposals
     that pay (none at a large batch or a low acceptance). The output is the same as without. adaptive: false turns

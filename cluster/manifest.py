@@ -59,8 +59,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from tandem.cluster.autoscaling import ScalingSettings
 from tandem.cluster.engine_settings import EngineSettings
-from tandem.engine.cpu_affinity import format_cpus, parse_cpu_list
-from tandem.engine.device import default_dtype, planned_device
+from tandem.engine.hardware.cpu_affinity import format_cpus, parse_cpu_list
+from tandem.engine.hardware.device import default_dtype, planned_device
 from tandem.router.limits import RequestLimits, TenantLimits, parse_bytes
 from tandem.router.tls import TLSConfig
 
@@ -155,7 +155,7 @@ class Pool(_Strict):
     CPU numbers. A replica's ranks split the list evenly in rank order: rank r gets the r-th contiguous share, so
     its length must be a multiple of the replica's world size (tp x pp x ep). The replica's driver (its actor
     process) is pinned to the whole list. Every replica of the pool on a node takes the same CPUs, so replicas
-    that share a node share them (engine/cpu_affinity.py)."""
+    that share a node share them (engine/hardware/cpu_affinity.py)."""
 
     parallelism: Parallelism = Parallelism()
     resources: Resources = Resources()
@@ -179,7 +179,7 @@ class Pool(_Strict):
 
     @property
     def device(self) -> str:
-        """The device the pool's ranks compute on, as the manifest says (engine/device.py planned_device)."""
+        """The device the pool's ranks compute on, as the manifest says (engine/hardware/device.py planned_device)."""
         return planned_device(self.engine.device, self.resources.gpus)
 
     @property

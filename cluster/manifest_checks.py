@@ -16,9 +16,9 @@ from pydantic import ValidationError
 
 from tandem.cluster.manifest import COLOCATED_HAS_PREFILL, MODE_NEEDS_PREFILL, ApiKey, Manifest, TLSSettings
 from tandem.cluster.manifest_yaml import ManifestError, ManifestInvalid, line_map, manifest_from, read_text, read_yaml
-from tandem.engine.cpu_affinity import format_cpus, offered_cpus
-from tandem.engine.device import DEVICES
 from tandem.engine.errors import ModelLoadError
+from tandem.engine.hardware.cpu_affinity import format_cpus, offered_cpus
+from tandem.engine.hardware.device import DEVICES
 from tandem.router.tls import TLSFileError, check_certificates
 
 
@@ -279,7 +279,7 @@ def kv_conversion(manifest: Manifest, *, measure_tokens: int = 1024) -> str | No
     import torch
 
     from tandem.engine.attention.kv_quant import convert_blocks
-    from tandem.engine.kv_cache import KVCacheSpec, kv_dtype_name, kv_storage_dtype
+    from tandem.engine.kv.kv_cache import KVCacheSpec, kv_dtype_name, kv_storage_dtype
     from tandem.engine.loader import load_model
 
     pools = {name: manifest.pool(name) for name in ("prefill", "decode")}

@@ -1,5 +1,5 @@
 """An autoscaled cluster in one process, for the autoscaling tests and bench/autoscale.py: the router's real request
-driver and KV feed over batching mock replicas (router/mock_batching.py), one PoolScaler per pool
+driver and KV feed over batching mock replicas (router/mocks/batching.py), one PoolScaler per pool
 (cluster/pool_scaler.py) whose Actuator is this class. A started replica serves start_delay_s after the decision
 (a model load); a drained one leaves routing at once and stops when its last request has finished. Everything
 runs on the event loop's clock, so under a virtual-time loop (cluster/virtual_time.py) minutes of load take
@@ -25,7 +25,7 @@ from tandem.engine.sampling_params import SamplingParams
 from tandem.router.accounting import Accounting, Timings
 from tandem.router.driver_settings import DriverSettings
 from tandem.router.lifecycle import RequestDriver
-from tandem.router.mock_batching import BLOCK_SIZE, BatchedDecode, BatchedPrefill, StepCosts
+from tandem.router.mocks.batching import BLOCK_SIZE, BatchedDecode, BatchedPrefill, StepCosts
 from tandem.router.pool_signals import PoolLoad, PoolSignals
 from tandem.router.replicas import Replica
 from tandem.router.request_parsing import ParsedRequest

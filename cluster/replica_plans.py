@@ -23,7 +23,7 @@ class ReplicaPlan:
     @property
     def bundle(self) -> dict[str, float]:
         """The replica's one placement-group bundle: every rank's resources together, so that its ranks land on
-        one node and the replica actor holds all their GPUs (it hands each rank its share, engine/device.py
+        one node and the replica actor holds all their GPUs (it hands each rank its share, engine/hardware/device.py
         split_gpu_ids)."""
         return _summed(self.bundles)
 

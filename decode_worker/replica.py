@@ -8,7 +8,7 @@ replica/shell.py; the contract is replica/contract.py's DecodeReplicaAPI):
   - local (colocated mode, n > 1, or the router's fallback after a failed transfer): generate() prefills and
     decodes here;
   - resumed (the router's migration after the decode replica serving a request died): resume() prefills the
-    prompt plus the tokens already delivered and streams what comes after them (engine/resume.py).
+    prompt plus the tokens already delivered and streams what comes after them (engine/core/resume.py).
 
 Streams yield lists of RequestOutput: everything produced since the consumer's last read, so one message per
 engine step at most crosses to the router, however many tokens it carries.
@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, AsyncIterator, Sequence
 
-from tandem.engine.output_processor import RequestOutput
-from tandem.engine.resume import ResumeState
+from tandem.engine.core.output_processor import RequestOutput
+from tandem.engine.core.resume import ResumeState
 from tandem.engine.sampled_token import SampledToken
 from tandem.engine.sampling_params import SamplingParams
 from tandem.kv_transfer.config import TransferConfig

@@ -20,12 +20,12 @@ ATTENTION_BACKENDS = get_args(AttentionBackend)
 WEIGHT_FORMATS = ("dense", "packed", "int8", "int4", "int4_g128")
 QUANTIZED_WEIGHTS = ("packed", "int8", "int4", "int4_g128")  # these compute in bfloat16
 QUANTIZED_ON_LOAD = ("int8", "int4", "int4_g128")  # quantized from the checkpoint's floats as they are read
-# What the KV cache stores (engine/kv_cache.py): auto is the compute dtype; int8 and fp8_e4m3 hold codes with a
+# What the KV cache stores (engine/kv/kv_cache.py): auto is the compute dtype; int8 and fp8_e4m3 hold codes with a
 # float32 scale per block, layer, K/V and KV head, computed from the data as tokens are written.
 KVCacheDtype = Literal["auto", "bfloat16", "float16", "int8", "fp8_e4m3"]
 KV_CACHE_DTYPES = get_args(KVCacheDtype)
 
-ProposerName = Literal["ngram", "suffix", "draft"]  # speculative decoding's proposers (engine/speculation.py)
+ProposerName = Literal["ngram", "suffix", "draft"]  # speculative decoding's proposers (engine/decoding/speculation.py)
 PROPOSERS = get_args(ProposerName)
 
 
@@ -34,7 +34,7 @@ class SpeculativeConfig:
     """proposer: "ngram", "suffix" or "draft". max_tokens: proposals per sequence and step at most (the cost model
     picks 0..max_tokens). ngram_min/ngram_max: the n-gram proposer's match lengths. suffix_cached_requests: finished
     requests whose outputs the suffix proposer keeps per tenant. draft: the draft model, "self" (the target's GGUF
-    weights run packed 4-bit: engine/draft_proposer.py) or a model path. adaptive: False proposes max_tokens
+    weights run packed 4-bit: engine/decoding/draft_proposer.py) or a model path. adaptive: False proposes max_tokens
     whenever the proposer has them (benchmarks and tests of verification; production keeps True). Raises
     ValueError for values out of range."""
 
@@ -79,7 +79,7 @@ class EngineConfig:
     attention_backend: AttentionBackend = "auto"
     # Compile the decode step (engine/models/compiled.py) at start-up; None: as TANDEM_COMPILE says (default on).
     compile: bool | None = None
-    # Speculative decoding (engine/speculation.py): None decodes one token per step.
+    # Speculative decoding (engine/decoding/speculation.py): None decodes one token per step.
     speculative: SpeculativeConfig | None = None
     kv_cache_dtype: KVCacheDtype = "auto"
 

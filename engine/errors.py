@@ -19,4 +19,4 @@ class ReplicaFailedError(TandemError, RuntimeError):
 
 class EngineDeadError(RuntimeError):
     """The engine thread stopped on an error; every open stream receives it and new requests are refused (a
-    replica whose engine is dead is dead to the router: engine/async_engine.py raises it)."""
+    replica whose engine is dead is dead to the router: engine/core/async_engine.py raises it)."""

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from tandem.engine.attention.metadata import AttentionMetadata
-from tandem.engine.kv_cache import KVCacheSpec, PagedKVCache
+from tandem.engine.kv.kv_cache import KVCacheSpec, PagedKVCache
 from tandem.engine.models import LlamaModel
 
 DEFAULT_CHUNK = 128  # tokens per prefill chunk: small enough that most attention reads the stored K/V

@@ -13,7 +13,7 @@ import enum
 from dataclasses import dataclass
 from typing import Sequence as Seq
 
-from tandem.engine.prefix_cache import BlockHasher, extend_block_hashes, hash_block_tokens
+from tandem.engine.kv.prefix_cache import BlockHasher, extend_block_hashes, hash_block_tokens
 from tandem.engine.sampling_params import SamplingParams
 
 
@@ -100,7 +100,7 @@ class Sequence:
 
     def resume(self, output_token_ids: Seq[int]) -> None:
         """Starts the sequence with output tokens another replica already generated (a migrated request,
-        engine/resume.py), appended as if sampled here: they join token_ids and the block hashes, so the first
+        engine/core/resume.py), appended as if sampled here: they join token_ids and the block hashes, so the first
         scheduling computes prompt + outputs (or finds them in the prefix cache), the sampler's next step is
         len(output_token_ids), and penalties and max_tokens count them as outputs. num_prompt_tokens stays the
         prompt's. Raises ValueError once the sequence has been scheduled or has outputs."""

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from tandem.engine.structured_output import StructuredOutput
 
 MAX_LOGPROBS = 20
-MAX_SPECULATIVE_TOKENS = 16  # proposals per sequence and step, at most (engine/speculation.py)
+MAX_SPECULATIVE_TOKENS = 16  # proposals per sequence and step, at most (engine/decoding/speculation.py)
 
 
 def _as_int(name: str, value: object) -> int:
@@ -42,8 +42,8 @@ class SamplingParams:
     string; lists are stored as tuples). logprobs: None returns no log-probabilities; k in 0..20 returns the
     chosen token's log-probability plus the k most likely alternatives. structured: what the output must match
     (a JSON schema, regex, choice or grammar: engine/structured_output.py), or None. speculative_tokens: at most
-    this many proposed tokens per step for this request on a replica that speculates (engine/speculation.py; 0 turns
-    it off for the request, None leaves it to the replica); the output is the same either way.
+    this many proposed tokens per step for this request on a replica that speculates (engine/decoding/speculation.py; 0
+    turns it off for the request, None leaves it to the replica); the output is the same either way.
 
     Raises ValueError naming the field and its allowed range when a value is out of range or of the wrong type.
     """

@@ -5,9 +5,9 @@ already knows arrive as diffs. The runner applies, in order: drop finished_seq_i
 cached_seqs, perform block_copies, run the model, sample every sequence whose computed tokens reach its last
 token, and sample each fork's child from its parent's logits.
 
-Speculative decoding (engine/speculation.py): a decoding sequence with spec_tokens computes its last token and
+Speculative decoding (engine/decoding/speculation.py): a decoding sequence with spec_tokens computes its last token and
 those proposals as one chunk (its num_scheduled_tokens counts them all); the runner verifies them and answers the
-tokens it emits: the accepted proposals and one more (engine/rejection_sampler.py).
+tokens it emits: the accepted proposals and one more (engine/decoding/rejection_sampler.py).
 """
 
 from __future__ import annotations

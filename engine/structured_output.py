@@ -1,6 +1,6 @@
 """What a request asks its output to match: a JSON schema, any JSON object, a regex, one of fixed strings, or a
 grammar. A plain, torch-free value carried by SamplingParams (the router builds it from the OpenAI fields); the
-grammar backend (engine/grammar.py) compiles it.
+grammar backend (engine/decoding/grammar.py) compiles it.
 
 Kinds and their `value`:
   json         a JSON schema, kept as compact JSON text (its keys in the client's order: properties are generated in

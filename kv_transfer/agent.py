@@ -61,7 +61,7 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
-from tandem.engine.kv_cache import PagedKVCache, kv_dtype_name
+from tandem.engine.kv.kv_cache import PagedKVCache, kv_dtype_name
 from tandem.engine.parallel.layout import ReplicaLayout
 from tandem.kv_transfer.agent_context import AgentContext
 from tandem.kv_transfer.agent_receiver import AgentReceiver

@@ -10,7 +10,7 @@ from typing import Callable
 
 import numpy as np
 
-from tandem.engine.kv_cache import PagedKVCache
+from tandem.engine.kv.kv_cache import PagedKVCache
 from tandem.engine.parallel.layout import ReplicaLayout
 from tandem.kv_transfer.agent import KVTransferAgent
 from tandem.kv_transfer.config import TransferConfig
@@ -36,7 +36,7 @@ class AgentFactory:
             raise ValueError("the fake transport needs a Fabric shared by the agents (AgentFactory(fabric=...))")
 
     def store_memory(self, device) -> Callable[[int], tuple[np.ndarray, SharedSegment]] | None:
-        """Where a rank's KV store on `device` lives (engine/kv_cache.py's store_memory_of): a shared segment
+        """Where a rank's KV store on `device` lives (engine/kv/kv_cache.py's store_memory_of): a shared segment
         where share_kv_store and the same-host path can be on there, else None (private memory)."""
         if not (self.share_kv_store and self.config.shared_memory and device.type == "cpu" and domain()):
             return None

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from tandem.engine.kv_cache import KV_STORAGE
+from tandem.engine.kv.kv_cache import KV_STORAGE
 from tandem.kv_transfer.agent_context import AgentContext
 from tandem.kv_transfer.descriptor import TransferState
 from tandem.kv_transfer.inbox import DataMessage

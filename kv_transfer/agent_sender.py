@@ -12,7 +12,7 @@ from typing import Sequence
 
 import numpy as np
 
-from tandem.engine.kv_cache import PagedKVCache
+from tandem.engine.kv.kv_cache import PagedKVCache
 from tandem.engine.parallel.layout import ReplicaLayout
 from tandem.kv_transfer.agent_context import AgentContext
 from tandem.kv_transfer.descriptor import TransferDescriptor, TransferState

@@ -31,9 +31,9 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from tandem.engine.kv_cache import kv_dtype_name
-from tandem.engine.llm_engine import LLMEngine
-from tandem.engine.output_processor import RequestOutput
+from tandem.engine.core.llm_engine import LLMEngine
+from tandem.engine.core.output_processor import RequestOutput
+from tandem.engine.kv.kv_cache import kv_dtype_name
 from tandem.engine.sampled_token import SampledToken
 from tandem.engine.sampling_params import SamplingParams
 from tandem.kv_transfer.config import TransferConfig

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from tandem.engine.async_engine import AsyncEngine
+from tandem.engine.core.async_engine import AsyncEngine
 from tandem.kv_transfer.connector import DecodeConnector, PrefillConnector, TransferEvent
 from tandem.kv_transfer.descriptor import TransferState
 

@@ -11,7 +11,7 @@ from tandem.engine.errors import TandemError
 from tandem.engine.parallel.layout import ReplicaLayout
 
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1, "fp8_e4m3": 1}
-KV_DTYPES = tuple(_DTYPE_BYTES)  # a KV store's dtype names (engine/kv_cache.py KV_STORAGE); the wire codes them
+KV_DTYPES = tuple(_DTYPE_BYTES)  # a KV store's dtype names (engine/kv/kv_cache.py KV_STORAGE); the wire codes them
 QUANTIZED_KV_DTYPES = ("int8", "fp8_e4m3")  # stores that keep a scale row per block and KV head
 
 

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from tandem.engine.attention.kv_quant import convert_blocks
-from tandem.engine.kv_cache import scale_rows
+from tandem.engine.kv.kv_cache import scale_rows
 
 _log = logging.getLogger(__name__)
 

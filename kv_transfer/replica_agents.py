@@ -13,7 +13,7 @@ from typing import Callable, Sequence, TypeVar
 
 import numpy as np
 
-from tandem.engine.llm_engine import LLMEngine
+from tandem.engine.core.llm_engine import LLMEngine
 from tandem.kv_transfer.agent import AgentStats, KVTransferAgent
 from tandem.kv_transfer.descriptor import RankStatus, TransferDescriptor
 

@@ -4,9 +4,9 @@ without the model runtime.
 
 The worker actors implement the Protocols (prefill_worker/replica.py, decode_worker/replica.py); the router
 calls them through replica/remote.py, which puts a Ray actor handle behind the same Protocol, and tests and
-bench/routing.py through the mock replicas of router/mock_replicas.py. A method that streams yields lists of
+bench/routing.py through the mock replicas of router/mocks/replicas.py. A method that streams yields lists of
 RequestOutput: everything the engine produced since the last item, so one message per engine step at most.
-ResumeState (engine/resume.py, torch-free) crosses this line too: what a migrated request had delivered.
+ResumeState (engine/core/resume.py, torch-free) crosses this line too: what a migrated request had delivered.
 """
 
 from __future__ import annotations
@@ -14,13 +14,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import AsyncIterator, Protocol, Sequence, Union
 
-from tandem.engine.device import RankPlacement
-from tandem.engine.kv_events import KVEventBatch, KVSnapshot
-from tandem.engine.output_processor import RequestOutput
-from tandem.engine.resume import ResumeState
+from tandem.engine.core.output_processor import RequestOutput
+from tandem.engine.core.resume import ResumeState
+from tandem.engine.decoding.speculation import SpeculationStats
+from tandem.engine.hardware.device import RankPlacement
+from tandem.engine.kv.kv_events import KVEventBatch, KVSnapshot
 from tandem.engine.sampled_token import SampledToken
 from tandem.engine.sampling_params import SamplingParams
-from tandem.engine.speculation import SpeculationStats
 from tandem.kv_transfer.descriptor import TransferDescriptor
 from tandem.kv_transfer.drops import MessageDrops
 
@@ -37,7 +37,7 @@ class ReplicaInfo:
     nodes reach it at; node_id: Ray's node id (None outside Ray); layout: one line per rank; kv_addresses: the
     replica's KV transfer agent addresses, one per rank (empty for a colocated replica): where a prefill
     replica's descriptor pushes to, and the only peers a decode replica answers about a transfer (the router
-    names the prefill replica's to reserve()); device: what the ranks compute on (engine/device.py
+    names the prefill replica's to reserve()); device: what the ranks compute on (engine/hardware/device.py
     DeviceChoice.describe()); ranks: where each rank runs, as it reports itself; weights and kv_dtype: how its
     weights and its KV cache are stored."""
 
@@ -55,7 +55,7 @@ class ReplicaInfo:
     device: str = "cpu"
     ranks: tuple[RankPlacement, ...] = ()
     weights: str = "dense"  # how its projections are held (engine_config.WEIGHT_FORMATS)
-    kv_dtype: str = "float32"  # what its KV cache stores (engine/kv_cache.py KV_STORAGE names)
+    kv_dtype: str = "float32"  # what its KV cache stores (engine/kv/kv_cache.py KV_STORAGE names)
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,8 @@ import asyncio
 import logging
 from typing import Any, AsyncIterator, Sequence
 
-from tandem.engine.output_processor import RequestOutput
-from tandem.engine.resume import ResumeState
+from tandem.engine.core.output_processor import RequestOutput
+from tandem.engine.core.resume import ResumeState
 from tandem.engine.sampled_token import SampledToken
 from tandem.engine.sampling_params import SamplingParams
 from tandem.kv_transfer.descriptor import TransferDescriptor
@@ -46,21 +46,21 @@ async def _channel_stream(actor: Any, client: ChannelClient, call: StreamCall) -
 
     key, queue = client.open()
     ref = actor.stream_on_channel.remote(client.connection, key, call)
-    call = asyncio.ensure_future(ref)
+    pending = asyncio.ensure_future(ref)
 
     def answered(done: asyncio.Future) -> None:
         if not done.cancelled():
             done.exception()  # retrieved: the consumer raises it, or has left
         queue.put_nowait(_CALL_DONE)
 
-    call.add_done_callback(answered)
+    pending.add_done_callback(answered)
     received, end, closed = 0, None, False
     try:
         while end is None or received < end.sent:
             item = await queue.get()
             if item is _CALL_DONE:
                 try:
-                    end = call.result()
+                    end = pending.result()
                 except Exception:  # the replica died (or the call failed): what arrived, then the error
                     while not queue.empty():
                         item = queue.get_nowait()
@@ -82,11 +82,11 @@ async def _channel_stream(actor: Any, client: ChannelClient, call: StreamCall) -
             raise end.error
     finally:
         client.release(key)
-        if not call.done():
+        if not pending.done():
             try:
                 ray.cancel(ref)
             except Exception as e:  # the replica ends the stream anyway when the router aborts the request
-                _log.debug("cancelling %s's stream: %r", method, e)
+                _log.debug("cancelling a %s stream: %r", type(call).__name__, e)
 
 
 class RemoteReplica:

@@ -18,9 +18,9 @@ import os
 import time
 from typing import TYPE_CHECKING, AsyncIterator, Callable, ClassVar
 
-from tandem.engine.kv_events import KVEventBatch, KVEventLog, KVSnapshot
-from tandem.engine.output_processor import RequestOutput
-from tandem.engine.speculation import SpeculationStats
+from tandem.engine.core.output_processor import RequestOutput
+from tandem.engine.decoding.speculation import SpeculationStats
+from tandem.engine.kv.kv_events import KVEventBatch, KVEventLog, KVSnapshot
 from tandem.kv_transfer.config import TransferConfig
 from tandem.kv_transfer.drops import MessageDrops
 from tandem.replica.contract import KVEventsReply, ReplicaInfo, ReplicaStats, RequestAbortedError, StreamCall
@@ -28,7 +28,7 @@ from tandem.replica.spec import ReplicaSpec
 from tandem.replica.token_channel import ChannelEnd, ChannelEndpoint, ChannelServer
 
 if TYPE_CHECKING:
-    from tandem.engine.llm_engine import LLMEngine
+    from tandem.engine.core.llm_engine import LLMEngine
     from tandem.kv_transfer.connector import DecodeConnector, PrefillConnector, TransferEvent
 
 ABORT_MEMORY_S = 120.0
@@ -70,7 +70,7 @@ class ReplicaShell:
         """transfer None: no KV agents and no connector (a colocated decode replica). transfer.host "": this
         node's address. connect(engine, transfer): the role's connector, built once before the engine thread
         starts. Raises ModelLoadError / ValueError / ReplicaFailedError if the engine cannot start."""
-        from tandem.engine.async_engine import AsyncEngine
+        from tandem.engine.core.async_engine import AsyncEngine
         from tandem.kv_transfer.agent_factory import AgentFactory
         from tandem.kv_transfer.connector_loop import ConnectorLoop
 
@@ -99,7 +99,7 @@ class ReplicaShell:
     # -- what every replica answers (contract.ReplicaAPI) ----------------------------------------------------
 
     async def ready(self) -> ReplicaInfo:
-        from tandem.engine.kv_cache import kv_dtype_name  # torch: only where a replica is built
+        from tandem.engine.kv.kv_cache import kv_dtype_name  # torch: only where a replica is built
 
         engine = self.engine
         return ReplicaInfo(name=self.name, pool=self.pool, pid=os.getpid(), node=node_address(), node_id=node_id(),

@@ -8,9 +8,9 @@ import logging
 import os
 from dataclasses import dataclass, field
 
-from tandem.engine.cpu_affinity import format_cpus, pin_process, pinned_threads, split_cpus
-from tandem.engine.device import DeviceChoice, resolve_device, split_gpu_ids
 from tandem.engine.engine_config import EngineConfig
+from tandem.engine.hardware.cpu_affinity import format_cpus, pin_process, pinned_threads, split_cpus
+from tandem.engine.hardware.device import DeviceChoice, resolve_device, split_gpu_ids
 from tandem.engine.parallel.layout import ParallelConfig
 
 _log = logging.getLogger(__name__)
@@ -29,11 +29,11 @@ def ray_gpu_ids() -> list[str] | None:
 
 @dataclass(frozen=True)
 class ReplicaSpec:
-    """model: a Hugging Face folder or .gguf path (None: the embedded model). device: engine/device.py DEVICES
+    """model: a Hugging Face folder or .gguf path (None: the embedded model). device: engine/hardware/device.py DEVICES
     (auto: CUDA when Ray gave the replica GPUs); dtype None: the device's default; weights: how projections are
     held (engine_config.WEIGHT_FORMATS; all but dense need dtype bfloat16). threads: torch CPU threads for
     the whole replica (split over its ranks). cpu_affinity: host CPUs to pin the replica to (None: no pinning):
-    its driver process takes the whole list, rank r of several the r-th equal share (engine/cpu_affinity.py);
+    its driver process takes the whole list, rank r of several the r-th equal share (engine/hardware/cpu_affinity.py);
     len(cpu_affinity) must be a multiple of the world size."""
 
     model: str | None = None
@@ -62,8 +62,8 @@ class ReplicaSpec:
         host does not offer) / ReplicaFailedError like LLMEngine."""
         import torch
 
-        from tandem.engine.kv_events import discard_events
-        from tandem.engine.llm_engine import LLMEngine
+        from tandem.engine.kv.kv_events import discard_events
+        from tandem.engine.core.llm_engine import LLMEngine
         from tandem.engine.loader import load_model
 
         world_size = self.parallel.world_size

@@ -16,7 +16,7 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from tandem.engine.output_processor import RequestOutput
+from tandem.engine.core.output_processor import RequestOutput
 from tandem.proto.v1 import tandem_pb2 as pb
 from tandem.proto.v1 import tandem_pb2_grpc as pb_grpc
 from tandem.router.admission import AtCapacity

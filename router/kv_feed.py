@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
-from tandem.engine.kv_events import KVEventBatch, KVSnapshot
+from tandem.engine.kv.kv_events import KVEventBatch, KVSnapshot
 from tandem.replica.contract import KVEventsReply
 from tandem.router.kv_index import PrefixIndex
 from tandem.router.policy import ReplicaLoad

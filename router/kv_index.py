@@ -1,5 +1,5 @@
 """The router's index of which replica holds which KV block, by the chained block hashes of
-engine/prefix_cache.py: fed by the replicas' KV events, read once per request to score cached-prefix overlap.
+engine/kv/prefix_cache.py: fed by the replicas' KV events, read once per request to score cached-prefix overlap.
 
 The index is approximate on purpose. Between polls it lags the replicas; a lost event leaves a block counted
 where it is gone (or missing where it is held), which costs routing quality and nothing else, since each replica
@@ -20,7 +20,7 @@ import time
 from collections import deque
 from typing import Callable, Iterable, Sequence
 
-from tandem.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from tandem.engine.kv.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 
 class PrefixIndex:

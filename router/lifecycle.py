@@ -31,7 +31,7 @@ The KV feed (kv_feed.py) polls every replica's KV events and load beside all thi
 Each step is one call on a replica's contract (replica/contract.py): step 1 DecodeReplicaAPI.reserve, step 2
 PrefillReplicaAPI.prefill, step 3 DecodeReplicaAPI.decode, step L DecodeReplicaAPI.generate, step M
 DecodeReplicaAPI.resume, step 4 ReplicaAPI.abort. In a cluster replica/remote.py makes each a Ray call; in tests
-router/mock_replicas.py answers."""
+router/mocks/replicas.py answers."""
 
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Awaitable, Callable, TypeVar
 
-from tandem.engine.output_processor import RequestOutput
+from tandem.engine.core.output_processor import RequestOutput
 from tandem.kv_transfer.descriptor import TransferDescriptor, TransferFailedError
 from tandem.replica.contract import DecodeReplicaAPI, PrefillReplicaAPI
 from tandem.router.driver_settings import DriverSettings

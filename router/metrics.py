@@ -18,7 +18,7 @@ from typing import Callable
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-from tandem.engine.speculation import SpeculationStats
+from tandem.engine.decoding.speculation import SpeculationStats
 from tandem.kv_transfer.drops import MessageDrops
 from tandem.replica.contract import ReplicaStats
 from tandem.router.accounting import Accounting, Timings

@@ -13,7 +13,7 @@ The continuation equals the uninterrupted run for greedy and seeded sampling bec
 only on (seed, step): the router gives every n == 1 request a seed before sending it (seeded()), so a replay
 draws with the seed the first replica used, from the step after the delivered tokens; penalties and max_tokens
 count the delivered tokens as outputs, and the new replica's detokenizer and stop-string matcher are primed with
-them (engine/resume.py). A replica that dies before any token reached the client is replayed with none (in the
+them (engine/core/resume.py). A replica that dies before any token reached the client is replayed with none (in the
 disaggregated path the prefill replica's first token is sampled again, the same for greedy and seeded requests).
 
 A prefill replica that dies mid-prefill: the decode reservation is dropped, and the request is prefilled again on
@@ -31,8 +31,8 @@ import dataclasses
 import secrets
 from dataclasses import dataclass, field
 
-from tandem.engine.output_processor import RequestOutput
-from tandem.engine.resume import ResumeState
+from tandem.engine.core.output_processor import RequestOutput
+from tandem.engine.core.resume import ResumeState
 from tandem.engine.sampling_params import SamplingParams
 
 # Routing decision reasons (Routing.decisions, the tandem_prefill_decisions metric): a decode replica prefilled

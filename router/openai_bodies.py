@@ -4,9 +4,10 @@ OpenAIError (400) a client of OpenAI's API would get.
 
 Bodies take OpenAI's fields (response_format included) plus the vLLM extensions ignore_eos, top_k, min_p,
 repetition_penalty, stop_token_ids, priority and structured_outputs, and tandem's session_id, timeout (seconds the
-request may take, within the server's deadline) and speculative_tokens (engine/speculation.py). Fields OpenAI defines that tandem cannot honour are refused ("X is not
-supported by tandem") unless they hold their default value; any other unknown field is refused with OpenAI's
-wording. Only types are checked here: numeric ranges are the server's to validate, like every sampling parameter.
+request may take, within the server's deadline) and speculative_tokens (engine/decoding/speculation.py). Fields OpenAI
+defines that tandem cannot honour are refused ("X is not supported by tandem") unless they hold their default value; any
+other unknown field is refused with OpenAI's wording. Only types are checked here: numeric ranges are the server's to
+validate, like every sampling parameter.
 """
 
 from __future__ import annotations

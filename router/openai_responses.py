@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Callable, Literal
 from tandem.router.tool_calls import ToolMode, hermes_calls, tool_calls
 
 if TYPE_CHECKING:
-    from tandem.engine.output_processor import RequestOutput
+    from tandem.engine.core.output_processor import RequestOutput
 
 
 def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:

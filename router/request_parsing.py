@@ -13,7 +13,7 @@ import json
 import secrets
 from dataclasses import dataclass, field, replace
 
-from tandem.engine.grammar import GrammarBackend
+from tandem.engine.decoding.grammar import GrammarBackend
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.structured_output import InvalidStructuredOutput, StructuredOutput
 from tandem.engine.tokenizer import Tokenizer

@@ -24,7 +24,7 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
 
-from tandem.engine.prefix_cache import block_hashes
+from tandem.engine.kv.prefix_cache import block_hashes
 from tandem.router.kv_index import PrefixIndex
 from tandem.router.policy import ReplicaLoad, ReplicaPicker, RoutingWeights
 

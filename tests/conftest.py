@@ -12,11 +12,11 @@ import torch
 
 # Two cores on CI: one process, two threads.
 torch.set_num_threads(min(2, os.cpu_count() or 1))
-# Engines run eager unless a test asks for the compiled decode step (tests/engine/test_compiled.py): compiling
+# Engines run eager unless a test asks for the compiled decode step (tests/engine/models/test_compiled.py): compiling
 # the step of each model a test builds would take minutes of the suite.
 os.environ.setdefault("TANDEM_COMPILE", "off")
 # CPU kernels are the probe's fixed choices (engine/models/linear.py fixed_plan) unless a test asks for measured
-# ones (tests/engine/test_kernel_tuning.py, test_linear.py, the CLI's --verbose test): a choice timed on the
+# ones (tests/engine/hardware/test_kernel_tuning.py, test_linear.py, the CLI's --verbose test): a choice timed on the
 # machine at hand differs from run to run, and so do the near-ties of greedy tests on it (the quantization gate
 # failed one run in two on an AVX2 machine); and measuring every shape of every test model cost ~2.5 minutes of
 # a fresh machine's suite. Ray replicas and subprocesses inherit the setting.
@@ -158,7 +158,7 @@ def embedded_shape_once(monkeypatch, embedded_shape):
 
 @pytest.fixture(scope="session")
 def embedded_generator(embedded):
-    from tandem.engine.generator import Generator
+    from tandem.engine.core.generator import Generator
 
     return Generator(embedded, max_model_len=2048)
 

@@ -1,6 +1,6 @@
 """Quantized KV pages: int8 or fp8_e4m3 codes with one float32 scale per (layer, K/V, block, KV head).
 
-A layer's quantized cache is [2, num_blocks, Hk, block_size + 1, D] (engine/kv_cache.py): block_size rows of codes
+A layer's quantized cache is [2, num_blocks, Hk, block_size + 1, D] (engine/kv/kv_cache.py): block_size rows of codes
 and a scale row whose first four bytes hold the float32 scale; a value is code * scale.
 
 Scales come from the data. Tokens reach a block one step at a time (a prefill chunk, then one or a few per
@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from tandem.engine.attention.metadata import AttentionMetadata
-from tandem.engine.kv_cache import QUANTIZED_KV
+from tandem.engine.kv.kv_cache import QUANTIZED_KV
 
 _TINY = 1e-12  # the scale of an all-zero block (its codes are zero whatever the scale)
 

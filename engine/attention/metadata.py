@@ -44,7 +44,7 @@ class AttentionMetadata:
         """[2 * num_tokens * num_kv_heads] rows of one layer's head-major cache, viewed as
         [2 * num_blocks * num_kv_heads * rows_per_block, head_dim], that the new tokens' K heads (in (token, head)
         order), then their V heads, are written to. rows_per_block: block_size, plus one for a quantized cache's
-        scale row (engine/kv_cache.py)."""
+        scale row (engine/kv/kv_cache.py)."""
         def rows() -> torch.Tensor:
             bs, slots = self.block_size, self.slot_mapping
             per = rows_per_block or bs

@@ -7,8 +7,8 @@ head by head yields K and V already laid out [Hk, tokens, D], the layout attenti
 Decode-only batches gather each sequence's K/V into a padded batch and run one of DECODE_KERNELS on it: "grouped"
 (each KV head's group of query heads as the query length: two batched products and a softmax) or "sdpa" (torch's
 scaled_dot_product_attention with the grouped heads). Which is faster depends on the CPU, the dtype and the batch
-size; `tuned_decode_plan` times both on this CPU (engine/kernel_tuning.py) and the backend runs the plan's choice
-by number of sequences.
+size; `tuned_decode_plan` times both on this CPU (engine/hardware/kernel_tuning.py) and the backend runs the plan's
+choice by number of sequences.
 
 A quantized cache (int8 / fp8_e4m3 codes with a scale row per block, engine/attention/kv_quant.py) is written with
 its scales and read back through the same gathers, each gathered block turned into values by its own scale.
@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from tandem.engine.attention.kv_quant import dequantize_rows, gatherable, is_quantized, write_quantized
 from tandem.engine.attention.metadata import AttentionMetadata
-from tandem.engine.kernel_tuning import BucketPlan, KernelTuner, copies_for, time_per_call
+from tandem.engine.hardware.kernel_tuning import BucketPlan, KernelTuner, copies_for, time_per_call
 
 DECODE_KERNELS = {
     "grouped": "two batched products and a softmax, the query-head group as the query length",

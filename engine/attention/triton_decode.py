@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from tandem.engine.attention.kv_quant import is_quantized, scales_of
-from tandem.engine.kv_cache import scale_rows
+from tandem.engine.kv.kv_cache import scale_rows
 
 MIN_DOT = 16  # tl.dot needs at least 16 rows: a KV head's query group is padded up to this
 TENSOR_CORE_PRECISION = "tf32"  # Triton's own default for float32 tl.dot on NVIDIA tensor cores

@@ -3,7 +3,7 @@
 The `gguf` package's reader builds every metadata field element by element: ~3 s for the embedded model's 49,152
 tokens and merges on a fast core, paid by every process that loads the model (each replica, rank and CLI run).
 The first open of a file parses it with that reader and keeps what it found, as JSON, under
-`$TANDEM_CACHE_DIR/gguf/` (engine/cache_dir.py), keyed by the file's resolved path, size and modification time
+`$TANDEM_CACHE_DIR/gguf/` (engine/hardware/cache_dir.py), keyed by the file's resolved path, size and modification time
 and by the gguf package's version; later opens read that (~20 ms) and map the tensors straight from the file. A
 file that changed, a cache that cannot be read or written, or a cache of another format is parsed again, never
 trusted. Torch-free (numpy and `gguf` only): the router reads a model's shape through it.
@@ -25,8 +25,8 @@ from typing import Any
 import numpy as np
 from gguf import GGUFReader
 
-from tandem.engine.cache_dir import cache_root
 from tandem.engine.errors import ModelLoadError
+from tandem.engine.hardware.cache_dir import cache_root
 
 FORMAT = 1  # bump when what a cached index holds changes: older files are then parsed again
 GGUF_VERSION = importlib.metadata.version("gguf")  # another reader may parse the same file differently

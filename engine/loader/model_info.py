@@ -1,7 +1,7 @@
 """A model's config and tokenizer without its weights, and without torch: what the router needs (it counts and
 hashes tokens, it never runs the model), and what a driver reads when its ranks load their own shards.
 
-Only numpy, the `gguf` package, `tokenizers` and `jinja2` are imported here; tests/engine/test_model_info.py
+Only numpy, the `gguf` package, `tokenizers` and `jinja2` are imported here; tests/engine/loader/test_model_info.py
 checks that importing this module and calling load_model_info() leaves torch out of the process.
 """
 

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import torch
 
-from tandem.engine.cpu_features import CpuFeatures, cpu_features
 from tandem.engine.errors import ModelLoadError
-from tandem.engine.kernel_tuning import KernelTuner
+from tandem.engine.hardware.cpu_features import CpuFeatures, cpu_features
+from tandem.engine.hardware.kernel_tuning import KernelTuner
 from tandem.engine.loader.checkpoint import Checkpoint
 from tandem.engine.loader.gguf_file import load_gguf
 from tandem.engine.loader.hf_folder import load_hf_folder, shard_files
@@ -92,8 +92,8 @@ def load_model(path: str | Path | None = None, *, dtype: torch.dtype = torch.flo
     4-bit kernel; int8 and int4 quantize every projection of any checkpoint (int4 keeps a GGUF file's Q4_0/Q4_1
     blocks as they are); all but dense need dtype=torch.bfloat16.
     weights: False reads only the config and tokenizer (model is None).
-    cpu: what the CPU runs, for the kernel choice (default: this process's probe, engine/cpu_features.py).
-    tuner: measures the kernel choice on this CPU (default: as the environment says, engine/kernel_tuning.py).
+    cpu: what the CPU runs, for the kernel choice (default: this process's probe, engine/hardware/cpu_features.py).
+    tuner: measures the kernel choice on this CPU (default: as the environment says, engine/hardware/kernel_tuning.py).
     """
     start = time.perf_counter()
     checkpoint = load_checkpoint(path, progress=progress, packed=keeps_q4_blocks(path, weight_format),

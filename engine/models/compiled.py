@@ -22,8 +22,8 @@ piecewise around attention instead (engine/models/cuda_graphs.py).
 
 Settings: EngineConfig.compile (the manifest's `engine.compile`), and TANDEM_COMPILE=off, which turns it off
 where the config leaves it unset. Inductor's cache lives under tandem's cache directory, one folder per machine key
-(engine/kernel_tuning.py: CPU model, torch's capability, flags, oneDNN's ISA cap, torch version, threads), so the
-first start on a machine compiles (about half a minute per bucket on 2 cores for the embedded model) and later
+(engine/hardware/kernel_tuning.py: CPU model, torch's capability, flags, oneDNN's ISA cap, torch version, threads), so
+the first start on a machine compiles (about half a minute per bucket on 2 cores for the embedded model) and later
 starts read the cache. Inductor's own key does not cover torch's capability setting: code cached under
 ATEN_CPU_CAPABILITY=avx512 and run under avx2 produced NaN (measured), so one shared folder is not safe where home
 directories are shared by different CPUs. A TORCHINDUCTOR_CACHE_DIR set before tandem starts is used as it is.
@@ -43,14 +43,14 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from tandem.engine.cache_dir import cache_root
-from tandem.engine.kernel_tuning import machine_digest
+from tandem.engine.hardware.cache_dir import cache_root
+from tandem.engine.hardware.kernel_tuning import machine_digest
 from tandem.engine.models.mlp import GatedMLP
 
 if TYPE_CHECKING:
     from tandem.engine.attention import AttentionMetadata
+    from tandem.engine.kv.kv_cache import PagedKVCache
     from tandem.engine.models.cuda_graphs import CudaGraphDecode
-    from tandem.engine.kv_cache import PagedKVCache
     from tandem.engine.models.llama import LlamaModel
 
 COMPILE_ENV = "TANDEM_COMPILE"

@@ -30,7 +30,7 @@ import torch
 
 if TYPE_CHECKING:
     from tandem.engine.attention import AttentionMetadata
-    from tandem.engine.kv_cache import PagedKVCache
+    from tandem.engine.kv.kv_cache import PagedKVCache
     from tandem.engine.models.llama import LlamaModel
 
 _log = logging.getLogger(__name__)

@@ -4,8 +4,8 @@ A decode step is a matrix-vector product per weight, bound by how fast the weigh
 chunk or a large decode batch is a matrix product bound by arithmetic. Which torch kernel does each best depends
 on the CPU (AVX2 or AVX-512, caches, memory), the thread count and the shape (docs/BENCHMARKS.md: the column-split
 `bmm` tuned on one AVX-512 CPU lost to oneDNN by up to 2x on an AVX2 one). So the candidates are listed here, and
-at start-up each projection shape is timed on this CPU (engine/kernel_tuning.py: cached on disk per machine) and
-gets a LinearPlan: one weight layout, and for each range of rows the fastest kernel on that layout.
+at start-up each projection shape is timed on this CPU (engine/hardware/kernel_tuning.py: cached on disk per machine)
+and gets a LinearPlan: one weight layout, and for each range of rows the fastest kernel on that layout.
 
 Layouts (one per projection: the weight is stored once):
 - rows: [out, in] as the checkpoint has it;
@@ -22,7 +22,7 @@ Kernels (each on one layout, for the dtypes it lists, where the CPU probe says i
 - onednn_packed: oneDNN's linear on the blocked layout (blocked).
 All accumulate in float32 and round the output once.
 
-Which of these a CPU can run is probed (engine/cpu_features.py), never assumed. Without measurement
+Which of these a CPU can run is probed (engine/hardware/cpu_features.py), never assumed. Without measurement
 (TANDEM_KERNEL_TUNING=off) each dtype takes `fixed_plan`, the choices measured on the 2-core CI machines.
 """
 
@@ -34,8 +34,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from tandem.engine.cpu_features import CpuFeatures, cpu_features
-from tandem.engine.kernel_tuning import BucketPlan, KernelTuner, copies_for, time_per_call
+from tandem.engine.hardware.cpu_features import CpuFeatures, cpu_features
+from tandem.engine.hardware.kernel_tuning import BucketPlan, KernelTuner, copies_for, time_per_call
 
 SPLIT = 2  # column groups of the columns layout: one per core of the machines we measured
 LAYOUTS = {

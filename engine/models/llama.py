@@ -19,10 +19,10 @@ import torch.nn.functional as F
 
 from tandem.engine.attention import AttentionMetadata, TorchAttentionBackend
 from tandem.engine.attention.torch_ref import FIXED_DECODE_PLAN, tuned_decode_plan
-from tandem.engine.cpu_features import CpuFeatures, cpu_features
 from tandem.engine.errors import ModelLoadError
-from tandem.engine.kernel_tuning import KernelTuner
-from tandem.engine.kv_cache import PagedKVCache
+from tandem.engine.hardware.cpu_features import CpuFeatures, cpu_features
+from tandem.engine.hardware.kernel_tuning import KernelTuner
+from tandem.engine.kv.kv_cache import PagedKVCache
 from tandem.engine.model_config import ModelConfig
 from tandem.engine.models.int4 import Int4Linear
 from tandem.engine.models.int8 import Int8Linear
@@ -176,7 +176,7 @@ class LlamaModel:
         engine/models/projections.py, which raises ValueError for a combination that cannot run. cpu: what the
         CPU runs, for the kernel choice (default: this process's probe; ignored off the CPU). tuner: times the
         candidate kernels of each projection shape and of decode attention on this CPU and keeps the fastest
-        (default: as the environment says, engine/kernel_tuning.py; a disabled tuner keeps the probe's fixed
+        (default: as the environment says, engine/hardware/kernel_tuning.py; a disabled tuner keeps the probe's fixed
         choices). Raises ModelLoadError on bad shapes."""
         check_weights(config, weights, source)  # source names the checkpoint in errors
         self.config = config

@@ -16,9 +16,9 @@ from typing import Protocol
 
 import torch
 
-from tandem.engine.cpu_features import FEATURES, CpuFeatures
 from tandem.engine.engine_config import QUANTIZED_ON_LOAD, WEIGHT_FORMATS
-from tandem.engine.kernel_tuning import KernelTuner
+from tandem.engine.hardware.cpu_features import FEATURES, CpuFeatures
+from tandem.engine.hardware.kernel_tuning import KernelTuner
 from tandem.engine.models.int4 import GROUPS as INT4_GROUPS
 from tandem.engine.models.int4 import Int4Linear, Int4Weight
 from tandem.engine.models.int8 import Int8Linear

@@ -10,7 +10,7 @@ import torch
 
 if TYPE_CHECKING:
     from tandem.engine.attention import AttentionMetadata
-    from tandem.engine.kv_cache import PagedKVCache
+    from tandem.engine.kv.kv_cache import PagedKVCache
     from tandem.engine.models.compiled import CompiledDecode
     from tandem.engine.models.cuda_graphs import CudaGraphDecode
     from tandem.engine.models.llama import LlamaModel

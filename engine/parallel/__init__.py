@@ -1,5 +1,5 @@
 """One replica across several processes: the layout (who holds what) and the groups that talk. The processes
-themselves (driver and ranks) live in engine/ranks/."""
+themselves (driver and ranks) live in engine/runner/ranks/."""
 
 from tandem.engine.parallel.layout import ParallelConfig, RankShard, ReplicaLayout, split_evenly
 

@@ -11,13 +11,13 @@ from typing import Any, Callable, Sequence as Seq
 
 import torch
 
-from tandem.engine.cpu_affinity import current_cpus
-from tandem.engine.device import RankPlacement
-from tandem.engine.draft_proposer import DraftProposer, load_draft
+from tandem.engine.decoding.draft_proposer import DraftProposer, load_draft
+from tandem.engine.decoding.grammar import GrammarBackend
 from tandem.engine.engine_config import EngineConfig, available_memory_bytes
 from tandem.engine.errors import ReplicaFailedError
-from tandem.engine.grammar import GrammarBackend
-from tandem.engine.kv_cache import KVCacheSpec, PagedKVCache, store_memory_of
+from tandem.engine.hardware.cpu_affinity import current_cpus
+from tandem.engine.hardware.device import RankPlacement
+from tandem.engine.kv.kv_cache import KVCacheSpec, PagedKVCache, store_memory_of
 from tandem.engine.loader.model_loader import LoadedModel
 from tandem.engine.models.compiled import compile_decode, compile_enabled, decode_step_summary
 from tandem.engine.parallel.layout import ParallelConfig, ReplicaLayout
@@ -129,8 +129,8 @@ def _draft(loaded: LoadedModel, config: EngineConfig) -> LoadedModel | None:
 def _rank_processes(request: ExecutorRequest) -> Executor:
     """Each rank measures its device's free memory once its shard is loaded (this process never touches CUDA)
     and the smallest answer sizes every rank's cache; CPU ranks share this host, so they split it."""
-    from tandem.engine.ranks.executor import MultiprocExecutor, free_port
-    from tandem.engine.ranks.worker import WorkerSpec
+    from tandem.engine.runner.ranks.executor import MultiprocExecutor, free_port
+    from tandem.engine.runner.ranks.worker import WorkerSpec
 
     loaded, config, layout = request.loaded, request.config, request.layout
     if config.speculative is not None and config.speculative.proposer == "draft":

@@ -2,7 +2,7 @@
 
 LLMEngine steps its scheduler and hands each SchedulerOutput to an Executor, which runs it wherever the model
 lives and answers the RunnerOutput: LocalExecutor over a ModelRunner in this process, or the MultiprocExecutor
-(engine/ranks/executor.py) over the rank processes of a replica split by engine/parallel/layout.py. Both also
+(engine/runner/ranks/executor.py) over the rank processes of a replica split by engine/parallel/layout.py. Both also
 run calls beside each rank's KV transfer agent, say where each rank runs and whether it still does, and stop.
 engine/runner/builder.py builds the one a configuration asks for."""
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, TypeVar
 
 if TYPE_CHECKING:
-    from tandem.engine.device import RankPlacement
+    from tandem.engine.hardware.device import RankPlacement
     from tandem.engine.runner.model_runner import ModelRunner
     from tandem.engine.scheduler_output import RunnerOutput, SchedulerOutput
 

@@ -6,7 +6,7 @@ engine it keeps a mirror of each scheduled sequence (sequence_mirror.py) that th
 the split the scheduler/worker boundary keeps when ranks live in other processes; how the model computes a step
 is engine/models/step.py's choice, and sampling is sampling_step.py's.
 
-In a replica of several ranks (engine/ranks/) every rank runs a ModelRunner on the same SchedulerOutput. Only
+In a replica of several ranks (engine/runner/ranks/) every rank runs a ModelRunner on the same SchedulerOutput. Only
 the sampler rank (the last stage's first) computes logits and samples; the others learn the sampled tokens with
 the next step (execute_step's `prev_tokens`). With pipeline stages a step's sequences are cut into micro-batches:
 a stage sends micro-batch i on and starts i + 1 while the next stage works on i.
@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Mapping, Protocol, Sequence
 import torch
 
 from tandem.engine.attention import AttentionMetadata
-from tandem.engine.kv_cache import PagedKVCache
+from tandem.engine.kv.kv_cache import PagedKVCache
 from tandem.engine.models import LlamaModel
 from tandem.engine.models.step import run_step
 from tandem.engine.runner.sampling_step import SamplingStep
@@ -29,7 +29,7 @@ from tandem.engine.runner.sequence_mirror import SequenceMirror
 from tandem.engine.scheduler_output import RunnerOutput, SchedulerOutput
 
 if TYPE_CHECKING:
-    from tandem.engine.grammar import GrammarBackend
+    from tandem.engine.decoding.grammar import GrammarBackend
     from tandem.engine.models.compiled import CompiledDecode
     from tandem.engine.models.cuda_graphs import CudaGraphDecode
     from tandem.engine.parallel.comm import ParallelComm
@@ -80,7 +80,7 @@ class ModelRunner:
     (engine/models/compiled.py, cuda_graphs.py), or None: every step runs eager. layer_observer: told after each
     layer which sequences' prompts the step completes (seq id -> block table): the KV transfer agent, which sends
     their layer's KV from there (kv_transfer/agent.py). grammars: compiles structured-output constraints
-    (engine/grammar.py), needed on a sampling runner for requests that have one."""
+    (engine/decoding/grammar.py), needed on a sampling runner for requests that have one."""
 
     def __init__(self, model: LlamaModel, kv_cache: PagedKVCache, *, comm: ParallelComm | None = None,
                  samples: bool = True, micro_batches: int = 1, compiled: CompiledDecode | CudaGraphDecode | None = None,

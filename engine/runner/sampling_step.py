@@ -11,14 +11,14 @@ from typing import TYPE_CHECKING, Mapping, Sequence
 
 import torch
 
-from tandem.engine.rejection_sampler import accept_drawn
+from tandem.engine.decoding.rejection_sampler import accept_drawn
+from tandem.engine.decoding.sampler import sample_batch
 from tandem.engine.runner.sequence_mirror import SequenceMirror
-from tandem.engine.sampler import sample_batch
 from tandem.engine.scheduler_output import RunnerOutput
 
 if TYPE_CHECKING:
-    from tandem.engine.grammar import GrammarBackend
-    from tandem.engine.grammar_masks import MaskJob
+    from tandem.engine.decoding.grammar import GrammarBackend
+    from tandem.engine.decoding.grammar_masks import MaskJob
     from tandem.engine.models import LlamaModel
 
 _log = logging.getLogger(__name__)
@@ -38,7 +38,7 @@ class SamplingStep:
                       if self.seqs[name].matcher is not None]
         if not structured:
             return None
-        from tandem.engine.grammar_masks import MaskJob  # torch + llguidance: only once a request asks for it
+        from tandem.engine.decoding.grammar_masks import MaskJob  # torch + llguidance: only once a request asks for it
 
         if self._mask_pool is None:
             self._mask_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tandem-grammar-masks")

@@ -8,12 +8,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Mapping, Sequence
 
-from tandem.engine.sampler import SampleRequest
+from tandem.engine.decoding.sampler import SampleRequest
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.scheduler_output import ForkData, SchedulerOutput
 
 if TYPE_CHECKING:
-    from tandem.engine.grammar import GrammarBackend, Matcher
+    from tandem.engine.decoding.grammar import GrammarBackend, Matcher
 
 
 @dataclass
@@ -32,7 +32,7 @@ class MirroredSequence:
 
 class SequenceMirror:
     """samples: whether this copy's rank samples, and so keeps each structured sequence's matcher; grammars
-    compiles their constraints (engine/grammar.py)."""
+    compiles their constraints (engine/decoding/grammar.py)."""
 
     def __init__(self, samples: bool, grammars: GrammarBackend | None):
         self.samples = samples

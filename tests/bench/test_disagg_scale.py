@@ -14,7 +14,7 @@ from tandem.bench.loadgen.records import RequestRecord, WorkRequest
 from tandem.bench.loadgen.runner import open_loop
 from tandem.bench.loadgen.workloads import Conversation
 from tandem.router.driver_settings import DriverSettings
-from tandem.router.mock_batching import BatchedDecode, BatchedPrefill, StepCosts
+from tandem.router.mocks.batching import BatchedDecode, BatchedPrefill, StepCosts
 
 COSTS = StepCosts(step_s=0.002, decode_token_s=0.0001, prefill_token_s=0.00002, max_num_batched_tokens=256,
                   kv_bytes_per_token=1000, transfer_bytes_per_s=1e8)

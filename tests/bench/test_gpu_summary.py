@@ -1,7 +1,7 @@
 """bench/gpu_summary.py on real GPU results and on copies with one part broken. The fixture folder
 (tests/bench/fixtures/gpu_results_h200) holds what two leases of an H200 on 2026-11-26 left: attention_kernels.log
-from the first; pytest -m gpu over tests/engine/test_cuda_graphs.py and test_engine_cuda.py, engine_throughput.log
-and compiled_step.log from the second (docs/BENCHMARKS.md, "The GPU path on an H200")."""
+from the first; pytest -m gpu over tests/engine/models/test_cuda_graphs.py and test_engine_cuda.py,
+engine_throughput.log and compiled_step.log from the second (docs/BENCHMARKS.md, "The GPU path on an H200")."""
 
 from __future__ import annotations
 

@@ -10,8 +10,8 @@ import pytest
 
 from tandem.bench.loadgen.report import read_records
 from tandem.cluster.cli import main
-from tandem.router.mock_front import MockFront
-from tandem.router.mock_replicas import MockDecode
+from tandem.router.mocks.front import MockFront
+from tandem.router.mocks.replicas import MockDecode
 
 from tests.router.router_harness import model_facts
 

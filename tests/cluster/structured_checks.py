@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import jsonschema
 import openai
 
-from tandem.engine.generator import Generator
+from tandem.engine.core.generator import Generator
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.structured_output import StructuredOutput
 from tests.engine.structured_cases import REGEXES, SCHEMAS, prompt_for_regex, prompt_for_schema

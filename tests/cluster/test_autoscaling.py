@@ -12,7 +12,7 @@ import pytest
 from tandem.cluster.autoscaling import PoolPolicy, PoolSample, ScalingSettings
 from tandem.cluster.mock_cluster import MockCluster
 from tandem.cluster.pool_pressure import SLO, PoolGauge
-from tandem.router.mock_batching import StepCosts
+from tandem.router.mocks.batching import StepCosts
 from tandem.router.pool_signals import PoolLoad
 from tandem.cluster.virtual_time import run_virtual
 

@@ -120,8 +120,8 @@ def test_console_script_streams(tmp_path):
 def test_verbose_names_the_probed_cpu_and_each_projections_kernel(capsys, monkeypatch):
     import torch
 
-    from tandem.engine.cpu_features import cpu_features
-    from tandem.engine.kernel_tuning import KernelTuner
+    from tandem.engine.hardware.cpu_features import cpu_features
+    from tandem.engine.hardware.kernel_tuning import KernelTuner
     from tandem.engine.models.linear import tuned_plan
 
     monkeypatch.setenv("TANDEM_KERNEL_TUNING", "on")  # the measured plans (the suite runs the fixed ones)
@@ -156,8 +156,8 @@ def test_bfloat16_modes_run_on_an_avx2_cpu(embedded, flags, disable, int4_shapes
 
     import torch
 
-    from tandem.engine.cpu_features import DISABLE_ENV, cpu_features
-    from tandem.engine.generator import Generator
+    from tandem.engine.core.generator import Generator
+    from tandem.engine.hardware.cpu_features import DISABLE_ENV, cpu_features
     from tandem.engine.loader import load_model
 
     prompt = "The capital of France is"

@@ -34,7 +34,7 @@ import pytest
 
 from tandem.cluster import local_ray
 from tandem.cluster.manifest_checks import is_loopback, listen_problem
-from tandem.engine.generator import Generator
+from tandem.engine.core.generator import Generator
 from tandem.engine.loader import load_model
 from tandem.engine.loader.synthetic import write_synthetic_model
 from tandem.engine.sampling_params import SamplingParams

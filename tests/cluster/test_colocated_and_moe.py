@@ -13,7 +13,7 @@ import openai
 
 from tandem.cluster.cli import main as tandem_main
 from tandem.cluster.manifest_yaml import parse_manifest
-from tandem.engine.generator import Generator
+from tandem.engine.core.generator import Generator
 from tandem.engine.loader import load_model
 from tandem.engine.sampling_params import SamplingParams
 from tandem.router.client import TandemClient

@@ -13,7 +13,7 @@ from tandem.cluster.commands import _rank_place
 from tandem.cluster.manifest_checks import check_file, cpu_affinity_warnings, validate_file
 from tandem.cluster.manifest_yaml import ManifestInvalid
 from tandem.cluster.replica_plans import replica_plans
-from tandem.engine.cpu_affinity import format_cpus, offered_cpus
+from tandem.engine.hardware.cpu_affinity import format_cpus, offered_cpus
 
 
 @pytest.fixture(autouse=True)

@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from tandem.engine.generator import Generator
+from tandem.engine.core.generator import Generator
 from tandem.engine.sampling_params import SamplingParams
 from tandem.router.client import TandemClient, build_request
 from tests.cluster.ray_cluster import (QUESTIONS, chat, check_integrity, manifest_for_test, running,

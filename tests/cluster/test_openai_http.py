@@ -134,7 +134,7 @@ def test_two_tenants_with_the_same_prompt_do_not_share_blocks(cluster):
 
 
 def test_a_follow_up_turn_is_prefilled_on_the_decode_replica_that_holds_the_conversation(grpc_client, embedded):
-    from tandem.engine.generator import Generator
+    from tandem.engine.core.generator import Generator
     from tandem.engine.sampling_params import SamplingParams
 
     system = "A conversation that no other test has had. " + SYSTEM  # cold on every replica

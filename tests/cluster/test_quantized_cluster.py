@@ -12,9 +12,9 @@ import pytest
 import ray
 import torch
 
+from tandem.engine.core.llm_engine import LLMEngine
 from tandem.engine.engine_config import EngineConfig
-from tandem.engine.kv_cache import KVCacheSpec
-from tandem.engine.llm_engine import LLMEngine
+from tandem.engine.kv.kv_cache import KVCacheSpec
 from tandem.engine.loader import load_model
 from tandem.engine.sampling_params import SamplingParams
 from tandem.router.client import TandemClient
@@ -38,7 +38,7 @@ def test_greedy_replies_over_int8_weights_and_pages_equal_one_process(cluster):
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
     threads = torch.get_num_threads()
     # One thread, as each replica's single rank runs (resources.cpus: 1.0), from the load on: the decode attention
-    # kernel is chosen by timing on this CPU at that thread count (engine/kernel_tuning.py).
+    # kernel is chosen by timing on this CPU at that thread count (engine/hardware/kernel_tuning.py).
     torch.set_num_threads(1)
     try:
         loaded = load_model(progress=False, dtype=torch.bfloat16, weight_format="int8")

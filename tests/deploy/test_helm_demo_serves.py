@@ -11,7 +11,7 @@ from __future__ import annotations
 import yaml
 
 from tandem.cluster.manifest_checks import validate_file
-from tandem.engine.generator import Generator
+from tandem.engine.core.generator import Generator
 from tandem.engine.sampling_params import SamplingParams
 from tandem.router.client import TandemClient
 from tests.cluster.ray_cluster import chat, running, simulated_cluster, wait_idle

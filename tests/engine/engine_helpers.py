@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from tandem.engine.llm_engine import LLMEngine
-from tandem.engine.output_processor import RequestOutput
+from tandem.engine.core.llm_engine import LLMEngine
+from tandem.engine.core.output_processor import RequestOutput
 
 
 @dataclass

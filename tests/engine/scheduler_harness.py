@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from tandem.engine.kv_cache_manager import KVCacheManager
-from tandem.engine.kv_events import KVEventRecorder
+from tandem.engine.core.kv_cache_manager import KVCacheManager
+from tandem.engine.core.scheduler import Scheduler, SchedulerConfig
+from tandem.engine.kv.kv_events import KVEventRecorder
 from tandem.engine.request import Sequence
 from tandem.engine.sampling_params import SamplingParams
-from tandem.engine.scheduler import Scheduler, SchedulerConfig
 from tandem.engine.scheduler_output import SchedulerOutput
 
 from tests.engine.fake_runner import FakeRunner

@@ -7,10 +7,10 @@ functions and under `if TYPE_CHECKING:`, unless a rule below says otherwise.
     later and are left out, and so is a module's import of its own enclosing packages (Python has started
     those before the module); importing a.b.c counts as importing the packages a.b too.
 (c) Subfolders are layers (FOLDER_LAYERS): a subfolder imports only subfolders of lower layers, counting every
-    import. Top-level modules (errors.py, model_config.py, llm_engine.py, ...) sit between them wherever their
+    import. Top-level modules (errors.py, model_config.py, request.py, ...) sit between them wherever their
     imports put them: in the graph whose nodes are the subfolders (one node each) and the top-level modules
     (one node each), there is no cycle. engine/parallel/ imports nothing else from engine/ (models,
-    kv_transfer and cluster share it), and engine/ranks/ is imported only by engine/llm_engine.py.
+    kv_transfer and cluster share it), and engine/runner/ranks/ is imported only by engine/runner/builder.py.
 """
 
 from __future__ import annotations
@@ -24,10 +24,14 @@ PACKAGE = "tandem.engine"
 
 # Subfolders by layer, lowest first: a subfolder may import the subfolders of lower layers only.
 FOLDER_LAYERS = (
-    ("parallel", "attention", "tokenizer"),  # the split and its collectives; attention kernels; text <-> ids
+    ("parallel", "tokenizer", "hardware", "kv"),  # the split and its collectives; text <-> ids; CPU/GPU probes
+    # and kernel timing; the KV store, its blocks and the prefix cache
+    ("attention",),  # attention kernels over the paged KV cache
     ("models",),  # the decoder's torch modules, sharded as parallel/ says
     ("loader",),  # files -> config, tokenizer and weights -> a model
-    ("ranks",),  # the processes of a replica that spans several: driver side and each rank
+    ("decoding",),  # sampling, speculation and its proposers, structured output's grammars
+    ("runner",),  # the executors and the model runner; the processes of a replica that spans several (ranks/)
+    ("core",),  # the engine, its scheduler and KV cache manager, its output processing
 )
 
 
@@ -150,8 +154,8 @@ def _folder_edges() -> dict[tuple[str, str], list[str]]:
 def test_the_graph_sees_the_engine():
     """Guards the other tests against passing vacuously: the parser finds imports it must find."""
     graph = _graph(module_level_only=False)
-    assert "tandem.engine.ranks.executor" in graph["tandem.engine.llm_engine"]  # imported inside a function
-    assert "tandem.engine.scheduler_output" in graph["tandem.engine.scheduler"]
+    assert "tandem.engine.runner.ranks.executor" in graph["tandem.engine.runner.builder"]  # imported inside a function
+    assert "tandem.engine.scheduler_output" in graph["tandem.engine.core.scheduler"]
     assert _find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
 
 
@@ -198,6 +202,8 @@ def test_parallel_imports_nothing_else_from_the_engine():
     assert not imports, "\n".join(imports)
 
 
-def test_only_llm_engine_starts_ranks():
-    importers = sorted({a for a, b in _folder_edges() if b == "ranks"})
-    assert importers == ["llm_engine"]
+def test_only_the_builder_starts_ranks():
+    ranks = PACKAGE + ".runner.ranks"
+    importers = sorted(_short(a) for a, targets in _graph(module_level_only=False).items()
+                       if not a.startswith(ranks) and any(b.startswith(ranks) for b in targets))
+    assert importers == ["runner.builder"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tandem.engine.generator import Generator
+from tandem.engine.core.generator import Generator
 from tandem.engine.loader import load_model
 from tandem.engine.sampling_params import SamplingParams
 from tests.engine.tiny_models import CONFIGS, write_tiny_model

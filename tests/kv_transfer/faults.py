@@ -7,12 +7,12 @@ import time
 from dataclasses import dataclass, field
 
 
+from tandem.engine.core.llm_engine import LLMEngine
 from tandem.engine.engine_config import EngineConfig
-from tandem.engine.llm_engine import LLMEngine
 from tandem.engine.sampling_params import SamplingParams
 from tandem.kv_transfer.agent import KVTransferAgent
-from tandem.kv_transfer.config import TransferConfig
 from tandem.kv_transfer.agent_factory import AgentFactory
+from tandem.kv_transfer.config import TransferConfig
 from tandem.kv_transfer.connector import HOLD_GRACE_S, DecodeConnector, PrefillConnector, first_token_of
 from tandem.kv_transfer.descriptor import TransferState
 from tandem.kv_transfer.fake_transport import Fabric

@@ -11,7 +11,7 @@ from typing import Callable
 import torch
 
 from tandem.engine.attention.kv_quant import convert_blocks
-from tandem.engine.kv_cache import KV_STORAGE, KVCacheSpec, PagedKVCache
+from tandem.engine.kv.kv_cache import KV_STORAGE, KVCacheSpec, PagedKVCache
 from tandem.engine.parallel.layout import ParallelConfig, ReplicaLayout
 from tandem.kv_transfer.agent import KVTransferAgent
 from tandem.kv_transfer.config import TransferConfig

@@ -11,8 +11,8 @@ import signal
 
 import pytest
 
+from tandem.engine.core.llm_engine import LLMEngine
 from tandem.engine.engine_config import EngineConfig
-from tandem.engine.llm_engine import LLMEngine
 from tandem.engine.sampling_params import SamplingParams
 from tandem.kv_transfer.descriptor import TransferState
 from tests.kv_transfer.faults import EnginePair, LayerTap, start_child_side

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from tandem.engine.kv_cache import KVCacheSpec, PagedKVCache
+from tandem.engine.kv.kv_cache import KVCacheSpec, PagedKVCache
 from tandem.engine.parallel.layout import ParallelConfig
 from tandem.kv_transfer.agent import KVTransferAgent
 from tandem.kv_transfer.config import TransferConfig

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tandem.engine.attention.kv_quant import convert_blocks, scales_of
-from tandem.engine.kv_cache import KV_STORAGE
+from tandem.engine.kv.kv_cache import KV_STORAGE
 from tandem.engine.parallel.layout import ParallelConfig
 from tandem.kv_transfer.config import TransferConfig
 from tandem.kv_transfer.descriptor import KVFormat

@@ -8,8 +8,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from tandem.engine.core.llm_engine import LLMEngine
 from tandem.engine.engine_config import EngineConfig
-from tandem.engine.llm_engine import LLMEngine
 from tandem.engine.loader import load_model
 from tandem.engine.parallel import ParallelConfig
 from tandem.engine.sampling_params import SamplingParams

@@ -14,7 +14,7 @@ import pytest
 
 from tandem.replica import contract
 from tandem.replica.remote import RemoteDecodeReplica, RemotePrefillReplica, remote_replica
-from tandem.router.mock_replicas import MockDecode, MockPrefill
+from tandem.router.mocks.replicas import MockDecode, MockPrefill
 
 
 def _protocol_methods(protocol) -> dict[str, typing.Callable]:
@@ -95,7 +95,7 @@ def test_the_router_imports_no_torch():
     plane hands it the replicas (importing torch there cost a replacement router seconds before it served)."""
     modules = ["tandem.router.serving", "tandem.router.lifecycle", "tandem.router.replicas",
                "tandem.router.http_service", "tandem.router.grpc_service", "tandem.router.router_actor",
-               "tandem.router.mock_replicas", "tandem.replica.contract", "tandem.replica.remote",
+               "tandem.router.mocks.replicas", "tandem.replica.contract", "tandem.replica.remote",
                "tandem.prefill_worker.replica", "tandem.decode_worker.replica"]
     code = ("import sys\n" + "".join(f"import {m}\n" for m in modules)
             + "from tandem.router.router_actor import RouterActor\n"
@@ -121,7 +121,7 @@ class _Recorder:
 def test_each_stream_call_opens_the_method_it_stands_for_with_every_field():
     """What crosses the token channel (and the Ray streaming call) is a typed StreamCall, never a method name:
     each opens its Protocol method by reference, passing every field."""
-    from tandem.engine.resume import ResumeState
+    from tandem.engine.core.resume import ResumeState
     from tandem.engine.sampled_token import SampledToken
     from tandem.engine.sampling_params import SamplingParams
     from tandem.replica.shell import ReplicaShell

@@ -18,7 +18,7 @@ from tandem.router.auth import Authenticator
 from tandem.router.http_service import build_app
 from tandem.router.driver_settings import DriverSettings
 from tandem.router.lifecycle import RequestDriver
-from tandem.router.mock_replicas import MockDecode
+from tandem.router.mocks.replicas import MockDecode
 from tandem.router.replicas import Replica
 from tandem.router.request_parsing import ModelFacts
 from tandem.router.serving import Serving

@@ -25,8 +25,8 @@ from tandem.router.http_service import build_app, start_http_server
 from tandem.router.driver_settings import DriverSettings
 from tandem.router.lifecycle import RequestDriver
 from tandem.router.limits import AdmissionSettings, ServingLimits
-from tandem.router.mock_batching import BatchedDecode, StepCosts
-from tandem.router.mock_replicas import MockDecode
+from tandem.router.mocks.batching import BatchedDecode, StepCosts
+from tandem.router.mocks.replicas import MockDecode
 from tandem.router.replicas import Replica
 from tandem.router.request_parsing import ModelFacts, ParsedRequest
 from tandem.router.serving import DeadlineExceeded, Serving

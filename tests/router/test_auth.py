@@ -11,7 +11,7 @@ from pydantic import ValidationError
 from tandem.cluster.manifest import ApiKey, AuthSettings
 from tandem.cluster.manifest_checks import check_manifest, validate_file
 from tandem.cluster.manifest_yaml import ManifestInvalid, line_map, parse_manifest, read_yaml
-from tandem.engine.prefix_cache import block_hashes
+from tandem.engine.kv.prefix_cache import block_hashes
 from tandem.router.auth import Authenticator, Unauthenticated, cache_salt_for
 
 KEYS = {"sk-acme-0123456789": "acme", "sk-globex-9876543210": "globex"}

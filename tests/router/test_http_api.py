@@ -23,7 +23,7 @@ from tandem.router.lifecycle import RequestDriver
 from tandem.router.replicas import Replica
 from tandem.router.request_parsing import ModelFacts
 from tandem.router.serving import Serving
-from tandem.router.mock_replicas import DyingDecode, MockDecode, MockPrefill, token_for
+from tandem.router.mocks.replicas import DyingDecode, MockDecode, MockPrefill, token_for
 
 MODEL = "SmolLM2-135M-Instruct"
 KEYS = {"sk-acme-0123456789": "acme", "sk-beta-0123456789": "beta"}

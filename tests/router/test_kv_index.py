@@ -9,7 +9,7 @@ import pytest
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from tandem.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from tandem.engine.kv.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from tandem.router.kv_index import PrefixIndex
 
 TTL = 5.0

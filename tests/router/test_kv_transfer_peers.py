@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import asyncio
 
-from tandem.engine.speculation import SpeculationStats
+from tandem.engine.decoding.speculation import SpeculationStats
 from tandem.kv_transfer.drops import MessageDrops
 from tandem.router.driver_settings import DriverSettings
 from tandem.router.lifecycle import RequestDriver
 from tandem.router.metrics import RouterMetrics
-from tandem.router.mock_replicas import MockDecode, MockPrefill
+from tandem.router.mocks.replicas import MockDecode, MockPrefill
 from tandem.router.replicas import Replica
 from tests.router.test_lifecycle import collect, request
 

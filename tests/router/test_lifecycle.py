@@ -11,12 +11,12 @@ import pytest
 
 from tandem.engine.sampling_params import SamplingParams
 from tandem.kv_transfer.descriptor import TransferState
-from tandem.router.grpc_service import status_for
 from tandem.router.driver_settings import DriverSettings
+from tandem.router.grpc_service import status_for
 from tandem.router.lifecycle import RequestDriver
+from tandem.router.mocks.replicas import MockDecode, MockPrefill, token_for
 from tandem.router.replicas import NoCapacityError, NoReplicaError, Replica
 from tandem.router.request_parsing import InvalidRequest, ParsedRequest
-from tandem.router.mock_replicas import MockDecode, MockPrefill, token_for
 
 PROMPT = (5, 6, 7, 8)
 
@@ -137,7 +137,7 @@ def test_an_empty_pool_is_unavailable():
 def test_status_codes_for_each_failure():
     from ray.exceptions import RayActorError
 
-    from tandem.engine.scheduler import RequestRejectedError
+    from tandem.engine.core.scheduler import RequestRejectedError
 
     assert status_for(InvalidRequest("x", "NOT_FOUND"))[0] is grpc.StatusCode.NOT_FOUND
     assert status_for(RequestRejectedError("too long"))[0] is grpc.StatusCode.INVALID_ARGUMENT
@@ -166,8 +166,8 @@ def test_cancelling_a_queued_request_leaves_the_queue_and_holds_nothing():
 
 def test_a_replica_that_dies_mid_stream_is_unavailable_without_migrations_and_no_longer_routed_to():
     """With max_migrations=0 (tests/router/test_migration.py covers the default, where the stream moves on)."""
+    from tandem.router.mocks.replicas import DyingDecode
     from tandem.router.replicas import ReplicaLostError
-    from tandem.router.mock_replicas import DyingDecode
 
     dying, healthy = DyingDecode("decode-0", after=2), MockDecode("decode-1")
     d = driver([MockPrefill("prefill-0")], [dying, healthy], max_migrations=0)
@@ -186,7 +186,7 @@ def test_a_replica_that_dies_mid_stream_is_unavailable_without_migrations_and_no
 
 
 def test_a_replica_found_dead_while_reserving_leaves_the_pool():
-    from tandem.router.mock_replicas import DyingDecode
+    from tandem.router.mocks.replicas import DyingDecode
 
     d = driver([MockPrefill("prefill-0")], [DyingDecode("decode-0", after=-1)])
     with pytest.raises(Exception, match="decode-0 died"):

@@ -23,7 +23,7 @@ from tandem.router.http_service import build_app, start_http_server
 from tandem.router.driver_settings import DriverSettings
 from tandem.router.lifecycle import RequestDriver
 from tandem.router.limits import PriorityRange, RequestLimits, ServingLimits, TenantLimits
-from tandem.router.mock_replicas import MockDecode
+from tandem.router.mocks.replicas import MockDecode
 from tandem.router.replicas import Replica
 from tandem.router.serving import Serving
 

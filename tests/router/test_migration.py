@@ -11,14 +11,14 @@ import asyncio
 import grpc
 import pytest
 
-from tandem.engine.resume import ResumeState
+from tandem.engine.core.resume import ResumeState
 from tandem.engine.sampling_params import SamplingParams
-from tandem.router.grpc_service import status_for
 from tandem.router.driver_settings import DriverSettings
+from tandem.router.grpc_service import status_for
 from tandem.router.lifecycle import Progress, RequestDriver
 from tandem.router.migration import Replay, seeded
-from tandem.router.mock_batching import BatchedDecode, StepCosts
-from tandem.router.mock_replicas import DyingDecode, DyingPrefill, MockDecode, MockPrefill, token_for
+from tandem.router.mocks.batching import BatchedDecode, StepCosts
+from tandem.router.mocks.replicas import DyingDecode, DyingPrefill, MockDecode, MockPrefill, token_for
 from tandem.router.replicas import Replica, ReplicaLostError
 from tandem.router.request_parsing import ParsedRequest
 from tandem.router.serving import error_code
@@ -237,7 +237,7 @@ def test_seeded_gives_a_seed_only_to_unseeded_single_sample_requests():
 
 
 def test_replay_records_what_the_client_got_and_bounds_moves():
-    from tandem.engine.output_processor import RequestOutput
+    from tandem.engine.core.output_processor import RequestOutput
 
     def out(rid, tokens, index=0, cached=0):
         return RequestOutput(rid, index, tuple(tokens), "", None, None, 4, cached, False)

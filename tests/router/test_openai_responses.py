@@ -7,7 +7,7 @@ import openai.types
 import pytest
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-from tandem.engine.output_processor import RequestOutput, TokenLogprob
+from tandem.engine.core.output_processor import RequestOutput, TokenLogprob
 from tandem.router.openai_responses import ResponseBuilder, models_body
 
 VOCAB = {1: "Hello", 2: ",", 3: " wor", 4: "ld", 5: "é", 6: "!", 7: " there"}

@@ -1,4 +1,4 @@
-"""Routing over the mock engine (router/mock_replicas.py) with 3-4 replicas per pool: the real request
+"""Routing over the mock engine (router/mocks/replicas.py) with 3-4 replicas per pool: the real request
 driver, routing, prefix index and KV feed, with replicas whose prefix caches hash and publish events as the
 engine's do. The feed is polled by hand between requests, so every test is deterministic."""
 
@@ -9,15 +9,15 @@ import random
 
 import pytest
 
-from tandem.engine.kv_events import KVEventLog
+from tandem.engine.kv.kv_events import KVEventLog
 from tandem.engine.sampling_params import SamplingParams
 from tandem.router.auth import cache_salt_for
 from tandem.router.driver_settings import DriverSettings
 from tandem.router.lifecycle import RequestDriver
+from tandem.router.mocks.replicas import MockDecode, MockPrefill
 from tandem.router.replicas import Replica
 from tandem.router.request_parsing import ParsedRequest
 from tandem.router.routing import RoutingSettings
-from tandem.router.mock_replicas import MockDecode, MockPrefill
 
 SYSTEM = {g: tuple(range(1000 * g, 1000 * g + 160)) for g in range(4)}  # 4 system prompts of 10 blocks
 
@@ -117,7 +117,7 @@ def test_routing_recovers_after_the_holder_leaves_the_pool():
 
 
 def index_hashes(tokens) -> list[int]:
-    from tandem.engine.prefix_cache import block_hashes
+    from tandem.engine.kv.prefix_cache import block_hashes
 
     return block_hashes(tokens, 16)
 

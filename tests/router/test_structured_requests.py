@@ -1,7 +1,8 @@
 """Structured output at the front doors: response_format and vLLM's structured_outputs in OpenAI bodies, the
 gRPC field they map to, and the router refusing a constraint the compiler rejects (400 / INVALID_ARGUMENT with the
 compiler's message) before any replica sees it. The constraint's effect on the model's output is tested in
-tests/engine/test_structured_output.py and, through the whole cluster, tests/cluster/test_structured_cluster.py."""
+tests/engine/decoding/test_structured_output.py and, through the whole cluster,
+tests/cluster/test_structured_cluster.py."""
 
 from __future__ import annotations
 
@@ -14,11 +15,11 @@ from tandem.engine.loader import load_model
 from tandem.engine.structured_output import StructuredOutput
 from tandem.proto.v1 import tandem_pb2 as pb
 from tandem.router.client import build_request
+from tandem.router.mocks.replicas import MockDecode, MockPrefill
 from tandem.router.openai_bodies import ChatCompletionRequest, CompletionRequest, parse_body
 from tandem.router.openai_errors import OpenAIError
 from tandem.router.openai_requests import chat_request, completion_requests
 from tandem.router.request_parsing import InvalidRequest, ModelFacts, parse_request
-from tandem.router.mock_replicas import MockDecode, MockPrefill
 from tests.router.test_http_api import Server
 
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}

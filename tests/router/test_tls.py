@@ -34,7 +34,7 @@ from tandem.router.grpc_service import TandemServicer, start_grpc_server
 from tandem.router.http_service import build_app, start_http_server
 from tandem.router.driver_settings import DriverSettings
 from tandem.router.lifecycle import RequestDriver
-from tandem.router.mock_replicas import MockDecode, MockPrefill, token_for
+from tandem.router.mocks.replicas import MockDecode, MockPrefill, token_for
 from tandem.router import router_actor
 from tandem.router.replicas import Replica
 from tandem.router.serving import Serving

@@ -10,7 +10,7 @@ import re
 import jsonschema
 import pytest
 
-from tandem.engine.output_processor import RequestOutput
+from tandem.engine.core.output_processor import RequestOutput
 from tandem.router.openai_bodies import ChatCompletionRequest, parse_body
 from tandem.router.openai_errors import OpenAIError
 from tandem.router.openai_requests import chat_request
@@ -164,7 +164,7 @@ def test_auto_through_the_api_for_a_hermes_template_and_a_400_for_the_embedded_m
     import openai
 
     from tandem.engine.tokenizer import Tokenizer
-    from tandem.router.mock_replicas import MockDecode, MockPrefill
+    from tandem.router.mocks.replicas import MockDecode, MockPrefill
     from tests.router.test_http_api import Server, embedded
 
     messages = [{"role": "user", "content": "Weather in Oslo?"}]

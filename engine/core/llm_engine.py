@@ -1,0 +1,283 @@
+"""One engine replica in one process: the scheduler, the model runner and the output processor, stepped.
+
+A step: the scheduler picks the batch (scheduler.py), the runner computes and samples it, the scheduler applies
+the result (tokens, stop tokens, lengths, caching), the output processor turns tokens into text deltas and
+catches stop strings. add_request validates at once and raises before anything is queued; abort_request frees
+the request's blocks immediately. This class is synchronous; engine/core/async_engine.py runs it on a thread.
+
+The model runs behind an Executor (engine/runner/executor.py, built by engine/runner/builder.py): in this
+process, or with a ParallelConfig of more than one rank in separate processes (engine/runner/ranks/, split as
+engine/parallel/layout.py says) while the scheduler stays here.
+Every rank's KV cache has the same number of blocks (block ids are global), each holding only that rank's layers
+and KV heads. Call shutdown() (or use the engine as a context manager) to stop the ranks.
+
+KV transfer (kv_transfer/, a layer above) plugs in through `kv_agent`: a picklable factory
+`(rank, layout, kv_cache) -> agent` called beside every rank's KV store (in the rank's process); a factory with
+a store_memory(device) method says where each rank's CPU KV store lives (store_memory_of).
+hold_blocks_after(request_id, key) keeps a request's blocks allocated after it ends or is preempted, until
+release_held_blocks(key): a prefill replica whose same-host peers read KV straight from its store needs
+them to outlive the request until the peer has read them. The runner calls
+the agent's on_layers_done(layer, tables) after each layer of a step that completes prompts, and
+call_kv_agents(fn, args_by_rank) runs fn(agent, *args) beside each named rank's agent (fn: a picklable callable
+such as an unbound agent method, never a method name). reserve_for_transfer() and admit_transferred() are the
+decode side's way in: blocks held for a prompt whose KV another replica computes, then the request continued
+from its first token. add_request(..., resume=ResumeState) continues a request another replica started (the
+router's migration after a replica died; engine/core/resume.py).
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from dataclasses import dataclass
+from typing import Callable, Mapping, Sequence as Seq, TypeVar
+
+from tandem.engine.core.kv_cache_manager import KVCacheManager
+from tandem.engine.core.output_processor import OutputProcessor, RequestOutput
+from tandem.engine.core.resume import ResumeState
+from tandem.engine.core.scheduler import RequestRejectedError, Scheduler, SchedulerConfig, SchedulerStats
+from tandem.engine.decoding.grammar import GrammarBackend
+from tandem.engine.decoding.speculation import SpeculationStats, Speculator
+from tandem.engine.engine_config import EngineConfig
+from tandem.engine.hardware.device import RankPlacement
+from tandem.engine.kv.kv_cache import kv_storage_dtype
+from tandem.engine.kv.kv_events import KVEventSink, discard_events
+from tandem.engine.loader.model_loader import LoadedModel
+from tandem.engine.parallel.layout import ParallelConfig, ReplicaLayout
+from tandem.engine.request import RequestStatus, Sequence, token_stop_status
+from tandem.engine.runner.builder import ExecutorRequest, KVAgentFactory, build_executor
+from tandem.engine.sampled_token import SampledToken
+from tandem.engine.sampling_params import SamplingParams
+
+__all__ = ["EngineStats", "KVAgentFactory", "LLMEngine", "RequestRejectedError"]
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class EngineStats(SchedulerStats):
+    num_steps: int = 0
+
+
+class LLMEngine:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig = EngineConfig(), *,
+                 event_sink: KVEventSink = discard_events, parallel: ParallelConfig = ParallelConfig(),
+                 kv_agent: KVAgentFactory | None = None, rank_gpus: Seq[str] | None = None,
+                 rank_cpus: Seq[tuple[int, ...]] | None = None):
+        """loaded.model may be None (weights=False) when parallel spans more than one rank. rank_gpus: each
+        rank's CUDA_VISIBLE_DEVICES (None: the ranks inherit this process's and rank r takes cuda:r). rank_cpus:
+        each rank's host CPUs, in rank order, which its process pins itself to (None: the ranks inherit this
+        process's). Like rank_gpus it is ignored for one rank, which computes in this process: its owner pins
+        that (replica/spec.py). Raises ValueError for a split the model cannot take, a KV budget that buys no block
+        or a rank_cpus of the wrong length, ReplicaFailedError if a rank fails to start (also for CPUs the host
+        does not offer)."""
+        self.loaded = loaded
+        self.config = config
+        self.tokenizer = loaded.tokenizer
+        model_config = loaded.config
+        max_len = config.max_model_len or model_config.max_position_embeddings
+        if max_len > model_config.max_position_embeddings:
+            raise ValueError(f"max_model_len {max_len} exceeds the model's context "
+                             f"({model_config.max_position_embeddings})")
+        self.layout = ReplicaLayout.build(parallel, num_layers=model_config.num_layers,
+                                          num_heads=model_config.num_heads, num_kv_heads=model_config.num_kv_heads,
+                                          num_experts=model_config.num_experts)
+        self.kv_dtype = kv_storage_dtype(config.kv_cache_dtype, loaded.dtype)
+        request = ExecutorRequest(loaded, config, self.layout, parallel, self.kv_dtype, kv_agent, rank_gpus, rank_cpus)
+        built = build_executor(request)
+        self.executor = built.executor
+        self.kv_cache_spec = request.replica_spec(self.executor.num_kv_blocks)
+        self.has_kv_agents = kv_agent is not None
+        self.kv_manager = KVCacheManager(self.executor.num_kv_blocks, config.block_size,
+                                         enable_prefix_caching=config.enable_prefix_caching, event_sink=event_sink)
+        self.scheduler = Scheduler(
+            SchedulerConfig(max_model_len=max_len, max_num_batched_tokens=config.max_num_batched_tokens,
+                            max_num_seqs=config.max_num_seqs, enable_chunked_prefill=config.enable_chunked_prefill),
+            self.kv_manager, frozenset(self.tokenizer.eos_token_ids),
+            Speculator(config.speculative, built.proposer) if config.speculative is not None else None)
+        self.outputs = OutputProcessor(self.tokenizer)
+        self.vocab_size = model_config.vocab_size
+        self.grammars = GrammarBackend(self.tokenizer, self.vocab_size)  # refuses a bad constraint at add_request
+        self.num_steps = 0
+        self._arrivals = 0
+
+    @property
+    def rank_placements(self) -> tuple[RankPlacement, ...]:
+        """Where each rank runs (its process, device, CPUs, attention kernels and decode step), in rank order."""
+        return self.executor.placements
+
+    @property
+    def max_model_len(self) -> int:
+        return self.scheduler.config.max_model_len
+
+    def validate(self, prompt_token_ids: Seq[int], params: SamplingParams, resume: ResumeState | None = None) -> None:
+        """Raises ValueError / RequestRejectedError with a message for a request that cannot be served (resume:
+        see add_request). Pure: usable from another thread before queueing the request."""
+        if resume is not None:
+            resume.check(params, self.vocab_size)
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty")
+        if (bad := next((t for t in prompt_token_ids if not 0 <= t < self.vocab_size), None)) is not None:
+            raise ValueError(f"prompt token id {bad} is outside the vocabulary (0..{self.vocab_size - 1})")
+        params.check_vocab(self.vocab_size)
+        if params.structured is not None:  # raises InvalidStructuredOutput (a ValueError) with the compiler's message
+            grammar = self.grammars.compile(params.structured)
+            if resume is not None:  # the delivered tokens must fit the grammar they were sampled under
+                grammar.matcher(resume.output_token_ids)
+        # Before any per-sample work (the seeds below): n is the client's number.
+        self.scheduler.check_admissible(len(prompt_token_ids), params.max_tokens, params.n)
+
+    def add_request(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams, *,
+                    priority: int = 0, cache_salt: str | None = None, resume: ResumeState | None = None) -> None:
+        """Queues a request. Raises ValueError (bad input, duplicate id) or RequestRejectedError (can never
+        fit); nothing is queued then. A request without a seed gets a random one, so its output still does
+        not depend on the batch it lands in or on preemption.
+
+        resume: the request continues a run another replica started (a migrated request, engine/core/resume.py):
+        its sequence starts with resume.output_token_ids as outputs (prefilled with the prompt; they count for
+        max_tokens and penalties, and the sampler's step continues after them), draws with resume.seed, and its
+        outputs start with the token after them, the text delta included (the output processor is primed);
+        num_prompt_tokens stays the prompt's. Raises ValueError also for n > 1 and for delivered tokens that
+        already end the request (max_tokens, a stop token or stop string)."""
+        seq = self._sequence(request_id, prompt_token_ids, params, priority, cache_salt, resume)
+        primed = {seq.seq_id: self.outputs.primed(seq)} if resume is not None else None
+        self.scheduler.add(seq)
+        self._arrivals += 1
+        self.outputs.add_request(request_id, params.n, primed=primed)
+
+    def _sequence(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams, priority: int,
+                  cache_salt: str | None, resume: ResumeState | None = None) -> Sequence:
+        self.validate(prompt_token_ids, params, resume)
+        if resume is not None and resume.seed is not None:
+            seeds = [resume.seed]  # n == 1 (validated)
+        elif params.seed is not None:
+            seeds = [params.seed + i for i in range(params.n)]
+        else:
+            seeds = [secrets.randbits(63) for _ in range(params.n)]
+        seq = Sequence(f"{request_id}#0", request_id, 0, tuple(int(t) for t in prompt_token_ids), params,
+                       seeds[0], priority, self._arrivals, cache_salt, self.config.block_size,
+                       fork_seeds=tuple(seeds[1:]))
+        if resume is not None and resume.output_token_ids:
+            seq.resume(resume.output_token_ids)
+            if token_stop_status(seq, self.scheduler.eos_token_ids, self.max_model_len) is not None:
+                raise ValueError("the delivered tokens already end the request (a stop token or the context "
+                                 "length): there is nothing to resume")
+        return seq
+
+    def reserve_for_transfer(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams, *,
+                             priority: int = 0, cache_salt: str | None = None) -> tuple[int, ...] | None:
+        """Holds KV blocks for the prompt of a request whose prompt KV another replica computes (decode side of
+        disaggregation). Returns the block ids (the same on every rank, in token order), or None when there is
+        no room now (nothing is held; retry later or on another replica). The request then waits, never
+        scheduled, until admit_transferred() or abort_request(). Raises like add_request, and ValueError for
+        n > 1. params.seed must be the one the prefill replica sampled the first token with for the output to
+        match a colocated run."""
+        blocks = self.scheduler.reserve(self._sequence(request_id, prompt_token_ids, params, priority, cache_salt))
+        if blocks is not None:
+            self._arrivals += 1
+            self.outputs.add_request(request_id, params.n)
+        return blocks
+
+    def admit_transferred(self, request_id: str, first: SampledToken) -> list[RequestOutput]:
+        """Continues a reserved request whose prompt KV has fully arrived, with `first` (the token the prefill
+        replica drew) as its first output token. Returns that token's output (the request may finish on
+        it). Raises KeyError if the request holds no reservation."""
+        update = self.scheduler.admit_transferred(request_id, first)
+        output, hit_stop_string = self.outputs.process(update)
+        if hit_stop_string and update.status is None:
+            self.scheduler.finish(update.seq, RequestStatus.FINISHED_STOPPED)
+        return [output]
+
+    def call_kv_agents(self, fn: Callable[..., T], args_by_rank: Mapping[int, tuple]) -> dict[int, T]:
+        """Runs fn(agent, *args) on the KV transfer agent of each rank in args_by_rank, in that rank's process;
+        returns the results by rank. fn and args must pickle when the ranks are separate processes (a
+        module-level function or an unbound method such as KVTransferAgent.expect). An exception fn raises is
+        raised here. Raises ValueError if the engine was built without kv_agent, and ReplicaFailedError if a
+        rank fails."""
+        if not self.has_kv_agents:
+            raise ValueError("this engine was built without a KV transfer agent (LLMEngine(kv_agent=...))")
+        return self.executor.call_agents(fn, args_by_rank)
+
+    def hold_blocks_after(self, request_id: str, key: str) -> None:
+        """From now on, blocks the request frees (when it ends, is aborted or preempted) stay allocated, held
+        under key, until release_held_blocks(key)."""
+        self.scheduler.hold_after[request_id] = key
+
+    def release_held_blocks(self, key: str) -> int:
+        """Stops holding under key and frees the blocks held (as the request's end would have). Returns how many
+        holds ended."""
+        for request_id in [r for r, k in self.scheduler.hold_after.items() if k == key]:
+            del self.scheduler.hold_after[request_id]
+        return self.scheduler.kv.release(key)
+
+    def abort_request(self, request_id: str) -> list[RequestOutput]:
+        """Ends a request now, freeing its blocks; returns its final outputs (empty for an unknown or finished id)."""
+        return self.outputs.aborted(self.scheduler.abort_request(request_id))
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def has_schedulable_requests(self) -> bool:
+        """Whether step() has work: requests waiting or running (not those parked until their KV arrives)."""
+        return self.scheduler.has_schedulable()
+
+    def step(self) -> list[RequestOutput]:
+        """Runs one scheduler step and returns the outputs it produced (possibly none, e.g. mid-prefill): one per
+        sample that got tokens (a speculating sample may get several in one output)."""
+        start = time.perf_counter()
+        schedule = self.scheduler.schedule()
+        result = self.executor.execute_step(schedule)
+        updates = self.scheduler.update(schedule, result)
+        outputs: dict[str, RequestOutput] = {}
+        emitted = len(updates)
+        for update in updates:
+            seq_id = update.seq.seq_id
+            if seq_id in outputs and outputs[seq_id].finish_reason is not None:
+                continue  # its text hit a stop string on an earlier token of this step
+            output, hit_stop_string = self.outputs.process(update)
+            if hit_stop_string and update.status is None:
+                self.scheduler.finish(update.seq, RequestStatus.FINISHED_STOPPED)
+            outputs[seq_id] = output if seq_id not in outputs else outputs[seq_id].followed_by(output)
+        if not schedule.is_empty:
+            self.num_steps += 1
+            speculator = self.scheduler.speculator
+            if speculator is not None and not schedule.forks and all(
+                    n == 1 + len(schedule.spec_tokens.get(i, ())) for i, n in schedule.num_scheduled_tokens.items()):
+                speculator.step_timed(len(schedule.num_scheduled_tokens), schedule.total_num_scheduled_tokens,
+                                      emitted, time.perf_counter() - start, bool(schedule.spec_tokens))
+        if self.config.check_integrity:
+            self.scheduler.check_integrity()
+        return list(outputs.values())
+
+    def speculation_stats(self) -> SpeculationStats | None:
+        """What speculative decoding proposed and got accepted here; None when the engine does not speculate."""
+        speculator = self.scheduler.speculator
+        return speculator.stats() if speculator is not None else None
+
+    def stats(self) -> EngineStats:
+        return EngineStats(**vars(self.scheduler.stats()), num_steps=self.num_steps)
+
+    def cached_block_hashes(self) -> tuple[int, ...]:
+        """The hashes of every block in the prefix cache now (engine thread only)."""
+        return self.scheduler.kv.cache.hashes()
+
+    def check_integrity(self) -> None:
+        self.scheduler.check_integrity()
+
+    def dead_ranks(self) -> list[str]:
+        """The rank processes of a multi-process replica that have exited, described (safe from any thread)."""
+        return self.executor.dead_ranks()
+
+    def ranks_alive(self) -> list[bool]:
+        """Whether each rank's process runs (one rank in this process: it does). Safe from any thread."""
+        return self.executor.ranks_alive()
+
+    def shutdown(self) -> None:
+        """Stops the ranks of a multi-process replica, or this process's KV transfer agent. Idempotent."""
+        self.executor.shutdown()
+
+    def __enter__(self) -> LLMEngine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()

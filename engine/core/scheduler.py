@@ -1,0 +1,402 @@
+"""Iteration-level scheduler: every step, one batch under a token budget and a sequence cap.
+
+Order within a step:
+  1. running sequences that are decoding (one token each), then running sequences still prefilling (a chunk
+     each, as much as the budget leaves), each group by priority (lower value first), then arrival;
+  2. if nobody had to be preempted in (1), waiting sequences in the same order, each with its prefix-cache
+     hit taken first, while blocks, budget and the sequence cap allow. The head of the queue blocks the rest,
+     so a large high-priority prompt is not starved by small later ones.
+When a running sequence cannot get a block, the running sequence with the worst (priority, arrival) gives all
+its blocks back (preemption by recompute) and waits again; it may be the one asking.
+
+With a Speculator (engine/decoding/speculation.py), decoding sequences may also compute proposed tokens: the speculator
+picks them before (1), each such sequence is scheduled for 1 + its proposals (proposals are dropped first when
+blocks or the budget run short), and update() advances it by the tokens accepted only (its computed count, its
+prefix-cache hashes and its tokens never see a rejected proposal) and gives back the blocks that held only
+rejected ones.
+
+A sequence whose prompt KV arrives by transfer (disaggregated decode) skips the queue: reserve() gives it
+blocks for the whole prompt at once and parks it in WAITING_FOR_KV, where it is never scheduled nor preempted;
+admit_transferred() then makes it RUNNING with its prompt computed and its first token (sampled by the prefill
+replica) appended, so its next step is an ordinary decode.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from tandem.engine.core.kv_cache_manager import Allocation, KVCacheManager
+from tandem.engine.errors import TandemError
+from tandem.engine.request import RequestStatus, Sequence, token_stop_status
+from tandem.engine.sampled_token import SampledToken
+from tandem.engine.scheduler_output import (CachedSequenceData, ForkData, NewSequenceData, RunnerOutput,
+                                            SchedulerOutput)
+
+if TYPE_CHECKING:
+    from tandem.engine.decoding.speculation import Speculator
+
+
+class RequestRejectedError(TandemError, ValueError):
+    """A request that can never be served with this engine's limits (context length, KV pool size)."""
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Limits of one step. Tokens are counted over the whole batch (prefill chunks + decodes)."""
+
+    max_model_len: int
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 128
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("max_model_len", "max_num_batched_tokens", "max_num_seqs"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(f"without chunked prefill max_num_batched_tokens ({self.max_num_batched_tokens}) "
+                             f"must be at least max_model_len ({self.max_model_len}) to fit a whole prompt")
+
+
+@dataclass(frozen=True)
+class SeqUpdate:
+    """One sequence's new token after a step; status is its finished status when this token ended it."""
+
+    seq: Sequence
+    sampled: SampledToken
+    status: RequestStatus | None
+
+
+@dataclass(frozen=True)
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    num_blocks_total: int
+    num_blocks_in_use: int
+    num_blocks_cached: int  # blocks holding a registered prefix (in use or parked)
+    kv_usage: float  # in-use blocks / total
+    prefix_hit_rate: float  # prompt tokens served from cache / prompt tokens looked up, at first scheduling
+    num_preemptions: int
+    num_prompt_tokens_queried: int
+    num_prompt_tokens_cached: int
+    num_tokens_computed: int  # tokens the model computed (prefill chunks + decodes)
+    num_waiting_for_kv: int = 0  # sequences holding reserved blocks until their KV arrives
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, eos_token_ids: frozenset[int] = frozenset(),
+                 speculator: Speculator | None = None):
+        self.config = config
+        self.speculator = speculator
+        self.kv = kv
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.waiting: list[Sequence] = []  # sorted by sort_key
+        self.running: list[Sequence] = []
+        self.reserved: dict[str, Sequence] = {}  # WAITING_FOR_KV, by seq id
+        self.hold_after: dict[str, str] = {}  # request id -> the key its blocks are held under when freed
+        self.seqs: dict[str, Sequence] = {}
+        self._by_request: dict[str, list[str]] = {}
+        self._dropped: set[str] = set()  # runner state to forget at the next step
+        self._resend: set[str] = set()  # sequences the runner must get in full at their next scheduling
+        self._trimmed: set[str] = set()  # sequences whose block table shrank: the runner gets the whole table next
+        self.num_preemptions = 0
+        self.num_prompt_tokens_queried = 0
+        self.num_prompt_tokens_cached = 0
+        self.num_tokens_computed = 0
+
+    # -- requests in and out ---------------------------------------------------------------------------
+
+    def check_admissible(self, num_prompt_tokens: int, max_tokens: int, n: int = 1) -> None:
+        """Raises RequestRejectedError if a request of this size (n samples) can never run, however idle the
+        engine. Cheap: callers check before they build anything per sample."""
+        if n > self.config.max_num_seqs:
+            raise RequestRejectedError(f"n={n} samples exceed max_num_seqs ({self.config.max_num_seqs})")
+        total = num_prompt_tokens + max_tokens
+        if total > self.config.max_model_len:
+            raise RequestRejectedError(
+                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} exceeds the maximum "
+                f"context length {self.config.max_model_len}; shorten the prompt or lower max_tokens")
+        if self.kv.blocks_for(total) > self.kv.num_blocks:
+            raise RequestRejectedError(
+                f"prompt + max_tokens = {total} tokens needs {self.kv.blocks_for(total)} KV blocks but the whole "
+                f"KV cache has {self.kv.num_blocks}; lower max_tokens or give the engine a larger KV budget")
+
+    def add(self, seq: Sequence) -> None:
+        """Queues sample 0 of a request (its other samples are forked from it). Raises RequestRejectedError
+        when it can never fit, ValueError for a request id in use; nothing is queued then."""
+        self._check_new(seq)
+        self._track(seq)
+        bisect.insort(self.waiting, seq, key=lambda s: s.sort_key)
+
+    def _check_new(self, seq: Sequence) -> None:
+        if seq.request_id in self._by_request:
+            raise ValueError(f"request id {seq.request_id!r} is already in use")
+        self.check_admissible(seq.num_prompt_tokens, seq.params.max_tokens, 1 + len(seq.fork_seeds))
+
+    def _track(self, seq: Sequence) -> None:
+        self.seqs[seq.seq_id] = seq
+        self._by_request[seq.request_id] = [seq.seq_id]
+        self._resend.add(seq.seq_id)
+
+    def reserve(self, seq: Sequence) -> tuple[int, ...] | None:
+        """Takes blocks for seq's whole prompt and parks it in WAITING_FOR_KV (its KV will be written by a
+        transfer). Returns its block table, or None when there is no room now (nothing changes; try later or
+        elsewhere). Raises like add(), and ValueError for n > 1 (samples fork on the prefill side's logits)."""
+        self._check_new(seq)
+        if seq.fork_seeds:
+            raise ValueError("a request whose KV arrives by transfer must have n=1")
+        if self.kv.allocate(seq, seq.num_prompt_tokens) is None:
+            return None
+        seq.status = RequestStatus.WAITING_FOR_KV
+        self._track(seq)
+        self.reserved[seq.seq_id] = seq
+        return tuple(self.kv.block_table(seq.seq_id))
+
+    def admit_transferred(self, request_id: str, sampled: SampledToken) -> SeqUpdate:
+        """Starts a reserved sequence whose prompt KV has arrived: all prompt tokens count as computed (its full
+        blocks enter the prefix cache) and `sampled` (the token the prefill replica drew) is its first
+        output token. Returns that token's update; the sequence may finish on it (stop token, max_tokens=1).
+        Raises KeyError if the request holds no reservation."""
+        ids = self._by_request.get(request_id, ())
+        seq = self.reserved.pop(ids[0]) if ids and ids[0] in self.reserved else None
+        if seq is None:
+            raise KeyError(f"request {request_id!r} holds no KV reservation")
+        seq.status = RequestStatus.RUNNING
+        seq.num_computed_tokens = seq.num_prompt_tokens
+        self.num_prompt_tokens_queried += seq.num_prompt_tokens
+        self.kv.cache_full_blocks(seq)
+        self.running.append(seq)
+        seq.append_token(sampled.token_id)
+        status = token_stop_status(seq, self.eos_token_ids, self.config.max_model_len)
+        if status is not None:
+            self.finish(seq, status)
+        return SeqUpdate(seq, sampled, status)
+
+    def abort_request(self, request_id: str) -> list[Sequence]:
+        """Finishes every unfinished sample of the request as aborted, freeing its blocks now. Returns them."""
+        aborted = []
+        for seq_id in list(self._by_request.get(request_id, ())):
+            seq = self.seqs[seq_id]
+            self.finish(seq, RequestStatus.FINISHED_ABORTED)
+            aborted.append(seq)
+        return aborted
+
+    def finish(self, seq: Sequence, status: RequestStatus) -> None:
+        """Ends a sequence (stop string, abort, ...): frees its blocks and forgets it."""
+        if not status.finished:
+            raise ValueError(f"{status} is not a finished status")
+        if seq.status is RequestStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+            self.waiting.remove(seq)
+        elif seq.status is RequestStatus.WAITING_FOR_KV:
+            del self.reserved[seq.seq_id]
+        self._free(seq)
+        seq.status = status
+        if self.speculator is not None:
+            self.speculator.forget(seq)
+        self.seqs.pop(seq.seq_id, None)
+        ids = self._by_request.get(seq.request_id, [])
+        if seq.seq_id in ids:
+            ids.remove(seq.seq_id)
+        if not ids:
+            self._by_request.pop(seq.request_id, None)
+        self._resend.discard(seq.seq_id)
+        self._trimmed.discard(seq.seq_id)
+        self._dropped.add(seq.seq_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.seqs)
+
+    def has_schedulable(self) -> bool:
+        """Whether schedule() has sequences to pick: waiting or running ones (WAITING_FOR_KV ones are parked)."""
+        return bool(self.waiting or self.running)
+
+    # -- one step --------------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: dict[str, int] = {}
+        allocations: dict[str, Allocation] = {}
+        preempted = False
+        spec = self._propose()
+        for seq in sorted(self.running, key=lambda s: (s.is_prefilling, s.sort_key)):
+            if budget == 0:
+                break
+            if seq.status is not RequestStatus.RUNNING:
+                continue  # preempted for an earlier sequence of this loop
+            count = self._chunk(seq, seq.num_tokens - seq.num_computed_tokens, budget)
+            if not count:
+                continue
+            if (proposed := spec.pop(seq.seq_id, ())) and (extra := min(len(proposed), budget - count)) > 0:
+                allocation = self.kv.allocate(seq, count + extra)
+                if allocation is not None:  # else: no room for the proposals, decode without them
+                    spec[seq.seq_id] = proposed[:extra]
+                    scheduled[seq.seq_id], allocations[seq.seq_id] = count + extra, allocation
+                    budget -= count + extra
+                    continue
+            while (allocation := self.kv.allocate(seq, count)) is None:
+                victim = max(self.running, key=lambda s: s.sort_key)
+                self._preempt(victim)
+                preempted = True
+                if victim.seq_id in scheduled:
+                    budget += scheduled.pop(victim.seq_id)
+                    allocations.pop(victim.seq_id)
+                if victim is seq:
+                    break
+            if allocation is None:
+                continue
+            scheduled[seq.seq_id], allocations[seq.seq_id] = count, allocation
+            budget -= count
+        if not preempted:
+            budget = self._admit_waiting(budget, scheduled, allocations)
+        return self._build_output(scheduled, allocations,
+                                  {i: t for i, t in spec.items() if i in scheduled})
+
+    def _propose(self) -> dict[str, tuple[int, ...]]:
+        """This step's proposals for the decoding sequences that may speculate (seq id -> tokens)."""
+        if self.speculator is None:
+            return {}
+        decoding = [s for s in self.running if s.num_tokens - s.num_computed_tokens == 1]
+        limits = [(s, k) for s in decoding if (k := self.speculator.limit(s, self.config.max_model_len)) > 0]
+        return self.speculator.plan(limits, len(decoding)) if limits else {}
+
+    def _chunk(self, seq: Sequence, remaining: int, budget: int) -> int:
+        """Tokens of seq to compute this step: all that remain, or a budget-sized chunk if chunking is on."""
+        if remaining <= budget:
+            return remaining
+        return budget if self.config.enable_chunked_prefill else 0
+
+    def _admit_waiting(self, budget: int, scheduled: dict[str, int], allocations: dict[str, Allocation]) -> int:
+        while self.waiting and budget > 0:
+            seq = self.waiting[0]
+            if len(self.running) + 1 + len(seq.fork_seeds) > self.config.max_num_seqs:
+                break
+            match = self.kv.match_prefix(seq)
+            count = self._chunk(seq, seq.num_tokens - match.num_cached_tokens, budget)
+            if not count or (allocation := self.kv.allocate(seq, count, match)) is None:
+                break
+            self.waiting.pop(0)
+            if seq.status is RequestStatus.WAITING:
+                # A resumed sequence (request.py's resume()) may also find its output tokens cached: only the
+                # prompt's count as cached prompt tokens.
+                seq.num_cached_tokens = min(match.num_cached_tokens, seq.num_prompt_tokens)
+                self.num_prompt_tokens_queried += seq.num_prompt_tokens
+                self.num_prompt_tokens_cached += seq.num_cached_tokens
+            seq.status = RequestStatus.RUNNING
+            seq.num_computed_tokens = match.num_cached_tokens
+            self.running.append(seq)
+            scheduled[seq.seq_id], allocations[seq.seq_id] = count, allocation
+            budget -= count
+        return budget
+
+    def _free(self, seq: Sequence) -> None:
+        """Frees seq's blocks, keeping them held under its request id if the request asked (hold_after)."""
+        if (key := self.hold_after.get(seq.request_id)) is not None:
+            self.kv.hold(seq, key)
+        self.kv.free(seq)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self._free(seq)
+        seq.status = RequestStatus.PREEMPTED
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self._dropped.add(seq.seq_id)
+        self._resend.add(seq.seq_id)
+        bisect.insort(self.waiting, seq, key=lambda s: s.sort_key)
+
+    def _build_output(self, scheduled: dict[str, int], allocations: dict[str, Allocation],
+                      spec: dict[str, tuple[int, ...]]) -> SchedulerOutput:
+        new, cached, forks, copies = [], [], [], []
+        for seq_id, count in scheduled.items():
+            seq, allocation = self.seqs[seq_id], allocations[seq_id]
+            copies.extend(allocation.copies)
+            trimmed = seq_id in self._trimmed
+            self._trimmed.discard(seq_id)
+            if seq_id in self._resend:
+                self._resend.discard(seq_id)
+                new.append(NewSequenceData(seq_id, tuple(seq.token_ids), seq.num_prompt_tokens,
+                                           tuple(self.kv.block_table(seq_id)), seq.num_computed_tokens,
+                                           seq.params, seq.seed))
+            else:
+                table = tuple(self.kv.block_table(seq_id)) if allocation.replaced or trimmed else None
+                cached.append(CachedSequenceData(seq_id, seq.num_computed_tokens, allocation.new_blocks, table))
+            if seq.fork_seeds and seq.num_computed_tokens + count == seq.num_tokens:
+                forks.extend(ForkData(seq_id, f"{seq.request_id}#{i}", i, s)
+                             for i, s in enumerate(seq.fork_seeds, start=1))
+        dropped, self._dropped = frozenset(self._dropped), set()
+        return SchedulerOutput(tuple(new), tuple(cached), scheduled, tuple(forks), tuple(copies), dropped, spec)
+
+    def update(self, output: SchedulerOutput, result: RunnerOutput) -> list[SeqUpdate]:
+        """Applies a finished step: advances computed counts, caches newly full blocks, forks samples,
+        appends sampled tokens and finishes sequences that hit a stop token or a length limit."""
+        for seq_id, count in output.num_scheduled_tokens.items():
+            seq = self.seqs.get(seq_id)
+            if seq is None or seq.status is not RequestStatus.RUNNING:
+                continue
+            if proposed := output.spec_tokens.get(seq_id):  # the rejected proposals' KV is not the sequence's
+                accepted = len(result.speculated.get(seq_id, ()))
+                count -= len(proposed) - accepted
+                self.speculator.verified(seq_id, len(proposed), accepted)
+            seq.num_computed_tokens += count
+            self.num_tokens_computed += count
+            self.kv.cache_full_blocks(seq)
+        for fork in output.forks:
+            parent = self.seqs.get(fork.parent_id)
+            if parent is None:
+                continue
+            child = parent.fork(fork.index, fork.child_id, fork.seed)
+            self.kv.fork(parent, child)
+            self.seqs[child.seq_id] = child
+            self._by_request[child.request_id].append(child.seq_id)
+            self.running.append(child)
+            parent.fork_seeds = ()
+        updates = []
+        for seq_id, sampled in result.sampled.items():
+            seq = self.seqs.get(seq_id)
+            if seq is None:
+                continue
+            for token in (sampled, *result.speculated.get(seq_id, ())):
+                seq.append_token(token.token_id)
+                status = token_stop_status(seq, self.eos_token_ids, self.config.max_model_len)
+                if status is not None:
+                    self.finish(seq, status)
+                updates.append(SeqUpdate(seq, token, status))
+                if status is not None:
+                    break
+            if seq_id in output.spec_tokens and seq.status is RequestStatus.RUNNING:
+                if self.kv.trim(seq, seq.num_tokens):
+                    self._trimmed.add(seq_id)
+        return updates
+
+    def stats(self) -> SchedulerStats:
+        pool = self.kv.pool
+        queried = self.num_prompt_tokens_queried
+        return SchedulerStats(
+            num_running=len(self.running), num_waiting=len(self.waiting), num_blocks_total=pool.num_blocks,
+            num_blocks_in_use=pool.num_in_use, num_blocks_cached=len(self.kv.cache), kv_usage=self.kv.usage(),
+            prefix_hit_rate=self.num_prompt_tokens_cached / queried if queried else 0.0,
+            num_preemptions=self.num_preemptions, num_prompt_tokens_queried=queried,
+            num_prompt_tokens_cached=self.num_prompt_tokens_cached, num_tokens_computed=self.num_tokens_computed,
+            num_waiting_for_kv=len(self.reserved),
+        )
+
+    def check_integrity(self) -> None:
+        """Raises ValueError if KV ownership is inconsistent or a sequence is in the wrong place."""
+        self.kv.check_integrity()
+        for seq in self.running:
+            if seq.status is not RequestStatus.RUNNING or seq.seq_id not in self.seqs:
+                raise ValueError(f"running sequence {seq.seq_id} has status {seq.status}")
+        for seq in self.waiting:
+            if self.kv.block_table(seq.seq_id):
+                raise ValueError(f"waiting sequence {seq.seq_id} holds blocks")
+        for seq in self.reserved.values():
+            if seq.status is not RequestStatus.WAITING_FOR_KV or len(self.kv.block_table(seq.seq_id)) < \
+                    self.kv.blocks_for(seq.num_prompt_tokens):
+                raise ValueError(f"reserved sequence {seq.seq_id} has status {seq.status} or too few blocks")
+        if len(self.running) + len(self.waiting) + len(self.reserved) != len(self.seqs):
+            raise ValueError("a sequence is in more than one of running, waiting and reserved, or in none")
