@@ -31,7 +31,12 @@ The KV feed (kv_feed.py) polls every replica's KV events and load beside all thi
 Each step is one call on a replica's contract (replica/contract.py): step 1 DecodeReplicaAPI.reserve, step 2
 PrefillReplicaAPI.prefill, step 3 DecodeReplicaAPI.decode, step L DecodeReplicaAPI.generate, step M
 DecodeReplicaAPI.resume, step 4 ReplicaAPI.abort. In a cluster replica/remote.py makes each a Ray call; in tests
-router/mocks/replicas.py answers."""
+router/mocks/replicas.py answers.
+
+Names. The request (ParsedRequest) keeps the client's id throughout; the replicas know each attempt by the
+RunKey.replica_id() of the key passed beside it (run_key.py: a prefill retry, a migration and the fallback of
+step L each run under a key of their own), and every output is reported under the client's id by
+migration.Replay.forward."""
 
 from __future__ import annotations
 
@@ -54,6 +59,7 @@ from tandem.router.replicas import (NoCapacityError, NoReplicaError, Replica, Re
                                     is_replica_death)
 from tandem.router.request_parsing import ParsedRequest
 from tandem.router.routing import PREFILL_POOL, RoutePlan, Routing
+from tandem.router.run_key import RunKey
 
 _log = logging.getLogger(__name__)
 RETRY_INTERVAL_S = 0.02
@@ -156,37 +162,40 @@ class RequestDriver:
     def _decode(self, load: ReplicaLoad) -> Replica[DecodeReplicaAPI]:
         return self.pools[load.name]
 
-    async def run(self, request: ParsedRequest) -> AsyncIterator[Progress]:
-        """Yields Progress until the request's last output. Raises InvalidRequest-like ValueErrors from the
-        replicas, NoCapacityError, NoReplicaError, ReplicaLostError (a replica died and the request could not
-        move on: n > 1, max_migrations reached or no replica left; the message says which), or Ray's errors for
-        a dead replica. A request with n == 1 and no seed is sent with one drawn here (migration.seeded), so that
-        a replay after a replica's death draws as the first replica did."""
+    async def run(self, request: ParsedRequest, key: RunKey | None = None) -> AsyncIterator[Progress]:
+        """Yields Progress until the request's last output, its outputs under request.request_id. key: how the
+        replicas know the request (Serving passes one scoped by tenant and run; None: by request.request_id
+        itself, for callers that made it unique: tests, benches, the mock cluster). Raises InvalidRequest-like
+        ValueErrors from the replicas, NoCapacityError, NoReplicaError, ReplicaLostError (a replica died and the
+        request could not move on: n > 1, max_migrations reached or no replica left; the message says which), or
+        Ray's errors for a dead replica. A request with n == 1 and no seed is sent with one drawn here
+        (migration.seeded), so that a replay after a replica's death draws as the first replica did."""
         if not self.decode:
             raise NoReplicaError("no ready replica in the decode pool")
+        key = RunKey(request.tenant, request.request_id) if key is None else key
         request = dataclasses.replace(request, params=seeded(request.params))
         local = "colocated" if self.settings.mode == "colocated" else "n_gt_1" if request.params.n > 1 else None
         plan = self.routing.plan(request.prompt_token_ids, prefill=[r.load for r in self.prefill],
                                  decode=[r.load for r in self.decode], local_reason=local,
                                  cache_salt=request.cache_salt, session=request.session_id)
         touched: list[tuple[Replica, str]] = []  # (replica, the request's id there)
-        replay = Replay(request.request_id, self.settings.max_migrations)
+        replay = Replay(key, self.settings.max_migrations)
         try:
             if plan.prefill is not None and self.settings.prefill_queue_tokens:
                 plan = await self._wait_for_prefill_room(request, plan, local)
             if plan.prefill is None:
                 replica = self._decode(next(plan.decode))
                 self.routing.record(plan, prefill=None, decode=replica.name, session=request.session_id)
-                async for progress in self._local(request, replica, plan.reason, touched, replay):
+                async for progress in self._local(request, key, replica, plan.reason, touched, replay):
                     yield progress
                 return
-            async for progress in self._disaggregated(request, plan, touched, replay):
+            async for progress in self._disaggregated(request, key, plan, touched, replay):
                 yield progress
         finally:
             for replica, _ in touched:
                 replica.load.in_flight -= 1
                 self.feed.nudge(replica.name)
-            await asyncio.shield(self._abort_everywhere(request.request_id, touched))
+            await asyncio.shield(self._abort_everywhere(key.replica_id(), touched))
 
     async def _wait_for_prefill_room(self, request: ParsedRequest, plan: RoutePlan, local: str | None) -> RoutePlan:
         """Late binding (step 0, with prefill_queue_tokens set): prefill_waiting_room.py's wait, planning the
@@ -232,7 +241,8 @@ class RequestDriver:
         raise ReplicaLostError(f"replica {replica.name} died while serving the request") from None
 
     async def _abort_everywhere(self, request_id: str, touched: list[tuple[Replica, str]]) -> None:
-        """Tells every replica the request touched to drop it (a no-op where it finished)."""
+        """Tells every replica the request touched to drop it under the replica-side id touched holds (a no-op
+        where it finished). request_id: what a failure is logged under."""
         results = await asyncio.gather(*(replica.api.abort(rid) for replica, rid in touched), return_exceptions=True)
         for (replica, _), result in zip(touched, results):
             if isinstance(result, BaseException):  # a dead replica holds nothing any more
@@ -240,6 +250,7 @@ class RequestDriver:
 
     @staticmethod
     def _use(replica: Replica, request_id: str, touched: list[tuple[Replica, str]]) -> None:
+        """Counts the request in flight on replica, where it runs as request_id (a RunKey.replica_id())."""
         replica.load.in_flight += 1
         touched.append((replica, request_id))
 
@@ -251,9 +262,10 @@ class RequestDriver:
         self.feed.nudge(replica.name)
         await asyncio.shield(self._abort_everywhere(request_id, [(replica, request_id)]))
 
-    async def _reserve(self, request: ParsedRequest, plan: RoutePlan,
+    async def _reserve(self, request: ParsedRequest, key: RunKey, plan: RoutePlan,
                        touched: list[tuple[Replica, str]]
                        ) -> tuple[Replica[DecodeReplicaAPI], TransferDescriptor, float]:
+        rid = key.replica_id()
         start = time.monotonic()
         queued = False
         order = plan.decode
@@ -264,17 +276,17 @@ class RequestDriver:
                         continue  # it left the pool since the ranking
                     try:
                         descriptor = await self._call(replica, replica.api.reserve(
-                            request.request_id, request.prompt_token_ids, request.params, priority=request.priority,
+                            rid, request.prompt_token_ids, request.params, priority=request.priority,
                             cache_salt=request.cache_salt,  # senders: the planned prefill replica's KV agents
                             senders=info.kv_addresses if (info := self._prefill(plan.prefill).info) else ()))
                     except ReplicaLostError as e:  # found dead before it held anything: try the next one
                         if not self.decode:
                             raise
-                        _log.warning("request %s: %s; reserving on another decode replica", request.request_id, e)
+                        _log.warning("request %s: %s; reserving on another decode replica", rid, e)
                         continue
                     if descriptor is not None:
                         replica.load.refusals = 0
-                        self._use(replica, request.request_id, touched)
+                        self._use(replica, rid, touched)
                         return replica, descriptor, time.monotonic() - start
                     replica.load.refusals += 1
                 if not queued:
@@ -294,11 +306,12 @@ class RequestDriver:
             if queued:
                 self.num_queued -= 1
 
-    async def _disaggregated(self, request: ParsedRequest, plan: RoutePlan, touched: list[tuple[Replica, str]],
-                             replay: Replay) -> AsyncIterator[Progress]:
-        """Steps 1-3. request.request_id: this attempt's id on the replicas (a prefill retry has its own); replay:
-        the client's delivery record. A failed transfer falls back to step L, a dead prefill replica to
-        _prefill_again, a dead decode replica to step M (in _follow)."""
+    async def _disaggregated(self, request: ParsedRequest, key: RunKey, plan: RoutePlan,
+                             touched: list[tuple[Replica, str]], replay: Replay) -> AsyncIterator[Progress]:
+        """Steps 1-3. key: this attempt (a prefill retry has its own); replay: the client's delivery record. A
+        failed transfer falls back to step L, a dead prefill replica to _prefill_again, a dead decode replica to
+        step M (in _follow)."""
+        rid = key.replica_id()
         prefill = self._prefill(plan.prefill)
         # Counted as queued on the prefill replica from the decision on, so that a burst of requests spreads
         # by load before any of them reaches it.
@@ -307,12 +320,12 @@ class RequestDriver:
         decode = None
         failure: Exception | None = None
         try:
-            decode, descriptor, queue_s = await self._reserve(request, plan, touched)
+            decode, descriptor, queue_s = await self._reserve(request, key, plan, touched)
             self.routing.record(plan, prefill=prefill.name, decode=decode.name, session=request.session_id)
-            self._use(prefill, request.request_id, touched)
+            self._use(prefill, rid, touched)
             start = time.monotonic()
             result = await self._call(prefill, prefill.api.prefill(
-                request.request_id, request.prompt_token_ids, request.params, descriptor,
+                rid, request.prompt_token_ids, request.params, descriptor,
                 priority=request.priority, cache_salt=request.cache_salt))
         except TransferFailedError as e:
             failure = e
@@ -324,7 +337,7 @@ class RequestDriver:
             prefill.load.queued_prefill_tokens -= plan.uncached_tokens
             self.waiting_room.wake(self.prefill)
         if isinstance(failure, ReplicaLostError):
-            async for progress in self._prefill_again(request, decode, failure, touched, replay):
+            async for progress in self._prefill_again(request, key, decode, failure, touched, replay):
                 yield progress
             return
         if failure is None:
@@ -337,7 +350,7 @@ class RequestDriver:
                                 prefill_s=now - start, queue_s=queue_s, transfer_s=result.transfer_s,
                                 admission_s=now - answered)
 
-            stream = decode.api.decode(request.request_id, result.first_token)
+            stream = decode.api.decode(rid, result.first_token)
             try:
                 async for progress in self._follow(request, decode, stream, first, touched, replay):
                     yield progress
@@ -347,46 +360,46 @@ class RequestDriver:
                     raise
                 failure = e
         # Nothing is held on either side now; the decode replica prefills the prompt itself.
-        _log.warning("request %s: %s; prefilling on a decode replica instead", request.request_id, failure)
+        _log.warning("request %s: %s; prefilling on a decode replica instead", rid, failure)
         self.routing.count("decode_replica", "transfer_failed")
-        async for progress in self._local(request, decode, "transfer_failed", touched, replay,
-                                          local_id=f"{request.request_id}.local"):
+        async for progress in self._local(request, key.prefilled_locally(), decode, "transfer_failed", touched,
+                                          replay):
             yield progress
 
-    async def _prefill_again(self, request: ParsedRequest, decode: Replica[DecodeReplicaAPI],
+    async def _prefill_again(self, request: ParsedRequest, key: RunKey, decode: Replica[DecodeReplicaAPI],
                              lost: ReplicaLostError, touched: list[tuple[Replica, str]],
                              replay: Replay) -> AsyncIterator[Progress]:
-        """The prefill replica died mid-prefill (lost): drops the decode reservation (nothing will arrive in it)
-        and prefills the prompt again under a new id, on another prefill replica (a new plan) or, when the plan
-        says so (none left, ...), on a decode replica (step L). Raises ReplicaLostError past max_migrations."""
-        await self._release(decode, request.request_id, touched)
+        """The prefill replica of attempt key died mid-prefill (lost): drops the decode reservation (nothing will
+        arrive in it) and prefills the prompt again under a new attempt's key (Replay.next_key), on another
+        prefill replica (a new plan) or, when the plan says so (none left, ...), on a decode replica (step L).
+        Raises ReplicaLostError past max_migrations."""
+        await self._release(decode, key.replica_id(), touched)
         if not replay.can_move:
             raise ReplicaLostError(f"{lost}; the request was moved {replay.moves} times already "
                                    f"(max_migrations={self.settings.max_migrations})") from None
         if not self.decode:
             raise NoReplicaError(f"{lost}, and no decode replica is left") from None
-        retry = dataclasses.replace(request, request_id=replay.next_id("p"))
-        plan = self.routing.plan(retry.prompt_token_ids, prefill=[r.load for r in self.prefill],
-                                 decode=[r.load for r in self.decode], cache_salt=retry.cache_salt,
-                                 session=retry.session_id)
+        retry = replay.next_key("p")
+        plan = self.routing.plan(request.prompt_token_ids, prefill=[r.load for r in self.prefill],
+                                 decode=[r.load for r in self.decode], cache_salt=request.cache_salt,
+                                 session=request.session_id)
         plan = dataclasses.replace(plan, reason=PREFILL_DIED)  # counted (record) as a prefill after a death
-        _log.warning("request %s: %s; prefilling it again on %s", replay.request_id, lost,
+        _log.warning("request %s: %s; prefilling it again on %s", replay.key.replica_id(), lost,
                      plan.prefill.name if plan.prefill else "a decode replica")
         if plan.prefill is not None:
-            async for progress in self._disaggregated(retry, plan, touched, replay):
+            async for progress in self._disaggregated(request, retry, plan, touched, replay):
                 yield progress
             return
         replica = self._decode(next(plan.decode))
-        self.routing.record(plan, prefill=None, decode=replica.name, session=retry.session_id)
-        async for progress in self._local(retry, replica, PREFILL_DIED, touched, replay):
+        self.routing.record(plan, prefill=None, decode=replica.name, session=request.session_id)
+        async for progress in self._local(request, retry, replica, PREFILL_DIED, touched, replay):
             yield progress
 
-    async def _local(self, request: ParsedRequest, replica: Replica[DecodeReplicaAPI], reason: str,
-                     touched: list[tuple[Replica, str]], replay: Replay, *,
-                     local_id: str | None = None) -> AsyncIterator[Progress]:
-        """Step L: the decode replica prefills and decodes. local_id: the id on the replica when it differs (a
-        retry runs under its own id: the failed reservation's may still be winding down there)."""
-        rid = local_id or request.request_id
+    async def _local(self, request: ParsedRequest, key: RunKey, replica: Replica[DecodeReplicaAPI], reason: str,
+                     touched: list[tuple[Replica, str]], replay: Replay) -> AsyncIterator[Progress]:
+        """Step L: the decode replica prefills and decodes attempt key (after a failed transfer, a key of its own:
+        RunKey.prefilled_locally)."""
+        rid = key.replica_id()
         start = time.monotonic()
         self._use(replica, rid, touched)
         stream = replica.api.generate(
@@ -419,9 +432,9 @@ class RequestDriver:
     def _migrate(self, request: ParsedRequest, lost: ReplicaLostError, touched: list[tuple[Replica, str]],
                  replay: Replay) -> tuple[Replica[DecodeReplicaAPI], AsyncIterator[list[RequestOutput]]]:
         """Step M (migration.py): the decode replica streaming the request died (lost). Picks the best decode
-        replica left (the routing's decode ranking) and opens the replay there, under a fresh id. Raises
-        ReplicaLostError (UNAVAILABLE) for n > 1 (never migrated), past max_migrations, or with no decode replica
-        left."""
+        replica left (the routing's decode ranking) and opens the replay there, under a new attempt's key
+        (Replay.next_key). Raises ReplicaLostError (UNAVAILABLE) for n > 1 (never migrated), past max_migrations,
+        or with no decode replica left."""
         if request.params.n > 1:
             raise ReplicaLostError(f"{lost} (a request with n > 1 is not migrated)") from None
         if not replay.can_move:
@@ -430,10 +443,10 @@ class RequestDriver:
         if not self.decode:
             raise ReplicaLostError(f"{lost}, and no other decode replica is left to continue it") from None
         replica = self._decode(next(self.routing.pickers["decode"].rank_decode([r.load for r in self.decode])))
-        rid = replay.next_id("m")
+        rid = replay.next_key("m").replica_id()
         self.routing.count("decode_replica", MIGRATION)
-        _log.warning("request %s: %s; continuing it on %s after %d delivered tokens (as %s)", replay.request_id,
-                     lost, replica.name, len(replay.token_ids), rid)
+        _log.warning("request %s: %s; continuing it on %s after %d delivered tokens (as %s)",
+                     replay.key.replica_id(), lost, replica.name, len(replay.token_ids), rid)
         self._use(replica, rid, touched)
         return replica, replica.api.resume(rid, request.prompt_token_ids, request.params,
                                            replay.resume_state(request.params.seed), priority=request.priority,

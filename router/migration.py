@@ -4,11 +4,13 @@
 A decode replica that dies mid-stream (n == 1):
   1. the router has remembered sample 0's tokens it forwarded to the client (Replay.forward);
   2. it picks another decode replica of the pool (the routing's decode ranking; the dead one has left the pool)
-     and calls DecodeReplicaAPI.resume there under a fresh replica-side id (f"{request_id}.m{k}") with the
-     prompt, the request's params and a ResumeState of those tokens and the request's seed;
-  3. that replica prefills prompt + delivered tokens and streams from the next token on; the router rewrites
-     the outputs' ids back to the client's (and keeps the first replica's num_cached_tokens, so that usage does
-     not change), and the client's stream goes on with no duplicated or missing token.
+     and calls DecodeReplicaAPI.resume there under the key of a new attempt (Replay.next_key: replica id
+     f"{...}/{run}.m{k}", run_key.py) with the prompt, the request's params and a ResumeState of those tokens and
+     the request's seed;
+  3. that replica prefills prompt + delivered tokens and streams from the next token on; the router reports its
+     outputs as it reports every replica's (Replay.forward: under the client's id, with the first replica's
+     num_cached_tokens, so that usage does not change), and the client's stream goes on with no duplicated or
+     missing token.
 The continuation equals the uninterrupted run for greedy and seeded sampling because the sampler's draw depends
 only on (seed, step): the router gives every n == 1 request a seed before sending it (seeded()), so a replay
 draws with the seed the first replica used, from the step after the delivered tokens; penalties and max_tokens
@@ -17,7 +19,8 @@ them (engine/core/resume.py). A replica that dies before any token reached the c
 disaggregated path the prefill replica's first token is sampled again, the same for greedy and seeded requests).
 
 A prefill replica that dies mid-prefill: the decode reservation is dropped, and the request is prefilled again on
-another prefill replica (a new plan, under f"{request_id}.p{k}") or, with none left, by its decode replica.
+another prefill replica (a new plan, under the key of a new attempt: f"{...}/{run}.p{k}") or, with none left,
+by its decode replica.
 
 Each move (a migration or a prefill retry) counts against DriverSettings.max_migrations; past it, or with no
 replica left to move to, the request ends UNAVAILABLE saying why. Requests with n > 1 are never moved: their
@@ -34,6 +37,7 @@ from dataclasses import dataclass, field
 from tandem.engine.core.output_processor import RequestOutput
 from tandem.engine.core.resume import ResumeState
 from tandem.engine.sampling_params import SamplingParams
+from tandem.router.run_key import RunKey
 
 # Routing decision reasons (Routing.decisions, the tandem_prefill_decisions metric): a decode replica prefilled
 # a migrated request's replay; a prompt was prefilled again after its prefill replica died.
@@ -52,12 +56,13 @@ def seeded(params: SamplingParams) -> SamplingParams:
 
 @dataclass
 class Replay:
-    """One request's delivery record, kept by the driver while it runs. request_id: the id the driver was given
-    (what outputs must carry); moves: migrations and prefill retries so far; token_ids: sample 0's tokens
-    forwarded so far; started: a progress has been forwarded (later ones must not look like a first one);
-    num_cached_tokens: what the outputs of the replica that first streamed reported (None: none streamed)."""
+    """One request's delivery record, kept by the driver while it runs. key: the request's first attempt (its
+    request_id is the client's, what outputs are reported under); moves: migrations and prefill retries so far;
+    token_ids: sample 0's tokens forwarded so far; started: a progress has been forwarded (later ones must not
+    look like a first one); num_cached_tokens: what the outputs of the replica that first streamed reported
+    (None: none streamed)."""
 
-    request_id: str
+    key: RunKey
     max_moves: int
     moves: int = 0
     token_ids: list[int] = field(default_factory=list)
@@ -68,29 +73,37 @@ class Replay:
     def can_move(self) -> bool:
         return self.moves < self.max_moves
 
-    def next_id(self, kind: str) -> str:
-        """Counts one move and returns the replica-side id of its attempt: f"{request_id}.{kind}{moves}" (kind
-        "m": a migration, "p": a prefill retry). Raises ValueError when no move is left (check can_move)."""
+    def next_key(self, kind: str) -> RunKey:
+        """Counts one move and returns the key of its attempt (kind "m": a migration, "p": a prefill retry;
+        RunKey.moved). Raises ValueError when no move is left (check can_move)."""
         if not self.can_move:
-            raise ValueError(f"request {self.request_id} has no move left ({self.max_moves} allowed)")
+            raise ValueError(f"request {self.key.replica_id()} has no move left ({self.max_moves} allowed)")
         self.moves += 1
-        return f"{self.request_id}.{kind}{self.moves}"
+        return self.key.moved(kind, self.moves)
 
     def forward(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
-        """outputs as the client gets them (the driver's request id; after a move, the first streaming replica's
-        num_cached_tokens), with sample 0's tokens recorded as delivered."""
-        forwarded = []
-        for o in outputs:
-            if self.moves and self.num_cached_tokens is not None:
-                o = dataclasses.replace(o, num_cached_tokens=self.num_cached_tokens)
-            elif self.num_cached_tokens is None:
-                self.num_cached_tokens = o.num_cached_tokens
-            if o.request_id != self.request_id:
-                o = dataclasses.replace(o, request_id=self.request_id)
+        """A replica's outputs as the client gets them (for_client), with sample 0's tokens recorded as
+        delivered."""
+        forwarded = [self.for_client(o) for o in outputs]
+        for o in forwarded:
             if o.index == 0:
                 self.token_ids.extend(o.token_ids)
-            forwarded.append(o)
         return forwarded
+
+    def for_client(self, output: RequestOutput) -> RequestOutput:
+        """The one step where a replica's naming ends: output under the client's request id (the replica streamed
+        it under its attempt's RunKey.replica_id()) and, after a move, with the num_cached_tokens of the replica
+        that first streamed (usage does not change). Records that num_cached_tokens from the first output."""
+        cached = output.num_cached_tokens
+        if self.num_cached_tokens is None:
+            self.num_cached_tokens = cached
+        elif self.moves:
+            cached = self.num_cached_tokens
+        if output.request_id == self.key.request_id and output.num_cached_tokens == cached:
+            return output
+        # RequestOutput is frozen, and the replica may still hold the object it streamed (an in-process mock
+        # does), so the client's copy is a new one; this is the only place an output's id is changed.
+        return dataclasses.replace(output, request_id=self.key.request_id, num_cached_tokens=cached)
 
     def resume_state(self, seed: int | None) -> ResumeState:
         """What a replay continues from: the delivered tokens and the request's seed (seeded() set it)."""

@@ -25,6 +25,7 @@ from tandem.router.metrics import RouterMetrics
 from tandem.router.pool_signals import PoolSignals
 from tandem.router.replicas import NoCapacityError, NoReplicaError, ReplicaLostError, is_replica_death
 from tandem.router.request_parsing import InvalidRequest, ModelFacts, ParsedRequest, parse_request
+from tandem.router.run_key import RunKey
 from tandem.router.tenant_gate import Admission, TenantGate, TooManyRequests
 
 _log = logging.getLogger(__name__)
@@ -62,17 +63,11 @@ def error_code(error: BaseException) -> tuple[str, str]:
 
 @dataclass(frozen=True)
 class RequestKey:
-    """A running request: ids are the client's choice, so they are scoped by tenant (None: auth is off)."""
+    """A running request in the registry: ids are the client's choice, so they are scoped by tenant (None: auth
+    is off). The replicas know each run of it by a RunKey (run_key.py)."""
 
     tenant: str | None
     request_id: str
-
-    def replica_id(self, run: int) -> str:
-        """The id the replicas know run number `run` of it by: unique across tenants (a client id never holds
-        '/') and across runs (a replica remembers aborted ids for a while; a client may reuse an id once its
-        request ended)."""
-        scope = "" if self.tenant is None else f"{self.tenant}/"
-        return f"{scope}{self.request_id}/{run}"
 
 
 @dataclass
@@ -98,7 +93,7 @@ class Serving:
         # Tokenizing and chat templates run here, never on the event loop: a huge prompt delays only itself.
         self._parser = ThreadPoolExecutor(self.limits.limits.parse_threads, thread_name_prefix="tandem-parse")
         self.active: dict[RequestKey, asyncio.Task] = {}
-        self._runs = 0  # requests run so far: part of each one's replica id
+        self._runs = 0  # requests run so far: each one's RunKey.run
         self._ended_by: dict[RequestKey, str] = {}  # why a task was cancelled: "abort" or "deadline" (else: client)
         self.num_finished = 0
         self.num_failed = 0
@@ -187,7 +182,7 @@ class Serving:
         task = asyncio.current_task()
         self.active[key] = task
         self._runs += 1
-        replica_id = key.replica_id(self._runs)
+        run_key = RunKey(parsed.tenant, parsed.request_id, self._runs)
         deadline = self.deadline(arrival, None) if deadline is None else deadline
         timer = asyncio.get_running_loop().call_later(max(0.0, deadline - time.monotonic()), self._cancel, key,
                                                       "deadline")
@@ -197,8 +192,8 @@ class Serving:
         decode_replica = ""
         code = "OK"
         try:
-            # Replicas see an id unique across tenants (client ids cannot hold '/'); clients see their own.
-            async for progress in self.driver.run(replace(parsed, request_id=replica_id)):
+            # Replicas know it by run_key's id, unique across tenants and runs; the outputs carry the client's own.
+            async for progress in self.driver.run(parsed, run_key):
                 ticket.started()
                 now = time.monotonic()
                 gaps = account.observe(progress, now)
@@ -219,7 +214,7 @@ class Serving:
         except Exception as e:
             code, _ = error_code(e)
             if code == "INTERNAL":
-                _log.exception("request %s failed", replica_id)
+                _log.exception("request %s failed", run_key.replica_id())
             raise
         finally:
             ticket.close()

@@ -21,6 +21,7 @@ from tandem.router.mocks.batching import BatchedDecode, StepCosts
 from tandem.router.mocks.replicas import DyingDecode, DyingPrefill, MockDecode, MockPrefill, token_for
 from tandem.router.replicas import Replica, ReplicaLostError
 from tandem.router.request_parsing import ParsedRequest
+from tandem.router.run_key import RunKey
 from tandem.router.serving import error_code
 
 PROMPT = tuple(range(5, 45))  # 40 tokens: 2 full blocks and a partial one
@@ -242,14 +243,15 @@ def test_replay_records_what_the_client_got_and_bounds_moves():
     def out(rid, tokens, index=0, cached=0):
         return RequestOutput(rid, index, tuple(tokens), "", None, None, 4, cached, False)
 
-    replay = Replay("r", max_moves=1)
-    assert [o.request_id for o in replay.forward([out("r", [1, 2], cached=16), out("r", [9], index=1)])] == ["r", "r"]
-    assert replay.next_id("m") == "r.m1" and not replay.can_move
-    forwarded = replay.forward([out("r.m1", [3], cached=32)])
+    replay = Replay(RunKey("acme", "r", 3), max_moves=1)
+    first = replay.forward([out("acme/r/3", [1, 2], cached=16), out("acme/r/3", [9], index=1)])
+    assert [o.request_id for o in first] == ["r", "r"]  # reported under the client's id
+    assert replay.next_key("m").replica_id() == "acme/r/3.m1" and not replay.can_move
+    forwarded = replay.forward([out("acme/r/3.m1", [3], cached=32)])
     assert forwarded[0].request_id == "r" and forwarded[0].num_cached_tokens == 16  # usage does not change
     assert replay.resume_state(7) == ResumeState((1, 2, 3), 7)
     with pytest.raises(ValueError, match="no move left"):
-        replay.next_id("m")
+        replay.next_key("m")
 
 
 def test_a_replica_whose_engine_died_under_it_counts_as_dead():
