@@ -33,10 +33,8 @@ PrefillReplicaAPI.prefill, step 3 DecodeReplicaAPI.decode, step L DecodeReplicaA
 DecodeReplicaAPI.resume, step 4 ReplicaAPI.abort. In a cluster replica/remote.py makes each a Ray call; in tests
 router/mocks/replicas.py answers.
 
-Names. The request (ParsedRequest) keeps the client's id throughout; the replicas know each attempt by the
-RunKey.replica_id() of the key passed beside it (run_key.py: a prefill retry, a migration and the fallback of
-step L each run under a key of their own), and every output is reported under the client's id by
-migration.Replay.forward."""
+Names. The request keeps the client's id throughout; each attempt (a retry, a migration, step L's fallback) runs
+on replicas as its RunKey.replica_id() (run_key.py); outputs reach the client under its id (Replay.forward)."""
 
 from __future__ import annotations
 
@@ -241,8 +239,7 @@ class RequestDriver:
         raise ReplicaLostError(f"replica {replica.name} died while serving the request") from None
 
     async def _abort_everywhere(self, request_id: str, touched: list[tuple[Replica, str]]) -> None:
-        """Tells every replica the request touched to drop it under the replica-side id touched holds (a no-op
-        where it finished). request_id: what a failure is logged under."""
+        """Tells every replica the request touched to drop it, by the id it runs there (no-op where it finished)."""
         results = await asyncio.gather(*(replica.api.abort(rid) for replica, rid in touched), return_exceptions=True)
         for (replica, _), result in zip(touched, results):
             if isinstance(result, BaseException):  # a dead replica holds nothing any more
