@@ -24,7 +24,7 @@ from tandem.engine.parallel.layout import ParallelConfig, ReplicaLayout
 from tandem.engine.runner.executor import Executor, LocalExecutor
 from tandem.engine.runner.model_runner import ModelRunner
 
-__all__ = ["Built", "KVAgentFactory", "build_executor"]
+__all__ = ["Built", "ExecutorRequest", "KVAgentFactory", "build_executor"]
 
 STARTUP_PORT_ATTEMPTS = 3
 KVAgentFactory = Callable[[int, ReplicaLayout, PagedKVCache], Any]
