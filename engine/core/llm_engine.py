@@ -83,7 +83,10 @@ class LLMEngine:
                                           num_heads=model_config.num_heads, num_kv_heads=model_config.num_kv_heads,
                                           num_experts=model_config.num_experts)
         self.kv_dtype = kv_storage_dtype(config.kv_cache_dtype, loaded.dtype)
-        request = ExecutorRequest(loaded, config, self.layout, parallel, self.kv_dtype, kv_agent, rank_gpus, rank_cpus)
+        self.vocab_size = model_config.vocab_size
+        self.grammars = GrammarBackend(self.tokenizer, self.vocab_size)  # refuses a bad constraint at add_request
+        request = ExecutorRequest(loaded, config, self.layout, parallel, self.kv_dtype, self.grammars, kv_agent,
+                                  rank_gpus, rank_cpus)
         built = build_executor(request)
         self.executor = built.executor
         self.kv_cache_spec = request.replica_spec(self.executor.num_kv_blocks)
@@ -96,8 +99,6 @@ class LLMEngine:
             self.kv_manager, frozenset(self.tokenizer.eos_token_ids),
             Speculator(config.speculative, built.proposer) if config.speculative is not None else None)
         self.outputs = OutputProcessor(self.tokenizer)
-        self.vocab_size = model_config.vocab_size
-        self.grammars = GrammarBackend(self.tokenizer, self.vocab_size)  # refuses a bad constraint at add_request
         self.num_steps = 0
         self._arrivals = 0
 

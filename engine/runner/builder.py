@@ -46,6 +46,7 @@ class ExecutorRequest:
     layout: ReplicaLayout
     parallel: ParallelConfig
     kv_dtype: torch.dtype
+    grammars: GrammarBackend  # the engine's: a one-process runner compiles with it too (its cache shared)
     kv_agent: KVAgentFactory | None = None
     rank_gpus: Seq[str] | None = None
     rank_cpus: Seq[tuple[int, ...]] | None = None
@@ -85,7 +86,8 @@ def _one_process(request: ExecutorRequest) -> Built:
     device = loaded.device
     loaded.model.attention = select_backend(config.attention_backend, device)
     draft = _draft(loaded, config)
-    bytes_per_block = request.largest_share().bytes_per_block  # after the weights were loaded
+    share = request.largest_share()
+    bytes_per_block = share.bytes_per_block  # after the weights were loaded
     if draft is not None:  # a draft model's KV shares the budget
         c = draft.config
         bytes_per_block += request.block_spec(c.num_layers, c.num_kv_heads, c.head_dim, draft.dtype).bytes_per_block
@@ -95,7 +97,7 @@ def _one_process(request: ExecutorRequest) -> Built:
     compiling = compile_enabled(config.compile)
     spec_tokens = config.speculative.max_tokens if config.speculative is not None else 0
     compiled = compile_decode(loaded.model, config.max_num_seqs, 1 + spec_tokens,
-                              kv_quantized=request.largest_share().quantized) if compiling else None
+                              kv_quantized=share.quantized) if compiling else None
     proposer = None
     if draft is not None:
         tune_for(draft.model, config.block_size)
@@ -104,10 +106,9 @@ def _one_process(request: ExecutorRequest) -> Built:
             draft.model, config.max_num_seqs, 1 + spec_tokens) if compiling else None)
         proposer.warm_up(config.max_num_seqs)
     agent = request.kv_agent(0, request.layout, kv_cache) if request.kv_agent is not None else None
-    # Structured output: the engine's backend compiles a constraint to refuse a bad one at add_request; this
-    # runner's compiles it again per sequence (a split replica's sampler rank builds its own: ranks/worker.py).
-    runner = ModelRunner(loaded.model, kv_cache, compiled=compiled, layer_observer=agent,
-                         grammars=GrammarBackend(loaded.tokenizer, loaded.config.vocab_size))
+    # Structured output: the engine's backend refused a bad constraint at add_request, and its cache hands this
+    # runner the compiled grammar (a split replica's sampler rank builds its own: ranks/worker.py).
+    runner = ModelRunner(loaded.model, kv_cache, compiled=compiled, layer_observer=agent, grammars=request.grammars)
     placement = RankPlacement(0, os.getpid(), str(device), os.environ.get("CUDA_VISIBLE_DEVICES"),
                               loaded.model.attention.choice.summary(), current_cpus(),
                               decode_step_summary(loaded.model, compiling, compiled))

@@ -39,7 +39,8 @@ class Executor(Protocol):
 
 
 class LocalExecutor:
-    """One rank, in this process: the runner, and the KV transfer agent beside its cache (None without one)."""
+    """One rank, in this process: the runner, and the KV transfer agent beside its cache (None without one:
+    LLMEngine.call_kv_agents refuses the call then)."""
 
     def __init__(self, runner: ModelRunner, agent: Any, placement: RankPlacement):
         self.runner = runner
@@ -51,8 +52,6 @@ class LocalExecutor:
         return self.runner.execute_step(output)
 
     def call_agents(self, fn: Callable[..., T], args_by_rank: Mapping[int, tuple]) -> dict[int, T]:
-        if self.agent is None:
-            raise ValueError("this engine was built without a KV transfer agent (LLMEngine(kv_agent=...))")
         return {rank: fn(self.agent, *args) for rank, args in args_by_rank.items()}
 
     def ranks_alive(self) -> list[bool]:

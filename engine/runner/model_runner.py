@@ -95,7 +95,7 @@ class ModelRunner:
         self.layer_observer = layer_observer
         self.times = RunnerTimes()
         self.seqs = SequenceMirror(samples, grammars)
-        self.sampling = SamplingStep(model, self.seqs, grammars) if samples else None
+        self.sampling = SamplingStep(model, self.seqs) if samples else None
 
     def execute(self, chunks: Sequence[SequenceChunk]) -> torch.Tensor:
         """Computes every chunk, writing its K/V to the cache. Returns float32 logits [len(chunks), vocab] of

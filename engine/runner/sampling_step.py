@@ -17,7 +17,6 @@ from tandem.engine.runner.sequence_mirror import SequenceMirror
 from tandem.engine.scheduler_output import RunnerOutput
 
 if TYPE_CHECKING:
-    from tandem.engine.decoding.grammar import GrammarBackend
     from tandem.engine.decoding.grammar_masks import MaskJob
     from tandem.engine.models import LlamaModel
 
@@ -25,10 +24,9 @@ _log = logging.getLogger(__name__)
 
 
 class SamplingStep:
-    def __init__(self, model: LlamaModel, seqs: SequenceMirror, grammars: GrammarBackend | None):
+    def __init__(self, model: LlamaModel, seqs: SequenceMirror):
         self.model = model
-        self.seqs = seqs
-        self.grammars = grammars
+        self.seqs = seqs  # with the grammar backend that compiled its matchers
         self._mask_pool: ThreadPoolExecutor | None = None
 
     def start_masks(self, names: Sequence[str]) -> MaskJob | None:
@@ -42,7 +40,7 @@ class SamplingStep:
 
         if self._mask_pool is None:
             self._mask_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tandem-grammar-masks")
-        return MaskJob(self.grammars, self._mask_pool, structured)
+        return MaskJob(self.seqs.grammars, self._mask_pool, structured)
 
     def sample(self, hidden: torch.Tensor, names: Sequence[str], rows: Sequence[int],
                spec_tokens: Mapping[str, tuple[int, ...]], masks: MaskJob | None) -> RunnerOutput:
