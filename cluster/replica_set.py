@@ -9,7 +9,9 @@ it), then "draining" (no new requests; it finishes what it holds, or after drain
 requests continue elsewhere by replay) and gone, or "dead" (found dead by the monitor or the router) and gone.
 A replica Ray cannot place within resource_timeout_s is given up: the pool's shortfall is reported in `tandem
 status` and logged, the request to Ray's autoscaler is withdrawn, and the pool asks for no more replicas until
-the cluster's resources grow.
+the cluster's resources grow. Once asked, Ray's autoscaler keeps the nodes that hold what it was asked for (a
+request_resources call stands until the next one), so every replica that goes (drained, given up, dead, stopped
+with the cluster) is taken out of the request at once: its node can then go idle and be removed.
 
 Health: every HEARTBEAT_S each ready replica answers health() within HEARTBEAT_TIMEOUT_S (it answers without waiting
 for a running engine step, so a long step is not mistaken for a hang), or it is dead (its actor died, its engine
@@ -246,7 +248,8 @@ class ReplicaSet:
 
     def ask_ray(self) -> None:
         """Tells Ray's autoscaler what every replica wanted needs (one bundle per replica; replicas given up
-        for lack of resources are not asked for again). A no-op when nothing changed."""
+        for lack of resources, or gone, are not asked for again; none left: the request is withdrawn). A no-op
+        when nothing changed."""
         bundles = [dict(e.plan.bundle) for e in self.entries]
         if bundles == self._asked:
             return
@@ -283,6 +286,8 @@ class ReplicaSet:
         remove_placement_group(entry.pg)
         if entry in self.entries:
             self.entries.remove(entry)
+            if self._asked is not None:  # Ray's autoscaler would keep a node for it: withdraw its bundle
+                self.ask_ray()
         if entry.task is not None and entry.task is not asyncio.current_task():
             entry.task.cancel()
 

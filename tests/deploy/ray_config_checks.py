@@ -26,7 +26,10 @@ from tests.deploy.model_shapes import LLAMA3_70B, MIXTRAL_8X22B
 
 
 ROOT = Path(__file__).resolve().parents[2]
-CONFIGS = sorted((ROOT / "deploy" / "ray").glob("*.yaml"))
+# The `ray up` configs. fake-multinode.yaml is Ray's fake multi-node provider, which `ray start` runs on one machine
+# (tests/cluster/test_ray_autoscaler.py checks it with these same functions, and runs it).
+FAKE_MULTINODE = ROOT / "deploy" / "ray" / "fake-multinode.yaml"
+CONFIGS = sorted(path for path in (ROOT / "deploy" / "ray").glob("*.yaml") if path != FAKE_MULTINODE)
 LARGE_MANIFESTS = [ROOT / "deploy" / "manifests" / name for name in ("gpu-llama3-70b.yaml", "gpu-mixtral-8x22b.yaml")]
 SHAPES = {"Meta-Llama-3-70B-Instruct": LLAMA3_70B, "Mixtral-8x22B-Instruct-v0.1": MIXTRAL_8X22B}  # by folder name
 RAY_BUILTIN_RESOURCES = {"CPU", "GPU", "memory", "object_store_memory"}
@@ -167,9 +170,13 @@ def node_types(config: dict) -> list[NodeType]:
     """The config's node types with what each node will advertise: the flags of its `ray start`, overridden on a
     cloud by its node type's `resources` (RAY_OVERRIDE_RESOURCES, which wins over flags: ray 2.60
     _private/resource_and_label_spec.py _merge_resources). The local provider passes no override (its one node
-    type has no resources), so there the flags are all."""
-    head_flags = ray_start_offers(config["head_start_ray_commands"])
-    worker_flags = ray_start_offers(config["worker_start_ray_commands"])
+    type has no resources), so there the flags are all. The fake multi-node provider runs no start commands: its
+    nodes offer their node type's `resources` (the head, those of its `ray start` flags, which the config repeats)."""
+    if config["provider"]["type"] == "fake_multinode":
+        head_flags = worker_flags = {}
+    else:
+        head_flags = ray_start_offers(config["head_start_ray_commands"])
+        worker_flags = ray_start_offers(config["worker_start_ray_commands"])
     if config["provider"]["type"] == "local":
         return [NodeType("provider.head_ip", head_flags, 0, True),
                 NodeType("provider.worker_ips", worker_flags, cluster_max_workers(config), False)]
