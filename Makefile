@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.tandem-installed
 PROMPT ?= Explain in two sentences why the sky is blue.
 
-.PHONY: setup run test test-all test-avx2 test-gpu bench-peers lock wheelhouse install-offline clean
+.PHONY: setup run test test-all test-avx2 test-gpu bench-peers lock wheelhouse install-offline image clean
 
 setup: $(STAMP)
 
@@ -42,6 +42,14 @@ PART_MIB ?= 0
 wheelhouse: setup
 	$(PY) deploy/wheelhouse.py build --out $(WHEELHOUSE) --python $(WHEELHOUSE_PYTHON) \
 		$(if $(WHEELHOUSE_PLATFORM),--platform $(WHEELHOUSE_PLATFORM)) --torch $(TORCH) --part-mib $(PART_MIB)
+
+# The image of one variant (VARIANT=cpu or cuda), built with buildah from its wheelhouse with no index inside the
+# build; IMAGE_BASE: an image the builder can pull, or debootstrap (Debian bookworm made from Debian's archive, for
+# machines that reach no image registry). deploy/docker/README.md says how to run it.
+VARIANT ?= cpu
+IMAGE_BASE ?= python:3.11.14-slim-bookworm
+image: setup
+	deploy/docker/build-image.sh $(VARIANT) $(IMAGE_BASE)
 
 # Installs tandem and its dependencies into a new $(VENV) from a wheelhouse, with no index and no pip
 # configuration, then answers a prompt on the embedded model with `tandem generate`. After it, `make test` and

