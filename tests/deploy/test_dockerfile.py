@@ -87,6 +87,13 @@ def test_kuberay_finds_bash_wget_and_ray(build: Build):
         "a login shell (KubeRay's bash -l) resets PATH from /etc/profile"
 
 
+def test_the_compilers_torch_and_triton_call_are_in_the_image(build: Build):
+    """Triton builds its launcher with gcc; torch's inductor compiles the CPU decode step with g++ (without it the
+    step falls back to eager: found by running the image)."""
+    apt = [c for r in runs(build.final_chain()) for c in commands(r) if "apt-get install" in c]
+    assert {"gcc", "g++", "libc6-dev"} <= set(apt[0].split())
+
+
 def test_gpu_env_only_in_the_cuda_image(build: Build, variant: str):
     env = " ".join(v for s in build.final_chain() for v in s.values("ENV"))
     assert ("NVIDIA_VISIBLE_DEVICES=all" in env) == (variant == "cuda")

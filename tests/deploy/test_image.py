@@ -70,6 +70,8 @@ def test_the_cpu_image_generates_and_serves_the_openai_client(container, tmp_pat
     try:
         import openai
 
+        assert processes_inside(), "tandem up is not running inside the container's root"
+
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="unused", timeout=30)
         deadline = time.monotonic() + 420
         while True:
@@ -86,13 +88,44 @@ def test_the_cpu_image_generates_and_serves_the_openai_client(container, tmp_pat
         assert answer.choices[0].message.content.strip()
         assert answer.usage.completion_tokens > 0
     finally:
-        os.killpg(up.pid, signal.SIGTERM)  # tandem up takes its cluster and its Ray head down on SIGTERM
+        # SIGTERM to tandem up itself, which takes its cluster and its Ray head down; buildah run then returns.
+        # (Not to buildah run or its chroot helper, whose end would cut tandem up off before it stops the head: with
+        # chroot isolation there is no PID namespace whose end would take the rest along.)
+        running = processes_inside()
+        for pid, what in running.items():
+            if what.startswith("tandem: ") and " up /mnt/manifest.yaml" in what:
+                os.kill(pid, signal.SIGTERM)
         try:
             up.wait(timeout=120)
         except subprocess.TimeoutExpired:
             os.killpg(up.pid, signal.SIGKILL)
             up.wait()
         log.close()
-    left = subprocess.run(["pgrep", "-f", f"127.0.0.1:{grpc_port}|raylet.*{container}"], capture_output=True,
-                          text=True).stdout.split()
+    deadline = time.monotonic() + 30
+    while any(alive(pid) for pid in running) and time.monotonic() < deadline:
+        time.sleep(1)
+    left = [what for pid, what in running.items() if alive(pid)]
     assert not left, f"processes left after tandem up stopped: {left}"
+    assert any(what.startswith("raylet: ") for what in running.values()), "the Ray head ran inside the container"
+
+
+def processes_inside() -> dict[int, str]:
+    """The processes chrooted into a `buildah run` (buildah's chroot isolation binds the container's file system at
+    /var/tmp/buildahN/mnt/rootfs for each run; the test runs one at a time), by pid: their comm and command line."""
+    inside = {}
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and re.fullmatch(r"/var/tmp/buildah\d+/mnt/rootfs", os.readlink(proc / "root")):
+                command = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                inside[int(proc.name)] = f"{(proc / 'comm').read_text().strip()}: {command[:120]}"
+        except OSError:
+            continue
+    return inside
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state not in ("Z", "X")
