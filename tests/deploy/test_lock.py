@@ -223,3 +223,7 @@ def test_pip_check_lines_are_judged_by_whose_they_are(tmp_path):
     lines = report.splitlines()
     assert wheelhouse.broken_requirements(report, tmp_path, host_torch=False) == lines[1:]
     assert wheelhouse.broken_requirements(report, tmp_path, host_torch=True) == [lines[3]]
+    swapped = "tandem 0.1.0 requires ucxx-cu12, which is not installed.\n"
+    assert wheelhouse.broken_requirements(swapped, tmp_path, host_torch=False) == [swapped.strip()]
+    (tmp_path / wheelhouse.REQUIREMENTS_NAME).write_text("ucxx-cu13==0.52.0 --hash=sha256:cc\n")
+    assert wheelhouse.broken_requirements(swapped, tmp_path, host_torch=False) == []
