@@ -1,7 +1,8 @@
 """Locked dependencies and offline wheelhouses: how tandem installs where no package index is reachable.
 
-`requirements/lock.txt` pins every runtime and test dependency with its hashes (made by uv from pyproject.toml:
-`make lock`). This script reads that lock and
+`requirements/lock.txt` pins every runtime and test dependency with its hashes, and `lock-cuda.txt` the same with
+torch's CUDA build (both made by uv from pyproject.toml: `make lock`, this script's `lock`). This script reads them
+and
 
 * `build`: writes every wheel one target needs into one folder (for a Python version and platform given as
   settings; torch's CPU build, its CUDA build, or no torch for a Python that already has a CUDA torch), with the
@@ -11,8 +12,8 @@
   answers one prompt on the embedded model with `tandem generate`.
 
 `lock` and `build` need `packaging` (the project's virtualenv has it); `install` needs only the standard library, so
-that a bare Python can run it. The Makefile's `wheelhouse` and
-`install-offline` targets call it. docs/deploy.md says how the pieces travel to an air-gapped machine.
+that a bare Python can run it. The Makefile's `lock`, `wheelhouse` and `install-offline` targets and the image
+build (deploy/docker/) call it; docs/deploy.md says how the pieces travel to an air-gapped machine.
 """
 from __future__ import annotations
 
@@ -237,12 +238,14 @@ def git_revision() -> str:
 
 
 JOIN_SCRIPT = """#!/bin/sh
-# Joins the parts beside this script into the wheelhouse folder {name}/ (after checking every part's SHA-256).
+# sh join.sh [DEST]: checks every part's SHA-256, then joins the parts beside this script into DEST/{name}/
+# (DEST: the current folder unless given).
 set -eu
+dest=$(cd "${{1:-.}}" && pwd)
 cd "$(dirname "$0")"
 sha256sum -c --quiet SHA256SUMS
-cat {prefix}* | tar -xf - -C "${{1:-.}}"
-echo "wheelhouse: ${{1:-.}}/{name}"
+cat {prefix}* | tar -xf - -C "$dest"
+echo "wheelhouse: $dest/{name}"
 """
 
 

@@ -155,8 +155,8 @@ def test_parts_join_back_byte_for_byte_and_a_damaged_part_is_refused(tmp_path):
     assert len(parts) == 4 and all(part.stat().st_size <= 2**20 for part in parts)
     destination = tmp_path / "joined"
     destination.mkdir()
-    subprocess.run(["sh", str(tmp_path / "house.parts" / "join.sh"), str(destination)], check=True,
-                   capture_output=True)
+    subprocess.run(["sh", str(tmp_path / "house.parts" / "join.sh"), "joined"], check=True, capture_output=True,
+                   cwd=tmp_path)  # DEST relative to where it is run, not to the parts
     assert {path.name: path.read_bytes() for path in (destination / "house").iterdir()} == payload
     damaged = bytearray(parts[1].read_bytes())
     damaged[100] ^= 0xFF
