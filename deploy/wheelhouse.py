@@ -125,18 +125,23 @@ def this_platform() -> str:
     return f"manylinux_{glibc}_{os.uname().machine}"
 
 
-def torch_family(pins: list[Pin]) -> set[str]:
-    """torch, Triton (torch's compiler, held to torch's version) and every pin that only they asked for (the nvidia
-    runtime wheels): what a Python with its own CUDA torch already has."""
-    family = {"torch", "triton"}
+def grow(pins: list[Pin], names: set[str], joins) -> set[str]:
+    """`names` and every pin that `joins(pin.via, names so far)` admits, until nothing more is added."""
+    names = set(names)
     grew = True
     while grew:
         grew = False
         for pin in pins:
-            if pin.name not in family and pin.via and pin.via <= family:
-                family.add(pin.name)
+            if pin.name not in names and joins(pin.via, names):
+                names.add(pin.name)
                 grew = True
-    return family
+    return names
+
+
+def torch_family(pins: list[Pin]) -> set[str]:
+    """torch, Triton (torch's compiler, held to torch's version) and every pin that only they asked for (the nvidia
+    runtime wheels): what a Python with its own CUDA torch already has."""
+    return grow(pins, {"torch", "triton"}, lambda via, family: bool(via) and via <= family)
 
 
 def runtime_closure(pins: list[Pin]) -> set[str]:
@@ -148,16 +153,9 @@ def runtime_closure(pins: list[Pin]) -> set[str]:
 
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     runtime = {canonicalize_name(Requirement(text).name) for text in project["dependencies"]}
-    needed = {pin.name for pin in pins
-              if (pin.name in runtime and "tandem" in pin.via) or any(via.startswith("-r ") for via in pin.via)}
-    grew = True
-    while grew:
-        grew = False
-        for pin in pins:
-            if pin.name not in needed and pin.via & needed:
-                needed.add(pin.name)
-                grew = True
-    return needed
+    roots = {pin.name for pin in pins
+             if (pin.name in runtime and "tandem" in pin.via) or any(via.startswith("-r ") for via in pin.via)}
+    return grow(pins, roots, lambda via, needed: bool(via & needed))
 
 
 def select_pins(python: str, platform: str, torch: str, runtime_only: bool = False,

