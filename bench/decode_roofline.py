@@ -8,6 +8,10 @@ each system's fraction of the roofline and tandem's speed-up over transformers. 
 
     .venv/bin/python bench/decode_roofline.py [--tokens 64] [--threads 2] [--modes float32,bfloat16,packed-int4]
     .venv/bin/python bench/decode_roofline.py --modes packed-int4 --llama-cpp   # after `make bench-peers`
+    .venv/bin/python bench/decode_roofline.py --like Llama-3.2-1B --modes float32,bfloat16 --tokens 16
+
+--model PATH / --like NAME measure another model (bench/model_choice.py): a published shape runs with dummy weights
+against transformers built from the same config with its own random weights (speed does not depend on the values).
 
 Modes: float32 and bfloat16 expand every weight (the peer is transformers in the same dtype); packed-int4
 keeps the GGUF's Q4_1 weights 4-bit (bfloat16 compute; the peer is transformers in bfloat16, which expands
@@ -35,6 +39,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.machine import cpu_report, machine_line  # noqa: E402
+from bench.model_choice import ModelChoice, add_model_arguments, model_choice  # noqa: E402
 
 PROMPTS = [
     [{"role": "user", "content": "Write a short story about a lighthouse keeper."}],
@@ -73,16 +78,16 @@ def decode_rate(run, prompts, tokens: int) -> float:
 MODES = {
     "float32": ({"dtype": torch.float32}, torch.float32),
     "bfloat16": ({"dtype": torch.bfloat16}, torch.bfloat16),
-    "packed-int4": ({"dtype": torch.bfloat16, "packed": True}, torch.bfloat16),
+    "packed-int4": ({"dtype": torch.bfloat16, "weight_format": "packed"}, torch.bfloat16),
 }
 
 
-def tandem_runner(load_args: dict):
+def tandem_runner(choice: ModelChoice, load_args: dict):
     from tandem.engine.core.generator import Generator
     from tandem.engine.loader import load_model
     from tandem.engine.sampling_params import SamplingParams
 
-    loaded = load_model(progress=False, **load_args)
+    loaded = load_model(**choice.load_args(), progress=False, **load_args)
     generator = Generator(loaded, max_model_len=2048)
 
     def run(ids, n):
@@ -93,13 +98,8 @@ def tandem_runner(load_args: dict):
     return loaded, generator, run
 
 
-def transformers_runner(dtype: torch.dtype):
-    from transformers import AutoModelForCausalLM
-
-    from tandem.engine.loader import default_model_path
-
-    path = default_model_path()
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype).eval()
+def transformers_runner(choice: ModelChoice, dtype: torch.dtype):
+    model = choice.transformers_model(dtype)
 
     @torch.inference_mode()
     def run(ids, n):
@@ -135,13 +135,18 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="interleaved measurement rounds (median is reported)")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--llama-cpp", action="store_true", help="add llama.cpp's batch-1 decode (make bench-peers)")
+    add_model_arguments(parser)
     args = parser.parse_args()
     unknown = [m for m in args.modes.split(",") if m not in MODES]
     if unknown:
         parser.error(f"unknown mode {unknown[0]!r}; modes: {', '.join(MODES)}")
     torch.set_num_threads(args.threads)
+    args.choice = model_choice(args)
+    if args.llama_cpp and args.choice.path is not None:
+        parser.error("--llama-cpp runs the embedded GGUF file: drop --model / --like")
 
-    results = {"machine": machine_line(), "cpu": cpu_report(), "threads": args.threads, "tokens": args.tokens,
+    results = {"machine": machine_line(), "cpu": cpu_report(), "model": args.choice.label, "threads": args.threads,
+               "tokens": args.tokens,
                "prompts": len(PROMPTS), "rounds": args.rounds, "runs": {}}
     peers: dict[torch.dtype, tuple] = {}
     for name in args.modes.split(","):
@@ -156,11 +161,11 @@ def main() -> None:
 def measure_mode(name: str, args: argparse.Namespace, peers: dict) -> dict:
     """One mode's numbers (see the module docstring); `peers` caches the transformers runner per dtype."""
     load_args, peer_dtype = MODES[name]
-    loaded, generator, run = tandem_runner(load_args)
+    loaded, generator, run = tandem_runner(args.choice, load_args)
     prompts = [loaded.tokenizer.encode_chat(p) for p in PROMPTS]
     per_token = loaded.model.weight_bytes_per_token()
     if peer_dtype not in peers:
-        peers[peer_dtype] = transformers_runner(peer_dtype)
+        peers[peer_dtype] = transformers_runner(args.choice, peer_dtype)
     hf_run, hf_bytes = peers[peer_dtype]
     llama = None
     if args.llama_cpp:

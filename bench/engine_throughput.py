@@ -12,6 +12,10 @@ system prompt is cached vs the same request on a cold cache, alternating, median
 
     .venv/bin/python bench/engine_throughput.py [--concurrency 1,8,32,64] [--tokens 64] [--dtype float32]
     .venv/bin/python bench/engine_throughput.py --device cuda      # bfloat16 unless --dtype says otherwise
+    .venv/bin/python bench/engine_throughput.py --like Llama-3.2-1B --concurrency 1,32 --tokens 16
+
+--model PATH / --like NAME measure another model (bench/model_choice.py): a published shape runs with dummy weights
+against transformers built from the same config with its own random weights (speed does not depend on the values).
 
 The JSON names the machine, the CPU probe (`cpu`) and the kernels the projections ran on (`tandem_kernels`); a
 dtype this machine cannot run is reported with its error instead of numbers. To measure an AVX2 CPU's paths on
@@ -41,6 +45,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.machine import cpu_report, machine_line  # noqa: E402
+from bench.model_choice import ModelChoice, add_model_arguments, model_choice  # noqa: E402
 
 QUESTIONS = [
     "Write a short story about a lighthouse keeper.",
@@ -86,13 +91,8 @@ def engine_tokens_per_s(engine, requests: list[list[int]], tokens: int, device: 
     return {"tokens_per_s": generated / elapsed, "seconds": elapsed, "steps": steps}
 
 
-def transformers_runner(dtype: torch.dtype, device: str = "cpu"):
-    from transformers import AutoModelForCausalLM
-
-    from tandem.engine.loader import default_model_path
-
-    path = default_model_path()
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype).to(device).eval()
+def transformers_runner(choice: ModelChoice, dtype: torch.dtype, device: str = "cpu"):
+    model = choice.transformers_model(dtype, device)
 
     @torch.inference_mode()
     def static(requests: list[list[int]], tokens: int) -> dict:
@@ -183,7 +183,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--hf-requests", type=int, default=4, help="requests transformers runs one by one")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved measurement rounds (medians reported)")
-    parser.add_argument("--ttft-rounds", type=int, default=5)
+    parser.add_argument("--ttft-rounds", type=int, default=5, help="0 skips the prefix-cache TTFT measurement")
+    add_model_arguments(parser)
     parser.add_argument("--llama-cpp", action="store_true", help="add llama.cpp's batched decode (make bench-peers)")
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -191,7 +192,11 @@ def main() -> None:
                  "build of torch, or no driver); run on a machine with an NVIDIA GPU, or use --device cpu")
     args.dtype = args.dtype or default_dtype(args.device)
     torch.set_num_threads(args.threads)
-    results = {"machine": machine_line(), "device": args.device} | device_report(args.device)
+    args.choice = model_choice(args)
+    if args.llama_cpp and args.choice.path is not None:
+        parser.error("--llama-cpp runs the embedded GGUF file: drop --model / --like")
+    results = {"machine": machine_line(), "device": args.device, "model": args.choice.label}
+    results |= device_report(args.device)
     results |= {"dtype": args.dtype, "threads": args.threads, "tokens": args.tokens, "rounds": args.rounds,
                 "hf_requests": args.hf_requests}
     try:
@@ -210,7 +215,7 @@ def measure(args: argparse.Namespace) -> dict:
 
     dtype = getattr(torch, args.dtype)
     device = args.device
-    loaded = load_model(progress=False, dtype=dtype, device=device)
+    loaded = load_model(**args.choice.load_args(), progress=False, dtype=dtype, device=device)
     levels = [int(c) for c in args.concurrency.split(",")]
     requests = prompts(loaded.tokenizer, max(levels))
     engine = LLMEngine(loaded, EngineConfig(max_model_len=2048, max_num_seqs=max(levels),
@@ -220,7 +225,7 @@ def measure(args: argparse.Namespace) -> dict:
     # a VM the first write to a page costs a host page fault, a one-time cost a long-running server never pays
     # again; the timed runs measure the steady state.
     engine_tokens_per_s(engine, requests[:max(levels)], args.tokens, device)
-    hf_run, hf_static = transformers_runner(dtype, device)
+    hf_run, hf_static = transformers_runner(args.choice, dtype, device)
     llama = None
     if args.llama_cpp:
         from bench.peers import llama_cpp_peer as llama_cpp
@@ -271,6 +276,8 @@ def measure(args: argparse.Namespace) -> dict:
               f"({results['llama_cpp_batched_tokens_per_s']:.1f} tok/s): "
               f"{results['speedup_vs_llama_cpp_batched']:.2f}x", file=sys.stderr)
     del engine
+    if args.ttft_rounds < 1:
+        return results
     results["prefix_cache"] = prefix = prefix_ttft(loaded, EngineConfig, LLMEngine, args.ttft_rounds, device)
     print(f"500-token system prompt: TTFT cold {prefix['cold_ttft_s'] * 1e3:.0f} ms, cached "
           f"{prefix['cached_ttft_s'] * 1e3:.0f} ms ({prefix['ttft_speedup']:.1f}x)", file=sys.stderr)

@@ -7,7 +7,7 @@ import json
 import sys
 from typing import Sequence
 
-from tandem.engine.engine_config import KV_CACHE_DTYPES, QUANTIZED_WEIGHTS, WEIGHT_FORMATS
+from tandem.engine.engine_config import KV_CACHE_DTYPES, LOAD_FORMATS, QUANTIZED_WEIGHTS, WEIGHT_FORMATS
 from tandem.engine.errors import ReplicaFailedError, TandemError
 
 
@@ -52,6 +52,10 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
                         "checkpoint, CPU or CUDA); int4 / int4_g128: group-wise 4-bit projections, groups of 32 / "
                         "128 (CPU); packed: keep a GGUF file's Q4_0/Q4_1 weights "
                         "4-bit on the CPU (bfloat16 compute, ~4x less weight memory)")
+    p.add_argument("--load-format", choices=list(LOAD_FORMATS), default="auto",
+                   help="auto (default): read the model's weights; dummy: make random weights of the model's shapes "
+                        "on the device (no weight file needed: `tandem make-model --like NAME`), to measure speed "
+                        "and memory; the text is noise")
     p.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES), default="auto",
                    help="what the KV cache stores (default auto: --dtype); int8 / fp8_e4m3 keep a scale per block "
                         "and head, about half bfloat16's bytes")
@@ -103,7 +107,7 @@ def _generate(args: argparse.Namespace) -> int:
         raise ValueError("--weights packed runs in one process; drop it to split the model with --tp/--pp/--ep")
     # A replica over several processes: the ranks load their own shards, this process only the tokenizer.
     loaded = load_model(args.model, dtype=getattr(torch, dtype), device=choice.device, progress=sys.stderr.isatty(),
-                        weight_format=args.weights, weights=parallel.world_size == 1)
+                        weight_format=args.weights, weights=parallel.world_size == 1, load_format=args.load_format)
     tokenizer = loaded.tokenizer
     if args.chat is not None:
         prompt_ids = tokenizer.encode_chat([{"role": "user", "content": args.chat}])
@@ -196,10 +200,18 @@ def _add_cluster(sub: argparse._SubParsersAction) -> None:
                            help="also print the control plane's last N log lines (scaling decisions, failures)")
         p.set_defaults(func=getattr(commands, name))
 
-    p = sub.add_parser("make-model", help="write a small random model (e.g. for deploy/manifests/local-moe.yaml)")
-    p.add_argument("kind", choices=["tiny-moe"])
-    p.add_argument("out", help="folder to write (config.json, model.safetensors, tokenizer.json)")
-    p.add_argument("--seed", type=int, default=0)
+    p = sub.add_parser("make-model", help="write a small random model (tiny-moe, for deploy/manifests/local-moe.yaml), "
+                       "or a published model's shape without weights (--like NAME, run with dummy weights)",
+                       description="`tandem make-model tiny-moe OUT` writes a small Mixtral-layout model with random "
+                                   "weights. `tandem make-model --like NAME OUT` writes the config.json of a "
+                                   "published model (Llama-3.2-1B, Llama-3.1-8B, Llama-3.1-70B, Qwen3-8B, "
+                                   "Mixtral-8x7B, Mixtral-8x22B, Qwen3-30B-A3B) with the embedded tokenizer and no "
+                                   "weights: serve or measure it with --load-format dummy / engine.load_format: dummy.")
+    p.add_argument("kind", nargs="?", choices=["tiny-moe"], help="a small model with weights (omit with --like)")
+    p.add_argument("out", help="folder to write")
+    p.add_argument("--like", metavar="NAME", default=None,
+                   help="a published model's name (e.g. Llama-3.1-8B; any unique start of one)")
+    p.add_argument("--seed", type=int, default=0, help="tiny-moe's weights' seed")
     p.set_defaults(func=commands.make_model)
 
 

@@ -198,6 +198,21 @@ def _rank_place(placement: dict) -> str:
 
 
 def make_model(args: argparse.Namespace) -> int:
+    """tandem make-model: tiny-moe (weights written), or --like NAME (a published shape, no weights)."""
+    if (args.kind is None) == (args.like is None):
+        raise ValueError("make-model takes a kind (tiny-moe) or --like NAME, one of the two")
+    if args.like is not None:
+        from tandem.engine.loader.model_info import load_model_info
+        from tandem.engine.loader.published_models import find_published, write_published_shape
+
+        hub = find_published(args.like)
+        folder = write_published_shape(hub, args.out, load_model_info(None).tokenizer)
+        info = load_model_info(folder)  # reads back what was written: the shape tandem will run
+        c = info.config
+        print(f"tandem: wrote the shape of {hub} to {folder} ({c.num_layers} layers, hidden {c.hidden_size}, "
+              f"{c.num_heads}/{c.num_kv_heads} heads{f', {c.moe.num_experts} experts' if c.moe else ''}); no "
+              f"weights: run it with --load-format dummy (engine.load_format: dummy in a manifest)", file=sys.stderr)
+        return 0
     from tandem.engine.loader.synthetic import write_synthetic_model
 
     folder = write_synthetic_model(args.kind, args.out, seed=args.seed)

@@ -5,7 +5,7 @@ needs one definition. What the manifest adds on top:
 
 - kv_cache_bytes takes units ("256MiB");
 - speculative is a section of its own (null: off), reaching only the replicas that decode;
-- the replica's device, dtype and weights (replica/spec.py ReplicaSpec), which sit beside the engine's settings.
+- the replica's device, dtype, weights and load_format (replica/spec.py ReplicaSpec), beside the engine's settings.
 
 The section's compile: null means "on for the pools that decode, off for a disaggregated cluster's prefill pool"
 (cluster/replica_plans.py); the engine's own null means TANDEM_COMPILE. Building the engine's dataclass runs its
@@ -19,7 +19,7 @@ from typing import Any, Literal, get_type_hints
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 
-from tandem.engine.engine_config import EngineConfig, SpeculativeConfig
+from tandem.engine.engine_config import EngineConfig, LoadFormat, SpeculativeConfig
 from tandem.replica.spec import ReplicaSpec
 from tandem.router.limits import parse_bytes
 
@@ -84,6 +84,10 @@ class EngineSettings(_section_of(EngineConfig, skip=_OWN_KEYS)):
     # layers, CPU); int8 (any checkpoint, CPU and CUDA); int4 / int4_g128 (group-wise 4-bit, CPU). All but dense
     # compute in bfloat16.
     weights: Literal["dense", "packed", "int8", "int4", "int4_g128"] = _REPLICA["weights"]
+    # Where the weights come from (engine_config.LOAD_FORMATS): auto reads the model's files; dummy makes random
+    # weights of its shapes on each rank's device (a folder of config.json and tokenizer is enough: `tandem
+    # make-model --like NAME`), to measure a model this machine does not have. Its answers are noise.
+    load_format: LoadFormat = _REPLICA["load_format"]
 
     @field_validator("kv_cache_bytes", mode="before")
     @classmethod
@@ -99,6 +103,9 @@ class EngineSettings(_section_of(EngineConfig, skip=_OWN_KEYS)):
 
     @model_validator(mode="after")
     def _checked_by_the_engine(self) -> EngineSettings:
+        if self.load_format == "dummy" and self.weights == "packed":
+            raise ValueError("weights: packed keeps a GGUF file's 4-bit blocks; load_format: dummy has none (use "
+                             "dense, int8 or int4)")
         if self.weights != "dense" and self.dtype == "float32":
             raise ValueError(f"weights: {self.weights} computes in bfloat16; drop dtype or set it to bfloat16")
         self.config()

@@ -150,7 +150,14 @@ def _device_errors(name: str, pool: dict) -> list[ManifestError]:
     return errors
 
 
-def _model_errors(model) -> tuple[list[ManifestError], object]:
+def _load_format(data: dict) -> str:
+    """dummy when every pool makes dummy weights (then the model folder needs no weight files), else auto."""
+    formats = {str(_get(data, "pools", name, "engine", "load_format", default="auto"))
+               for name in ("prefill", "decode") if isinstance(_get(data, "pools", name), dict)}
+    return "dummy" if formats == {"dummy"} else "auto"
+
+
+def _model_errors(model, load_format: str = "auto") -> tuple[list[ManifestError], object]:
     from tandem.engine.loader import load_model
 
     if not isinstance(model, str):
@@ -162,7 +169,7 @@ def _model_errors(model) -> tuple[list[ManifestError], object]:
         return [ManifestError("model", f"{path!r} does not exist (relative paths start where tandem runs: "
                                        f"{Path.cwd()})", hint)], None
     try:
-        return [], load_model(path, weights=False, progress=False)
+        return [], load_model(path, weights=False, progress=False, load_format=load_format)
     except ModelLoadError as e:
         return [ManifestError("model", str(e))], None
 
@@ -198,7 +205,7 @@ def check_manifest(data: dict, lines: dict[tuple, int] | None = None, *,
     from tandem.engine.parallel.layout import ParallelConfig, ReplicaLayout
 
     lines = lines or {}
-    errors, loaded = _model_errors(data.get("model", "embedded"))
+    errors, loaded = _model_errors(data.get("model", "embedded"), _load_format(data))
     pools = [name for name in ("prefill", "decode") if isinstance(_get(data, "pools", name), dict)]
     if loaded is not None:
         config = loaded.config

@@ -47,7 +47,7 @@ def replica_spec(manifest: Manifest, pool: Pool) -> ReplicaSpec:
     p = pool.parallelism
     threads = max(1, round(pool.resources.cpus * p.world_size))
     return ReplicaSpec(model=absolute_model(manifest), device=e.device, dtype=pool.dtype if e.weights != "dense"
-                       else e.dtype, weights=e.weights, engine=engine,
+                       else e.dtype, weights=e.weights, load_format=e.load_format, engine=engine,
                        parallel=ParallelConfig(tp=p.tp, pp=p.pp, ep=p.ep), threads=threads,
                        cpu_affinity=pool.cpu_affinity)
 

@@ -20,6 +20,10 @@ ATTENTION_BACKENDS = get_args(AttentionBackend)
 WEIGHT_FORMATS = ("dense", "packed", "int8", "int4", "int4_g128")
 QUANTIZED_WEIGHTS = ("packed", "int8", "int4", "int4_g128")  # these compute in bfloat16
 QUANTIZED_ON_LOAD = ("int8", "int4", "int4_g128")  # quantized from the checkpoint's floats as they are read
+# Where the weights come from (engine/loader/): auto reads the model's files; dummy makes random weights of the
+# config's shapes on each rank's device (engine/loader/dummy_weights.py), for measuring models not on this machine.
+LoadFormat = Literal["auto", "dummy"]
+LOAD_FORMATS = get_args(LoadFormat)
 # What the KV cache stores (engine/kv/kv_cache.py): auto is the compute dtype; int8 and fp8_e4m3 hold codes with a
 # float32 scale per block, layer, K/V and KV head, computed from the data as tokens are written.
 KVCacheDtype = Literal["auto", "bfloat16", "float16", "int8", "fp8_e4m3"]

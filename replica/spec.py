@@ -31,7 +31,8 @@ def ray_gpu_ids() -> list[str] | None:
 class ReplicaSpec:
     """model: a Hugging Face folder or .gguf path (None: the embedded model). device: engine/hardware/device.py DEVICES
     (auto: CUDA when Ray gave the replica GPUs); dtype None: the device's default; weights: how projections are
-    held (engine_config.WEIGHT_FORMATS; all but dense need dtype bfloat16). threads: torch CPU threads for
+    held (engine_config.WEIGHT_FORMATS; all but dense need dtype bfloat16); load_format: where the weights come
+    from (engine_config.LOAD_FORMATS: the model's files, or dummy ones of its shapes). threads: torch CPU threads for
     the whole replica (split over its ranks). cpu_affinity: host CPUs to pin the replica to (None: no pinning):
     its driver process takes the whole list, rank r of several the r-th equal share (engine/hardware/cpu_affinity.py);
     len(cpu_affinity) must be a multiple of the world size."""
@@ -40,6 +41,7 @@ class ReplicaSpec:
     device: str = "auto"
     dtype: str | None = None
     weights: str = "dense"  # engine_config.WEIGHT_FORMATS
+    load_format: str = "auto"  # engine_config.LOAD_FORMATS: dummy makes weights of the model's shapes
     engine: EngineConfig = field(default_factory=EngineConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     threads: int = 1
@@ -84,6 +86,6 @@ class ReplicaSpec:
                   f"; ranks' GPUs {list(rank_gpus)}" if rank_gpus else
                   f"; CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')}" if gpu_ids else "")
         loaded = load_model(self.model, dtype=getattr(torch, choice.dtype), device=choice.device, progress=False,
-                            weights=world_size == 1, weight_format=self.weights)
+                            weights=world_size == 1, weight_format=self.weights, load_format=self.load_format)
         return LLMEngine(loaded, self.engine, parallel=self.parallel, kv_agent=kv_agent,
                          event_sink=event_sink or discard_events, rank_gpus=rank_gpus, rank_cpus=rank_cpus)

@@ -16,6 +16,7 @@ from tandem.engine.loader.checkpoint import Checkpoint
 from tandem.engine.loader.hf_metadata import hf_model_info
 from tandem.engine.loader.lazy_tensor import LazyTensor
 from tandem.engine.loader.progress import progress_bar
+from tandem.engine.loader.published_models import MADE_BY
 from tandem.engine.model_config import read_json_file
 
 _READ_ERRORS = (SafetensorError, OSError, RuntimeError, ValueError)
@@ -32,6 +33,9 @@ def shard_files(folder: Path) -> list[Path]:
             raise ModelLoadError(f"{folder}: shard {missing[0]!r} listed in {index.name} is missing")
         return [folder / n for n in names]
     files = sorted(folder.glob("*.safetensors"))
+    if not files and (folder / MADE_BY).is_file():
+        raise ModelLoadError(f"{folder}: has no weights (`tandem make-model --like` wrote only its shape): load it "
+                             "with dummy weights (--load-format dummy, or the manifest's engine.load_format: dummy)")
     if not files:
         raise ModelLoadError(f"{folder}: no *.safetensors weights found (other weight formats are not supported)")
     return files

@@ -26,6 +26,7 @@ def write_synthetic_model(kind: str, folder: str | Path, *, seed: int = 0) -> Pa
     from safetensors.torch import save_file
 
     from tandem.engine.loader.model_info import load_model_info
+    from tandem.engine.loader.published_models import write_tokenizer
     from tandem.engine.model_config import model_config_from_hf
     from tandem.engine.models.llama import expected_shapes
 
@@ -46,7 +47,5 @@ def write_synthetic_model(kind: str, folder: str | Path, *, seed: int = 0) -> Pa
     folder.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(folder / "model.safetensors"))
     (folder / "config.json").write_text(json.dumps(config, indent=2))
-    tokenizer.backend.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps(
-        {"chat_template": tokenizer.chat_template, "bos_token": tokenizer.bos_token, "eos_token": tokenizer.eos_token}))
+    write_tokenizer(folder, tokenizer)
     return folder

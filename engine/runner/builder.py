@@ -20,6 +20,7 @@ from tandem.engine.hardware.device import RankPlacement
 from tandem.engine.kv.kv_cache import KVCacheSpec, PagedKVCache, store_memory_of
 from tandem.engine.loader.model_loader import LoadedModel
 from tandem.engine.models.compiled import compile_decode, compile_enabled, decode_step_summary
+from tandem.engine.models.decode_bucket import blocks_per_sequence
 from tandem.engine.parallel.layout import ParallelConfig, ReplicaLayout
 from tandem.engine.runner.executor import Executor, LocalExecutor
 from tandem.engine.runner.model_runner import ModelRunner
@@ -96,14 +97,18 @@ def _one_process(request: ExecutorRequest) -> Built:
     kv_cache = PagedKVCache(request.replica_spec(num_blocks), device, store_memory_of(request.kv_agent, device))
     compiling = compile_enabled(config.compile)
     spec_tokens = config.speculative.max_tokens if config.speculative is not None else 0
-    compiled = compile_decode(loaded.model, config.max_num_seqs, 1 + spec_tokens,
-                              kv_quantized=share.quantized) if compiling else None
+    # Full CUDA graphs take block tables as wide as a sequence can need: max_model_len's blocks, at most the cache's.
+    max_len = config.max_model_len or loaded.config.max_position_embeddings
+    max_blocks = min(blocks_per_sequence(max_len, config.block_size), num_blocks)
+    compiled = compile_decode(loaded.model, config.max_num_seqs, 1 + spec_tokens, kv_quantized=share.quantized,
+                              kv_cache=kv_cache, max_blocks=max_blocks) if compiling else None
     proposer = None
     if draft is not None:
         tune_for(draft.model, config.block_size)
-        # The draft's first pass of a round computes the 1-2 tokens it lacks per sequence: compiled too.
-        proposer = DraftProposer(draft.model, num_blocks, config.block_size, compile_decode(
-            draft.model, config.max_num_seqs, 1 + spec_tokens) if compiling else None)
+        proposer = DraftProposer(draft.model, num_blocks, config.block_size)
+        if compiling:  # the draft's first pass of a round computes the 1-2 tokens it lacks per sequence: compiled too
+            proposer.compiled = compile_decode(draft.model, config.max_num_seqs, 1 + spec_tokens,
+                                               kv_cache=proposer.kv_cache, max_blocks=max_blocks)
         proposer.warm_up(config.max_num_seqs)
     agent = request.kv_agent(0, request.layout, kv_cache) if request.kv_agent is not None else None
     # Structured output: the engine's backend refused a bad constraint at add_request, and its cache hands this
@@ -153,7 +158,7 @@ def _rank_processes(request: ExecutorRequest) -> Executor:
             threads=threads, micro_batches=request.parallel.num_micro_batches, kv_agent=request.kv_agent,
             attention_backend=config.attention_backend, visible_gpus=request.rank_gpus,
             cpus=None if request.rank_cpus is None else tuple(tuple(c) for c in request.rank_cpus),
-            weight_format=loaded.weight_format, kv_dtype=config.kv_cache_dtype),
+            weight_format=loaded.weight_format, kv_dtype=config.kv_cache_dtype, load_format=loaded.load_format),
             kv_blocks=lambda free: config.num_blocks(bytes_per_block, free // share, on_gpu))
 
     for _ in range(STARTUP_PORT_ATTEMPTS - 1):

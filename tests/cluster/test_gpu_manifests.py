@@ -1,6 +1,6 @@
 """The GPU manifests (deploy/manifests/gpu-1.yaml, gpu-8.yaml) as `tandem validate` and `tandem up` see them, on
-the CPU: both validate (gpu-8 against a Llama-3-8B-shaped folder written here, config and tokenizer without any
-weights), and the replicas planned from them ask Ray for the GPUs the manifests' comments and the README say. A
+the CPU: both validate (gpu-8 against the folder `tandem make-model --like Meta-Llama-3-8B-Instruct` writes, config
+and tokenizer without any weights, with load_format: dummy), and the replicas planned from them ask Ray for the GPUs the manifests' comments and the README say. A
 replica split over several ranks cannot share a GPU, and device: cuda needs GPUs."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import yaml
 from tandem.cluster.manifest_checks import validate_file
 from tandem.cluster.manifest_yaml import ManifestInvalid
 from tandem.cluster.replica_plans import replica_plans, resources_needed
-from tests.deploy.model_shapes import LLAMA3_8B, write_hf_shaped_folder
+from tests.deploy.model_shapes import make_model_like
 from tests.deploy.model_shapes import manifest_with_model as replace_model
 
 MANIFESTS = Path(__file__).resolve().parents[2] / "deploy" / "manifests"
@@ -26,17 +26,17 @@ def _load_embedded_once(embedded_shape_once):
 
 
 def manifest_with_model(tmp_path: Path, name: str, model: Path) -> Path:
-    """A copy of deploy/manifests/<name> whose `model:` line names model instead."""
+    """A copy of deploy/manifests/<name> whose `model:` line names model instead, loaded with dummy weights."""
     path = tmp_path / name
-    path.write_text(replace_model((MANIFESTS / name).read_text(), model))
+    path.write_text(replace_model((MANIFESTS / name).read_text(), model, dummy=True))
     return path
 
 
 @pytest.fixture
 def llama3_8b(tmp_path, embedded_shape) -> Path:
-    """A folder shaped like Meta-Llama-3-8B-Instruct (tests/deploy/model_shapes.py: its config.json, the embedded
-    model's tokenizer, a safetensors index naming empty shards) and its generation_config.json."""
-    folder = write_hf_shaped_folder(tmp_path / "Meta-Llama-3-8B-Instruct", LLAMA3_8B, embedded_shape.tokenizer)
+    """`tandem make-model --like Meta-Llama-3-8B-Instruct` (its config.json, the embedded model's tokenizer, no
+    weights) and the model's generation_config.json."""
+    folder = make_model_like("Meta-Llama-3-8B-Instruct", tmp_path / "Meta-Llama-3-8B-Instruct")
     (folder / "generation_config.json").write_text(json.dumps(
         {"bos_token_id": 128000, "eos_token_id": [128001, 128009], "do_sample": True}))
     return folder
@@ -77,13 +77,13 @@ def test_gpu_8_fills_an_8_gpu_node_with_a_llama3_8b_shaped_model(tmp_path, llama
     assert [p.bundle["GPU"] for p in plans] == [2, 2, 4]
     assert sum(p.bundle["GPU"] for p in plans) == 8 == resources_needed(manifest)["GPU"]
     assert all(p.spec.device == "cuda" and p.spec.dtype == "bfloat16" for p in plans)
-    assert all(p.spec.model == str(llama3_8b.resolve()) for p in plans)
+    assert all(p.spec.model == str(llama3_8b.resolve()) and p.spec.load_format == "dummy" for p in plans)
 
 
-def test_the_synthetic_folder_has_llama3_8b_dims(llama3_8b):
-    from tandem.engine.loader import load_model
+def test_the_made_folder_has_llama3_8b_dims(llama3_8b):
+    from tandem.engine.loader import load_model_info
 
-    config = load_model(llama3_8b, weights=False, progress=False).config
+    config = load_model_info(llama3_8b).config
     assert (config.hidden_size, config.num_layers, config.num_heads, config.num_kv_heads) == (4096, 32, 32, 8)
     assert (config.intermediate_size, config.vocab_size, config.max_position_embeddings) == (14336, 128256, 8192)
     assert config.head_dim == 128 and config.rope.theta == 500000 and not config.tie_word_embeddings

@@ -1,6 +1,7 @@
-"""Hugging Face folders shaped like the large models of deploy/manifests/gpu-*.yaml, written without any weights,
-so that `tandem validate` (and the tests of deploy/ray/ and deploy/helm/) can check those manifests on a CPU
-machine: the published config.json of each model, a tokenizer, and a safetensors index naming empty shard files.
+"""Hugging Face folders shaped like the large models of deploy/manifests/gpu-*.yaml as they are deployed (load_format
+auto), so that `tandem validate` (and the tests of deploy/ray/ and deploy/helm/) can check those manifests on a CPU
+machine: the published config.json of each model (what `tandem make-model --like` writes), a tokenizer, and a
+safetensors index naming empty shard files.
 
     folder = write_hf_shaped_folder(tmp_path / "Meta-Llama-3-70B-Instruct", LLAMA3_70B, embedded_shape.tokenizer)
     path.write_text(manifest_with_model((MANIFESTS / "gpu-llama3-70b.yaml").read_text(), folder))
@@ -16,30 +17,12 @@ import json
 import re
 from pathlib import Path
 
-# meta-llama/Meta-Llama-3-8B-Instruct, config.json as published.
-LLAMA3_8B: dict = {
-    "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
-    "bos_token_id": 128000, "eos_token_id": 128009, "hidden_act": "silu", "hidden_size": 4096,
-    "initializer_range": 0.02, "intermediate_size": 14336, "max_position_embeddings": 8192, "model_type": "llama",
-    "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8, "pretraining_tp": 1,
-    "rms_norm_eps": 1e-05, "rope_scaling": None, "rope_theta": 500000.0, "tie_word_embeddings": False,
-    "torch_dtype": "bfloat16", "transformers_version": "4.40.0.dev0", "use_cache": True, "vocab_size": 128256,
-}
+from tandem.engine.loader.published_models import PUBLISHED, write_tokenizer
 
-# meta-llama/Meta-Llama-3-70B-Instruct, config.json as published: the 8B's but for its size.
-LLAMA3_70B: dict = LLAMA3_8B | {"hidden_size": 8192, "intermediate_size": 28672, "num_attention_heads": 64,
-                                "num_hidden_layers": 80}
-
-# mistralai/Mixtral-8x22B-Instruct-v0.1, config.json as published.
-MIXTRAL_8X22B: dict = {
-    "architectures": ["MixtralForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 1, "eos_token_id": 2,
-    "hidden_act": "silu", "hidden_size": 6144, "initializer_range": 0.02, "intermediate_size": 16384,
-    "max_position_embeddings": 65536, "model_type": "mixtral", "num_attention_heads": 48, "num_experts_per_tok": 2,
-    "num_hidden_layers": 56, "num_key_value_heads": 8, "num_local_experts": 8, "output_router_logits": False,
-    "rms_norm_eps": 1e-05, "rope_theta": 1000000.0, "router_aux_loss_coef": 0.001, "sliding_window": None,
-    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "transformers_version": "4.38.0", "use_cache": True,
-    "vocab_size": 32768,
-}
+# The published configs (engine/loader/published_models.py, where each is cited).
+LLAMA3_8B: dict = PUBLISHED["meta-llama/Meta-Llama-3-8B-Instruct"]
+LLAMA3_70B: dict = PUBLISHED["meta-llama/Meta-Llama-3-70B-Instruct"]
+MIXTRAL_8X22B: dict = PUBLISHED["mistralai/Mixtral-8x22B-Instruct-v0.1"]
 
 NUM_SHARDS = 4  # the real checkpoints have more (30 and 59): validation only checks the named files exist
 BYTES_PER_PARAM = 2  # bfloat16, as both checkpoints are published
@@ -76,10 +59,7 @@ def write_hf_shaped_folder(folder: Path, config: dict, tokenizer) -> Path:
     metadata.total_size is what the real bfloat16 weights weigh). Returns folder."""
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(config, indent=2))
-    tokenizer.backend.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({
-        "chat_template": tokenizer.chat_template, "bos_token": tokenizer.bos_token, "eos_token": tokenizer.eos_token,
-    }))
+    write_tokenizer(folder, tokenizer)
     layers = config["num_hidden_layers"]
     shards = [f"model-{i + 1:05d}-of-{NUM_SHARDS:05d}.safetensors" for i in range(NUM_SHARDS)]
     weight_map = {"model.embed_tokens.weight": shards[0]}
@@ -96,10 +76,24 @@ def write_hf_shaped_folder(folder: Path, config: dict, tokenizer) -> Path:
     return folder
 
 
-def manifest_with_model(text: str, model: Path) -> str:
-    """A manifest's text with its one top-level `model:` line naming model instead. Raises ValueError if the
-    text has no such line or several."""
+def manifest_with_model(text: str, model: Path, *, dummy: bool = False) -> str:
+    """A manifest's text with its one top-level `model:` line naming model instead; with dummy, each pool's
+    `engine: {...}` also says load_format: dummy (for a `tandem make-model --like` folder, which has no weights).
+    Raises ValueError if the text has no such line or several, or (dummy) no flow-style engine section."""
     replaced, count = re.subn(r"(?m)^model:.*$", f"model: {model}", text)
     if count != 1:
         raise ValueError(f"expected exactly one top-level `model:` line, found {count}")
+    if dummy:
+        replaced, count = re.subn(r"(?m)^(\s+engine: \{)", r"\1load_format: dummy, ", replaced)
+        if count == 0:
+            raise ValueError("expected pools with a flow-style `engine: {...}` section")
     return replaced
+
+
+def make_model_like(name: str, folder: Path) -> Path:
+    """`tandem make-model --like name folder`: the published shape, no weights. Returns folder."""
+    from tandem.cluster.cli import main
+
+    if main(["make-model", "--like", name, str(folder)]) != 0:
+        raise RuntimeError(f"tandem make-model --like {name} {folder} failed")
+    return folder

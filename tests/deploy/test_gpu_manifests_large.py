@@ -1,6 +1,6 @@
 """deploy/manifests/gpu-llama3-70b.yaml and gpu-mixtral-8x22b.yaml as `tandem validate` and `tandem up` see them,
-on the CPU: each validates against a weight-free folder shaped like its model (the published config.json,
-tests/deploy/model_shapes.py), describes the splits, SLOs and replica bounds its comments promise, and the
+on the CPU: each validates against the weight-free folder `tandem make-model --like` writes for its model (the
+published config.json) with load_format: dummy, describes the splits, SLOs and replica bounds its comments promise, and the
 engine's layout of those splits holds what the comments say each GPU holds."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from tandem.cluster.manifest_yaml import ManifestInvalid
 from tandem.cluster.replica_plans import replica_plans
 from tandem.engine.parallel.layout import ParallelConfig, ReplicaLayout
 
-from tests.deploy.model_shapes import LLAMA3_70B, MIXTRAL_8X22B, manifest_with_model, num_params, write_hf_shaped_folder
+from tests.deploy.model_shapes import LLAMA3_70B, MIXTRAL_8X22B, make_model_like, manifest_with_model, num_params
 
 MANIFESTS = Path(__file__).resolve().parents[2] / "deploy" / "manifests"
 KEY = "sk-test-gpu-large-0123456789"
@@ -28,23 +28,22 @@ def _load_embedded_once(embedded_shape_once):
 
 
 @pytest.fixture(scope="module")
-def llama3_70b(tmp_path_factory, embedded_shape) -> Path:
-    folder = tmp_path_factory.mktemp("models") / "Meta-Llama-3-70B-Instruct"
-    return write_hf_shaped_folder(folder, LLAMA3_70B, embedded_shape.tokenizer)
+def llama3_70b(tmp_path_factory) -> Path:
+    return make_model_like("Meta-Llama-3-70B-Instruct", tmp_path_factory.mktemp("models") / "Meta-Llama-3-70B-Instruct")
 
 
 @pytest.fixture(scope="module")
-def mixtral_8x22b(tmp_path_factory, embedded_shape) -> Path:
+def mixtral_8x22b(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("models") / "Mixtral-8x22B-Instruct-v0.1"
-    return write_hf_shaped_folder(folder, MIXTRAL_8X22B, embedded_shape.tokenizer)
+    return make_model_like("Mixtral-8x22B-Instruct-v0.1", folder)
 
 
 def with_model(tmp_path: Path, name: str, model: Path) -> Path:
-    """A copy of deploy/manifests/<name> whose `model:` line names model."""
+    """A copy of deploy/manifests/<name> whose `model:` line names model, loaded with dummy weights."""
     text = (MANIFESTS / name).read_text()
     assert yaml.safe_load(text)["model"] == f"/models/{model.name}"  # the placeholder names the same model
     path = tmp_path / name
-    path.write_text(manifest_with_model(text, model))
+    path.write_text(manifest_with_model(text, model, dummy=True))
     return path
 
 
@@ -75,6 +74,7 @@ def check_common(manifest, model: Path) -> None:
     assert [p.bundle for p in plans] == [{"CPU": 64, "GPU": 8, "tandem_prefill": 8},
                                          {"CPU": 64, "GPU": 8, "tandem_decode": 8}]
     assert all(p.spec.model == str(model.resolve()) and p.spec.dtype == "bfloat16" for p in plans)
+    assert all(p.spec.load_format == "dummy" for p in plans)
 
 
 def test_llama3_70b_prefill_tp8_and_decode_tp4_x_pp2(tmp_path, llama3_70b, monkeypatch):
@@ -112,15 +112,15 @@ def test_mixtral_8x22b_prefill_tp8_and_decode_ep8(tmp_path, mixtral_8x22b, monke
 
 
 def test_the_shaped_folders_have_the_published_dims(llama3_70b, mixtral_8x22b):
-    from tandem.engine.loader import load_model
+    from tandem.engine.loader import load_model_info
 
-    llama = load_model(llama3_70b, weights=False, progress=False).config
+    llama = load_model_info(llama3_70b).config
     assert (llama.num_layers, llama.hidden_size, llama.num_heads, llama.num_kv_heads) == (80, 8192, 64, 8)
     assert (llama.intermediate_size, llama.vocab_size, llama.max_position_embeddings) == (28672, 128256, 8192)
     assert llama.head_dim == 128 and llama.rope.theta == 500000 and llama.eos_token_ids == (128009,)
     assert llama.moe is None and not llama.tie_word_embeddings
 
-    mixtral = load_model(mixtral_8x22b, weights=False, progress=False).config
+    mixtral = load_model_info(mixtral_8x22b).config
     assert mixtral.architecture == "MixtralForCausalLM"
     assert (mixtral.num_layers, mixtral.hidden_size, mixtral.num_heads, mixtral.num_kv_heads) == (56, 6144, 48, 8)
     assert (mixtral.vocab_size, mixtral.max_position_embeddings, mixtral.head_dim) == (32768, 65536, 128)

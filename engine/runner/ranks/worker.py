@@ -47,6 +47,7 @@ class WorkerSpec:
     cpus: tuple[tuple[int, ...], ...] | None = None  # each rank's host CPUs (hardware/cpu_affinity.py; None: inherit)
     weight_format: str = "dense"  # engine_config.WEIGHT_FORMATS
     kv_dtype: str = "auto"  # engine_config.KV_CACHE_DTYPES
+    load_format: str = "auto"  # engine_config.LOAD_FORMATS: dummy makes this rank's shard on its device
 
 
 def run_worker(rank: int, spec: WorkerSpec, conn: Connection) -> None:
@@ -78,8 +79,8 @@ def run_worker(rank: int, spec: WorkerSpec, conn: Connection) -> None:
             torch.cuda.set_device(device)
         comm = ParallelComm(layout, rank, init_method=spec.init_method, timeout_s=spec.timeout_s, device=device)
         shard = layout.shard(rank)
-        checkpoint = load_checkpoint(spec.model_path, progress=False,
-                                     packed=keeps_q4_blocks(spec.model_path, spec.weight_format))
+        checkpoint = load_checkpoint(spec.model_path, progress=False, load_format=spec.load_format,
+                                     packed=keeps_q4_blocks(spec.model_path, spec.weight_format, spec.load_format))
         tokenizer = checkpoint.tokenizer  # the sampler rank's grammar backend reads it (structured output)
         dtype = getattr(torch, spec.dtype)
         model = build_model(checkpoint.config, checkpoint.weights, dtype=dtype, device=device,

@@ -1,0 +1,61 @@
+"""The model benchmarks (bench/decode_roofline.py, bench/engine_throughput.py) run every mode they offer and take
+another model (--model / --like, bench/model_choice.py): each is run here for a few tokens on a narrow dummy-weight
+shape, and decode_roofline's packed-int4 mode on the embedded model (slow), so a broken mode fails a test (one did,
+with `load_model() got an unexpected keyword argument 'packed'`)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tandem.engine.loader.published_models import MADE_BY, PUBLISHED
+from tests.engine.loader.test_dummy_weights import _narrow, _write
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_bench(script: str, *args: str) -> dict:
+    run = subprocess.run([sys.executable, str(ROOT / "bench" / script), *args], capture_output=True, text=True,
+                         timeout=600, cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def narrow_llama(tmp_path_factory, embedded_shape) -> Path:
+    """A Llama-3.2-1B-shaped folder, 2 layers and narrow, marked as written by make-model (dummy weights)."""
+    config = _narrow(PUBLISHED["meta-llama/Llama-3.2-1B-Instruct"]) | {"num_hidden_layers": 2}
+    folder = _write(tmp_path_factory.mktemp("models") / "narrow", config, embedded_shape.tokenizer)
+    (folder / MADE_BY).write_text("{}")
+    return folder
+
+
+def test_decode_roofline_measures_a_dummy_shape_against_transformers_of_the_same_config(narrow_llama):
+    report = run_bench("decode_roofline.py", "--model", str(narrow_llama), "--modes", "float32", "--tokens", "3",
+                       "--rounds", "1")
+    assert report["model"] == f"{narrow_llama} (dummy weights)"
+    run = report["runs"]["float32"]
+    assert "error" not in run, run
+    assert run["tandem_tokens_per_s"] > 0 and run["transformers_tokens_per_s"] > 0
+    assert 0 < run["tandem_roofline_fraction"] and run["tandem_weight_bytes_per_token"] > 0
+
+
+def test_engine_throughput_measures_a_dummy_shape_against_transformers_of_the_same_config(narrow_llama):
+    report = run_bench("engine_throughput.py", "--model", str(narrow_llama), "--concurrency", "1,4", "--tokens", "3",
+                       "--rounds", "1", "--hf-requests", "1", "--ttft-rounds", "0")
+    assert "error" not in report, report.get("error")
+    assert report["model"] == f"{narrow_llama} (dummy weights)"
+    assert set(report["engine_tokens_per_s"]) == {"1", "4"} and report["transformers_static_tokens_per_s"] > 0
+    assert "prefix_cache" not in report
+
+
+@pytest.mark.slow  # 70 s on 2 cores: transformers in bfloat16 on a CPU without bfloat16 instructions
+def test_decode_roofline_runs_its_packed_int4_mode():
+    report = run_bench("decode_roofline.py", "--modes", "packed-int4", "--tokens", "2", "--rounds", "1")
+    run = report["runs"]["packed-int4"]
+    assert "error" not in run, run
+    assert run["tandem_tokens_per_s"] > 0 and report["model"] == "embedded SmolLM2-135M-Instruct"
