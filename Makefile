@@ -80,9 +80,9 @@ test-avx2: setup
 	ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 $(PY) -m pytest -m "not slow"
 
 # The GPU checks, on a machine with an NVIDIA GPU and a CUDA build of torch in $(VENV): the tests marked gpu, the
-# Triton attention kernels against the memory-bandwidth and matmul floors, the engine's throughput on CUDA and the
-# decode step's CUDA graphs against eager launches; then
-# one summary (bench/gpu_summary.py) of what each left in $(GPU_RESULTS). Says so and fails before running anything
+# Triton attention kernels against the memory-bandwidth and matmul floors, the engine's throughput on CUDA, the
+# decode step's CUDA graphs against eager launches, and the Llama-3.1-8B shape (dummy weights) against transformers;
+# then one summary (bench/gpu_summary.py, with issue 45's targets) of what each left in $(GPU_RESULTS). Says so and fails before running anything
 # when torch sees no CUDA device. Every step runs even if one before it failed; the summary's exit status says
 # whether all passed.
 GPU_RESULTS := $(VENV)/gpu-results
@@ -96,8 +96,11 @@ test-gpu: setup
 		| tee $(GPU_RESULTS)/attention_kernels.log
 	{ $(NO_INTERPRETER) $(PY) bench/engine_throughput.py --device cuda 2>&1; \
 		echo $$? > $(GPU_RESULTS)/engine_throughput.rc; } | tee $(GPU_RESULTS)/engine_throughput.log
-	{ $(NO_INTERPRETER) $(PY) bench/compiled_step.py --device cuda 2>&1; \
+	{ $(NO_INTERPRETER) $(PY) bench/compiled_step.py --device cuda --batches 1,8,64 2>&1; \
 		echo $$? > $(GPU_RESULTS)/compiled_step.rc; } | tee $(GPU_RESULTS)/compiled_step.log
+	{ $(NO_INTERPRETER) $(PY) bench/engine_throughput.py --device cuda --like Llama-3.1-8B --concurrency 1,64 \
+		--prompt-tokens 512 --tokens 256 --rounds 1 --hf-requests 1 --ttft-rounds 0 --kv-cache-gib 12 2>&1; \
+		echo $$? > $(GPU_RESULTS)/engine_throughput_8b.rc; } | tee $(GPU_RESULTS)/engine_throughput_8b.log
 	@$(PY) bench/gpu_summary.py $(GPU_RESULTS)
 
 # The peers the benchmarks compare with beyond transformers (bench/peers/): llama.cpp through llama-cpp-python, built

@@ -57,9 +57,17 @@ SYSTEM_SENTENCE = ("You are a meticulous assistant for a logistics company: answ
                    "relevant policy section, prefer metric units, and ask a clarifying question when needed. ")
 
 
-def prompts(tokenizer, count: int) -> list[list[int]]:
-    return [tokenizer.encode_chat([{"role": "user", "content": f"Request {i}. {QUESTIONS[i % len(QUESTIONS)]}"}])
-            for i in range(count)]
+def prompts(tokenizer, count: int, length: int | None = None) -> list[list[int]]:
+    """count distinct chat prompts (a request number, then a question); with length, each made exactly that many
+    tokens long (the question's text repeated after it, cut at length)."""
+    found = []
+    for i in range(count):
+        ids = tokenizer.encode_chat([{"role": "user", "content": f"Request {i}. {QUESTIONS[i % len(QUESTIONS)]}"}])
+        if length is not None:
+            filler = tokenizer.encode(" " + SYSTEM_SENTENCE)
+            ids = (ids + filler * (length // len(filler) + 1))[:length]
+        found.append(ids)
+    return found
 
 
 CUDA_KV_CACHE_BYTES = 4 << 30  # each engine's on the GPU: without it the first would take 90% of the free memory
@@ -159,9 +167,12 @@ def prefix_ttft(loaded, config_cls, engine_cls, rounds: int, device: str = "cpu"
             "hit_rate": engine.stats().prefix_hit_rate}
 
 
-def kv_budget(device: str) -> dict:
-    """EngineConfig's KV budget: the default (a fraction of free memory) on the CPU, a fixed one on the GPU."""
-    return {"kv_cache_bytes": CUDA_KV_CACHE_BYTES} if device == "cuda" else {}
+def kv_budget(device: str, gib: float | None = None) -> dict:
+    """EngineConfig's KV budget: the default (a fraction of free memory) on the CPU, a fixed one on the GPU
+    (gib GiB, default CUDA_KV_CACHE_BYTES)."""
+    if device != "cuda":
+        return {}
+    return {"kv_cache_bytes": int(gib * (1 << 30)) if gib else CUDA_KV_CACHE_BYTES}
 
 
 def device_report(device: str) -> dict:
@@ -176,7 +187,11 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--concurrency", default="1,8,32,64")
-    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--tokens", type=int, default=64, help="output tokens per request")
+    parser.add_argument("--prompt-tokens", type=int, default=None,
+                        help="make every prompt exactly this many tokens (default: short chat questions)")
+    parser.add_argument("--kv-cache-gib", type=float, default=None,
+                        help="the engine's KV budget on CUDA (default 4; the peer shares the GPU)")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
                         help="default: float32 on the CPU, bfloat16 on CUDA")
@@ -197,7 +212,8 @@ def main() -> None:
         parser.error("--llama-cpp runs the embedded GGUF file: drop --model / --like")
     results = {"machine": machine_line(), "device": args.device, "model": args.choice.label}
     results |= device_report(args.device)
-    results |= {"dtype": args.dtype, "threads": args.threads, "tokens": args.tokens, "rounds": args.rounds,
+    results |= {"dtype": args.dtype, "threads": args.threads, "tokens": args.tokens,
+                "prompt_tokens": args.prompt_tokens, "rounds": args.rounds,
                 "hf_requests": args.hf_requests}
     try:
         results |= measure(args)
@@ -217,10 +233,11 @@ def measure(args: argparse.Namespace) -> dict:
     device = args.device
     loaded = load_model(**args.choice.load_args(), progress=False, dtype=dtype, device=device)
     levels = [int(c) for c in args.concurrency.split(",")]
-    requests = prompts(loaded.tokenizer, max(levels))
-    engine = LLMEngine(loaded, EngineConfig(max_model_len=2048, max_num_seqs=max(levels),
+    requests = prompts(loaded.tokenizer, max(levels), args.prompt_tokens)
+    longest = max(map(len, requests)) + args.tokens
+    engine = LLMEngine(loaded, EngineConfig(max_model_len=max(2048, longest), max_num_seqs=max(levels),
                                             max_num_batched_tokens=2048, enable_prefix_caching=False,
-                                            **kv_budget(device)))
+                                            **kv_budget(device, args.kv_cache_gib)))
     # Warm-up: the largest level once, so that every KV block the timed runs use has been written before. On
     # a VM the first write to a page costs a host page fault, a one-time cost a long-running server never pays
     # again; the timed runs measure the steady state.

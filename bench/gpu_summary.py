@@ -10,9 +10,13 @@ RESULTS_DIR holds (the Makefile's test-gpu recipe writes them):
   engine_throughput.log, engine_throughput.rc  bench/engine_throughput.py --device cuda's output (likewise)
   compiled_step.log, compiled_step.rc          bench/compiled_step.py --device cuda's output: the decode step's
                                                CUDA graphs against eager launches (likewise)
+  engine_throughput_8b.log, .rc                bench/engine_throughput.py --device cuda --like Llama-3.1-8B:
+                                               dummy weights of the 8B shape, batch 1 and 64 concurrent requests of
+                                               512 + 256 tokens against transformers on the same GPU (likewise)
 
-Prints a few lines for people, then one JSON object with the same numbers as the last line. Exits 1 if pytest
-failed or any benchmark did not finish with its JSON (or reported an error), else 0.
+Prints a few lines for people, each target (TARGETS) as met or NOT met, then one JSON object with the same numbers
+as the last line. Exits 1 if pytest failed or any benchmark did not finish with its JSON (or reported an error),
+else 0: a missed target is a measurement to record, not a broken run.
 """
 
 from __future__ import annotations
@@ -23,7 +27,18 @@ import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-BENCHES = ("attention_kernels", "engine_throughput", "compiled_step")
+BENCHES = ("attention_kernels", "engine_throughput", "compiled_step", "engine_throughput_8b")
+# Issue 45's targets: (what, the summary's section and key, comparison, bound). Speeds are bf16 on one H100 or H200.
+TARGETS = (
+    ("decode attention, fraction of measured HBM bandwidth at 64 x 4k", "attention_kernels",
+     "decode_fraction_of_bandwidth", ">=", 0.70),
+    ("prefill attention, fraction of measured bf16 matmul rate at 8k", "attention_kernels",
+     "prefill_fraction_of_matmul_rate", ">=", 0.50),
+    ("embedded model's decode step at batch 64, ms", "compiled_step", "batch_64_step_ms", "<=", 2.0),
+    ("Llama-3.1-8B shape, batch-1 decode tok/s (H100)", "engine_throughput_8b", "batch_1_tokens_per_s", ">=", 150.0),
+    ("Llama-3.1-8B shape, 64 x (512 + 256) tokens against transformers static batching", "engine_throughput_8b",
+     "speedup_vs_transformers_static", ">=", 1.5),
+)
 
 
 def require_gpu() -> int:
@@ -98,9 +113,23 @@ def throughput_numbers(r: dict) -> dict:
             "prefix_ttft_speedup": r["prefix_cache"]["ttft_speedup"]}
 
 
+def shape_numbers(r: dict) -> dict:
+    """engine_throughput.py on a published shape: batch 1 and the largest concurrency against transformers."""
+    levels = r["engine_tokens_per_s"]
+    top = max(levels, key=int)
+    return {"gpu": r.get("gpu"), "dtype": r.get("dtype"), "model": r.get("model"), "tokens_per_s": levels,
+            "batch_1_tokens_per_s": levels.get("1"), "max_concurrency": int(top),
+            "prompt_tokens": r.get("prompt_tokens"), "output_tokens": r.get("tokens"),
+            "transformers_tokens_per_s": r["transformers_sequential_tokens_per_s"],
+            "transformers_static_tokens_per_s": r["transformers_static_tokens_per_s"],
+            "speedup_vs_transformers_static": r["speedup_vs_transformers_static"]}
+
+
 def graphs_numbers(r: dict) -> dict:
     batches = r["batches"]
+    step_ms = {b: 1e3 * int(b) / v["tokens_per_s"]["compiled"] for b, v in batches.items()}
     return {"gpu": r.get("gpu"), "dtype": r.get("dtype"), "decode_step": r["decode_step"],
+            "step_ms": step_ms, "batch_64_step_ms": step_ms.get("64"),
             "capture_s": r["compile_s"], "fallback_steps": r["fallback_steps"],
             "speedup_vs_eager": {b: v["speedup"] for b, v in batches.items()},
             "tokens_per_s": {b: v["tokens_per_s"]["compiled"] for b, v in batches.items()},
@@ -121,15 +150,33 @@ def bench_result(results: Path, name: str, numbers) -> dict:
         return {"ok": False, "exit": rc, "problem": f"unexpected JSON in {name}.log: {type(e).__name__}: {e}"}
 
 
+def check_targets(sections: dict) -> list[dict]:
+    """Each of TARGETS with its measured value (None where its benchmark left none) and whether it is met."""
+    found = []
+    for what, section, key, op, bound in TARGETS:
+        value = sections.get(section, {}).get(key)
+        met = None if value is None else (value >= bound if op == ">=" else value <= bound)
+        found.append({"target": what, "value": value, "bound": f"{op} {bound:g}", "met": met})
+    return found
+
+
+def target_line(t: dict) -> str:
+    if t["value"] is None:
+        return f"target {t['target']} {t['bound']}: not measured"
+    return f"target {t['target']} {t['bound']}: {t['value']:.3g}, {'met' if t['met'] else 'NOT met'}"
+
+
 def summarize(results: Path) -> tuple[list[str], dict, bool]:
     """The summary's lines, its JSON and whether everything passed."""
     tests = pytest_counts(results)
     attention = bench_result(results, "attention_kernels", attention_numbers)
     throughput = bench_result(results, "engine_throughput", throughput_numbers)
     graphs = bench_result(results, "compiled_step", graphs_numbers)
+    shape = bench_result(results, "engine_throughput_8b", shape_numbers)
     if graphs["ok"] and not graphs["greedy_tokens_equal"]:
         graphs |= {"ok": False, "problem": "the CUDA graphs' greedy tokens differ from eager's"}
-    ok = tests["exit"] == 0 and "problem" not in tests and attention["ok"] and throughput["ok"] and graphs["ok"]
+    ok = (tests["exit"] == 0 and "problem" not in tests and attention["ok"] and throughput["ok"] and graphs["ok"]
+          and shape["ok"])
     lines = [f"== make test-gpu: {'PASSED' if ok else 'FAILED'} =="]
     line = (f"pytest -m gpu: {tests['passed']} passed, {tests['failed']} failed, {tests['errors']} errors, "
             f"{tests['skipped']} skipped (exit status {tests['exit']})")
@@ -160,8 +207,21 @@ def summarize(results: Path) -> tuple[list[str], dict, bool]:
                              for b, x in g["speedup_vs_eager"].items())
         lines.append(f"decode step as {g['decode_step']} on {g['gpu']} ({g['dtype']}), captured in "
                      f"{g['capture_s']:.1f} s, against eager: {speedups}; greedy tokens equal")
+    if "problem" in shape:
+        lines.append(f"Llama-3.1-8B shape: FAILED: {shape['problem']}")
+    else:
+        m = shape
+        lines.append(f"{m['model']} on {m['gpu']} ({m['dtype']}): batch 1 {m['batch_1_tokens_per_s']:.0f} tok/s "
+                     f"(transformers {m['transformers_tokens_per_s']:.0f}); {m['max_concurrency']} x "
+                     f"({m['prompt_tokens']} + {m['output_tokens']}) tokens "
+                     f"{m['tokens_per_s'][str(m['max_concurrency'])]:.0f} tok/s, "
+                     f"{m['speedup_vs_transformers_static']:.2f}x transformers static batching "
+                     f"({m['transformers_static_tokens_per_s']:.0f} tok/s)")
+    sections = {"attention_kernels": attention, "compiled_step": graphs, "engine_throughput_8b": shape}
+    targets = check_targets(sections)
+    lines += [target_line(t) for t in targets]
     return lines, {"ok": ok, "pytest": tests, "attention_kernels": attention, "engine_throughput": throughput,
-                   "compiled_step": graphs}, ok
+                   "compiled_step": graphs, "engine_throughput_8b": shape, "targets": targets}, ok
 
 
 def main() -> int:

@@ -43,7 +43,8 @@ class ModelChoice:
         elif self.load_format == "dummy":
             config = AutoConfig.from_pretrained(self.path)
             torch.manual_seed(0)
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+            with torch.device(device):  # initialised where it runs: an 8B model's random init on the host is slow
+                model = AutoModelForCausalLM.from_config(config, dtype=dtype)
         else:
             model = AutoModelForCausalLM.from_pretrained(self.path, dtype=dtype)
         return model.to(device).eval()
