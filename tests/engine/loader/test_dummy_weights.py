@@ -175,3 +175,22 @@ def test_a_replica_spec_with_dummy_weights_builds_a_serving_engine(tmp_path, emb
             for out in engine.step():
                 tokens += out.token_ids
         assert len(tokens) == GREEDY.max_tokens and all(0 <= t < 512 for t in tokens)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the 8B shape's start-up is measured on a CUDA GPU")
+def test_the_8b_shape_starts_on_one_gpu_within_30_s(tmp_path):
+    """Issue 45: a Llama-3.1-8B-shaped model with dummy weights loads onto one GPU in bfloat16 in under 30 s (its
+    16 GB made on the device, nothing read from disk) and gives finite, varied logits."""
+    import time
+
+    folder = tmp_path / "Llama-3.1-8B-Instruct"
+    assert tandem_main(["make-model", "--like", "Llama-3.1-8B", str(folder)]) == 0
+    start = time.perf_counter()
+    loaded = load_model(folder, load_format="dummy", dtype=torch.bfloat16, device="cuda", progress=False)
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    assert seconds < 30, f"the 8B shape took {seconds:.1f} s to load"
+    generator = Generator(loaded, max_model_len=256)
+    logits = generator.prompt_logits(loaded.tokenizer.encode("The capital of France is"))
+    assert torch.isfinite(logits).all() and logits.float().std().item() > 0.1
