@@ -24,6 +24,9 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] int64
     seq_lens_tensor: torch.Tensor  # [num_seqs] int64
     block_size: int
+    # The Triton decode kernel's split count, fixed by a full CUDA graph's bucket (engine/models/decode_bucket.py) so
+    # that its grid never changes; None: the kernel chooses from the batch (triton_decode.choose_splits).
+    decode_splits: int | None = None
     # Index tensors every layer of a step shares, computed by the first layer that asks (see the methods below).
     _per_step: dict = field(default_factory=dict, compare=False, repr=False)
 

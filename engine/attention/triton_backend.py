@@ -70,7 +70,8 @@ class TritonAttentionBackend(TorchAttentionBackend):
                 meta: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
         self.write_kv(k, v, kv, meta)
         if meta.is_decode_only:
-            out = self._decode_kernel(q, kv, meta.block_tables, meta.seq_lens_tensor, scale, window)
+            out = self._decode_kernel(q, kv, meta.block_tables, meta.seq_lens_tensor, scale, window,
+                                      num_splits=meta.decode_splits)
         else:
             starts = meta.per_step("query_start_loc", lambda: torch.tensor(meta.query_start_loc, device=q.device))
             max_query = max(b - a for a, b in zip(meta.query_start_loc, meta.query_start_loc[1:]))

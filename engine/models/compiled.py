@@ -18,7 +18,8 @@ Batch sizes come in two buckets, each compiled once at warm-up (engine start), n
 need another compilation runs eager instead, with a warning. Compilation that fails leaves the model eager, with
 the reason logged. Only a decode-only step of a whole model in one process is compiled; prefill chunks, mixed
 batches, multi-process replicas and MoE layers run eager. On a CUDA device `compile_decode` captures CUDA graphs
-piecewise around attention instead (engine/models/cuda_graphs.py).
+instead (engine/models/cuda_graphs.py): the whole step with attention inside where it can, piecewise around
+attention otherwise.
 
 Settings: EngineConfig.compile (the manifest's `engine.compile`), and TANDEM_COMPILE=off, which turns it off
 where the config leaves it unset. Inductor's cache lives under tandem's cache directory, one folder per machine key
@@ -250,13 +251,18 @@ def _use_inductor_cache(folder: Path) -> None:
         os.environ[_INDUCTOR_CACHE_ENV] = str(folder)
 
 
-def compile_decode(model: LlamaModel, max_batch: int, max_query_len: int = 1, *,
-                   kv_quantized: bool = False) -> CompiledDecode | CudaGraphDecode | None:
+def compile_decode(model: LlamaModel, max_batch: int, max_query_len: int = 1, *, kv_quantized: bool = False,
+                   kv_cache: PagedKVCache | None = None,
+                   max_blocks: int | None = None) -> CompiledDecode | CudaGraphDecode | None:
     """The model's compiled decode step, warmed up for 1..max_batch sequences (on CUDA: its CUDA graphs, captured);
     None (eager) where it cannot be compiled or compilation fails, with the reason logged. max_query_len > 1: on the
     CPU, steps whose sequences add up to that many tokens each (speculation) run compiled too, up to
     max_batch * max_query_len tokens. kv_quantized: the KV cache is int8 / fp8, whose writes size their work from
-    the data (blocks whose scale grows), which a CUDA graph cannot capture: on CUDA the step then runs eager."""
+    the data (blocks whose scale grows), which a CUDA graph cannot capture: on CUDA the step then runs eager.
+    kv_cache, max_blocks (on CUDA): the cache the steps write and the most blocks a sequence can hold
+    (decode_bucket.blocks_per_sequence), which full CUDA graphs (attention inside) need; without them the graphs
+    are piecewise. The CPU ignores them. With them, warm-up runs a step over block 0 of kv_cache and restores it:
+    call this before the cache holds anything another thread may read or write."""
     reason = why_not_compiled(model)
     if reason is None and kv_quantized and model.device.type == "cuda":
         reason = "CUDA graphs cannot capture the quantized KV cache's writes (their work depends on the data)"
@@ -264,7 +270,7 @@ def compile_decode(model: LlamaModel, max_batch: int, max_query_len: int = 1, *,
         _log.info("decode step runs eager: %s", reason)
         return None
     if model.device.type == "cuda":
-        return _capture_cuda_graphs(model, max_batch)
+        return _capture_cuda_graphs(model, max_batch, kv_cache, max_blocks)
     _use_inductor_cache(cache_root() / INDUCTOR_FOLDER / machine_digest(model.cpu, torch.get_num_threads()))
     try:
         compiled = CompiledDecode(model, max_batch * max_query_len, max_query_len)  # warm_up compiles
@@ -278,18 +284,19 @@ def compile_decode(model: LlamaModel, max_batch: int, max_query_len: int = 1, *,
     return compiled
 
 
-def _capture_cuda_graphs(model: LlamaModel, max_batch: int) -> CudaGraphDecode | None:
+def _capture_cuda_graphs(model: LlamaModel, max_batch: int, kv_cache: PagedKVCache | None,
+                         max_blocks: int | None) -> CudaGraphDecode | None:
     from tandem.engine.models.cuda_graphs import CudaGraphDecode
 
     try:
-        graphs = CudaGraphDecode(model, max_batch)
+        graphs = CudaGraphDecode(model, max_batch, kv_cache=kv_cache, max_blocks=max_blocks)
         _log.info("capturing the decode step's CUDA graphs for %s sequences", graphs.buckets)
         seconds = graphs.warm_up()
     except Exception as e:  # noqa: BLE001 - any capture failure leaves the model eager, which is always correct
         _log.warning("decode step runs eager: CUDA graph capture failed: %s: %s", type(e).__name__,
                      " ".join(str(e).split()))
         return None
-    _log.info("captured the decode step's CUDA graphs for %s sequences in %.1f s", graphs.buckets, seconds)
+    _log.info("captured the decode step as %s for %s sequences in %.1f s", graphs.kind, graphs.buckets, seconds)
     return graphs
 
 

@@ -1,16 +1,25 @@
-"""The decode step as piecewise CUDA graphs (engine/models/cuda_graphs.py): greedy tokens identical to eager on the
-GPU, every bucket captured at start-up and none on a request, eager where no bucket holds a batch. The bucket
-arithmetic is checked on any machine; the rest needs a CUDA GPU (marked gpu, skipped without one)."""
+"""The decode step as CUDA graphs (engine/models/cuda_graphs.py), full (attention inside) or piecewise: greedy tokens
+identical to eager on the GPU, every bucket captured at start-up and none on a request, piecewise where full graphs
+do not apply or fail to capture, eager where no bucket holds a batch. The bucket arithmetic and when full graphs
+apply are checked on any machine (the full graph's body on the CPU: test_decode_bucket.py); the rest needs a CUDA
+GPU (marked gpu, skipped without one)."""
 
 from __future__ import annotations
+
+import logging
 
 import pytest
 import torch
 
+from tandem.engine.attention import AttentionMetadata, TorchAttentionBackend
+from tandem.engine.attention.triton_backend import TritonAttentionBackend
 from tandem.engine.core.llm_engine import LLMEngine
 from tandem.engine.engine_config import EngineConfig
+from tandem.engine.kv.kv_cache import KVCacheSpec, PagedKVCache
 from tandem.engine.loader import load_model
-from tandem.engine.models.cuda_graphs import CudaGraphDecode, batch_buckets, bucket_for
+from tandem.engine.models import cuda_graphs
+from tandem.engine.models.cuda_graphs import CudaGraphDecode, batch_buckets, bucket_for, why_not_full
+from tandem.engine.models.decode_bucket import BucketShape, DecodeInputs, run_body
 from tests.engine.models.test_compiled import _greedy
 from tests.engine.test_parity_embedded import PROMPTS, _prompt_ids
 
@@ -38,6 +47,21 @@ def test_graphs_refuse_a_model_off_the_gpu(embedded):
         CudaGraphDecode(embedded.model, 4)
 
 
+def test_full_graphs_need_the_triton_backend_the_cache_and_its_width(tiny_llama):
+    model = tiny_llama.model
+    c = model.config
+    kv = PagedKVCache(KVCacheSpec(c.num_layers, 4, 16, model.num_kv_heads, c.head_dim, model.dtype))
+    int8 = PagedKVCache(KVCacheSpec(c.num_layers, 4, 16, model.num_kv_heads, c.head_dim, torch.int8))
+    assert "full graphs need the Triton backend" in why_not_full(model, kv, 8)  # the torch reference
+    try:
+        model.attention = TritonAttentionBackend()
+        assert why_not_full(model, kv, 8) is None
+        assert "were not given" in why_not_full(model, None, 8) and "were not given" in why_not_full(model, kv, None)
+        assert "quantized KV cache" in why_not_full(model, int8, 8)
+    finally:
+        model.attention = TorchAttentionBackend()
+
+
 def _engine(loaded, compile_step: bool, max_num_seqs: int) -> LLMEngine:
     return LLMEngine(loaded, EngineConfig(num_kv_blocks=256, max_num_seqs=max_num_seqs, compile=compile_step,
                                           enable_prefix_caching=False))
@@ -52,31 +76,94 @@ def cuda_model(request):
 
 @pytest.mark.parametrize("max_num_seqs", [1, 8], ids=["batch1", "batches2-7padded"])
 @pytest.mark.gpu
-def test_greedy_tokens_from_graphs_are_eager_tokens_on_the_parity_prompts(cuda_model, max_num_seqs):
+def test_greedy_tokens_from_full_graphs_are_eager_tokens_on_the_parity_prompts(cuda_model, max_num_seqs):
     """All seven parity prompts, one at a time (bucket 1, no padding) or eight at a time (batches of 7 down to 1
-    as prompts finish: padded to 8, 4 and 2), against the same engine eager on the same GPU."""
+    as prompts finish: padded to 8, 4 and 2), against the same engine eager on the same GPU: each decode step one
+    replay of its bucket's full graph, attention included."""
     prompts = [_prompt_ids(cuda_model.tokenizer, spec) for _, spec in sorted(PROMPTS.items())]
     with _engine(cuda_model, False, max_num_seqs) as eager:
         assert eager.executor.runner.compiled is None
         expected = _greedy(eager, prompts)
     with _engine(cuda_model, True, max_num_seqs) as engine:
         graphs = engine.executor.runner.compiled
-        assert isinstance(graphs, CudaGraphDecode)
+        assert isinstance(graphs, CudaGraphDecode) and graphs.full, graphs.why_piecewise
         assert graphs.compiles == len(batch_buckets(max_num_seqs))
-        assert engine.rank_placements[0].decode_step == f"CUDA graphs ({graphs.buckets} sequences)"
+        assert engine.rank_placements[0].decode_step == f"CUDA graphs, full ({graphs.buckets} sequences)"
         got = _greedy(engine, prompts)
-        diverged = {i: next(j for j, (a, b) in enumerate(zip(g, e)) if a != b)
-                    for i, (g, e) in enumerate(zip(got, expected)) if g != e}
-        assert not diverged, f"prompt -> first differing token: {diverged}"
-        assert graphs.steps > 0 and graphs.fallbacks == 0  # decode steps replayed graphs, none needed a capture
-        assert graphs.compiles == len(batch_buckets(max_num_seqs))
+        _assert_same_tokens(got, expected)
+        assert graphs.steps > 0 and graphs.fallbacks == 0  # decode steps replayed graphs, none ran eager
+        assert graphs.compiles == len(batch_buckets(max_num_seqs))  # none captured on a request
         engine.check_integrity()
 
 
 @pytest.mark.gpu
-def test_a_batch_larger_than_every_bucket_is_left_to_eager(cuda_model):
-    graphs = CudaGraphDecode(cuda_model.model, 2)
+def test_a_failed_full_capture_falls_back_to_piecewise_graphs_with_eager_tokens(cuda_model, monkeypatch, caplog):
+    prompts = [_prompt_ids(cuda_model.tokenizer, spec) for _, spec in sorted(PROMPTS.items())]
+    with _engine(cuda_model, False, 8) as eager:
+        expected = _greedy(eager, prompts)
+
+    def fail(*args):
+        raise RuntimeError("forced for the test")
+
+    monkeypatch.setattr(cuda_graphs, "run_body", fail)
+    with caplog.at_level(logging.WARNING, logger="tandem.engine.models.cuda_graphs"), \
+            _engine(cuda_model, True, 8) as engine:
+        graphs = engine.executor.runner.compiled
+        assert isinstance(graphs, CudaGraphDecode) and not graphs.full
+        assert graphs.why_piecewise == "full capture failed: RuntimeError: forced for the test"
+        assert "run piecewise: full capture failed" in caplog.text
+        assert engine.rank_placements[0].decode_step == f"CUDA graphs, piecewise ({graphs.buckets} sequences)"
+        _assert_same_tokens(_greedy(engine, prompts), expected)
+        assert graphs.steps > 0 and graphs.fallbacks == 0 and graphs.compiles == len(batch_buckets(8))
+
+
+@pytest.mark.gpu
+def test_a_replayed_full_graph_is_its_body_and_padding_writes_nothing_else(cuda_model):
+    """Three sequences in bucket 4: the replay gives what the body gives run eagerly on the same inputs, and the
+    cache differs from before the step only at the three sequences' slots. Warm-up leaves the cache as it was."""
+    model = cuda_model.model
+    model.attention = TritonAttentionBackend()
+    c = model.config
+    kv = PagedKVCache(KVCacheSpec(c.num_layers, 32, 16, model.num_kv_heads, c.head_dim, model.dtype), "cuda")
+    kv.data.normal_()
+    start = kv.data.clone()
+    graphs = CudaGraphDecode(model, 4, kv_cache=kv, max_blocks=16)
     graphs.warm_up()
+    assert graphs.full and graphs.compiles == 3 and torch.equal(kv.data, start)
+    tables, lens = [[3, 7], [12], [20, 5, 9]], [20, 1, 40]
+    meta = AttentionMetadata.build([1, 1, 1], [n - 1 for n in lens], tables, 16, torch.device("cuda"))
+    ids = torch.tensor([5, 6, 7], device="cuda")
+    positions = torch.tensor(lens, device="cuda") - 1
+    with torch.inference_mode():
+        out = graphs(ids, positions, meta, kv, None)
+        replayed = kv.data.clone()
+        kv.data.copy_(start)
+        inputs = DecodeInputs(BucketShape.plan(4, 16, model.num_kv_heads), 16, "cuda")
+        inputs.fill(ids, positions, meta)
+        expected = run_body(model, inputs, kv)[:3]
+    # The same kernels on the same inputs: equal, but for a few ulps should a library pick another algorithm.
+    tol = 1e-4 if model.dtype == torch.float32 else 2e-2
+    assert graphs.steps == 1 and torch.allclose(out.float(), expected.float(), rtol=tol, atol=tol)
+    assert torch.allclose(replayed.float(), kv.data.float(), rtol=tol, atol=tol)
+    written = torch.zeros(32 * 16, dtype=torch.bool, device="cuda")
+    written[meta.slot_mapping] = True
+    written = written.view(32, 16)[None, None, :, None, :, None]
+    assert torch.equal(replayed.masked_fill(written, 0), start.masked_fill(written, 0))
+    assert graphs(ids, positions, meta, kv, lambda layer: None) is None  # a layer observer: eager
+    assert graphs.fallbacks == 1
+
+
+def _assert_same_tokens(got: list[list[int]], expected: list[list[int]]) -> None:
+    diverged = {i: next(j for j, (a, b) in enumerate(zip(g, e)) if a != b)
+                for i, (g, e) in enumerate(zip(got, expected)) if g != e}
+    assert not diverged, f"prompt -> first differing token: {diverged}"
+
+
+@pytest.mark.gpu
+def test_a_batch_larger_than_every_bucket_is_left_to_eager(cuda_model):
+    graphs = CudaGraphDecode(cuda_model.model, 2)  # no KV cache given: piecewise
+    graphs.warm_up()
+    assert graphs.kind == "CUDA graphs, piecewise" and "were not given" in graphs.why_piecewise
     ids = torch.zeros(3, dtype=torch.int64, device="cuda")
     assert graphs(ids, ids.clone(), None, None, None) is None  # returns before it reads the step
     assert graphs.fallbacks == 1 and graphs.steps == 0 and graphs.compiles == 2
