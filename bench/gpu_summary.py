@@ -166,6 +166,43 @@ def target_line(t: dict) -> str:
     return f"target {t['target']} {t['bound']}: {t['value']:.3g}, {'met' if t['met'] else 'NOT met'}"
 
 
+def _section(label: str, result: dict, describe) -> str:
+    """A benchmark's summary line: what failed, or describe(result)."""
+    return f"{label}: FAILED: {result['problem']}" if "problem" in result else describe(result)
+
+
+def _attention_line(a: dict) -> str:
+    return (f"attention kernels on {a['device']} ({a['dtype']}): decode {a['decode_shape']} at "
+            f"{a['decode_fraction_of_bandwidth']:.0%} of memory bandwidth ({a['decode_bandwidth_gb_s']:.0f} "
+            f"GB/s measured), {a['decode_speedup_vs_torch']:.1f}x torch; prefill {a['prefill_tokens']} "
+            f"tokens at {a['prefill_fraction_of_matmul_rate']:.0%} of the matmul rate "
+            f"({a['prefill_matmul_tflops']:.0f} TFLOP/s measured), {a['prefill_speedup_vs_torch']:.1f}x torch")
+
+
+def _throughput_line(t: dict) -> str:
+    rates = ", ".join(f"{level}: {rate:.0f}" for level, rate in t["tokens_per_s"].items())
+    return (f"engine throughput on {t['gpu']} ({t['dtype']}), tok/s by concurrency: {rates}; "
+            f"{t['speedup_vs_transformers']:.1f}x transformers sequential "
+            f"({t['transformers_tokens_per_s']:.0f} tok/s) at {t['max_concurrency']}; cached 500-token "
+            f"prefix: TTFT {t['prefix_ttft_speedup']:.1f}x faster")
+
+
+def _graphs_line(g: dict) -> str:
+    speedups = ", ".join(f"batch {b}: {x:.2f}x ({g['tokens_per_s'][b]:.0f} tok/s)"
+                         for b, x in g["speedup_vs_eager"].items())
+    return (f"decode step as {g['decode_step']} on {g['gpu']} ({g['dtype']}), captured in "
+            f"{g['capture_s']:.1f} s, against eager: {speedups}; greedy tokens equal")
+
+
+def _shape_line(m: dict) -> str:
+    return (f"{m['model']} on {m['gpu']} ({m['dtype']}): batch 1 {m['batch_1_tokens_per_s']:.0f} tok/s "
+            f"(transformers {m['transformers_tokens_per_s']:.0f}); {m['max_concurrency']} x "
+            f"({m['prompt_tokens']} + {m['output_tokens']}) tokens "
+            f"{m['tokens_per_s'][str(m['max_concurrency'])]:.0f} tok/s, "
+            f"{m['speedup_vs_transformers_static']:.2f}x transformers static batching "
+            f"({m['transformers_static_tokens_per_s']:.0f} tok/s)")
+
+
 def summarize(results: Path) -> tuple[list[str], dict, bool]:
     """The summary's lines, its JSON and whether everything passed."""
     tests = pytest_counts(results)
@@ -181,42 +218,10 @@ def summarize(results: Path) -> tuple[list[str], dict, bool]:
     line = (f"pytest -m gpu: {tests['passed']} passed, {tests['failed']} failed, {tests['errors']} errors, "
             f"{tests['skipped']} skipped (exit status {tests['exit']})")
     lines.append(line + (f"; {tests['problem']}" if "problem" in tests else ""))
-    if "problem" in attention:
-        lines.append(f"attention kernels: FAILED: {attention['problem']}")
-    else:
-        a = attention
-        lines.append(f"attention kernels on {a['device']} ({a['dtype']}): decode {a['decode_shape']} at "
-                     f"{a['decode_fraction_of_bandwidth']:.0%} of memory bandwidth ({a['decode_bandwidth_gb_s']:.0f} "
-                     f"GB/s measured), {a['decode_speedup_vs_torch']:.1f}x torch; prefill {a['prefill_tokens']} "
-                     f"tokens at {a['prefill_fraction_of_matmul_rate']:.0%} of the matmul rate "
-                     f"({a['prefill_matmul_tflops']:.0f} TFLOP/s measured), {a['prefill_speedup_vs_torch']:.1f}x torch")
-    if "problem" in throughput:
-        lines.append(f"engine throughput: FAILED: {throughput['problem']}")
-    else:
-        t = throughput
-        rates = ", ".join(f"{level}: {rate:.0f}" for level, rate in t["tokens_per_s"].items())
-        lines.append(f"engine throughput on {t['gpu']} ({t['dtype']}), tok/s by concurrency: {rates}; "
-                     f"{t['speedup_vs_transformers']:.1f}x transformers sequential "
-                     f"({t['transformers_tokens_per_s']:.0f} tok/s) at {t['max_concurrency']}; cached 500-token "
-                     f"prefix: TTFT {t['prefix_ttft_speedup']:.1f}x faster")
-    if "problem" in graphs:
-        lines.append(f"decode step CUDA graphs: FAILED: {graphs['problem']}")
-    else:
-        g = graphs
-        speedups = ", ".join(f"batch {b}: {x:.2f}x ({g['tokens_per_s'][b]:.0f} tok/s)"
-                             for b, x in g["speedup_vs_eager"].items())
-        lines.append(f"decode step as {g['decode_step']} on {g['gpu']} ({g['dtype']}), captured in "
-                     f"{g['capture_s']:.1f} s, against eager: {speedups}; greedy tokens equal")
-    if "problem" in shape:
-        lines.append(f"Llama-3.1-8B shape: FAILED: {shape['problem']}")
-    else:
-        m = shape
-        lines.append(f"{m['model']} on {m['gpu']} ({m['dtype']}): batch 1 {m['batch_1_tokens_per_s']:.0f} tok/s "
-                     f"(transformers {m['transformers_tokens_per_s']:.0f}); {m['max_concurrency']} x "
-                     f"({m['prompt_tokens']} + {m['output_tokens']}) tokens "
-                     f"{m['tokens_per_s'][str(m['max_concurrency'])]:.0f} tok/s, "
-                     f"{m['speedup_vs_transformers_static']:.2f}x transformers static batching "
-                     f"({m['transformers_static_tokens_per_s']:.0f} tok/s)")
+    lines.append(_section("attention kernels", attention, _attention_line))
+    lines.append(_section("engine throughput", throughput, _throughput_line))
+    lines.append(_section("decode step CUDA graphs", graphs, _graphs_line))
+    lines.append(_section("Llama-3.1-8B shape", shape, _shape_line))
     sections = {"attention_kernels": attention, "compiled_step": graphs, "engine_throughput_8b": shape}
     targets = check_targets(sections)
     lines += [target_line(t) for t in targets]
