@@ -30,8 +30,10 @@ def validate(args: argparse.Namespace) -> int:
     pools = ", ".join(f"{name} {p.parallelism.tp}x{p.parallelism.pp}x{p.parallelism.ep} (tp x pp x ep) "
                       f"x {p.replicas.start} replica(s)" for name, p in manifest.pool_items())
     http = f", HTTP on {manifest.listen.http}" if manifest.listen.http else ""
+    dummy = [name for name, p in manifest.pool_items() if p.engine.load_format == "dummy"]
+    noise = f"; {' and '.join(dummy)} on dummy weights (load_format: dummy): answers are noise" if dummy else ""
     print(f"{args.manifest}: valid ({manifest.mode}; {pools}; gRPC on {manifest.listen.grpc}{http}; "
-          f"routing {manifest.router.policy})")
+          f"routing {manifest.router.policy}{noise})")
     if (conversion := kv_conversion(manifest)) is not None:
         print(conversion)
     return 0

@@ -170,4 +170,5 @@ def test_tandem_validate_prints_the_splits(tmp_path, llama3_70b, mixtral_8x22b, 
         assert main(["validate", "--no-port-check", str(path)]) == 0
         out = capsys.readouterr()
         assert f"{path}: valid (disaggregated; prefill 8x1x1 (tp x pp x ep) x 1 replica(s), {decode}" in out.out
+        assert "prefill and decode on dummy weights (load_format: dummy): answers are noise)" in out.out
         assert out.err == ""  # no warning: the open ports are behind an API key
