@@ -27,7 +27,7 @@ def test_every_engine_setting_is_a_key_with_the_engines_default():
     engine, replica = _defaults(EngineConfig), _defaults(ReplicaSpec)
     stated = {name: field.default for name, field in EngineSettings.model_fields.items()}
     assert set(engine) <= set(stated)  # a new EngineConfig field is a manifest key without a line here
-    assert set(stated) - set(engine) == {"device", "dtype", "weights"}  # the replica's, beside the engine's
+    assert set(stated) - set(engine) == {"device", "dtype", "weights", "load_format"}  # the replica's, beside the engine's
     for name, default in stated.items():
         assert default == (engine[name] if name in engine else replica[name]), name
     assert stated["max_num_seqs"] == EngineConfig().max_num_seqs == 128  # was 64 in the manifest, 128 in the engine
