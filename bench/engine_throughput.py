@@ -61,10 +61,10 @@ def prompts(tokenizer, count: int, length: int | None = None) -> list[list[int]]
     """count distinct chat prompts (a request number, then a question); with length, each made exactly that many
     tokens long (the question's text repeated after it, cut at length)."""
     found = []
+    filler = tokenizer.encode(" " + SYSTEM_SENTENCE)
     for i in range(count):
         ids = tokenizer.encode_chat([{"role": "user", "content": f"Request {i}. {QUESTIONS[i % len(QUESTIONS)]}"}])
         if length is not None:
-            filler = tokenizer.encode(" " + SYSTEM_SENTENCE)
             ids = (ids + filler * (length // len(filler) + 1))[:length]
         found.append(ids)
     return found

@@ -10,6 +10,8 @@ depend on the values, and both are run with ignore_eos / min_new_tokens so neith
 from __future__ import annotations
 
 import argparse
+import atexit
+import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,7 +68,9 @@ def model_choice(args: argparse.Namespace) -> ModelChoice:
 
     if args.like is not None:
         hub = find_published(args.like)
-        folder = Path(tempfile.mkdtemp(prefix="tandem-like-")) / hub.split("/")[1]
+        scratch = tempfile.mkdtemp(prefix="tandem-like-")
+        atexit.register(shutil.rmtree, scratch, ignore_errors=True)
+        folder = Path(scratch) / hub.split("/")[1]
         write_published_shape(hub, folder, load_model_info(None).tokenizer)
         return ModelChoice(str(folder), "dummy", f"{hub} (dummy weights)")
     if args.model is not None:

@@ -29,6 +29,7 @@ import zlib
 import torch
 
 from tandem.engine.loader.checkpoint import Checkpoint, ModelInfo
+from tandem.engine.loader.lazy_tensor import check_range
 from tandem.engine.model_config import ModelConfig
 
 _M32 = 0xFFFFFFFF
@@ -105,12 +106,12 @@ class DummyTensor:
              device: torch.device | str) -> torch.Tensor:
         """The rows (dim 0) and columns (dim 1) asked for (None: all), made on `device` as `dtype`: exactly that
         slice of the whole tensor. Raises ValueError for a range outside the shape."""
-        rows = _checked(rows, self.shape[0], "rows", self.name)
+        rows = _as_range(check_range(rows, self.shape[0], "rows", self.name))
         if len(self.shape) == 1:
             if columns is not None:
                 raise ValueError(f"{self.name}: columns asked of a 1-D tensor")
             return torch.full((len(rows),), constant_value(self.name), dtype=dtype, device=device)
-        columns = _checked(columns, self.shape[1], "columns", self.name)
+        columns = _as_range(check_range(columns, self.shape[1], "columns", self.name))
         out = torch.empty(len(rows), len(columns), dtype=dtype, device=device)
         runs = self.pool.runs(device, len(columns))
         index = torch.arange(rows.start, rows.stop, dtype=torch.int64, device=device)
@@ -122,12 +123,8 @@ class DummyTensor:
         return out
 
 
-def _checked(part: range | None, size: int, what: str, name: str) -> range:
-    if part is None:
-        return range(size)
-    if part.step != 1 or not 0 <= part.start <= part.stop <= size:
-        raise ValueError(f"{name}: {what} {part} are not a contiguous run within 0..{size}")
-    return part
+def _as_range(part: slice) -> range:
+    return range(part.start, part.stop)
 
 
 def dummy_weights(config: ModelConfig, *, seed: int = 0) -> dict[str, DummyTensor]:

@@ -18,7 +18,9 @@ import torch
 Fetch = Callable[[slice, slice | None], torch.Tensor]
 
 
-def _check_range(part: range | None, size: int, what: str, name: str) -> slice:
+def check_range(part: range | None, size: int, what: str, name: str) -> slice:
+    """The slice a range of rows or columns names (None: all of size). Raises ValueError for a range that is not
+    a contiguous run within 0..size."""
     if part is None:
         return slice(0, size)
     if part.step != 1 or not 0 <= part.start <= part.stop <= size:
@@ -40,10 +42,10 @@ class LazyTensor:
         """The rows (dim 0) and columns (dim 1, 2-D tensors only) asked for, None meaning all, read from the
         file and converted once to `dtype` on `device`: a new tensor that shares no memory with the file.
         Raises ValueError for a range outside the shape, ModelLoadError when the file cannot be read."""
-        row_slice = _check_range(rows, self.shape[0], "rows", self.name)
+        row_slice = check_range(rows, self.shape[0], "rows", self.name)
         if columns is not None and len(self.shape) != 2:
             raise ValueError(f"{self.name}: columns asked of a {len(self.shape)}-D tensor")
-        column_slice = None if len(self.shape) == 1 else _check_range(columns, self.shape[1], "columns", self.name)
+        column_slice = None if len(self.shape) == 1 else check_range(columns, self.shape[1], "columns", self.name)
         part = self.fetch(row_slice, column_slice)
         return part.to(device=device, dtype=dtype, copy=True)
 

@@ -31,7 +31,7 @@ def test_a_block_reads_back_as_written(tmp_path):
     (lambda data: data[:-1], "truncated"),
     (lambda data: data[:-7] + bytes(7), "corrupt"),
     (lambda data: data[:HEADER_BYTES + 3] + bytes([data[HEADER_BYTES + 3] ^ 1]) + data[HEADER_BYTES + 4:], "corrupt"),
-    (lambda data: b"XXXX" + data[4:], "corrupt"),
+    (lambda data: b"JUNK" + data[4:], "corrupt"),
 ], ids=["header-cut", "payload-cut", "zeroed-tail", "one-bit", "bad-magic"])
 def test_a_damaged_file_is_a_miss_with_its_reason(tmp_path, damage, problem):
     write_block(tmp_path, 7, PAYLOAD)
