@@ -158,6 +158,8 @@ def status(args: argparse.Namespace) -> int:
             rate = f"{100 * s['accepted'] / s['proposed']:.0f}%" if s["proposed"] else "-"
             print(f"      speculative decoding ({s['proposer']}): {s['accepted']} of {s['proposed']} proposed tokens "
                   f"accepted ({rate}), {s['declined_steps']} steps without proposals worth verifying")
+        if r.get("kv_tiers"):
+            print(f"      {kv_tiers_line(r['kv_tiers'])}")
         placements = {p["rank"]: p for p in r.get("rank_placements", [])}
         for i, rank in enumerate(r.get("ranks", [])):
             print(f"      {rank}{_rank_place(placements.get(i, {}))}")
@@ -188,6 +190,17 @@ def scale(args: argparse.Namespace) -> int:
 
 def _count(text: str) -> int | bool:
     return int(text) if text.isdigit() else False
+
+
+def kv_tiers_line(t: dict) -> str:
+    """A replica's KV tiers in one line of `tandem status` (a TierStats as a dict)."""
+    line = f"KV tiers: host {t['host_blocks']}/{t['host_capacity']} blocks, {t['host_hits']} hits"
+    if t["disk_capacity"]:
+        line += f"; disk {t['disk_blocks']}/{t['disk_capacity']} blocks, {t['disk_hits']} hits"
+    line += f"; {t['saved']} saved, {t['spilled']} spilled"
+    if t["failures"]:
+        line += "; failed: " + ", ".join(f"{reason} {n}" for reason, n in sorted(t["failures"].items()))
+    return line
 
 
 def _rank_place(placement: dict) -> str:

@@ -5,6 +5,7 @@ needs one definition. What the manifest adds on top:
 
 - kv_cache_bytes takes units ("256MiB");
 - speculative is a section of its own (null: off), reaching only the replicas that decode;
+- kv_tiers is a section of its own (null: off), its byte budgets with units ("8GiB");
 - the replica's device, dtype, weights and load_format (replica/spec.py ReplicaSpec), beside the engine's settings.
 
 The section's compile: null means "on for the pools that decode, off for a disaggregated cluster's prefill pool"
@@ -19,7 +20,7 @@ from typing import Any, Literal, get_type_hints
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 
-from tandem.engine.engine_config import EngineConfig, LoadFormat, SpeculativeConfig
+from tandem.engine.engine_config import EngineConfig, KVTiersConfig, LoadFormat, SpeculativeConfig
 from tandem.replica.spec import ReplicaSpec
 from tandem.router.limits import parse_bytes
 
@@ -67,7 +68,31 @@ class SpeculativeSettings(_section_of(SpeculativeConfig)):
         return SpeculativeConfig(**{name: getattr(self, name) for name in _SPECULATIVE_KEYS})
 
 
-_OWN_KEYS = ("kv_cache_bytes", "speculative")  # the engine's, but taken differently here (see the module doc)
+class KVTiersSettings(_Strict):
+    """KV cache tiers below each replica's device pool (engine/core/kv_tiers.py): prefix blocks the pool evicts
+    are kept in host memory (host_bytes for the whole replica, page-locked on a GPU) and, with disk_path, in files
+    under that folder (disk_bytes at most, one folder per replica and rank, removed when it stops), each LRU. A
+    request whose prefix is on a tier has it copied back instead of computed."""
+
+    host_bytes: int = Field(ge=1)
+    disk_path: str | None = None
+    disk_bytes: int | None = Field(None, ge=1)
+
+    @field_validator("host_bytes", "disk_bytes", mode="before")
+    @classmethod
+    def _bytes(cls, value: Any) -> Any:
+        return None if value is None else parse_bytes(value)
+
+    @model_validator(mode="after")
+    def _checked_by_the_engine(self) -> KVTiersSettings:
+        self.config()
+        return self
+
+    def config(self) -> KVTiersConfig:
+        return KVTiersConfig(self.host_bytes, self.disk_path, self.disk_bytes)
+
+
+_OWN_KEYS = ("kv_cache_bytes", "speculative", "kv_tiers")  # the engine's, but taken differently here (see the module doc)
 ENGINE_KEYS = tuple(_fields_of(EngineConfig, skip=_OWN_KEYS))  # taken as the engine defines them
 _REPLICA = {f.name: f.default for f in dataclasses.fields(ReplicaSpec)}
 
@@ -78,6 +103,7 @@ class EngineSettings(_section_of(EngineConfig, skip=_OWN_KEYS)):
 
     kv_cache_bytes: int | None = Field(None, ge=1)
     speculative: SpeculativeSettings | None = None
+    kv_tiers: KVTiersSettings | None = None
     device: Literal["auto", "cpu", "cuda"] = _REPLICA["device"]  # auto: CUDA when Ray gave the rank a GPU
     dtype: Literal["float32", "bfloat16"] | None = _REPLICA["dtype"]  # None: bfloat16 on CUDA or quantized weights
     # How projection weights are held (engine_config.WEIGHT_FORMATS): dense in dtype; packed (a GGUF file's 4-bit
@@ -116,5 +142,6 @@ class EngineSettings(_section_of(EngineConfig, skip=_OWN_KEYS)):
         where EngineConfig does."""
         values = {name: getattr(self, name) for name in ENGINE_KEYS}
         values |= {"kv_cache_bytes": self.kv_cache_bytes,
-                   "speculative": self.speculative.config() if self.speculative else None}
+                   "speculative": self.speculative.config() if self.speculative else None,
+                   "kv_tiers": self.kv_tiers.config() if self.kv_tiers else None}
         return EngineConfig(**values | overrides)

@@ -13,7 +13,8 @@ YAML.
         replicas: {min: 1, max: 1, initial: 1}
         engine: {block_size: 16, kv_cache_bytes: 256MiB, max_num_batched_tokens: 2048, max_num_seqs: 128,
                  device: auto, dtype: null,   # auto: CUDA when the ranks ask for GPUs; null: bfloat16 on CUDA
-                 speculative: null}           # or {proposer: suffix, max_tokens: 4} (ngram, suffix or draft)
+                 speculative: null,           # or {proposer: suffix, max_tokens: 4} (ngram, suffix or draft)
+                 kv_tiers: null}              # or {host_bytes: 8GiB, disk_path: /var/tmp/tandem, disk_bytes: 64GiB}
                                     # every key of engine/engine_config.py EngineConfig (cluster/engine_settings.py)
         cpu_affinity: null          # or host CPUs, [0, 1] or "0-3,8": rank r pins to the r-th equal share
         autoscaling: {interval_s: 1, up_window_s: 10, down_window_s: 60, target_utilization: 0.8,

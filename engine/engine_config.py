@@ -62,6 +62,27 @@ class SpeculativeConfig:
 
 
 @dataclass(frozen=True)
+class KVTiersConfig:
+    """KV cache tiers below the device's pool (engine/core/kv_tiers.py): prefix blocks the pool evicts are kept in
+    host memory (host_bytes for the whole replica; page-locked on a GPU) and, with disk_path, in files there
+    (disk_bytes at most; a folder per replica and rank, removed when the replica stops). Each tier is LRU; the
+    host tier spills to the disk tier. Raises ValueError for sizes out of range or a disk budget without a path
+    (or the reverse)."""
+
+    host_bytes: Annotated[int, Ge(1)]
+    disk_path: str | None = None
+    disk_bytes: Annotated[int, Ge(1)] | None = None
+
+    def __post_init__(self) -> None:
+        if self.host_bytes < 1:
+            raise ValueError(f"kv_tiers host_bytes must be positive, got {self.host_bytes}")
+        if (self.disk_path is None) != (self.disk_bytes is None):
+            raise ValueError("kv_tiers: give disk_path and disk_bytes together (a folder and its byte budget)")
+        if self.disk_bytes is not None and self.disk_bytes < 1:
+            raise ValueError(f"kv_tiers disk_bytes must be positive, got {self.disk_bytes}")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """KV budget: exactly one of num_kv_blocks, kv_cache_bytes, kv_cache_fraction may be set; with none, the
     default fraction of the device's free memory applies. max_model_len None: the model's own context.
@@ -86,8 +107,12 @@ class EngineConfig:
     # Speculative decoding (engine/decoding/speculation.py): None decodes one token per step.
     speculative: SpeculativeConfig | None = None
     kv_cache_dtype: KVCacheDtype = "auto"
+    # KV tiers below the device pool (host memory, local disk) for evicted prefix blocks; None: the pool only.
+    kv_tiers: KVTiersConfig | None = None
 
     def __post_init__(self) -> None:
+        if self.kv_tiers is not None and not self.enable_prefix_caching:
+            raise ValueError("kv_tiers keep evicted prefix blocks: they need enable_prefix_caching")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.attention_backend not in ATTENTION_BACKENDS:

@@ -3,7 +3,8 @@
 A sequence is WAITING until first scheduled, RUNNING while it holds KV blocks, PREEMPTED after giving its
 blocks back (it waits again and recomputes its tokens), and finished in one of the FINISHED_* states. The one
 rule for "finished": `status.finished` is True, the sequence holds no blocks and is in no queue. WAITING_FOR_KV
-is reserved for sequences whose KV arrives by transfer (kv_transfer, a later layer).
+is reserved for sequences whose KV arrives by transfer (kv_transfer, a later layer); WAITING_FOR_TIER for one
+step while a sequence's prefix blocks are copied up from a KV tier (engine/core/kv_tiers.py).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from tandem.engine.sampling_params import SamplingParams
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     WAITING_FOR_KV = "waiting_for_kv"
+    WAITING_FOR_TIER = "waiting_for_tier"
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED_STOPPED = "stop"

@@ -5,6 +5,11 @@ already knows arrive as diffs. The runner applies, in order: drop finished_seq_i
 cached_seqs, perform block_copies, run the model, sample every sequence whose computed tokens reach its last
 token, and sample each fork's child from its parent's logits.
 
+KV tiers (engine/core/kv_tiers.py): tier_ops are copies between the device's blocks, host slots and disk files,
+run in order beside the step: tier_ops.ops[:sync] before block_copies and the model (they read blocks this step
+writes), the rest on a copy thread while the model runs; all are done when the runner answers, and the answer
+names the blocks a disk read or write failed for (RunnerOutput.tier_failed).
+
 Speculative decoding (engine/decoding/speculation.py): a decoding sequence with spec_tokens computes its last token and
 those proposals as one chunk (its num_scheduled_tokens counts them all); the runner verifies them and answers the
 tokens it emits: the accepted proposals and one more (engine/decoding/rejection_sampler.py).
@@ -56,6 +61,63 @@ class ForkData:
 
 
 @dataclass(frozen=True)
+class SaveBlocks:
+    """Device blocks[i] (every layer, K and V) into host slots[i]."""
+
+    blocks: tuple[int, ...]
+    slots: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class SpillBlock:
+    """Host slot `slot`, holding block `block_hash`, into the disk tier's file for that hash."""
+
+    slot: int
+    block_hash: int
+
+
+@dataclass(frozen=True)
+class DropBlock:
+    """Deletes the disk tier's file of block_hash (it left the tier)."""
+
+    block_hash: int
+
+
+@dataclass(frozen=True)
+class FetchBlock:
+    """The disk tier's file of block_hash, checked, into host slot `slot`; a miss is reported, never copied."""
+
+    block_hash: int
+    slot: int
+
+
+@dataclass(frozen=True)
+class LoadBlocks:
+    """Host slots[i] into device blocks[i], one sequence's run of prefix blocks (hashes[i] each) in order: the run
+    stops at the first block whose fetch failed earlier in the step (the rest is recomputed)."""
+
+    slots: tuple[int, ...]
+    blocks: tuple[int, ...]
+    hashes: tuple[int, ...]
+
+
+TierOp = SaveBlocks | SpillBlock | DropBlock | FetchBlock | LoadBlocks
+
+
+@dataclass(frozen=True)
+class TierOps:
+    """One step's tier copies, in the order they must happen; ops[:sync] before the step writes any block.
+    reports: whether any op touches the disk (every rank then answers the step with its failures)."""
+
+    ops: tuple[TierOp, ...] = ()
+    sync: int = 0
+
+    @property
+    def reports(self) -> bool:
+        return any(isinstance(op, (SpillBlock, FetchBlock)) for op in self.ops)
+
+
+@dataclass(frozen=True)
 class SchedulerOutput:
     new_seqs: tuple[NewSequenceData, ...] = ()
     cached_seqs: tuple[CachedSequenceData, ...] = ()
@@ -64,6 +126,7 @@ class SchedulerOutput:
     block_copies: tuple[tuple[int, int], ...] = ()  # (source, destination)
     finished_seq_ids: frozenset[str] = frozenset()  # finished, aborted or preempted since the last step
     spec_tokens: Mapping[str, tuple[int, ...]] = field(default_factory=dict)  # seq id -> proposed tokens
+    tier_ops: TierOps = TierOps()
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -82,6 +145,10 @@ class RunnerOutput:
 
     sampled: Mapping[str, SampledToken] = field(default_factory=dict)
     speculated: Mapping[str, tuple[SampledToken, ...]] = field(default_factory=dict)
+    tier_failed: tuple[tuple[int, str], ...] = ()  # (block hash, why) for each failed disk read or write
+
+    def with_tier_failed(self, failed: tuple[tuple[int, str], ...]) -> RunnerOutput:
+        return RunnerOutput(self.sampled, self.speculated, failed) if failed else self
 
     def token_ids(self, seq_id: str) -> tuple[int, ...]:
         """Every token the sequence emitted this step, in order."""

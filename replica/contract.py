@@ -16,6 +16,7 @@ from typing import AsyncIterator, Protocol, Sequence, Union
 
 from tandem.engine.core.output_processor import RequestOutput
 from tandem.engine.core.resume import ResumeState
+from tandem.engine.core.kv_tiers import TierStats
 from tandem.engine.decoding.speculation import SpeculationStats
 from tandem.engine.hardware.device import RankPlacement
 from tandem.engine.kv.kv_events import KVEventBatch, KVSnapshot
@@ -85,6 +86,7 @@ class ReplicaStats:
     stream_frames: int = 0
     ranks_alive: tuple[bool, ...] = ()  # whether each rank's process runs, in rank order
     speculation: SpeculationStats | None = None  # its speculative decoding's counters; None: it does not speculate
+    kv_tiers: TierStats | None = None  # its KV tiers' use, hits, copies and failures; None: no tiers
 
 
 @dataclass(frozen=True)

@@ -128,7 +128,8 @@ class ReplicaShell:
                             num_steps=s.num_steps, kv_messages_dropped=self._kv_counts[0],
                             kv_messages_by_reference=self._kv_counts[1],
                             stream_frames=self._channel.frames_sent,
-                            ranks_alive=tuple(self.engine.ranks_alive()), speculation=self._speculation)
+                            ranks_alive=tuple(self.engine.ranks_alive()), speculation=self._speculation,
+                            kv_tiers=s.tiers)
 
     async def health(self) -> str | None:
         """None while the engine runs and every rank process lives; else why not (read without waiting for the

@@ -18,6 +18,7 @@ from typing import Callable
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
+from tandem.engine.core.kv_tiers import TierStats
 from tandem.engine.decoding.speculation import SpeculationStats
 from tandem.kv_transfer.drops import MessageDrops
 from tandem.replica.contract import ReplicaStats
@@ -103,6 +104,7 @@ class ReplicaCounters:
         self.counts: dict[tuple[str, str], MessageDrops] = {}
         self.by_reference: dict[tuple[str, str], int] = {}
         self.speculation: dict[tuple[str, str], SpeculationStats] = {}
+        self.kv_tiers: dict[tuple[str, str], TierStats] = {}
         self._refreshing: asyncio.Task | None = None
 
     async def refresh(self) -> None:
@@ -110,20 +112,24 @@ class ReplicaCounters:
         replicas = self.driver.replicas()
         answers = await asyncio.gather(*(asyncio.wait_for(r.api.stats(), self.timeout_s) for r in replicas),
                                        return_exceptions=True)
-        counts, by_reference, speculation = {}, {}, {}
+        counts, by_reference, speculation, tiers = {}, {}, {}, {}
         for replica, answer in zip(replicas, answers):
             key = (replica.pool, replica.name)
             if isinstance(answer, ReplicaStats):
                 counts[key], by_reference[key] = answer.kv_messages_dropped, answer.kv_messages_by_reference
                 if answer.speculation is not None:
                     speculation[key] = answer.speculation
+                if answer.kv_tiers is not None:
+                    tiers[key] = answer.kv_tiers
             else:
                 _log.debug("stats of %s for /metrics failed: %r", replica.name, answer)
                 if key in self.counts:
                     counts[key], by_reference[key] = self.counts[key], self.by_reference.get(key, 0)
                 if key in self.speculation:
                     speculation[key] = self.speculation[key]
-        self.counts, self.by_reference, self.speculation = counts, by_reference, speculation
+                if key in self.kv_tiers:
+                    tiers[key] = self.kv_tiers[key]
+        self.counts, self.by_reference, self.speculation, self.kv_tiers = counts, by_reference, speculation, tiers
 
     def start_refresh(self) -> None:
         """Starts refresh() on the running event loop unless one is still running (no running loop: nothing)."""
@@ -163,6 +169,7 @@ class _DriverCollector:
             by_reference.add_metric([pool, name], count)
         yield by_reference
         yield from _speculation_metrics(self.replica_counters.speculation)
+        yield from _kv_tier_metrics(self.replica_counters.kv_tiers)
         yield _gauge("tandem_active_requests", "Requests being served", self.active())
         yield _gauge("tandem_queued_requests", "Requests waiting for a decode replica with room", d.num_queued)
         yield _gauge("tandem_waiting_for_prefill_requests", "Requests waiting at the router for a prefill replica "
@@ -267,6 +274,34 @@ def _speculation_metrics(by_replica: dict[tuple[str, str], SpeculationStats]):
             buckets.append((str(length), cumulative))
         lengths.add_metric(values, buckets + [("+Inf", cumulative)], sum_value=s.accepted)
     yield from (proposed, accepted, declined, lengths)
+
+
+def _kv_tier_metrics(by_replica: dict[tuple[str, str], TierStats]):
+    """KV tiers per replica (engine/core/kv_tiers.py): prefix blocks served from each tier, blocks each tier holds
+    and can hold, copies down, and disk copies that failed by reason (those blocks were recomputed)."""
+    labels = ["pool", "replica", "tier"]
+    hits = CounterMetricFamily("tandem_kv_tier_hit_blocks", "Prefix blocks a request got from a KV tier (host, "
+                               "disk) instead of computing them; as of the previous scrape", labels=labels)
+    used = GaugeMetricFamily("tandem_kv_tier_blocks", "KV blocks a tier holds", labels=labels)
+    capacity = GaugeMetricFamily("tandem_kv_tier_capacity_blocks", "KV blocks a tier can hold", labels=labels)
+    copies = CounterMetricFamily("tandem_kv_tier_copied_blocks", "Blocks copied down: device to host (saved), host "
+                                 "to disk (spilled)", labels=["pool", "replica", "copy"])
+    failures = CounterMetricFamily("tandem_kv_tier_failures", "Disk tier reads and writes that failed, by reason "
+                                   "(missing, truncated, corrupt, write failed, ...): recomputed, never served",
+                                   labels=["pool", "replica", "reason"])
+    for (pool, name), t in sorted(by_replica.items()):
+        tiers = [("host", t.host_hits, t.host_blocks, t.host_capacity)]
+        if t.disk_capacity:
+            tiers.append(("disk", t.disk_hits, t.disk_blocks, t.disk_capacity))
+        for tier, hit, blocks, slots in tiers:
+            hits.add_metric([pool, name, tier], hit)
+            used.add_metric([pool, name, tier], blocks)
+            capacity.add_metric([pool, name, tier], slots)
+        copies.add_metric([pool, name, "saved"], t.saved)
+        copies.add_metric([pool, name, "spilled"], t.spilled)
+        for reason, count in sorted(t.failures.items()):
+            failures.add_metric([pool, name, reason], count)
+    yield from (hits, used, capacity, copies, failures)
 
 
 def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:

@@ -7,16 +7,20 @@ and "give this sequence room for N more tokens" (allocate), and keeps three prom
   - a full block whose KV has been computed is registered in the prefix cache (cache_full_blocks), and
     stays reusable after its owners finish until it is evicted, least recently released first;
   - free() returns every block at once; no other path changes ownership.
+With KV tiers (engine/core/kv_tiers.py) a parked block is also copied below the pool at the next step
+(save_parked), and a prefix can go on past the pool's blocks on a tier (match_tiers, load_from_tiers).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tandem.engine.core.kv_tiers import KVTiers
 from tandem.engine.kv.block_pool import BlockPool
 from tandem.engine.kv.kv_events import KVEventSink, discard_events
 from tandem.engine.kv.prefix_cache import MatchResult, PrefixCache
 from tandem.engine.request import Sequence
+from tandem.engine.scheduler_output import TierOps
 
 
 @dataclass(frozen=True)
@@ -40,8 +44,10 @@ NO_MATCH = MatchResult((), 0)
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True,
-                 event_sink: KVEventSink = discard_events):
+                 event_sink: KVEventSink = discard_events, tiers: KVTiers | None = None):
         self.block_size = block_size
+        self.tiers = tiers
+        self._parked_since: list[int] = []  # blocks parked since the last save_parked (tiers only)
         self.pool = BlockPool(num_blocks)
         self.cache = PrefixCache(block_size, event_sink)
         self.enable_prefix_caching = enable_prefix_caching
@@ -103,7 +109,7 @@ class KVCacheManager:
         copies = []
         for i, block in zip(shared, fresh[num_new:]):
             copies.append((table.blocks[i], block))
-            self.pool.decref(table.blocks[i], park=self.cache.is_cached(table.blocks[i]))
+            self._release(table.blocks[i])
             table.blocks[i] = block
         table.blocks.extend(fresh[:num_new])
         self._tables[seq.seq_id] = table
@@ -112,7 +118,10 @@ class KVCacheManager:
     def _take(self, count: int) -> list[int]:
         shortfall = count - self.pool.num_free
         if shortfall > 0:
-            self.cache.forget(self.pool.evict(shortfall))
+            victims = self.pool.evict(shortfall)
+            if self.tiers is not None:
+                self.tiers.reused(victims)
+            self.cache.forget(victims)
         return self.pool.allocate(count)
 
     def cache_full_blocks(self, seq: Sequence) -> None:
@@ -138,7 +147,7 @@ class KVCacheManager:
         extra = table.blocks[keep:]
         del table.blocks[keep:]
         for block in reversed(extra):
-            self.pool.decref(block, park=self.cache.is_cached(block))
+            self._release(block)
         return len(extra)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
@@ -166,7 +175,7 @@ class KVCacheManager:
         for name in names:
             table = self._tables.pop(name)
             for block in reversed(table.blocks):
-                self.pool.decref(block, park=self.cache.is_cached(block))
+                self._release(block)
         return len(names)
 
     @property
@@ -180,7 +189,39 @@ class KVCacheManager:
         if table is None:
             return
         for block in reversed(table.blocks):
-            self.pool.decref(block, park=self.cache.is_cached(block))
+            self._release(block)
+
+    def _release(self, block: int) -> None:
+        """Drops one owner; a cached block left with none is parked (and, with tiers, saved at the next step)."""
+        cached = self.cache.is_cached(block)
+        if self.pool.decref(block, park=cached) == 0 and cached and self.tiers is not None:
+            self._parked_since.append(block)
+
+    # -- KV tiers ----------------------------------------------------------------------------------------
+
+    def save_parked(self) -> None:
+        """Copies the blocks parked since the last call, those still parked, to the tiers (at a step's start)."""
+        if self.tiers is None:
+            return
+        parked, self._parked_since = self._parked_since, []
+        self.tiers.save((self.cache.hash_of(b), b) for b in dict.fromkeys(parked) if self.pool.is_parked(b))
+
+    def match_tiers(self, seq: Sequence, cached: MatchResult) -> int:
+        """How many blocks of seq's prefix, after the pool's `cached` ones, the tiers hold (0 without tiers).
+        At least one token is left to compute, as for match_prefix."""
+        if self.tiers is None or not self.enable_prefix_caching:
+            return 0
+        first = len(cached.blocks)
+        return self.tiers.match(seq.block_hashes[first:(seq.num_tokens - 1) // self.block_size])
+
+    def load_from_tiers(self, seq: Sequence, first: int, count: int) -> None:
+        """Copies tier blocks first..first + count - 1 of seq's prefix into the blocks its table holds there
+        (allocated for them). They count as computed once the step's copies succeeded (the scheduler's call)."""
+        blocks = self._tables[seq.seq_id].blocks[first:first + count]
+        self.tiers.load(seq.block_hashes[first:first + count], blocks)
+
+    def take_tier_ops(self) -> TierOps:
+        return self.tiers.take_ops() if self.tiers is not None else TierOps()
 
     def reset_prefix_cache(self) -> int:
         """Evicts every parked block. Returns how many were dropped."""
@@ -207,3 +248,5 @@ class KVCacheManager:
                 raise ValueError(f"block {block} is cached but free")
             if self.pool.is_parked(block) and not self.cache.is_cached(block):
                 raise ValueError(f"block {block} is parked without a cached hash")
+        if self.tiers is not None:
+            self.tiers.check_integrity()

@@ -27,12 +27,16 @@ router's migration after a replica died; engine/core/resume.py).
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
+import shutil
 import time
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence as Seq, TypeVar
 
 from tandem.engine.core.kv_cache_manager import KVCacheManager
+from tandem.engine.core.kv_tiers import KVTiers
+from tandem.engine.kv.tier_plan import plan_tiers
 from tandem.engine.core.output_processor import OutputProcessor, RequestOutput
 from tandem.engine.core.resume import ResumeState
 from tandem.engine.core.scheduler import RequestRejectedError, Scheduler, SchedulerConfig, SchedulerStats
@@ -87,12 +91,23 @@ class LLMEngine:
         self.grammars = GrammarBackend(self.tokenizer, self.vocab_size)  # refuses a bad constraint at add_request
         request = ExecutorRequest(loaded, config, self.layout, parallel, self.kv_dtype, self.grammars, kv_agent,
                                   rank_gpus, rank_cpus)
-        built = build_executor(request)
+        self.tier_plan = None
+        if (tiers := config.kv_tiers) is not None:
+            self.tier_plan = plan_tiers(tiers.host_bytes, tiers.disk_path, tiers.disk_bytes,
+                                        request.replica_spec(1).bytes_per_block, self.layout.world_size)
+            request = dataclasses.replace(request, tiers=self.tier_plan)
+        try:
+            built = build_executor(request)
+        except BaseException:
+            self._remove_tier_folder()
+            raise
         self.executor = built.executor
         self.kv_cache_spec = request.replica_spec(self.executor.num_kv_blocks)
         self.has_kv_agents = kv_agent is not None
-        self.kv_manager = KVCacheManager(self.executor.num_kv_blocks, config.block_size,
-                                         enable_prefix_caching=config.enable_prefix_caching, event_sink=event_sink)
+        self.kv_manager = KVCacheManager(
+            self.executor.num_kv_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching,
+            event_sink=event_sink,
+            tiers=KVTiers(self.tier_plan.host_slots, self.tier_plan.disk_slots) if self.tier_plan else None)
         self.scheduler = Scheduler(
             SchedulerConfig(max_model_len=max_len, max_num_batched_tokens=config.max_num_batched_tokens,
                             max_num_seqs=config.max_num_seqs, enable_chunked_prefill=config.enable_chunked_prefill),
@@ -274,8 +289,16 @@ class LLMEngine:
         return self.executor.ranks_alive()
 
     def shutdown(self) -> None:
-        """Stops the ranks of a multi-process replica, or this process's KV transfer agent. Idempotent."""
-        self.executor.shutdown()
+        """Stops the ranks of a multi-process replica, or this process's KV transfer agent, and removes the disk
+        tier's folder. Idempotent."""
+        try:
+            self.executor.shutdown()
+        finally:
+            self._remove_tier_folder()
+
+    def _remove_tier_folder(self) -> None:
+        if self.tier_plan is not None and self.tier_plan.disk_folder is not None:
+            shutil.rmtree(self.tier_plan.disk_folder, ignore_errors=True)
 
     def __enter__(self) -> LLMEngine:
         return self

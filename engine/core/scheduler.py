@@ -15,6 +15,10 @@ blocks or the budget run short), and update() advances it by the tokens accepted
 prefix-cache hashes and its tokens never see a rejected proposal) and gives back the blocks that held only
 rejected ones.
 
+With KV tiers (engine/core/kv_tiers.py), a waiting sequence whose prefix goes on past the pool's blocks on a tier
+takes blocks for that run and is WAITING_FOR_TIER while the step copies it up; update() puts it back in the queue,
+holding them, with the run computed up to the first block a disk read failed for.
+
 A sequence whose prompt KV arrives by transfer (disaggregated decode) skips the queue: reserve() gives it
 blocks for the whole prompt at once and parks it in WAITING_FOR_KV, where it is never scheduled nor preempted;
 admit_transferred() then makes it RUNNING with its prompt computed and its first token (sampled by the prefill
@@ -27,7 +31,8 @@ import bisect
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from tandem.engine.core.kv_cache_manager import Allocation, KVCacheManager
+from tandem.engine.core.kv_cache_manager import NO_MATCH, Allocation, KVCacheManager
+from tandem.engine.core.kv_tiers import TierStats
 from tandem.engine.errors import TandemError
 from tandem.engine.request import RequestStatus, Sequence, token_stop_status
 from tandem.engine.sampled_token import SampledToken
@@ -83,6 +88,8 @@ class SchedulerStats:
     num_prompt_tokens_cached: int
     num_tokens_computed: int  # tokens the model computed (prefill chunks + decodes)
     num_waiting_for_kv: int = 0  # sequences holding reserved blocks until their KV arrives
+    num_prompt_tokens_from_tiers: int = 0  # of num_prompt_tokens_cached: copied up from a KV tier
+    tiers: TierStats | None = None  # None: no KV tiers
 
 
 class Scheduler:
@@ -95,6 +102,9 @@ class Scheduler:
         self.waiting: list[Sequence] = []  # sorted by sort_key
         self.running: list[Sequence] = []
         self.reserved: dict[str, Sequence] = {}  # WAITING_FOR_KV, by seq id
+        # WAITING_FOR_TIER between a step's schedule() and update(): (seq, first tier block, tier blocks, status)
+        self.loading: dict[str, tuple[Sequence, int, int, RequestStatus]] = {}
+        self._loaded: set[str] = set()  # waiting sequences holding blocks copied up from a tier
         self.hold_after: dict[str, str] = {}  # request id -> the key its blocks are held under when freed
         self.seqs: dict[str, Sequence] = {}
         self._by_request: dict[str, list[str]] = {}
@@ -105,6 +115,7 @@ class Scheduler:
         self.num_prompt_tokens_queried = 0
         self.num_prompt_tokens_cached = 0
         self.num_tokens_computed = 0
+        self.num_prompt_tokens_from_tiers = 0
 
     # -- requests in and out ---------------------------------------------------------------------------
 
@@ -193,6 +204,9 @@ class Scheduler:
             self.waiting.remove(seq)
         elif seq.status is RequestStatus.WAITING_FOR_KV:
             del self.reserved[seq.seq_id]
+        elif seq.status is RequestStatus.WAITING_FOR_TIER:
+            del self.loading[seq.seq_id]
+        self._loaded.discard(seq.seq_id)
         self._free(seq)
         seq.status = status
         if self.speculator is not None:
@@ -212,7 +226,7 @@ class Scheduler:
 
     def has_schedulable(self) -> bool:
         """Whether schedule() has sequences to pick: waiting or running ones (WAITING_FOR_KV ones are parked)."""
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.loading)
 
     # -- one step --------------------------------------------------------------------------------------
 
@@ -221,6 +235,7 @@ class Scheduler:
         scheduled: dict[str, int] = {}
         allocations: dict[str, Allocation] = {}
         preempted = False
+        self.kv.save_parked()
         spec = self._propose()
         for seq in sorted(self.running, key=lambda s: (s.is_prefilling, s.sort_key)):
             if budget == 0:
@@ -252,8 +267,7 @@ class Scheduler:
             budget -= count
         if not preempted:
             budget = self._admit_waiting(budget, scheduled, allocations)
-        return self._build_output(scheduled, allocations,
-                                  {i: t for i, t in spec.items() if i in scheduled})
+        return self._build_output(scheduled, allocations, {i: t for i, t in spec.items() if i in scheduled})
 
     def _propose(self) -> dict[str, tuple[int, ...]]:
         """This step's proposals for the decoding sequences that may speculate (seq id -> tokens)."""
@@ -274,19 +288,29 @@ class Scheduler:
             seq = self.waiting[0]
             if len(self.running) + 1 + len(seq.fork_seeds) > self.config.max_num_seqs:
                 break
-            match = self.kv.match_prefix(seq)
-            count = self._chunk(seq, seq.num_tokens - match.num_cached_tokens, budget)
+            loaded = seq.seq_id in self._loaded  # its prefix came up from a tier last step: it has those blocks
+            match = self.kv.match_prefix(seq) if not loaded else NO_MATCH
+            if not loaded and (tier_blocks := self.kv.match_tiers(seq, match)):
+                if self.kv.allocate(seq, tier_blocks * self.kv.block_size, match) is None:
+                    break
+                self.kv.load_from_tiers(seq, len(match.blocks), tier_blocks)
+                self.waiting.pop(0)
+                self.loading[seq.seq_id] = (seq, len(match.blocks), tier_blocks, seq.status)
+                seq.status = RequestStatus.WAITING_FOR_TIER
+                continue
+            count = self._chunk(seq, seq.num_tokens - seq.num_computed_tokens - match.num_cached_tokens, budget)
             if not count or (allocation := self.kv.allocate(seq, count, match)) is None:
                 break
             self.waiting.pop(0)
-            if seq.status is RequestStatus.WAITING:
+            self._loaded.discard(seq.seq_id)
+            if seq.status is RequestStatus.WAITING and not loaded:  # (a loaded one was counted as it loaded)
                 # A resumed sequence (request.py's resume()) may also find its output tokens cached: only the
                 # prompt's count as cached prompt tokens.
                 seq.num_cached_tokens = min(match.num_cached_tokens, seq.num_prompt_tokens)
                 self.num_prompt_tokens_queried += seq.num_prompt_tokens
                 self.num_prompt_tokens_cached += seq.num_cached_tokens
             seq.status = RequestStatus.RUNNING
-            seq.num_computed_tokens = match.num_cached_tokens
+            seq.num_computed_tokens += match.num_cached_tokens
             self.running.append(seq)
             scheduled[seq.seq_id], allocations[seq.seq_id] = count, allocation
             budget -= count
@@ -329,11 +353,33 @@ class Scheduler:
                 forks.extend(ForkData(seq_id, f"{seq.request_id}#{i}", i, s)
                              for i, s in enumerate(seq.fork_seeds, start=1))
         dropped, self._dropped = frozenset(self._dropped), set()
-        return SchedulerOutput(tuple(new), tuple(cached), scheduled, tuple(forks), tuple(copies), dropped, spec)
+        return SchedulerOutput(tuple(new), tuple(cached), scheduled, tuple(forks), tuple(copies), dropped, spec,
+                               self.kv.take_tier_ops())
+
+    def _loads_done(self, failures: tuple[tuple[int, str], ...]) -> None:
+        """The step's tier copies are done: loading sequences go back to the queue (see the module doc)."""
+        failed = self.kv.tiers.failed(failures) if self.kv.tiers is not None else set()
+        for seq, first, count, status in self.loading.values():
+            hashes = seq.block_hashes[first:first + count]
+            loaded = next((i for i, h in enumerate(hashes) if h in failed), count)
+            seq.num_computed_tokens = (first + loaded) * self.kv.block_size
+            self.kv.trim(seq, seq.num_computed_tokens)  # the blocks after the run are given back
+            self.kv.cache_full_blocks(seq)
+            if status is RequestStatus.WAITING:  # a fresh one: all its computed tokens are its prompt's
+                seq.num_cached_tokens = seq.num_computed_tokens
+                self.num_prompt_tokens_queried += seq.num_prompt_tokens
+                self.num_prompt_tokens_cached += seq.num_cached_tokens
+                self.num_prompt_tokens_from_tiers += loaded * self.kv.block_size
+            seq.status = status
+            self._loaded.add(seq.seq_id)
+            bisect.insort(self.waiting, seq, key=lambda s: s.sort_key)
+        self.loading.clear()
 
     def update(self, output: SchedulerOutput, result: RunnerOutput) -> list[SeqUpdate]:
         """Applies a finished step: advances computed counts, caches newly full blocks, forks samples,
         appends sampled tokens and finishes sequences that hit a stop token or a length limit."""
+        if self.loading or result.tier_failed:
+            self._loads_done(result.tier_failed)
         for seq_id, count in output.num_scheduled_tokens.items():
             seq = self.seqs.get(seq_id)
             if seq is None or seq.status is not RequestStatus.RUNNING:
@@ -382,7 +428,8 @@ class Scheduler:
             prefix_hit_rate=self.num_prompt_tokens_cached / queried if queried else 0.0,
             num_preemptions=self.num_preemptions, num_prompt_tokens_queried=queried,
             num_prompt_tokens_cached=self.num_prompt_tokens_cached, num_tokens_computed=self.num_tokens_computed,
-            num_waiting_for_kv=len(self.reserved),
+            num_waiting_for_kv=len(self.reserved), num_prompt_tokens_from_tiers=self.num_prompt_tokens_from_tiers,
+            tiers=self.kv.tiers.stats() if self.kv.tiers is not None else None,
         )
 
     def check_integrity(self) -> None:
@@ -392,11 +439,12 @@ class Scheduler:
             if seq.status is not RequestStatus.RUNNING or seq.seq_id not in self.seqs:
                 raise ValueError(f"running sequence {seq.seq_id} has status {seq.status}")
         for seq in self.waiting:
-            if self.kv.block_table(seq.seq_id):
+            if self.kv.block_table(seq.seq_id) and seq.seq_id not in self._loaded:
                 raise ValueError(f"waiting sequence {seq.seq_id} holds blocks")
         for seq in self.reserved.values():
             if seq.status is not RequestStatus.WAITING_FOR_KV or len(self.kv.block_table(seq.seq_id)) < \
                     self.kv.blocks_for(seq.num_prompt_tokens):
                 raise ValueError(f"reserved sequence {seq.seq_id} has status {seq.status} or too few blocks")
-        if len(self.running) + len(self.waiting) + len(self.reserved) != len(self.seqs):
-            raise ValueError("a sequence is in more than one of running, waiting and reserved, or in none")
+        if self.loading or len(self.running) + len(self.waiting) + len(self.reserved) != len(self.seqs):
+            raise ValueError("a sequence is in more than one of running, waiting and reserved, or in none (or loading "
+                             "from a KV tier between steps)")

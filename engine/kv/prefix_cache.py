@@ -95,6 +95,10 @@ class PrefixCache:
         """Every block hash held now (for a KV snapshot)."""
         return tuple(self._block_by_hash)
 
+    def hash_of(self, block: int) -> int | None:
+        """The hash a block holds, or None."""
+        return self._hash_by_block.get(block)
+
     def is_cached(self, block: int) -> bool:
         return block in self._hash_by_block
 

@@ -11,6 +11,7 @@ from typing import Any, Callable, Sequence as Seq
 
 import torch
 
+from tandem.engine.kv.tier_plan import TierPlan
 from tandem.engine.decoding.draft_proposer import DraftProposer, load_draft
 from tandem.engine.decoding.grammar import GrammarBackend
 from tandem.engine.engine_config import EngineConfig, available_memory_bytes
@@ -18,6 +19,7 @@ from tandem.engine.errors import ReplicaFailedError
 from tandem.engine.hardware.cpu_affinity import current_cpus
 from tandem.engine.hardware.device import RankPlacement
 from tandem.engine.kv.kv_cache import KVCacheSpec, PagedKVCache, store_memory_of
+from tandem.engine.kv.tier_store import TierStore
 from tandem.engine.loader.model_loader import LoadedModel
 from tandem.engine.models.compiled import compile_decode, compile_enabled, decode_step_summary
 from tandem.engine.models.decode_bucket import blocks_per_sequence
@@ -51,6 +53,7 @@ class ExecutorRequest:
     kv_agent: KVAgentFactory | None = None
     rank_gpus: Seq[str] | None = None
     rank_cpus: Seq[tuple[int, ...]] | None = None
+    tiers: TierPlan | None = None  # the replica's KV tiers (engine/core/kv_tiers.py), every rank's share
 
     def block_spec(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> KVCacheSpec:
         """One block of a cache of `layers` x `kv_heads` (num_blocks 1): what a block costs."""
@@ -113,7 +116,11 @@ def _one_process(request: ExecutorRequest) -> Built:
     agent = request.kv_agent(0, request.layout, kv_cache) if request.kv_agent is not None else None
     # Structured output: the engine's backend refused a bad constraint at add_request, and its cache hands this
     # runner the compiled grammar (a split replica's sampler rank builds its own: ranks/worker.py).
-    runner = ModelRunner(loaded.model, kv_cache, compiled=compiled, layer_observer=agent, grammars=request.grammars)
+    tiers = None
+    if request.tiers is not None:
+        tiers = TierStore(kv_cache, request.tiers.host_slots, request.tiers.rank_folder(0))
+    runner = ModelRunner(loaded.model, kv_cache, compiled=compiled, layer_observer=agent, grammars=request.grammars,
+                         tiers=tiers)
     placement = RankPlacement(0, os.getpid(), str(device), os.environ.get("CUDA_VISIBLE_DEVICES"),
                               loaded.model.attention.choice.summary(), current_cpus(),
                               decode_step_summary(loaded.model, compiling, compiled))
@@ -158,7 +165,8 @@ def _rank_processes(request: ExecutorRequest) -> Executor:
             threads=threads, micro_batches=request.parallel.num_micro_batches, kv_agent=request.kv_agent,
             attention_backend=config.attention_backend, visible_gpus=request.rank_gpus,
             cpus=None if request.rank_cpus is None else tuple(tuple(c) for c in request.rank_cpus),
-            weight_format=loaded.weight_format, kv_dtype=config.kv_cache_dtype, load_format=loaded.load_format),
+            weight_format=loaded.weight_format, kv_dtype=config.kv_cache_dtype, load_format=loaded.load_format,
+            kv_tiers=request.tiers),
             kv_blocks=lambda free: config.num_blocks(bytes_per_block, free // share, on_gpu))
 
     for _ in range(STARTUP_PORT_ATTEMPTS - 1):

@@ -63,4 +63,6 @@ class LocalExecutor:
     def shutdown(self) -> None:
         if self.agent is not None:
             self.agent.close()
+        if self.runner.tiers is not None:
+            self.runner.tiers.close()
 

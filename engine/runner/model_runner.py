@@ -30,6 +30,7 @@ from tandem.engine.scheduler_output import RunnerOutput, SchedulerOutput
 
 if TYPE_CHECKING:
     from tandem.engine.decoding.grammar import GrammarBackend
+    from tandem.engine.kv.tier_store import TierStore
     from tandem.engine.models.compiled import CompiledDecode
     from tandem.engine.models.cuda_graphs import CudaGraphDecode
     from tandem.engine.parallel.comm import ParallelComm
@@ -80,11 +81,13 @@ class ModelRunner:
     (engine/models/compiled.py, cuda_graphs.py), or None: every step runs eager. layer_observer: told after each
     layer which sequences' prompts the step completes (seq id -> block table): the KV transfer agent, which sends
     their layer's KV from there (kv_transfer/agent.py). grammars: compiles structured-output constraints
-    (engine/decoding/grammar.py), needed on a sampling runner for requests that have one."""
+    (engine/decoding/grammar.py), needed on a sampling runner for requests that have one. tiers: this rank's KV
+    tier storage (engine/kv/tier_store.py), which runs each step's tier copies beside the model; None: no tiers."""
 
     def __init__(self, model: LlamaModel, kv_cache: PagedKVCache, *, comm: ParallelComm | None = None,
                  samples: bool = True, micro_batches: int = 1, compiled: CompiledDecode | CudaGraphDecode | None = None,
-                 layer_observer: LayerObserver | None = None, grammars: GrammarBackend | None = None):
+                 layer_observer: LayerObserver | None = None, grammars: GrammarBackend | None = None,
+                 tiers: TierStore | None = None):
         self.model = model
         self.kv_cache = kv_cache
         self.device = model.device
@@ -93,6 +96,7 @@ class ModelRunner:
         self.micro_batches = micro_batches if comm is not None and comm.layout.pp > 1 else 1
         self.compiled = compiled
         self.layer_observer = layer_observer
+        self.tiers = tiers
         self.times = RunnerTimes()
         self.seqs = SequenceMirror(samples, grammars)
         self.sampling = SamplingStep(model, self.seqs) if samples else None
@@ -171,6 +175,18 @@ class ModelRunner:
 
     def _execute_step(self, output: SchedulerOutput, prev_tokens: Mapping[str, Sequence[int]]) -> RunnerOutput:
         self.seqs.apply(output, prev_tokens if not self.samples else {})
+        if not output.tier_ops.ops:
+            return self._compute_step(output)
+        if self.tiers is None:
+            raise ValueError("the scheduler sent KV tier copies to a runner without tiers")
+        self.tiers.start(output.tier_ops)  # ops[:sync] now, before any block is written; the rest beside the model
+        try:
+            result = self._compute_step(output)
+        finally:
+            failed = self.tiers.wait()
+        return result.with_tier_failed(failed)
+
+    def _compute_step(self, output: SchedulerOutput) -> RunnerOutput:
         if output.block_copies:
             self.kv_cache.copy_blocks(output.block_copies)
         if output.is_empty:

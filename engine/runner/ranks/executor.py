@@ -123,10 +123,16 @@ class MultiprocExecutor:
                 self._fail(f"{self._describe(rank)} is gone (its pipe is closed)")
 
     def execute_step(self, output: SchedulerOutput) -> RunnerOutput:
-        """Runs one step on every rank; returns the sampler rank's RunnerOutput."""
+        """Runs one step on every rank; returns the sampler rank's RunnerOutput (with every rank's failed disk copies
+        when the step had any)."""
         self._broadcast(Step(self._prev_tokens, output))
         sampler = self.layout.sampler_rank
-        result = self._collect([sampler], StepResult, time.monotonic() + self.step_timeout_s)[sampler].output
+        reporting = list(range(self.layout.world_size)) if output.tier_ops.reports else [sampler]
+        answers = self._collect(reporting, StepResult, time.monotonic() + self.step_timeout_s)
+        result = answers[sampler].output
+        if len(answers) > 1:  # a disk copy may fail on any rank's share of a block: the block fails on all
+            failed = dict.fromkeys(f for answer in answers.values() for f in answer.output.tier_failed)
+            result = result.with_tier_failed(tuple(failed))
         self._prev_tokens = {seq_id: result.token_ids(seq_id) for seq_id in result.sampled}
         return result
 

@@ -20,6 +20,7 @@ import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
+from tandem.engine.kv.tier_plan import TierPlan
 from tandem.engine.hardware.cpu_affinity import current_cpus, pin_process, pinned_threads
 from tandem.engine.hardware.device import RankPlacement
 from tandem.engine.parallel.layout import ReplicaLayout
@@ -48,6 +49,7 @@ class WorkerSpec:
     weight_format: str = "dense"  # engine_config.WEIGHT_FORMATS
     kv_dtype: str = "auto"  # engine_config.KV_CACHE_DTYPES
     load_format: str = "auto"  # engine_config.LOAD_FORMATS: dummy makes this rank's shard on its device
+    kv_tiers: TierPlan | None = None  # this replica's KV tiers (engine/core/kv_tiers.py); each rank holds its share
 
 
 def run_worker(rank: int, spec: WorkerSpec, conn: Connection) -> None:
@@ -104,8 +106,13 @@ def run_worker(rank: int, spec: WorkerSpec, conn: Connection) -> None:
             from tandem.engine.decoding.grammar import GrammarBackend
 
             grammars = GrammarBackend(tokenizer, config.vocab_size)
+        tiers = None
+        if spec.kv_tiers is not None:
+            from tandem.engine.kv.tier_store import TierStore
+
+            tiers = TierStore(kv_cache, spec.kv_tiers.host_slots, spec.kv_tiers.rank_folder(rank))
         runner = ModelRunner(model, kv_cache, comm=comm, samples=samples, micro_batches=spec.micro_batches,
-                             layer_observer=agent, grammars=grammars)
+                             layer_observer=agent, grammars=grammars, tiers=tiers)
         conn.send(Ready(RankPlacement(rank, os.getpid(), str(device), os.environ.get("CUDA_VISIBLE_DEVICES"),
                                       model.attention.choice.summary(), current_cpus(),
                                       decode_step_summary(model, True, None))))  # eager: spans processes
@@ -113,7 +120,7 @@ def run_worker(rank: int, spec: WorkerSpec, conn: Connection) -> None:
             message = pickle.loads(conn.recv_bytes())
             if isinstance(message, Step):
                 output = runner.execute_step(message.schedule, message.prev_tokens)
-                if runner.samples:
+                if runner.samples or message.schedule.tier_ops.reports:  # every rank's disk failures count
                     conn.send(StepResult(output))
             elif isinstance(message, GetStats):
                 data = runner.kv_cache.data
@@ -128,6 +135,8 @@ def run_worker(rank: int, spec: WorkerSpec, conn: Connection) -> None:
             elif isinstance(message, Stop):
                 if agent is not None:
                     agent.close()
+                if tiers is not None:
+                    tiers.close()
                 comm.close()
                 return
             else:
