@@ -38,7 +38,8 @@ def test_engine_policy_code_never_imports_torch():
 
     policy = ["kv.block_pool", "kv.prefix_cache", "kv.tier_index", "kv.disk_blocks", "kv.tier_plan", "core.kv_tiers",
               "core.kv_cache_manager", "kv.kv_events", "request",
-              "core.scheduler", "scheduler_output", "sampled_token", "sampling_params", "core.stop_strings",
+              "core.scheduler", "core.scheduler_stats", "scheduler_output", "sampled_token", "sampling_params",
+              "core.stop_strings",
               "engine_config", "decoding.speculation", "decoding.proposers", "decoding.suffix_proposer",
               "structured_output", "core.resume", "hardware.device"]
     code = ("import sys\n" + "".join(f"import tandem.engine.{m}\n" for m in policy)

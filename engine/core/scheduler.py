@@ -16,8 +16,8 @@ prefix-cache hashes and its tokens never see a rejected proposal) and gives back
 rejected ones.
 
 With KV tiers (engine/core/kv_tiers.py), a waiting sequence whose prefix goes on past the pool's blocks on a tier
-takes blocks for that run and is WAITING_FOR_TIER while the step copies it up; update() puts it back in the queue,
-holding them, with the run computed up to the first block a disk read failed for.
+takes blocks for that run and its first chunk and is WAITING_FOR_TIER while the step copies it up; update() puts it
+back in the queue, holding them, with the run computed up to the first block a disk read failed for.
 
 A sequence whose prompt KV arrives by transfer (disaggregated decode) skips the queue: reserve() gives it
 blocks for the whole prompt at once and parks it in WAITING_FOR_KV, where it is never scheduled nor preempted;
@@ -31,8 +31,8 @@ import bisect
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from tandem.engine.core.kv_cache_manager import NO_MATCH, Allocation, KVCacheManager
-from tandem.engine.core.kv_tiers import TierStats
+from tandem.engine.core.kv_cache_manager import Allocation, KVCacheManager
+from tandem.engine.core.scheduler_stats import SchedulerStats
 from tandem.engine.errors import TandemError
 from tandem.engine.request import RequestStatus, Sequence, token_stop_status
 from tandem.engine.sampled_token import SampledToken
@@ -72,24 +72,6 @@ class SeqUpdate:
     seq: Sequence
     sampled: SampledToken
     status: RequestStatus | None
-
-
-@dataclass(frozen=True)
-class SchedulerStats:
-    num_running: int
-    num_waiting: int
-    num_blocks_total: int
-    num_blocks_in_use: int
-    num_blocks_cached: int  # blocks holding a registered prefix (in use or parked)
-    kv_usage: float  # in-use blocks / total
-    prefix_hit_rate: float  # prompt tokens served from cache / prompt tokens looked up, at first scheduling
-    num_preemptions: int
-    num_prompt_tokens_queried: int
-    num_prompt_tokens_cached: int
-    num_tokens_computed: int  # tokens the model computed (prefill chunks + decodes)
-    num_waiting_for_kv: int = 0  # sequences holding reserved blocks until their KV arrives
-    num_prompt_tokens_from_tiers: int = 0  # of num_prompt_tokens_cached: copied up from a KV tier
-    tiers: TierStats | None = None  # None: no KV tiers
 
 
 class Scheduler:
@@ -284,37 +266,53 @@ class Scheduler:
         return budget if self.config.enable_chunked_prefill else 0
 
     def _admit_waiting(self, budget: int, scheduled: dict[str, int], allocations: dict[str, Allocation]) -> int:
-        while self.waiting and budget > 0:
+        # Sequences whose prefix came up from a tier go first, wherever they wait: they hold their blocks, their
+        # first chunk's included (taken as they loaded), so they never wait for anyone's and never block anyone.
+        for seq in [s for s in self.waiting if s.seq_id in self._loaded]:
+            if budget == 0 or len(self.running) + 1 + len(seq.fork_seeds) > self.config.max_num_seqs:
+                break
+            room = len(self.kv.block_table(seq.seq_id)) * self.kv.block_size - seq.num_computed_tokens
+            count = min(self._chunk(seq, seq.num_tokens - seq.num_computed_tokens, budget), room)
+            if count and (allocation := self.kv.allocate(seq, count)) is not None:
+                self.waiting.remove(seq)
+                self._loaded.discard(seq.seq_id)
+                budget -= self._start(seq, count, allocation, scheduled, allocations)
+        while self.waiting and budget > 0 and self.waiting[0].seq_id not in self._loaded:
             seq = self.waiting[0]
             if len(self.running) + 1 + len(seq.fork_seeds) > self.config.max_num_seqs:
                 break
-            loaded = seq.seq_id in self._loaded  # its prefix came up from a tier last step: it has those blocks
-            match = self.kv.match_prefix(seq) if not loaded else NO_MATCH
-            if not loaded and (tier_blocks := self.kv.match_tiers(seq, match)):
-                if self.kv.allocate(seq, tier_blocks * self.kv.block_size, match) is None:
+            match = self.kv.match_prefix(seq)
+            if tier_blocks := self.kv.match_tiers(seq, match):
+                rest = seq.num_tokens - (len(match.blocks) + tier_blocks) * self.kv.block_size
+                first_chunk = min(rest, budget) if self.config.enable_chunked_prefill else rest
+                if self.kv.allocate(seq, tier_blocks * self.kv.block_size + first_chunk, match) is None:
                     break
                 self.kv.load_from_tiers(seq, len(match.blocks), tier_blocks)
                 self.waiting.pop(0)
                 self.loading[seq.seq_id] = (seq, len(match.blocks), tier_blocks, seq.status)
                 seq.status = RequestStatus.WAITING_FOR_TIER
                 continue
-            count = self._chunk(seq, seq.num_tokens - seq.num_computed_tokens - match.num_cached_tokens, budget)
+            count = self._chunk(seq, seq.num_tokens - match.num_cached_tokens, budget)
             if not count or (allocation := self.kv.allocate(seq, count, match)) is None:
                 break
             self.waiting.pop(0)
-            self._loaded.discard(seq.seq_id)
-            if seq.status is RequestStatus.WAITING and not loaded:  # (a loaded one was counted as it loaded)
+            if seq.status is RequestStatus.WAITING:
                 # A resumed sequence (request.py's resume()) may also find its output tokens cached: only the
                 # prompt's count as cached prompt tokens.
                 seq.num_cached_tokens = min(match.num_cached_tokens, seq.num_prompt_tokens)
                 self.num_prompt_tokens_queried += seq.num_prompt_tokens
                 self.num_prompt_tokens_cached += seq.num_cached_tokens
-            seq.status = RequestStatus.RUNNING
-            seq.num_computed_tokens += match.num_cached_tokens
-            self.running.append(seq)
-            scheduled[seq.seq_id], allocations[seq.seq_id] = count, allocation
-            budget -= count
+            seq.num_computed_tokens = match.num_cached_tokens
+            budget -= self._start(seq, count, allocation, scheduled, allocations)
         return budget
+
+    def _start(self, seq: Sequence, count: int, allocation: Allocation, scheduled: dict[str, int],
+               allocations: dict[str, Allocation]) -> int:
+        """Makes a waiting sequence running with count tokens scheduled; returns count."""
+        seq.status = RequestStatus.RUNNING
+        self.running.append(seq)
+        scheduled[seq.seq_id], allocations[seq.seq_id] = count, allocation
+        return count
 
     def _free(self, seq: Sequence) -> None:
         """Frees seq's blocks, keeping them held under its request id if the request asked (hold_after)."""
@@ -362,8 +360,7 @@ class Scheduler:
         for seq, first, count, status in self.loading.values():
             hashes = seq.block_hashes[first:first + count]
             loaded = next((i for i, h in enumerate(hashes) if h in failed), count)
-            seq.num_computed_tokens = (first + loaded) * self.kv.block_size
-            self.kv.trim(seq, seq.num_computed_tokens)  # the blocks after the run are given back
+            seq.num_computed_tokens = (first + loaded) * self.kv.block_size  # its blocks after the run: computed
             self.kv.cache_full_blocks(seq)
             if status is RequestStatus.WAITING:  # a fresh one: all its computed tokens are its prompt's
                 seq.num_cached_tokens = seq.num_computed_tokens

@@ -139,6 +139,26 @@ def test_a_full_disk_degrades_to_recomputation_with_a_logged_reason(embedded, re
     assert "No space left on device" in caplog.text
 
 
+def test_sessions_at_once_under_pressure_all_finish_and_match(embedded, reference, tmp_path):
+    """Every second turn arrives together: sequences loading, loaded and computing share a pool too small for all
+    of them (preemptions included), and nobody waits forever on blocks a loaded sequence holds."""
+    turns, expected, _ = reference
+    follow_up = embedded.tokenizer.encode(" And what happened next?")
+    with LLMEngine(embedded, EngineConfig(num_kv_blocks=POOL_BLOCKS + 4, max_model_len=1024, max_num_seqs=4,
+                                          max_num_batched_tokens=64, check_integrity=True,
+                                          kv_tiers=through_disk(tmp_path))) as engine:
+        for i, prompt in enumerate(turns):
+            engine.add_request(f"a{i}", prompt, GREEDY)
+            run_all(engine)
+        for i, prompt in enumerate(turns):
+            engine.add_request(f"b{i}", prompt + expected[f"a{i}"] + follow_up, GREEDY)
+        done = run_all(engine, max_steps=3000)
+        assert {f"b{i}": done[(f"b{i}", 0)].token_ids for i in range(SESSIONS)} == {
+            k: v for k, v in expected.items() if k.startswith("b")}
+        assert engine.stats().num_prompt_tokens_from_tiers > 0
+        assert_clean(engine)
+
+
 def test_tiers_are_tenant_scoped(embedded, reference):
     turns, expected, _ = reference
     with tiered(embedded, host_only()) as engine:
