@@ -111,10 +111,9 @@ class KVTiers:
     # -- up: disk -> host -> device ------------------------------------------------------------------------
 
     def match(self, hashes: Sequence[int]) -> int:
-        """How many of `hashes`, from the first, the host or disk tier holds (at most the host's slots: a run is
-        copied up through them)."""
+        """How many of `hashes`, from the first, the host or disk tier holds."""
         count = 0
-        for block_hash in hashes[:self.host.num_slots]:
+        for block_hash in hashes:
             if block_hash not in self.host and (self.disk is None or block_hash not in self.disk):
                 break
             count += 1
@@ -122,8 +121,13 @@ class KVTiers:
 
     def load(self, hashes: Sequence[int], blocks: Sequence[int]) -> None:
         """Copies a run of prefix blocks (hashes[i] into device block blocks[i]; match() said they are here) up to
-        the device: from host slots, disk blocks through a host slot first. Counts the hits."""
+        the device: from host slots, disk blocks through a host slot first; a run longer than the host tier in
+        pieces of its size (each piece's slots are reused by the next, after its copy). Counts the hits."""
         self._flush()  # a slot saved this step is read only after it was written
+        for start in range(0, len(hashes), self.host.num_slots):
+            self._load_piece(hashes[start:start + self.host.num_slots], blocks[start:start + self.host.num_slots])
+
+    def _load_piece(self, hashes: Sequence[int], blocks: Sequence[int]) -> None:
         on_host = {h: self.host.pin(h) for h in hashes if h in self.host}  # not displaced by the rest of the run
         for block_hash in on_host:
             self.host.lookup(block_hash)  # most recently used

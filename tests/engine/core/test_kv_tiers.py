@@ -55,7 +55,7 @@ def test_load_reads_host_slots_and_stages_disk_blocks_through_the_host():
     tiers.save([(0xA, 1), (0xB, 2)])
     tiers.save([(0xC, 3)])  # 0xA goes to disk
     tiers.take_ops()
-    assert tiers.match([0xA, 0xB, 0xC, 0xD]) == 2  # at most the host's slots: a run is staged through them
+    assert tiers.match([0xA, 0xB, 0xC, 0xD]) == 3
     tiers.load([0xA, 0xB], [20, 21])
     ops = tiers.take_ops()
     fetch = next(op for op in ops.ops if isinstance(op, FetchBlock))
@@ -65,6 +65,21 @@ def test_load_reads_host_slots_and_stages_disk_blocks_through_the_host():
     assert load.slots[0] == fetch.slot and load.slots[1] != fetch.slot  # 0xB was pinned: not displaced by 0xA
     stats = tiers.stats()
     assert (stats.host_hits, stats.disk_hits) == (1, 1)
+    tiers.check_integrity()
+
+
+def test_a_run_longer_than_the_host_tier_comes_up_in_pieces_through_its_slots():
+    tiers = KVTiers(host_slots=2, disk_slots=8)
+    for i in range(5):  # 0xA0..0xA4: all but the last two end on disk
+        tiers.save([(0xA0 + i, i)])
+    tiers.take_ops()
+    run = [0xA0 + i for i in range(5)]
+    assert tiers.match(run) == 5
+    tiers.load(run, [10, 11, 12, 13, 14])
+    loads = [op for op in tiers.take_ops().ops if isinstance(op, LoadBlocks)]
+    assert [op.blocks for op in loads] == [(10, 11), (12, 13), (14,)]
+    assert [op.hashes for op in loads] == [(0xA0, 0xA1), (0xA2, 0xA3), (0xA4,)]
+    assert tiers.stats().disk_hits + tiers.stats().host_hits == 5
     tiers.check_integrity()
 
 
