@@ -362,11 +362,12 @@ class Scheduler:
             loaded = next((i for i, h in enumerate(hashes) if h in failed), count)
             seq.num_computed_tokens = (first + loaded) * self.kv.block_size  # its blocks after the run: computed
             self.kv.cache_full_blocks(seq)
-            if status is RequestStatus.WAITING:  # a fresh one: all its computed tokens are its prompt's
-                seq.num_cached_tokens = seq.num_computed_tokens
+            if status is RequestStatus.WAITING:  # (a resumed one's cached outputs are not prompt tokens)
+                seq.num_cached_tokens = min(seq.num_computed_tokens, seq.num_prompt_tokens)
                 self.num_prompt_tokens_queried += seq.num_prompt_tokens
                 self.num_prompt_tokens_cached += seq.num_cached_tokens
-                self.num_prompt_tokens_from_tiers += loaded * self.kv.block_size
+                self.num_prompt_tokens_from_tiers += seq.num_cached_tokens - min(first * self.kv.block_size,
+                                                                                 seq.num_prompt_tokens)
             seq.status = status
             self._loaded.add(seq.seq_id)
             bisect.insort(self.waiting, seq, key=lambda s: s.sort_key)
