@@ -159,7 +159,7 @@ def status(args: argparse.Namespace) -> int:
             print(f"      speculative decoding ({s['proposer']}): {s['accepted']} of {s['proposed']} proposed tokens "
                   f"accepted ({rate}), {s['declined_steps']} steps without proposals worth verifying")
         if r.get("kv_tiers"):
-            print(f"      {kv_tiers_line(r['kv_tiers'])}")
+            print(f"      {kv_tiers_line(r['kv_tiers'], r.get('kv_tier_hit_costs'))}")
         placements = {p["rank"]: p for p in r.get("rank_placements", [])}
         for i, rank in enumerate(r.get("ranks", [])):
             print(f"      {rank}{_rank_place(placements.get(i, {}))}")
@@ -192,12 +192,18 @@ def _count(text: str) -> int | bool:
     return int(text) if text.isdigit() else False
 
 
-def kv_tiers_line(t: dict) -> str:
-    """A replica's KV tiers in one line of `tandem status` (a TierStats as a dict)."""
+def kv_tiers_line(t: dict, costs: dict | None = None) -> str:
+    """A replica's KV tiers in one line of `tandem status` (a TierStats as a dict; costs: its TierHitCosts as a
+    dict, what a hit on each tier costs against recomputing the block, as the router weighs them)."""
     line = f"KV tiers: host {t['host_blocks']}/{t['host_capacity']} blocks, {t['host_hits']} hits"
     if t["disk_capacity"]:
         line += f"; disk {t['disk_blocks']}/{t['disk_capacity']} blocks, {t['disk_hits']} hits"
     line += f"; {t['saved']} saved, {t['spilled']} spilled"
+    if costs:
+        line += f"; a hit costs {100 * costs['host']:.0f}%"
+        if t["disk_capacity"]:
+            line += f" (host), {100 * costs['disk']:.0f}% (disk)"
+        line += " of recomputing" + ("" if costs["measured"] else " (not measured yet)")
     if t["failures"]:
         line += "; failed: " + ", ".join(f"{reason} {n}" for reason, n in sorted(t["failures"].items()))
     return line

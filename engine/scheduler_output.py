@@ -8,7 +8,7 @@ token, and sample each fork's child from its parent's logits.
 KV tiers (engine/core/kv_tiers.py): tier_ops are copies between the device's blocks, host slots and disk files,
 run in order beside the step: tier_ops.ops[:sync] before block_copies and the model (they read blocks this step
 writes), the rest on a copy thread while the model runs; all are done when the runner answers, and the answer
-names the blocks a disk read or write failed for (RunnerOutput.tier_failed).
+names the blocks a disk read or write failed for (RunnerOutput.tiers).
 
 Speculative decoding (engine/decoding/speculation.py): a decoding sequence with spec_tokens computes its last token and
 those proposals as one chunk (its num_scheduled_tokens counts them all); the runner verifies them and answers the
@@ -138,6 +138,16 @@ class SchedulerOutput:
 
 
 @dataclass(frozen=True)
+class TierReport:
+    """How a step's tier copies went on a rank: failed holds (block hash, why) for each failed disk read or
+    write; times holds (tier, blocks, seconds) for each copy up: "host" for host -> device (a LoadBlocks run),
+    "disk" for one disk -> host read."""
+
+    failed: tuple[tuple[int, str], ...] = ()
+    times: tuple[tuple[str, int, float], ...] = ()
+
+
+@dataclass(frozen=True)
 class RunnerOutput:
     """The token sampled for each sequence that reached its last token this step (fork children included), and
     for a sequence that speculated, the tokens it emitted after that one (its accepted proposals but the first,
@@ -145,10 +155,10 @@ class RunnerOutput:
 
     sampled: Mapping[str, SampledToken] = field(default_factory=dict)
     speculated: Mapping[str, tuple[SampledToken, ...]] = field(default_factory=dict)
-    tier_failed: tuple[tuple[int, str], ...] = ()  # (block hash, why) for each failed disk read or write
+    tiers: TierReport = TierReport()  # how the step's KV tier copies went
 
-    def with_tier_failed(self, failed: tuple[tuple[int, str], ...]) -> RunnerOutput:
-        return RunnerOutput(self.sampled, self.speculated, failed) if failed else self
+    def with_tiers(self, report: TierReport) -> RunnerOutput:
+        return RunnerOutput(self.sampled, self.speculated, report)
 
     def token_ids(self, seq_id: str) -> tuple[int, ...]:
         """Every token the sequence emitted this step, in order."""

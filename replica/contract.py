@@ -16,7 +16,7 @@ from typing import AsyncIterator, Protocol, Sequence, Union
 
 from tandem.engine.core.output_processor import RequestOutput
 from tandem.engine.core.resume import ResumeState
-from tandem.engine.core.kv_tiers import TierStats
+from tandem.engine.core.kv_tiers import TierHitCosts, TierStats
 from tandem.engine.decoding.speculation import SpeculationStats
 from tandem.engine.hardware.device import RankPlacement
 from tandem.engine.kv.kv_events import KVEventBatch, KVSnapshot
@@ -87,15 +87,18 @@ class ReplicaStats:
     ranks_alive: tuple[bool, ...] = ()  # whether each rank's process runs, in rank order
     speculation: SpeculationStats | None = None  # its speculative decoding's counters; None: it does not speculate
     kv_tiers: TierStats | None = None  # its KV tiers' use, hits, copies and failures; None: no tiers
+    kv_tier_hit_costs: TierHitCosts | None = None  # what a hit on each tier costs against recomputing; None: no tiers
 
 
 @dataclass(frozen=True)
 class KVEventsReply:
     """One answer to kv_events(): the replica's KV events from the asked position on (a KVEventBatch), or a
-    snapshot of its prefix cache (a KVSnapshot) when those are gone, plus its free KV blocks after its last step."""
+    snapshot of its prefix cache and tiers (a KVSnapshot) when those are gone, plus its free KV blocks after its
+    last step and what a hit on each of its KV tiers costs (None: it has none)."""
 
     events: Union[KVEventBatch, KVSnapshot]
     kv_blocks_free: int
+    tier_hit_costs: TierHitCosts | None = None
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, AsyncIterator, Callable, ClassVar
 
 from tandem.engine.core.output_processor import RequestOutput
 from tandem.engine.decoding.speculation import SpeculationStats
-from tandem.engine.kv.kv_events import KVEventBatch, KVEventLog, KVSnapshot
+from tandem.engine.kv.kv_events import DISK, HOST, KVEventBatch, KVEventLog, KVSnapshot
 from tandem.kv_transfer.config import TransferConfig
 from tandem.kv_transfer.drops import MessageDrops
 from tandem.replica.contract import KVEventsReply, ReplicaInfo, ReplicaStats, RequestAbortedError, StreamCall
@@ -129,7 +129,7 @@ class ReplicaShell:
                             kv_messages_by_reference=self._kv_counts[1],
                             stream_frames=self._channel.frames_sent,
                             ranks_alive=tuple(self.engine.ranks_alive()), speculation=self._speculation,
-                            kv_tiers=s.tiers)
+                            kv_tiers=s.tiers, kv_tier_hit_costs=s.tier_hit_costs)
 
     async def health(self) -> str | None:
         """None while the engine runs and every rank process lives; else why not (read without waiting for the
@@ -148,16 +148,17 @@ class ReplicaShell:
         return sum((s.drops for s in ranks), MessageDrops()), sum(s.by_reference for s in ranks)
 
     async def kv_events(self, epoch: str | None, since: int) -> KVEventsReply:
-        """The KV events from `since` on in the log of `epoch`, or a snapshot of the prefix cache (taken on the
-        engine thread) when those are gone or the epoch is not the log's (a restart; epoch None asks for one),
-        and the free KV blocks after the engine's last step."""
+        """The KV events from `since` on in the log of `epoch`, or a snapshot of the prefix cache and the KV
+        tiers (taken on the engine thread) when those are gone or the epoch is not the log's (a restart; epoch
+        None asks for one), the free KV blocks after the engine's last step and what a hit on each tier costs."""
         batch: KVEventBatch | KVSnapshot | None = self.events.read(epoch, since)
         if batch is None:
             log = self.events
-            batch = await self.server.call(lambda engine: KVSnapshot(log.epoch, log.next_seq,
-                                                                     engine.cached_block_hashes()))
+            batch = await self.server.call(lambda engine: KVSnapshot(
+                log.epoch, log.next_seq, engine.cached_block_hashes(), engine.cached_block_hashes(HOST),
+                engine.cached_block_hashes(DISK)))
         s = self.server.stats()
-        return KVEventsReply(batch, s.num_blocks_total - s.num_blocks_in_use)
+        return KVEventsReply(batch, s.num_blocks_total - s.num_blocks_in_use, s.tier_hit_costs)
 
     async def abort(self, request_id: str) -> None:
         """Ends the request wherever it is here (reserved, transferring, computing, decoding) and frees its

@@ -68,7 +68,7 @@ class KVFeed:
         batch = reply.events
         index = self.indexes[pool]
         if isinstance(batch, KVSnapshot):
-            index.apply_snapshot(load.name, batch.block_hashes)
+            index.apply_snapshot(load.name, batch.block_hashes, batch.host_hashes, batch.disk_hashes)
             cursor.epoch, cursor.next_seq = batch.epoch, batch.next_seq
             self.counters.snapshots += 1
         elif isinstance(batch, KVEventBatch):
@@ -88,6 +88,8 @@ class KVFeed:
         if load.refusals and load.kv_blocks_free is not None and reply.kv_blocks_free > load.kv_blocks_free:
             load.refusals = 0  # room came back since it refused: rank it by its load again, not last
         load.kv_blocks_free = reply.kv_blocks_free
+        if reply.tier_hit_costs is not None:
+            load.tier_hit_costs = reply.tier_hit_costs
 
     def forget(self, name: str) -> None:
         self.cursors.pop(name, None)

@@ -11,6 +11,10 @@ matches the prefix against its own cache. Two mechanisms keep it close:
     the replica's events confirm them or `ttl_s` passes, so that a burst of requests sharing a prefix follows
     the first one instead of scattering before any event arrives.
 
+A replica with KV tiers (engine/core/kv_tiers.py) also publishes the blocks it holds in host memory and on disk:
+overlap() counts a block held on any tier, and lower_tier_blocks() says how many of a replica's matched blocks
+are only on its host or disk tier, so that routing can weigh those hits by what copying them up costs.
+
 Plain Python over ints and strings; no Ray, no gRPC.
 """
 
@@ -20,7 +24,9 @@ import time
 from collections import deque
 from typing import Callable, Iterable, Sequence
 
-from tandem.engine.kv.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from tandem.engine.kv.kv_events import DEVICE, DISK, HOST, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+
+_TIER_BITS = {HOST: 1, DISK: 2}
 
 
 class PrefixIndex:
@@ -31,8 +37,9 @@ class PrefixIndex:
     def __init__(self, *, ttl_s: float = 5.0, clock: Callable[[], float] = time.monotonic):
         self.ttl_s = ttl_s
         self.clock = clock
-        self._holders: dict[int, int] = {}  # hash -> bit mask of the replicas holding it (confirmed or expected)
-        self._confirmed: dict[str, set[int]] = {}  # replica -> hashes its events reported
+        self._holders: dict[int, int] = {}  # hash -> bit mask of the replicas holding it (any tier, or expected)
+        self._confirmed: dict[str, set[int]] = {}  # replica -> hashes its events reported on the device
+        self._lower: dict[str, dict[int, int]] = {}  # replica -> hash -> its lower tiers' bits (_TIER_BITS)
         self._expected: dict[str, dict[int, float]] = {}  # replica -> hash -> deadline
         self._deadlines: deque[tuple[float, str, tuple[int, ...]]] = deque()
         self._slots: dict[str, int] = {}  # replica -> its bit
@@ -44,8 +51,12 @@ class PrefixIndex:
         return len(self._holders)
 
     def num_blocks(self, replica: str) -> int:
-        """Blocks the index believes replica holds (confirmed ones)."""
+        """Blocks the index believes replica holds on the device (confirmed ones)."""
         return len(self._confirmed.get(replica, ()))
+
+    def num_lower_blocks(self, replica: str) -> int:
+        """Blocks the index believes replica holds on its host or disk tier (on the device too or not)."""
+        return len(self._lower.get(replica, ()))
 
     # ---- updates ----
 
@@ -53,18 +64,29 @@ class PrefixIndex:
         """Applies replica's events in order."""
         for event in events:
             if isinstance(event, BlockStored):
-                self._store(replica, event.block_hash)
+                if event.tier == DEVICE:
+                    self._store(replica, event.block_hash)
+                else:
+                    self._store_lower(replica, event.block_hash, _TIER_BITS[event.tier])
             elif isinstance(event, BlockRemoved):
                 for h in event.block_hashes:
-                    self._drop(replica, h)
+                    if event.tier == DEVICE:
+                        self._drop(replica, h)
+                    else:
+                        self._drop_lower(replica, h, _TIER_BITS[event.tier])
             elif isinstance(event, AllBlocksCleared):
                 self.remove_replica(replica)
 
-    def apply_snapshot(self, replica: str, block_hashes: Iterable[int]) -> None:
-        """replica holds exactly block_hashes now: whatever the index believed about it is replaced."""
+    def apply_snapshot(self, replica: str, block_hashes: Iterable[int], host_hashes: Iterable[int] = (),
+                       disk_hashes: Iterable[int] = ()) -> None:
+        """replica holds exactly block_hashes on the device, host_hashes and disk_hashes on its tiers now:
+        whatever the index believed about it is replaced."""
         self.remove_replica(replica)
         for h in block_hashes:
             self._store(replica, h)
+        for tier, hashes in ((HOST, host_hashes), (DISK, disk_hashes)):
+            for h in hashes:
+                self._store_lower(replica, h, _TIER_BITS[tier])
 
     def expect(self, replica: str, block_hashes: Sequence[int]) -> None:
         """The blocks of a prompt just sent to replica: counted as held there until confirmed or ttl_s passes."""
@@ -86,7 +108,9 @@ class PrefixIndex:
         slot = self._slots.pop(replica, None)
         if slot is None:
             return
-        for h in self._confirmed.pop(replica, set()) | set(self._expected.pop(replica, {})):
+        held = self._confirmed.pop(replica, set()) | set(self._expected.pop(replica, {})) | \
+            set(self._lower.pop(replica, {}))
+        for h in held:
             self._unhold(1 << slot, h)
         self._names[slot] = None
 
@@ -116,6 +140,26 @@ class PrefixIndex:
         self._name_bits(alive, i, depth)
         return depth
 
+    def lower_tier_blocks(self, replica: str, block_hashes: Sequence[int]) -> tuple[int, int]:
+        """Of block_hashes (a prefix overlap() matched on replica), how many replica holds only on its host tier
+        and how many only on its disk tier: not on the device nor expected there. (0, 0) at once for a replica
+        that publishes no tiers."""
+        lower = self._lower.get(replica)
+        if not lower:
+            return 0, 0
+        device = self._confirmed.get(replica, ())
+        expected = self._expected.get(replica, {})
+        host = disk = 0
+        for h in block_hashes:
+            if h in device or h in expected:
+                continue
+            bits = lower.get(h, 0)
+            if bits & _TIER_BITS[HOST]:
+                host += 1
+            elif bits:
+                disk += 1
+        return host, disk
+
     # ---- internals ----
 
     def _bit(self, replica: str) -> int:
@@ -142,6 +186,11 @@ class PrefixIndex:
             expected.pop(h, None)
         self._holders[h] = self._holders.get(h, 0) | self._bit(replica)
 
+    def _store_lower(self, replica: str, h: int, bit: int) -> None:
+        lower = self._lower.setdefault(replica, {})
+        lower[h] = lower.get(h, 0) | bit
+        self._holders[h] = self._holders.get(h, 0) | self._bit(replica)
+
     def _drop(self, replica: str, h: int) -> None:
         confirmed = self._confirmed.get(replica)
         if confirmed:
@@ -149,9 +198,23 @@ class PrefixIndex:
         expected = self._expected.get(replica)
         if expected:
             expected.pop(h, None)
+        self._unhold_unless_held(replica, h)
+
+    def _drop_lower(self, replica: str, h: int, bit: int) -> None:
+        lower = self._lower.get(replica)
+        if lower and h in lower:
+            lower[h] &= ~bit
+            if not lower[h]:
+                del lower[h]
+        self._unhold_unless_held(replica, h)
+
+    def _unhold_unless_held(self, replica: str, h: int) -> None:
+        """replica let go of h on one tier: it leaves h's holders unless it holds h on another (or expects it)."""
         slot = self._slots.get(replica)
-        if slot is not None:
-            self._unhold(1 << slot, h)
+        if slot is None or h in self._confirmed.get(replica, ()) or h in self._expected.get(replica, ()) or \
+                h in self._lower.get(replica, ()):
+            return
+        self._unhold(1 << slot, h)
 
     def _unhold(self, bit: int, h: int) -> None:
         mask = self._holders.get(h)
@@ -169,19 +232,18 @@ class PrefixIndex:
             expected = self._expected.get(replica)
             if not expected:
                 continue
-            confirmed = self._confirmed.get(replica, ())
-            bit = 1 << self._slots[replica]
             for h in hashes:
                 if expected.get(h) == deadline:  # not re-expected later, not confirmed since
                     del expected[h]
-                    if h not in confirmed:
-                        self._unhold(bit, h)
+                    self._unhold_unless_held(replica, h)
 
     def check_integrity(self) -> None:
-        """Raises ValueError unless holders == confirmed + expected, per hash and replica, and every replica with
-        entries has a slot of its own."""
+        """Raises ValueError unless holders == confirmed + expected + lower tiers, per hash and replica, and every
+        replica with entries has a slot of its own."""
         derived: dict[int, int] = {}
-        for source in (self._confirmed, self._expected):
+        if any(not bits for lower in self._lower.values() for bits in lower.values()):
+            raise ValueError("prefix index keeps a lower-tier entry with no tier")
+        for source in (self._confirmed, self._expected, self._lower):
             for replica, hashes in source.items():
                 if hashes and replica not in self._slots:
                     raise ValueError(f"replica {replica} has entries but no slot")

@@ -18,7 +18,7 @@ from typing import Callable
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-from tandem.engine.core.kv_tiers import TierStats
+from tandem.engine.core.kv_tiers import TierHitCosts, TierStats
 from tandem.engine.decoding.speculation import SpeculationStats
 from tandem.kv_transfer.drops import MessageDrops
 from tandem.replica.contract import ReplicaStats
@@ -169,7 +169,8 @@ class _DriverCollector:
             by_reference.add_metric([pool, name], count)
         yield by_reference
         yield from _speculation_metrics(self.replica_counters.speculation)
-        yield from _kv_tier_metrics(self.replica_counters.kv_tiers)
+        yield from _kv_tier_metrics(self.replica_counters.kv_tiers,
+                                    {(r.pool, r.name): r.load.tier_hit_costs for r in d.prefill + d.decode})
         yield _gauge("tandem_active_requests", "Requests being served", self.active())
         yield _gauge("tandem_queued_requests", "Requests waiting for a decode replica with room", d.num_queued)
         yield _gauge("tandem_waiting_for_prefill_requests", "Requests waiting at the router for a prefill replica "
@@ -276,9 +277,11 @@ def _speculation_metrics(by_replica: dict[tuple[str, str], SpeculationStats]):
     yield from (proposed, accepted, declined, lengths)
 
 
-def _kv_tier_metrics(by_replica: dict[tuple[str, str], TierStats]):
+def _kv_tier_metrics(by_replica: dict[tuple[str, str], TierStats],
+                     costs: dict[tuple[str, str], TierHitCosts] | None = None):
     """KV tiers per replica (engine/core/kv_tiers.py): prefix blocks served from each tier, blocks each tier holds
-    and can hold, copies down, and disk copies that failed by reason (those blocks were recomputed)."""
+    and can hold, copies down, copies up and their seconds, disk copies that failed by reason (those blocks were
+    recomputed), and what the router weighs a hit on each tier at (costs, by the replica's measurements)."""
     labels = ["pool", "replica", "tier"]
     hits = CounterMetricFamily("tandem_kv_tier_hit_blocks", "Prefix blocks a request got from a KV tier (host, "
                                "disk) instead of computing them; as of the previous scrape", labels=labels)
@@ -289,6 +292,12 @@ def _kv_tier_metrics(by_replica: dict[tuple[str, str], TierStats]):
     failures = CounterMetricFamily("tandem_kv_tier_failures", "Disk tier reads and writes that failed, by reason "
                                    "(missing, truncated, corrupt, write failed, ...): recomputed, never served",
                                    labels=["pool", "replica", "reason"])
+    up = CounterMetricFamily("tandem_kv_tier_copied_up_bytes", "Bytes copied up from a tier: host to device (host), "
+                             "disk to host (disk)", labels=labels)
+    up_s = CounterMetricFamily("tandem_kv_tier_copied_up_seconds", "Seconds those copies took (their ratio is the "
+                               "tier's measured bandwidth)", labels=labels)
+    cost = GaugeMetricFamily("tandem_kv_tier_hit_cost", "What a prefix block found on a tier costs to bring up, as a "
+                             "fraction of recomputing it: how the router weighs a hit there", labels=labels)
     for (pool, name), t in sorted(by_replica.items()):
         tiers = [("host", t.host_hits, t.host_blocks, t.host_capacity)]
         if t.disk_capacity:
@@ -301,7 +310,15 @@ def _kv_tier_metrics(by_replica: dict[tuple[str, str], TierStats]):
         copies.add_metric([pool, name, "spilled"], t.spilled)
         for reason, count in sorted(t.failures.items()):
             failures.add_metric([pool, name, reason], count)
-    yield from (hits, used, capacity, copies, failures)
+        hit_costs = (costs or {}).get((pool, name))
+        for tier, blocks, seconds, hit_cost in (("host", t.loaded_blocks, t.load_s, hit_costs and hit_costs.host),
+                                                ("disk", t.read_blocks, t.read_s, hit_costs and hit_costs.disk)):
+            if tier == "host" or t.disk_capacity:
+                up.add_metric([pool, name, tier], blocks * t.block_bytes)
+                up_s.add_metric([pool, name, tier], seconds)
+                if hit_cost is not None:
+                    cost.add_metric([pool, name, tier], hit_cost)
+    yield from (hits, used, capacity, copies, failures, up, up_s, cost)
 
 
 def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:

@@ -20,6 +20,8 @@ import random
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Mapping, Sequence
 
+from tandem.engine.core.kv_tiers import PRIOR_HIT_COSTS, TierHitCosts
+
 POLICIES = ("cache_aware", "least_loaded", "round_robin", "random")
 
 
@@ -28,13 +30,15 @@ class ReplicaLoad:
     """The router's view of one replica. in_flight: requests the router sent there and has not seen finish.
     queued_prefill_tokens: uncached prompt tokens of prefills sent there and not answered yet (router's own
     count). kv_blocks_free: the replica's last polled count (None: not polled yet). refusals:
-    reservations it refused since its last success (then it is tried last)."""
+    reservations it refused since its last success (then it is tried last). tier_hit_costs: what a prefix block
+    on its host or disk KV tier costs to copy up, against recomputing it (its last polled measurement)."""
 
     name: str
     in_flight: int = 0
     refusals: int = 0
     queued_prefill_tokens: int = 0
     kv_blocks_free: int | None = None
+    tier_hit_costs: TierHitCosts = PRIOR_HIT_COSTS
 
 
 @dataclass(frozen=True)
@@ -70,9 +74,10 @@ class ReplicaPicker:
         if self.policy not in POLICIES:
             raise ValueError(f"unknown routing policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
 
-    def rank_prefill(self, replicas: Sequence[ReplicaLoad], overlap: Mapping[str, int], *, block_size: int,
+    def rank_prefill(self, replicas: Sequence[ReplicaLoad], overlap: Mapping[str, float], *, block_size: int,
                      cached_blocks: Callable[[str], int] = lambda name: 0) -> Iterator[ReplicaLoad]:
-        """Prefill replicas best first. overlap: cached-prefix blocks per replica name (absent: none).
+        """Prefill replicas best first. overlap: cached-prefix blocks per replica name (absent: none), a block on
+        a lower KV tier counted as the fraction of a recomputed block it saves (Routing weighs them).
         cached_blocks: blocks a replica caches in all; among equal costs the emptiest cache goes first, so that
         on an idle pool new prefixes spread out instead of piling onto the first replica."""
         if self.policy != "cache_aware":

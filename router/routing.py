@@ -14,6 +14,9 @@ The decision for a disaggregated request with n == 1:
   5. expect the prompt's blocks on the chosen replicas (PrefixIndex.expect), so that the next request sharing
      the prefix finds them before the replicas' events arrive. Ties in cost go to the replica whose cache
      holds the fewest blocks, which spreads new prefixes over an idle pool.
+A cached block counts whole when it is on the replica's device, and as 1 - cost when it is only on the replica's
+host or disk KV tier, cost being what copying it up takes against recomputing it, as the replica measured
+(ReplicaLoad.tier_hit_costs): a host hit is nearly a device hit, a slow disk's may be worth little or nothing.
 Colocated mode and n > 1 always prefill on the decode replica (reasons "colocated", "n_gt_1").
 """
 
@@ -24,6 +27,7 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
 
+from tandem.engine.core.kv_tiers import PRIOR_HIT_COSTS
 from tandem.engine.kv.prefix_cache import block_hashes
 from tandem.router.kv_index import PrefixIndex
 from tandem.router.policy import ReplicaLoad, ReplicaPicker, RoutingWeights
@@ -92,7 +96,8 @@ class Routing:
         if reason is None:
             index = self.indexes["prefill"]
             overlap = index.overlap(hashes)
-            prefill_order = self.pickers["prefill"].rank_prefill(prefill, overlap, block_size=self.block_size,
+            prefill_order = self.pickers["prefill"].rank_prefill(prefill, weigh_tiers(index, overlap, hashes, prefill),
+                                                                 block_size=self.block_size,
                                                                  cached_blocks=index.num_blocks)
             if last is not None and last[0] is not None:
                 prefill_order = self._sticky(last[0], prefill, prefill_order)
@@ -112,7 +117,8 @@ class Routing:
         if not prefill:
             return "no_prefill_replica"
         if s.local_prefill_max_tokens and decode:
-            best = max(self.indexes["decode"].overlap(hashes).values(), default=0) * self.block_size
+            index = self.indexes["decode"]
+            best = max(weigh_tiers(index, index.overlap(hashes), hashes, decode).values(), default=0) * self.block_size
             if len(prompt) - best < s.local_prefill_max_tokens:
                 return "short_prompt"
         if s.prefill_saturation_tokens and min(r.queued_prefill_tokens for r in prefill) >= s.prefill_saturation_tokens:
@@ -146,6 +152,25 @@ class Routing:
     def forget_replica(self, pool: str, name: str) -> None:
         """The replica left its pool: drop it from the index (sessions skip it on their own)."""
         self.indexes[pool].remove_replica(name)
+
+
+def weigh_tiers(index: PrefixIndex, overlap: dict[str, int], hashes: Sequence[int],
+                pool: Sequence[ReplicaLoad]) -> dict[str, float]:
+    """overlap (matched blocks per replica) with each block found only on a replica's host or disk tier counted
+    as the share of recomputing it that copying it up saves (1 - its tier's hit cost; less than 0 when the copy
+    costs more). Replicas without tiers keep their whole count."""
+    weighed: dict[str, float] = dict(overlap)
+    loads = None
+    for name, depth in overlap.items():
+        if not index.num_lower_blocks(name):
+            continue
+        host, disk = index.lower_tier_blocks(name, hashes[:depth])
+        if host or disk:
+            loads = loads or {r.name: r for r in pool}
+            load = loads.get(name)
+            costs = load.tier_hit_costs if load is not None else PRIOR_HIT_COSTS
+            weighed[name] = depth - host * costs.host - disk * costs.disk
+    return weighed
 
 
 def _first_then(first: ReplicaLoad, rest: Iterator[ReplicaLoad]) -> Iterator[ReplicaLoad]:

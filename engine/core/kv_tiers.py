@@ -18,6 +18,9 @@ Copies are ordered: a save reading a device block that this same step hands to a
 run before the model (TierOps.sync), every other copy runs on a copy thread while the model computes; all are done
 when the step ends, so no copy is in flight between steps (a reservation, an abort or a transfer never races one).
 Block hashes carry the tenant's salt (engine/kv/prefix_cache.py), so the tiers are tenant-scoped as the pool is.
+Every block that enters or leaves a tier is published as a KV event naming the tier (engine/kv/kv_events.py), so
+the router's prefix index knows where each replica holds a prefix; hit_costs() says what a hit on each tier costs
+against recomputing the block, from the copies' measured times and the replica's prefill speed.
 """
 
 from __future__ import annotations
@@ -26,9 +29,10 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
+from tandem.engine.kv.kv_events import DISK, HOST, BlockRemoved, BlockStored, KVEventSink, discard_events
 from tandem.engine.kv.tier_index import TierIndex
 from tandem.engine.scheduler_output import (DropBlock, FetchBlock, LoadBlocks, SaveBlocks, SpillBlock, TierOp,
-                                            TierOps)
+                                            TierOps, TierReport)
 
 @dataclass(frozen=True)
 class TierStats:
@@ -44,20 +48,64 @@ class TierStats:
     spilled: int  # host -> disk copies
     dropped: int  # blocks that left the last tier
     failures: dict[str, int]  # reason -> count (disk reads and writes that failed: recomputed)
+    block_bytes: int = 0  # one block's bytes (every rank's share)
+    loaded_blocks: int = 0  # host -> device copies timed, and the seconds they took
+    load_s: float = 0.0
+    read_blocks: int = 0  # disk -> host reads timed, and the seconds they took
+    read_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class TierHitCosts:
+    """What bringing one prefix block up to the device from each tier costs, as a fraction of recomputing it:
+    0 is as cheap as a device hit, 1 as dear as recomputing (more: dearer). measured: False while a tier has not
+    been read from or the replica has not prefilled yet (then the priors below stand in for what is missing)."""
+
+    host: float
+    disk: float
+    measured: bool = False
+
+
+# Before anything is measured: a host copy moves a block at memory bandwidth, far faster than computing it; a disk
+# read is slower but usually still beats recomputing a long prefix (LMCache and SGLang HiCache report both).
+PRIOR_HIT_COSTS = TierHitCosts(host=0.1, disk=0.5)
+
+
+def hit_costs(stats: TierStats, prefill_tokens_per_s: float | None, block_size: int) -> TierHitCosts:
+    """Each tier's hit cost from the copies' measured seconds per block against the seconds the replica takes to
+    prefill block_size tokens (prefill_tokens_per_s: its measured prefill speed; None: not measured yet). A disk
+    hit is a read and then a host copy."""
+    if not prefill_tokens_per_s:
+        return PRIOR_HIT_COSTS
+    recompute_s = block_size / prefill_tokens_per_s
+    host_s = stats.load_s / stats.loaded_blocks if stats.loaded_blocks else None
+    host = host_s / recompute_s if host_s is not None else PRIOR_HIT_COSTS.host
+    if stats.read_blocks:
+        disk = (stats.read_s / stats.read_blocks + (host_s or 0.0)) / recompute_s
+    else:
+        disk = max(PRIOR_HIT_COSTS.disk, host)
+    return TierHitCosts(host, disk, host_s is not None and bool(stats.read_blocks or stats.disk_capacity == 0))
 
 
 class KVTiers:
     """The host tier (host_slots blocks) and the optional disk tier (disk_slots blocks) of one replica."""
 
-    def __init__(self, host_slots: int, disk_slots: int = 0):
-        self.host = TierIndex("host", host_slots, 1)
-        self.disk = TierIndex("disk", disk_slots, 1) if disk_slots else None
+    def __init__(self, host_slots: int, disk_slots: int = 0, sink: KVEventSink = discard_events, *,
+                 block_bytes: int = 0):
+        """sink: receives a BlockStored / BlockRemoved naming the tier for every block entering or leaving one.
+        block_bytes: one block's bytes over every rank (for stats)."""
+        self.block_bytes = block_bytes
+        self.host = TierIndex(HOST, host_slots, 1)
+        self.disk = TierIndex(DISK, disk_slots, 1) if disk_slots else None
+        self._sink = sink
         self._ops: list[TierOp] = []
         self._save_blocks: list[int] = []  # the save being gathered (one op for the step's saves, where order allows)
         self._save_slots: list[int] = []
         self._saved_at: dict[int, int | None] = {}  # device block saved this step -> its op's index (None: gathering)
         self._sync = 0
         self._counts: Counter[str] = Counter()
+        self._copy_s: Counter[str] = Counter()  # tier -> seconds its timed copies up took
+        self._copied: Counter[str] = Counter()  # tier -> blocks those copies moved
         self.failures: Counter[str] = Counter()
 
     # -- down: device -> host -> disk ----------------------------------------------------------------------
@@ -73,6 +121,7 @@ class KVTiers:
             for victim, slot in admission.evicted:
                 self._leave_host(victim, slot)
             self.host.ready(block_hash)  # readable: any copy out of the slot is ordered after this one
+            self._stored(HOST, block_hash)
             self._save_blocks.append(block)
             self._save_slots.append(admission.slot)
             self._saved_at[block] = None
@@ -80,6 +129,7 @@ class KVTiers:
 
     def _leave_host(self, block_hash: int, slot: int) -> None:
         """A host block displaced from `slot`: to the disk tier, or gone."""
+        self._sink(BlockRemoved((block_hash,), HOST))
         if self.disk is None:
             self._counts["dropped"] += 1
             return
@@ -91,11 +141,13 @@ class KVTiers:
             return
         for victim, _ in admission.evicted:
             self._emit(DropBlock(victim))
+            self._sink(BlockRemoved((victim,), DISK))
             self._counts["dropped"] += 1
         if slot in self._save_slots:  # the slot was filled this step: that copy first, then this one reads it
             self._flush()
         self._emit(SpillBlock(slot, block_hash))
         self.disk.ready(block_hash)
+        self._stored(DISK, block_hash)
         self._counts["spilled"] += 1
 
     def reused(self, blocks: Iterable[int]) -> None:
@@ -129,6 +181,8 @@ class KVTiers:
 
     def _load_piece(self, hashes: Sequence[int], blocks: Sequence[int]) -> None:
         on_host = {h: self.host.pin(h) for h in hashes if h in self.host}  # not displaced by the rest of the run
+        # ... nor a disk block by what staging the others spills: its file is read after those spills
+        on_disk = [h for h in hashes if h not in on_host and self.disk.pin(h) is not None]
         for block_hash in on_host:
             self.host.lookup(block_hash)  # most recently used
         slots = []
@@ -143,6 +197,7 @@ class KVTiers:
                 self.disk.lookup(block_hash)
                 self._emit(FetchBlock(block_hash, admission.slot))
                 self.host.ready(block_hash)
+                self._stored(HOST, block_hash)
                 on_host[block_hash] = slot = self.host.pin(block_hash)
                 self._counts["disk_hits"] += 1
             else:
@@ -151,6 +206,8 @@ class KVTiers:
         self._emit(LoadBlocks(tuple(slots), tuple(blocks), tuple(hashes)))
         for block_hash in on_host:
             self.host.unpin(block_hash)
+        for block_hash in on_disk:
+            self.disk.unpin(block_hash)
 
     # -- the step's copies and their outcome ---------------------------------------------------------------
 
@@ -165,12 +222,23 @@ class KVTiers:
     def _emit(self, op: TierOp) -> None:
         self._ops.append(op)
 
+    def _stored(self, tier: str, block_hash: int) -> None:
+        self._sink(BlockStored(block_hash, None, (), None, tier))
+
     def take_ops(self) -> TierOps:
         """This step's copies, in order (and forgets them)."""
         self._flush()
         ops = TierOps(tuple(self._ops), self._sync)
         self._ops, self._saved_at, self._sync = [], {}, 0
         return ops
+
+    def done(self, report: TierReport) -> set[int]:
+        """Applies the ranks' report of a step's copies: their times, and its failed disk reads and writes (see
+        failed()). Returns the failed hashes."""
+        for tier, blocks, seconds in report.times:
+            self._copied[tier] += blocks
+            self._copy_s[tier] += seconds
+        return self.failed(report.failed)
 
     def failed(self, failures: Iterable[tuple[int, str]]) -> set[int]:
         """Applies the ranks' report of failed disk reads and writes, (block hash, reason) each: those blocks
@@ -182,15 +250,21 @@ class KVTiers:
             hashes.add(block_hash)
             self.failures[reason.split(":")[0]] += 1
             for tier in (self.host, self.disk):
-                if tier is not None:
-                    tier.remove(block_hash)
+                if tier is not None and tier.remove(block_hash) is not None:
+                    self._sink(BlockRemoved((block_hash,), tier.name))
         return hashes
 
     def stats(self) -> TierStats:
         c = self._counts
-        return TierStats(len(self.host), self.host.num_slots, len(self.disk) if self.disk else 0,
-                         self.disk.num_slots if self.disk else 0, c["host_hits"], c["disk_hits"], c["saved"],
-                         c["spilled"], c["dropped"], dict(self.failures))
+        return TierStats(len(self.host), self.host.num_slots, len(self.disk) if self.disk is not None else 0,
+                         self.disk.num_slots if self.disk is not None else 0, c["host_hits"], c["disk_hits"], c["saved"],
+                         c["spilled"], c["dropped"], dict(self.failures), self.block_bytes, self._copied[HOST],
+                         self._copy_s[HOST], self._copied[DISK], self._copy_s[DISK])
+
+    def hashes(self, tier: str) -> tuple[int, ...]:
+        """Every readable block hash on `tier` ("host" or "disk"), for a KV snapshot."""
+        index = self.host if tier == HOST else self.disk
+        return index.hashes() if index is not None else ()
 
     def check_integrity(self) -> None:
         """Raises ValueError if a tier's index is inconsistent or copies were left ungathered."""

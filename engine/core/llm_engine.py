@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence as Seq, TypeVar
 
 from tandem.engine.core.kv_cache_manager import KVCacheManager
-from tandem.engine.core.kv_tiers import KVTiers
+from tandem.engine.core.kv_tiers import KVTiers, TierHitCosts, hit_costs
 from tandem.engine.kv.tier_plan import plan_tiers
 from tandem.engine.core.output_processor import OutputProcessor, RequestOutput
 from tandem.engine.core.resume import ResumeState
@@ -45,7 +45,7 @@ from tandem.engine.decoding.speculation import SpeculationStats, Speculator
 from tandem.engine.engine_config import EngineConfig
 from tandem.engine.hardware.device import RankPlacement
 from tandem.engine.kv.kv_cache import kv_storage_dtype
-from tandem.engine.kv.kv_events import KVEventSink, discard_events
+from tandem.engine.kv.kv_events import DISK, HOST, KVEventSink, discard_events
 from tandem.engine.loader.model_loader import LoadedModel
 from tandem.engine.parallel.layout import ParallelConfig, ReplicaLayout
 from tandem.engine.request import RequestStatus, Sequence, token_stop_status
@@ -61,6 +61,14 @@ T = TypeVar("T")
 @dataclass(frozen=True)
 class EngineStats(SchedulerStats):
     num_steps: int = 0
+    prefill_tokens: int = 0  # tokens computed by the steps that computed prompt tokens, and those steps' seconds
+    prefill_s: float = 0.0
+    tier_hit_costs: TierHitCosts | None = None  # None: no KV tiers
+
+    @property
+    def prefill_tokens_per_s(self) -> float | None:
+        """The replica's measured prefill speed; None before it has prefilled."""
+        return self.prefill_tokens / self.prefill_s if self.prefill_s > 0 else None
 
 
 class LLMEngine:
@@ -107,7 +115,8 @@ class LLMEngine:
         self.kv_manager = KVCacheManager(
             self.executor.num_kv_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching,
             event_sink=event_sink,
-            tiers=KVTiers(self.tier_plan.host_slots, self.tier_plan.disk_slots) if self.tier_plan else None)
+            tiers=KVTiers(self.tier_plan.host_slots, self.tier_plan.disk_slots, event_sink,
+                          block_bytes=self.kv_cache_spec.bytes_per_block) if self.tier_plan else None)
         self.scheduler = Scheduler(
             SchedulerConfig(max_model_len=max_len, max_num_batched_tokens=config.max_num_batched_tokens,
                             max_num_seqs=config.max_num_seqs, enable_chunked_prefill=config.enable_chunked_prefill),
@@ -115,6 +124,7 @@ class LLMEngine:
             Speculator(config.speculative, built.proposer) if config.speculative is not None else None)
         self.outputs = OutputProcessor(self.tokenizer)
         self.num_steps = 0
+        self.prefill_tokens, self.prefill_s = 0, 0.0
         self._arrivals = 0
 
     @property
@@ -242,7 +252,11 @@ class LLMEngine:
         sample that got tokens (a speculating sample may get several in one output)."""
         start = time.perf_counter()
         schedule = self.scheduler.schedule()
+        executed = time.perf_counter()
         result = self.executor.execute_step(schedule)
+        if any(n > 1 + len(schedule.spec_tokens.get(i, ())) for i, n in schedule.num_scheduled_tokens.items()):
+            self.prefill_tokens += schedule.total_num_scheduled_tokens  # a step that prefills: its speed
+            self.prefill_s += time.perf_counter() - executed
         updates = self.scheduler.update(schedule, result)
         outputs: dict[str, RequestOutput] = {}
         emitted = len(updates)
@@ -271,10 +285,20 @@ class LLMEngine:
         return speculator.stats() if speculator is not None else None
 
     def stats(self) -> EngineStats:
-        return EngineStats(**vars(self.scheduler.stats()), num_steps=self.num_steps)
+        stats = self.scheduler.stats()
+        costs = None
+        if stats.tiers is not None:
+            rate = self.prefill_tokens / self.prefill_s if self.prefill_s > 0 else None
+            costs = hit_costs(stats.tiers, rate, self.config.block_size)
+        return EngineStats(**vars(stats), num_steps=self.num_steps, prefill_tokens=self.prefill_tokens,
+                           prefill_s=self.prefill_s, tier_hit_costs=costs)
 
-    def cached_block_hashes(self) -> tuple[int, ...]:
-        """The hashes of every block in the prefix cache now (engine thread only)."""
+    def cached_block_hashes(self, tier: str = "device") -> tuple[int, ...]:
+        """The hashes of every block on `tier` now: the prefix cache ("device"), or the KV tiers' "host" or
+        "disk" (empty without them). Engine thread only."""
+        if tier in (HOST, DISK):
+            tiers = self.scheduler.kv.tiers
+            return tiers.hashes(tier) if tiers is not None else ()
         return self.scheduler.kv.cache.hashes()
 
     def check_integrity(self) -> None:

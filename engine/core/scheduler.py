@@ -37,7 +37,7 @@ from tandem.engine.errors import TandemError
 from tandem.engine.request import RequestStatus, Sequence, token_stop_status
 from tandem.engine.sampled_token import SampledToken
 from tandem.engine.scheduler_output import (CachedSequenceData, ForkData, NewSequenceData, RunnerOutput,
-                                            SchedulerOutput)
+                                            SchedulerOutput, TierReport)
 
 if TYPE_CHECKING:
     from tandem.engine.decoding.speculation import Speculator
@@ -354,9 +354,9 @@ class Scheduler:
         return SchedulerOutput(tuple(new), tuple(cached), scheduled, tuple(forks), tuple(copies), dropped, spec,
                                self.kv.take_tier_ops())
 
-    def _loads_done(self, failures: tuple[tuple[int, str], ...]) -> None:
+    def _loads_done(self, report: TierReport) -> None:
         """The step's tier copies are done: loading sequences go back to the queue (see the module doc)."""
-        failed = self.kv.tiers.failed(failures) if self.kv.tiers is not None else set()
+        failed = self.kv.tiers.done(report) if self.kv.tiers is not None else set()
         for seq, first, count, status in self.loading.values():
             hashes = seq.block_hashes[first:first + count]
             loaded = next((i for i, h in enumerate(hashes) if h in failed), count)
@@ -376,8 +376,8 @@ class Scheduler:
     def update(self, output: SchedulerOutput, result: RunnerOutput) -> list[SeqUpdate]:
         """Applies a finished step: advances computed counts, caches newly full blocks, forks samples,
         appends sampled tokens and finishes sequences that hit a stop token or a length limit."""
-        if self.loading or result.tier_failed:
-            self._loads_done(result.tier_failed)
+        if self.loading or result.tiers.failed:
+            self._loads_done(result.tiers)
         for seq_id, count in output.num_scheduled_tokens.items():
             seq = self.seqs.get(seq_id)
             if seq is None or seq.status is not RequestStatus.RUNNING:

@@ -3,6 +3,10 @@
 Events carry block hashes (the chained content hashes of engine/kv/prefix_cache.py), never block ids: a router
 compares hashes across replicas. A sink is any callable taking one event; the engine calls it from its step loop,
 so a sink must not block (queue the event and return).
+
+Each event names the tier it happened on (engine/core/kv_tiers.py): the device pool ("device"), host memory
+("host") or local disk ("disk"). A block may be on several tiers at once (a parked device block is copied to the
+host before it is evicted), and leaves each with its own BlockRemoved.
 """
 
 from __future__ import annotations
@@ -14,28 +18,34 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Union
 
+DEVICE, HOST, DISK = "device", "host", "disk"
+TIERS = (DEVICE, HOST, DISK)
+
 
 @dataclass(frozen=True)
 class BlockStored:
-    """A full block became reusable. parent_hash is the hash of the block before it (None for a first block);
-    token_ids are the block's tokens; cache_salt is the tenant salt its hash includes (None: no salt)."""
+    """A full block became reusable on `tier`. parent_hash is the hash of the block before it (None for a first
+    block); token_ids are the block's tokens; cache_salt is the tenant salt its hash includes (None: no salt). A
+    copy to a lower tier knows only its hash: its parent, tokens and salt are those its device store published."""
 
     block_hash: int
     parent_hash: int | None
     token_ids: tuple[int, ...]
     cache_salt: str | None = None
+    tier: str = DEVICE
 
 
 @dataclass(frozen=True)
 class BlockRemoved:
-    """Cached blocks were evicted: a request arriving now would recompute them."""
+    """Cached blocks left `tier`: a request arriving now finds them there no longer (maybe on another tier)."""
 
     block_hashes: tuple[int, ...]
+    tier: str = DEVICE
 
 
 @dataclass(frozen=True)
 class AllBlocksCleared:
-    """The replica dropped its whole prefix cache (reset or restart): forget everything it published before."""
+    """The replica dropped its whole prefix cache and tiers (restart): forget everything it published before."""
 
 
 KVEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared]
@@ -75,12 +85,14 @@ class KVEventBatch:
 
 @dataclass(frozen=True)
 class KVSnapshot:
-    """Every block hash the replica's prefix cache held once the log's first `next_seq` events had happened: a
-    reader that lost its place starts over from here."""
+    """Every block hash the replica's prefix cache (block_hashes) and its KV tiers held once the log's first
+    `next_seq` events had happened: a reader that lost its place starts over from here."""
 
     epoch: str
     next_seq: int
     block_hashes: tuple[int, ...]
+    host_hashes: tuple[int, ...] = ()
+    disk_hashes: tuple[int, ...] = ()
 
 
 class KVEventLog:

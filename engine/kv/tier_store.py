@@ -7,7 +7,8 @@ share: the same slots, its own files (folder/rank<r>). A copy that touches the d
 A failed write is logged with its reason: the block is simply not on disk (a later read of it is a miss).
 
 start() runs ops[:sync] now and the rest on this store's copy thread (a side CUDA stream on a GPU), so they overlap
-the model's step; wait() returns when all are done, with the failures.
+the model's step; wait() returns when all are done, with the failures and the time each copy up took (the router
+weighs a hit on each tier by them: engine/core/kv_tiers.py, hit_costs()).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import shutil
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Sequence
@@ -23,9 +25,10 @@ import torch
 
 from tandem.engine.kv.disk_blocks import DiskTierError, read_block, remove_block, write_block
 from tandem.engine.kv.host_blocks import HostBlockStore
+from tandem.engine.kv.kv_events import DISK, HOST
 from tandem.engine.kv.kv_cache import PagedKVCache
 from tandem.engine.scheduler_output import (DropBlock, FetchBlock, LoadBlocks, SaveBlocks, SpillBlock, TierOp,
-                                            TierOps)
+                                            TierOps, TierReport)
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +50,7 @@ class TierStore:
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="kv-tier-copies")
         self._running: Future | None = None
         self._failures: Failures = []
+        self._times: list[tuple[str, int, float]] = []  # (tier, blocks, seconds) of each copy up this step
 
     @property
     def block_bytes(self) -> int:
@@ -61,13 +65,15 @@ class TierStore:
             failed = {h for h, _ in self._failures}
             self._running = self._thread.submit(self._run, tier_ops.ops[tier_ops.sync:], failed)
 
-    def wait(self) -> tuple[tuple[int, str], ...]:
-        """Blocks until the started copies are done; the (block hash, reason) of each disk copy that failed."""
+    def wait(self) -> TierReport:
+        """Blocks until the started copies are done: the (block hash, reason) of each disk copy that failed, and
+        how long each copy up took."""
         failures, self._failures = self._failures, []
         if self._running is not None:
             running, self._running = self._running, None
             failures += running.result()
-        return tuple(failures)
+        times, self._times = self._times, []
+        return TierReport(tuple(failures), tuple(times))
 
     def _run(self, ops: Sequence[TierOp], failed: set[int]) -> Failures:
         failures: Failures = []
@@ -80,14 +86,22 @@ class TierStore:
                     self.host.save(self.cache, list(op.blocks), list(op.slots), non_blocking=self._stream is not None)
                 elif isinstance(op, LoadBlocks):
                     run = next((i for i, h in enumerate(op.hashes) if h in failed), len(op.hashes))
+                    self._sync()  # timed from here: the copy thread waits, the model does not
+                    start = time.perf_counter()
                     self.host.load(self.cache, list(op.slots[:run]), list(op.blocks[:run]),
                                    non_blocking=self._stream is not None)
+                    self._sync()
+                    if run:
+                        self._times.append((HOST, run, time.perf_counter() - start))
                 else:
                     self._sync()  # the host slot a disk copy reads or writes is final
+                    start = time.perf_counter()
                     problem = self._disk(op)
                     if problem is not None:
                         failures.append((op.block_hash, problem))
                         failed.add(op.block_hash)
+                    elif isinstance(op, FetchBlock):
+                        self._times.append((DISK, 1, time.perf_counter() - start))
             self._sync()
         return failures
 

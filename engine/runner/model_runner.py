@@ -183,8 +183,8 @@ class ModelRunner:
         try:
             result = self._compute_step(output)
         finally:
-            failed = self.tiers.wait()
-        return result.with_tier_failed(failed)
+            report = self.tiers.wait()
+        return result.with_tiers(report)
 
     def _compute_step(self, output: SchedulerOutput) -> RunnerOutput:
         if output.block_copies:

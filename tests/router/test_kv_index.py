@@ -9,7 +9,7 @@ import pytest
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from tandem.engine.kv.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from tandem.engine.kv.kv_events import DISK, HOST, AllBlocksCleared, BlockRemoved, BlockStored
 from tandem.router.kv_index import PrefixIndex
 
 TTL = 5.0
@@ -35,13 +35,22 @@ class Reference:
         self.now = 0.0
         self.confirmed: dict[str, set[int]] = {}
         self.expected: dict[str, dict[int, float]] = {}
+        self.lower: dict[tuple[str, str], set[int]] = {}  # (replica, "host" | "disk") -> hashes
 
-    def held(self, replica: str) -> set[int]:
+    def on_device(self, replica: str) -> set[int]:
         live = {h for h, deadline in self.expected.get(replica, {}).items() if self.now < deadline}
         return self.confirmed.get(replica, set()) | live
 
+    def held(self, replica: str) -> set[int]:
+        return self.on_device(replica) | self.lower.get((replica, HOST), set()) | self.lower.get((replica, DISK), set())
+
+    def lower_tier_blocks(self, replica: str, query: list[int]) -> tuple[int, int]:
+        host, disk = self.lower.get((replica, HOST), set()), self.lower.get((replica, DISK), set())
+        below = [h for h in query if h not in self.on_device(replica)]
+        return sum(h in host for h in below), sum(h in disk and h not in host for h in below)
+
     def replicas(self) -> set[str]:
-        return set(self.confirmed) | set(self.expected)
+        return set(self.confirmed) | set(self.expected) | {r for r, _ in self.lower}
 
     def overlap(self, query: list[int]) -> dict[str, int]:
         result = {}
@@ -64,6 +73,8 @@ class Reference:
     def forget(self, replica: str) -> None:
         self.confirmed.pop(replica, None)
         self.expected.pop(replica, None)
+        self.lower.pop((replica, HOST), None)
+        self.lower.pop((replica, DISK), None)
 
     def expect(self, replica: str, hashes: list[int]) -> None:
         for h in hashes:
@@ -98,6 +109,16 @@ class PrefixIndexMachine(RuleBasedStateMachine):
         for h in hashes:
             self.ref.drop(r, h)
 
+    @rule(r=replica, tier=st.sampled_from([HOST, DISK]), hashes=blocks)
+    def stored_on_a_lower_tier(self, r, tier, hashes):
+        self.index.apply(r, [BlockStored(h, None, (), None, tier) for h in hashes])
+        self.ref.lower.setdefault((r, tier), set()).update(hashes)
+
+    @rule(r=replica, tier=st.sampled_from([HOST, DISK]), hashes=blocks)
+    def removed_from_a_lower_tier(self, r, tier, hashes):
+        self.index.apply(r, [BlockRemoved(tuple(hashes), tier)])
+        self.ref.lower.get((r, tier), set()).difference_update(hashes)
+
     @rule(r=replica, before=blocks, after=blocks)
     def stored_cleared_stored(self, r, before, after):
         self.index.apply(r, [*stored(*before), AllBlocksCleared(), *stored(*after)])
@@ -105,12 +126,13 @@ class PrefixIndexMachine(RuleBasedStateMachine):
         for h in after:
             self.ref.store(r, h)
 
-    @rule(r=replica, hashes=blocks)
-    def snapshot(self, r, hashes):
-        self.index.apply_snapshot(r, hashes)
+    @rule(r=replica, hashes=blocks, host=blocks, disk=blocks)
+    def snapshot(self, r, hashes, host, disk):
+        self.index.apply_snapshot(r, hashes, host, disk)
         self.ref.forget(r)
         for h in hashes:
             self.ref.store(r, h)
+        self.ref.lower[(r, HOST)], self.ref.lower[(r, DISK)] = set(host), set(disk)
 
     @rule(r=replica, hashes=blocks)
     def expect(self, r, hashes):
@@ -137,7 +159,10 @@ class PrefixIndexMachine(RuleBasedStateMachine):
 
     @rule(query=st.lists(block, max_size=8))
     def overlap(self, query):
-        assert self.index.overlap(query) == self.ref.overlap(query)
+        overlap = self.index.overlap(query)
+        assert overlap == self.ref.overlap(query)
+        for r, depth in overlap.items():
+            assert self.index.lower_tier_blocks(r, query[:depth]) == self.ref.lower_tier_blocks(r, query[:depth])
 
     @invariant()
     def matches_reference(self):

@@ -9,15 +9,20 @@ import random
 
 import pytest
 
-from tandem.engine.kv.kv_events import KVEventLog
+from tandem.engine.core.kv_tiers import TierHitCosts
+from tandem.engine.kv.kv_events import KVEventLog, KVSnapshot
+from tandem.engine.kv.prefix_cache import block_hashes
+from tandem.replica.contract import KVEventsReply
 from tandem.engine.sampling_params import SamplingParams
 from tandem.router.auth import cache_salt_for
 from tandem.router.driver_settings import DriverSettings
+from tandem.router.kv_feed import KVFeed
 from tandem.router.lifecycle import RequestDriver
 from tandem.router.mocks.replicas import MockDecode, MockPrefill
 from tandem.router.replicas import Replica
 from tandem.router.request_parsing import ParsedRequest
-from tandem.router.routing import RoutingSettings
+from tandem.router.policy import ReplicaLoad
+from tandem.router.routing import Routing, RoutingSettings
 
 SYSTEM = {g: tuple(range(1000 * g, 1000 * g + 160)) for g in range(4)}  # 4 system prompts of 10 blocks
 
@@ -309,3 +314,46 @@ def test_quiet_replicas_are_polled_less_often_busy_ones_more_and_a_finished_requ
     assert 5 <= busy["prefill-0"] - quiet["prefill-0"] <= 7  # every 4 rounds at most, not every 16
     assert busy["prefill-1"] - quiet["prefill-1"] <= 2
     assert nudged["prefill-0"] - busy["prefill-0"] == 1 and nudged["prefill-1"] == busy["prefill-1"]
+
+
+# --- KV tiers: a prefix on a replica's host or disk tier, weighed by what copying it up costs ------------------------
+
+
+def tiered_routing(holdings: dict[str, tuple[list[int], list[int], list[int]]],
+                   costs: dict[str, TierHitCosts]) -> tuple[Routing, list[ReplicaLoad]]:
+    """A router whose prefill index learnt each replica's (device, host, disk) hashes from a KV feed answer
+    (a snapshot, with the replica's measured hit costs)."""
+    routing = Routing(RoutingSettings(), block_size=16)
+    feed = KVFeed(routing.indexes)
+    loads = [ReplicaLoad(name) for name in holdings]
+    for load in loads:
+        device, host, disk = holdings[load.name]
+        snapshot = KVSnapshot("epoch", 0, tuple(device), tuple(host), tuple(disk))
+        feed.apply("prefill", load, KVEventsReply(snapshot, 100, costs.get(load.name)))
+    return routing, loads
+
+
+def test_a_prefix_on_a_host_tier_beats_recomputing_it_and_a_slow_disk_does_not():
+    tokens = prompt(1, 0)
+    hashes = list(block_hashes(tokens, 16))  # 10 full blocks
+    decode = [ReplicaLoad("decode-0")]
+
+    def chosen(holdings, costs) -> str:
+        routing, loads = tiered_routing(holdings, costs)
+        return routing.plan(tokens, prefill=loads, decode=decode).prefill.name
+
+    fast_disk, slow_disk = TierHitCosts(0.05, 0.2, True), TierHitCosts(0.05, 1.5, True)
+    assert chosen({"empty": ([], [], []), "host": ([], hashes, [])}, {"host": fast_disk}) == "host"
+    # 6 blocks on one device against 10 on another replica's disk: 10 * (1 - 0.2) = 8 blocks' work saved beats 6
+    split = {"device": (hashes[:6], [], []), "disk": ([], [], hashes)}
+    assert chosen(split, {"disk": fast_disk}) == "disk"
+    assert chosen(split, {"disk": TierHitCosts(0.05, 0.9, True)}) == "device"  # saves 1 block's work
+    # a disk read that costs more than the prefill it saves (a fast accelerator): an empty replica goes first
+    assert chosen({"disk": ([], [], hashes), "empty": ([], [], [])}, {"disk": slow_disk}) == "empty"
+    # the first blocks on the device, the rest on the host: nearly all of it counts
+    mixed = {"mixed": (hashes[:3], hashes[3:], []), "device": (hashes[:8], [], [])}
+    assert chosen(mixed, {"mixed": fast_disk}) == "mixed"
+    routing, loads = tiered_routing(mixed, {"mixed": fast_disk})
+    assert loads[0].tier_hit_costs == fast_disk
+    assert routing.indexes["prefill"].lower_tier_blocks("mixed", hashes) == (7, 0)
+    assert routing.plan(tokens, prefill=loads, decode=decode).uncached_tokens == len(tokens) - 160

@@ -21,7 +21,7 @@ from tandem.engine.parallel.layout import ReplicaLayout
 from tandem.engine.runner.ranks.messages import (AgentAnswer, AgentCall, Allocate, GetStats, Memory, RankError,
                                                  RankStats, Ready, Step, StepResult, Stop)
 from tandem.engine.runner.ranks.worker import WorkerSpec, run_worker
-from tandem.engine.scheduler_output import RunnerOutput, SchedulerOutput
+from tandem.engine.scheduler_output import RunnerOutput, SchedulerOutput, TierReport
 
 __all__ = ["MultiprocExecutor", "ReplicaFailedError", "free_port"]
 
@@ -131,8 +131,8 @@ class MultiprocExecutor:
         answers = self._collect(reporting, StepResult, time.monotonic() + self.step_timeout_s)
         result = answers[sampler].output
         if len(answers) > 1:  # a disk copy may fail on any rank's share of a block: the block fails on all
-            failed = dict.fromkeys(f for answer in answers.values() for f in answer.output.tier_failed)
-            result = result.with_tier_failed(tuple(failed))
+            failed = dict.fromkeys(f for answer in answers.values() for f in answer.output.tiers.failed)
+            result = result.with_tiers(TierReport(tuple(failed), result.tiers.times))
         self._prev_tokens = {seq_id: result.token_ids(seq_id) for seq_id in result.sampled}
         return result
 

@@ -6,9 +6,10 @@ import os
 
 import pytest
 
-from tandem.engine.core.kv_tiers import KVTiers
+from tandem.engine.core.kv_tiers import PRIOR_HIT_COSTS, KVTiers, hit_costs
+from tandem.engine.kv.kv_events import DISK, HOST, BlockRemoved, BlockStored, KVEventRecorder
 from tandem.engine.kv.tier_plan import FOLDER_PREFIX, plan_tiers, remove_orphan_folders
-from tandem.engine.scheduler_output import DropBlock, FetchBlock, LoadBlocks, SaveBlocks, SpillBlock
+from tandem.engine.scheduler_output import DropBlock, FetchBlock, LoadBlocks, SaveBlocks, SpillBlock, TierReport
 
 
 def test_saves_are_gathered_into_one_copy_and_a_host_hit_is_not_saved_again():
@@ -114,3 +115,43 @@ def test_folders_of_replicas_that_are_gone_are_removed(tmp_path):
         (folder / "rank0").mkdir(parents=True)
     assert remove_orphan_folders(tmp_path) == [dead]
     assert alive.exists() and not dead.exists()
+
+
+def test_every_block_entering_or_leaving_a_tier_is_published_naming_the_tier():
+    recorder = KVEventRecorder()
+    tiers = KVTiers(host_slots=1, disk_slots=1, sink=recorder)
+    tiers.save([(0xA, 1)])
+    assert recorder.drain() == [BlockStored(0xA, None, (), None, HOST)]
+    tiers.save([(0xB, 2)])  # 0xA spills to disk
+    assert recorder.drain() == [BlockRemoved((0xA,), HOST), BlockStored(0xA, None, (), None, DISK),
+                                BlockStored(0xB, None, (), None, HOST)]
+    tiers.save([(0xC, 3)])  # 0xB spills, displacing 0xA from the disk
+    assert recorder.drain() == [BlockRemoved((0xB,), HOST), BlockRemoved((0xA,), DISK),
+                                BlockStored(0xB, None, (), None, DISK), BlockStored(0xC, None, (), None, HOST)]
+    tiers.take_ops()
+    tiers.load([0xB], [9])  # staged through the host; 0xC leaves it, and cannot displace 0xB (being read) on disk
+    assert recorder.drain() == [BlockRemoved((0xC,), HOST), BlockStored(0xB, None, (), None, HOST)]
+    assert DropBlock(0xB) not in tiers.take_ops().ops
+    assert tiers.hashes(HOST) == (0xB,) and tiers.hashes(DISK) == (0xB,)
+    tiers.failed([(0xB, "corrupt")])
+    assert sorted(recorder.drain(), key=lambda e: e.tier) == [BlockRemoved((0xB,), DISK), BlockRemoved((0xB,), HOST)]
+    assert tiers.hashes(HOST) == () and tiers.hashes(DISK) == ()
+    tiers.check_integrity()
+
+
+def test_hit_costs_compare_measured_copies_with_the_replica_prefill_speed():
+    tiers = KVTiers(host_slots=4, disk_slots=4)
+    assert hit_costs(tiers.stats(), None, 16) == PRIOR_HIT_COSTS  # nothing measured yet
+    tiers.done(TierReport(times=(("host", 4, 0.004), ("disk", 1, 0.002), ("disk", 1, 0.006))))
+    stats = tiers.stats()
+    assert (stats.loaded_blocks, stats.read_blocks) == (4, 2) and stats.read_s == pytest.approx(0.008)
+    costs = hit_costs(stats, 1600.0, 16)  # recomputing a block of 16 tokens takes 10 ms
+    assert costs.measured
+    assert costs.host == pytest.approx(0.1)  # 1 ms a block up from the host
+    assert costs.disk == pytest.approx(0.5)  # 4 ms a read, then 1 ms up from the host
+    slow = hit_costs(stats, 16000.0, 16)  # a replica that prefills 10x faster: the disk costs more than it saves
+    assert slow.disk == pytest.approx(5.0)
+    unread = KVTiers(host_slots=4, disk_slots=4)
+    unread.done(TierReport(times=(("host", 2, 0.02),)))
+    partial = hit_costs(unread.stats(), 1600.0, 16)  # the disk was never read: its prior, at least the host's
+    assert not partial.measured and partial.host == pytest.approx(1.0) and partial.disk == pytest.approx(1.0)

@@ -13,8 +13,10 @@ from tandem.engine.core.llm_engine import LLMEngine
 from tandem.engine.engine_config import EngineConfig, KVTiersConfig
 from tandem.engine.kv import tier_store
 from tandem.engine.kv.disk_blocks import DiskTierError
+from tandem.engine.kv.kv_events import DEVICE, DISK, HOST, TIERS, KVEventRecorder
 from tandem.engine.parallel.layout import ParallelConfig
 from tandem.engine.sampling_params import SamplingParams
+from tandem.router.kv_index import PrefixIndex
 
 from tests.engine.engine_helpers import run_all
 
@@ -87,14 +89,29 @@ def test_host_tier_serves_evicted_prefixes_with_identical_output(embedded, refer
 
 def test_disk_tier_serves_them_too_and_its_folder_goes_with_the_engine(embedded, reference, tmp_path):
     turns, expected, _ = reference
-    with tiered(embedded, through_disk(tmp_path)) as engine:
+    events = KVEventRecorder()
+    with tiered(embedded, through_disk(tmp_path), event_sink=events) as engine:
         assert converse(engine, turns) == expected
         stats = engine.stats()
         folder = Path(engine.tier_plan.disk_folder)
         assert len(list(folder.glob("rank0/*.kv"))) == stats.tiers.disk_blocks > 0
         assert_clean(engine)
+        held = {tier: engine.cached_block_hashes(tier) for tier in TIERS}
     assert stats.tiers.disk_hits >= 3 * (SESSIONS - 2) and stats.tiers.spilled > 0 and not stats.tiers.failures
     assert not folder.exists()
+    # The router's index fed the engine's events believes what a snapshot of the engine says, tier by tier.
+    fed, snapshot = PrefixIndex(), PrefixIndex()
+    fed.apply("r", events.drain())
+    snapshot.apply_snapshot("r", held[DEVICE], held[HOST], held[DISK])
+    assert held[HOST] and held[DISK]
+    for h in {h for hashes in held.values() for h in hashes}:
+        assert fed.overlap([h]) == snapshot.overlap([h]) == {"r": 1}
+        assert fed.lower_tier_blocks("r", [h]) == snapshot.lower_tier_blocks("r", [h])
+    assert fed.num_blocks("r") == len(held[DEVICE]) and fed.num_lower_blocks("r") == len({*held[HOST], *held[DISK]})
+    # What a hit on each tier costs, measured: a host copy beats recomputing the block; the disk was read.
+    costs = stats.tier_hit_costs
+    assert costs.measured and stats.tiers.loaded_blocks > 0 and stats.tiers.read_blocks > 0
+    assert 0 < costs.host < 1 and costs.disk > costs.host and stats.prefill_tokens_per_s > 0
 
 
 def damage(kind: str):

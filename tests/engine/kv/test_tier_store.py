@@ -13,7 +13,8 @@ from tandem.engine.kv import tier_store
 from tandem.engine.kv.disk_blocks import DiskTierError, block_path
 from tandem.engine.kv.kv_cache import KVCacheSpec, PagedKVCache
 from tandem.engine.kv.tier_store import TierStore
-from tandem.engine.scheduler_output import DropBlock, FetchBlock, LoadBlocks, SaveBlocks, SpillBlock, TierOps
+from tandem.engine.scheduler_output import (DropBlock, FetchBlock, LoadBlocks, SaveBlocks, SpillBlock, TierOps,
+                                            TierReport)
 
 
 def filled_cache(device: str = "cpu", dtype: torch.dtype = torch.bfloat16) -> PagedKVCache:
@@ -34,9 +35,12 @@ def test_blocks_go_down_to_disk_and_come_back_to_other_blocks(tmp_path):
     originals = {b: block(cache, b) for b in (1, 2, 3)}
     store.start(TierOps((SaveBlocks((1, 2), (0, 1)), SpillBlock(0, 0xA), SaveBlocks((3,), (0,)),
                          SpillBlock(1, 0xB))))
-    assert store.wait() == ()
+    assert store.wait() == TierReport()  # nothing failed, nothing came up
     store.start(TierOps((FetchBlock(0xA, 1), LoadBlocks((1, 0), (7, 8), (0xA, 0xC)))))
-    assert store.wait() == ()
+    report = store.wait()
+    assert report.failed == ()
+    assert [(tier, blocks) for tier, blocks, _ in report.times] == [("disk", 1), ("host", 2)]  # each copy up, timed
+    assert all(seconds > 0 for _, _, seconds in report.times)
     assert torch.equal(block(cache, 7), originals[1]) and torch.equal(block(cache, 8), originals[3])
     store.start(TierOps((DropBlock(0xB),)))
     store.wait()
@@ -60,7 +64,9 @@ def test_a_failed_fetch_is_reported_and_its_run_stops_there(tmp_path, damage):
         path.write_bytes(bytes(data))
     before = block(cache, 6), block(cache, 7)
     store.start(TierOps((FetchBlock(0xA, 2), FetchBlock(0xB, 0), LoadBlocks((2, 0), (5, 6), (0xA, 0xB)))))
-    assert store.wait() == ((0xB, damage),)
+    report = store.wait()
+    assert report.failed == ((0xB, damage),)
+    assert [(tier, blocks) for tier, blocks, _ in report.times] == [("disk", 1), ("host", 1)]  # the run stopped
     assert torch.equal(block(cache, 5), block(cache, 1))  # the run up to the failed block is loaded
     assert torch.equal(block(cache, 6), before[0]) and torch.equal(block(cache, 7), before[1])  # nothing after it
     store.close()
@@ -73,7 +79,7 @@ def test_a_failed_write_is_reported_with_its_reason(tmp_path, monkeypatch):
     monkeypatch.setattr(tier_store, "write_block", full)
     store = TierStore(filled_cache(), host_slots=1, disk_folder=tmp_path)
     store.start(TierOps((SaveBlocks((1,), (0,)), SpillBlock(0, 0xA))))
-    assert store.wait() == ((0xA, "write failed: No space left on device"),)
+    assert store.wait().failed == ((0xA, "write failed: No space left on device"),)
     store.close()
 
 
@@ -86,7 +92,7 @@ def test_the_synchronous_part_is_done_before_start_returns(tmp_path):
     store.wait()
     assert torch.equal(store.host.data[0].view(torch.uint8), original)
     store.start(TierOps((SpillBlock(0, 0xA),)))  # a store without a folder reports a disk copy, never drops it
-    assert store.wait() == ((0xA, "no disk tier"),)
+    assert store.wait().failed == ((0xA, "no disk tier"),)
     store.close()
 
 
@@ -98,8 +104,8 @@ def test_gpu_blocks_round_trip_through_pinned_slots_and_disk(tmp_path):
     assert store.host.data.is_pinned()
     original = block(cache, 3)
     store.start(TierOps((SaveBlocks((3,), (0,)), SpillBlock(0, 0xA))))
-    assert store.wait() == ()
+    assert store.wait() == TierReport()
     store.start(TierOps((FetchBlock(0xA, 1), LoadBlocks((1,), (9,), (0xA,)))))
-    assert store.wait() == ()
+    assert store.wait().failed == ()
     assert torch.equal(block(cache, 9), original)
     store.close()
