@@ -21,6 +21,13 @@ engine steps. One request, disaggregated:
               from there exactly as a colocated run would.
   Either side may abort() at any time; the other side learns it from its agents (ABORTED). A lease that runs
   out (RESERVED, TRANSFERRING, or DONE and never admitted) ends in EXPIRED and frees the blocks by itself.
+
+A prefix pulled from a replica that holds it (KV tiers across replicas, engine/core/kv_tiers.py) is the same
+transfer with no request behind it: the puller's DecodeConnector.reserve() holds blocks for the prefix's tokens
+(whole blocks), the holder's PrefillConnector.send_prefix() holds its cached blocks of those block hashes and
+sends them at once (same wire format, MACs and re-sharding), and once DONE the puller's keep_prefix() puts the
+blocks in its prefix cache, parked, for the request that comes next. Failures end as above; the holder's blocks
+are held until its side ends (past it, for a receiver that reads them from a shared store).
 """
 
 from __future__ import annotations
@@ -188,6 +195,17 @@ class DecodeConnector(_Connector):
         self.agents.release(entry.transfer_id)
         return self.engine.admit_transferred(request_id, first_token)
 
+    def keep_prefix(self, request_id: str) -> int:
+        """Ends a pulled prefix's reservation whose KV has arrived (state DONE, as poll reported) with its blocks
+        in the prefix cache, parked; returns how many. Raises ValueError in any other state."""
+        entry = self._entries.get(request_id)
+        if entry is None or entry.state is not TransferState.DONE:
+            state = entry.state.value if entry else "unknown"
+            raise ValueError(f"prefix {request_id!r} cannot be kept: its KV transfer is {state}, not done")
+        del self._entries[request_id]
+        self.agents.release(entry.transfer_id)
+        return self.engine.keep_transferred_prefix(request_id)
+
 
 class PrefillConnector(_Connector):
     def __init__(self, engine: LLMEngine, *, clock: Callable[[], float] = time.time):
@@ -199,6 +217,7 @@ class PrefillConnector(_Connector):
         super().__init__(engine, clock)
         self.holds = self.agents.shares_kv_store()
         self._holds_due: list[tuple[float, str]] = []  # (when, transfer id): holds to release then
+        self._prefixes: set[str] = set()  # transfer ids of prefixes sent (their blocks are held, shared or not)
 
     def poll(self) -> list[TransferEvent]:
         if self._holds_due:
@@ -218,9 +237,11 @@ class PrefillConnector(_Connector):
         return super().num_pending + len(self._holds_due)
 
     def _left(self, entry: _Entry, done: bool) -> None:
-        if not self.holds:
+        prefix = entry.transfer_id in self._prefixes
+        self._prefixes.discard(entry.transfer_id)
+        if not (self.holds or prefix):
             return
-        if done:
+        if done or not self.holds:  # (without a shared store a prefix's blocks were copied out as it was sent)
             self.engine.release_held_blocks(entry.transfer_id)
         else:
             self._holds_due.append((entry.deadline + HOLD_GRACE_S, entry.transfer_id))
@@ -243,6 +264,28 @@ class PrefillConnector(_Connector):
                 self.engine.release_held_blocks(descriptor.transfer_id)
             raise
         self._entries[request_id] = _Entry(descriptor.transfer_id, descriptor.deadline)
+
+    def send_prefix(self, request_id: str, block_hashes: Sequence[int], descriptor: TransferDescriptor) -> None:
+        """Sends the cached blocks of block_hashes (a prefix another replica pulls; descriptor: its reservation
+        of len(block_hashes) whole blocks) now, holding them until the transfer ends. request_id names the pull
+        here (poll reports it). Raises LookupError if this replica no longer caches the whole prefix (nothing is
+        held or sent then) and ValueError as submit() does."""
+        if descriptor.num_tokens != len(block_hashes) * self.engine.config.block_size:
+            raise ValueError(f"the descriptor holds {descriptor.num_tokens} tokens, not {len(block_hashes)} blocks")
+        key = descriptor.transfer_id
+        blocks = self.engine.hold_cached_prefix(key, block_hashes)
+        if len(blocks) < len(block_hashes):
+            self.engine.release_held_blocks(key)
+            raise LookupError(f"only {len(blocks)} of the prefix's {len(block_hashes)} blocks are cached here")
+        try:
+            self.agents.arm(descriptor, None)
+            self.agents.send_all(key, blocks)
+        except BaseException:
+            self.agents.release(key)
+            self.engine.release_held_blocks(key)
+            raise
+        self._prefixes.add(key)
+        self._entries[request_id] = _Entry(key, descriptor.deadline)
 
     _release_when_done = True  # a push acknowledged by every destination rank needs nothing more from here
 

@@ -62,6 +62,11 @@ class ReplicaAgents:
         """Prefill side: every rank pushes seq_id's KV into descriptor as its layers are computed."""
         self._on_every_rank(KVTransferAgent.arm, descriptor, seq_id)
 
+    def send_all(self, transfer_id: str, block_ids: Sequence[int]) -> None:
+        """Sending side, KV already computed: every rank sends its share of block_ids (in token order) into the
+        armed transfer now."""
+        self._on_every_rank(KVTransferAgent.send_all, transfer_id, tuple(block_ids))
+
     def poll(self, transfer_ids: Sequence[str]) -> dict[int, dict[str, RankStatus]]:
         """Each rank's status of each transfer it still holds (an id a rank forgot is missing from its dict)."""
         return self._on_every_rank(KVTransferAgent.poll, list(transfer_ids))

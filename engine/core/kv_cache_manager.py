@@ -161,13 +161,23 @@ class KVCacheManager:
         """One more owner of each of seq's blocks, under key (several holds may share a key), until
         release(key): the blocks outlive seq's free() (a peer may still read them)."""
         table = self._tables.get(seq.seq_id)
-        if table is None:
-            return
-        for block in table.blocks:
+        if table is not None:
+            self._hold(key, table.blocks)
+
+    def hold_cached(self, key: str, hashes: list[int] | tuple[int, ...]) -> tuple[int, ...]:
+        """One more owner, under key until release(key), of each block of the prefix cache's longest run of
+        `hashes` (parked ones come back into use). Returns those blocks in order (empty: nothing held)."""
+        blocks = self.cache.match(list(hashes)).blocks
+        if blocks:
+            self._hold(key, blocks)
+        return blocks
+
+    def _hold(self, key: str, blocks: list[int] | tuple[int, ...]) -> None:
+        for block in blocks:
             self.pool.incref(block)
         names = self._held.setdefault(key, [])
         names.append(f"{key}#hold{len(names)}")  # never a sequence id: those end in #<sample index>
-        self._tables[names[-1]] = _Table(list(table.blocks))
+        self._tables[names[-1]] = _Table(list(blocks))
 
     def release(self, key: str) -> int:
         """Ends every hold under key (their blocks are freed or parked as free() would). Returns how many."""

@@ -214,6 +214,24 @@ class LLMEngine:
             self.scheduler.finish(update.seq, RequestStatus.FINISHED_STOPPED)
         return [output]
 
+    def keep_transferred_prefix(self, request_id: str) -> int:
+        """Ends a reserved request whose KV has fully arrived and is only a prefix to keep (pulled from another
+        replica, kv_transfer/prefix_pull.py): its full blocks enter the prefix cache, parked. Returns how many
+        blocks. Raises KeyError if the request holds no reservation."""
+        seq = next((s for s in self.scheduler.reserved.values() if s.request_id == request_id), None)
+        if seq is None:
+            raise KeyError(f"request {request_id!r} holds no KV reservation")
+        blocks = len(self.scheduler.kv.block_table(seq.seq_id))
+        self.scheduler.admit_transferred(request_id, None)
+        self.outputs.aborted([seq])
+        return blocks
+
+    def hold_cached_prefix(self, key: str, block_hashes: Seq[int]) -> tuple[int, ...]:
+        """Holds the blocks of the prefix cache's longest run of block_hashes under key (they stay allocated,
+        unevicted, until release_held_blocks(key)) and returns them, in order (possibly fewer than asked: the
+        rest is not cached here any more; none: nothing held)."""
+        return self.scheduler.kv.hold_cached(key, block_hashes)
+
     def call_kv_agents(self, fn: Callable[..., T], args_by_rank: Mapping[int, tuple]) -> dict[int, T]:
         """Runs fn(agent, *args) on the KV transfer agent of each rank in args_by_rank, in that rank's process;
         returns the results by rank. fn and args must pickle when the ranks are separate processes (a

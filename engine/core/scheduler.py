@@ -19,10 +19,10 @@ With KV tiers (engine/core/kv_tiers.py), a waiting sequence whose prefix goes on
 takes blocks for that run and its first chunk and is WAITING_FOR_TIER while the step copies it up; update() puts it
 back in the queue, holding them, with the run computed up to the first block a disk read failed for.
 
-A sequence whose prompt KV arrives by transfer (disaggregated decode) skips the queue: reserve() gives it
-blocks for the whole prompt at once and parks it in WAITING_FOR_KV, where it is never scheduled nor preempted;
-admit_transferred() then makes it RUNNING with its prompt computed and its first token (sampled by the prefill
-replica) appended, so its next step is an ordinary decode.
+A sequence whose prompt KV arrives by transfer skips the queue: reserve() gives it blocks for the whole prompt and
+parks it in WAITING_FOR_KV (never scheduled nor preempted); admit_transferred() makes it RUNNING with its prompt
+computed and its first token (sampled by the prefill replica) appended, or (a prefix pulled from another replica)
+ends it with its blocks cached.
 """
 
 from __future__ import annotations
@@ -147,19 +147,23 @@ class Scheduler:
         self.reserved[seq.seq_id] = seq
         return tuple(self.kv.block_table(seq.seq_id))
 
-    def admit_transferred(self, request_id: str, sampled: SampledToken) -> SeqUpdate:
+    def admit_transferred(self, request_id: str, sampled: SampledToken | None) -> SeqUpdate | None:
         """Starts a reserved sequence whose prompt KV has arrived: all prompt tokens count as computed (its full
         blocks enter the prefix cache) and `sampled` (the token the prefill replica drew) is its first
         output token. Returns that token's update; the sequence may finish on it (stop token, max_tokens=1).
+        sampled None: the KV is a prefix to keep, no request: the sequence ends, its blocks parked, cached.
         Raises KeyError if the request holds no reservation."""
         ids = self._by_request.get(request_id, ())
-        seq = self.reserved.pop(ids[0]) if ids and ids[0] in self.reserved else None
+        seq = self.reserved.get(ids[0]) if ids else None
         if seq is None:
             raise KeyError(f"request {request_id!r} holds no KV reservation")
-        seq.status = RequestStatus.RUNNING
         seq.num_computed_tokens = seq.num_prompt_tokens
-        self.num_prompt_tokens_queried += seq.num_prompt_tokens
         self.kv.cache_full_blocks(seq)
+        if sampled is None:
+            return self.finish(seq, RequestStatus.FINISHED_ABORTED)
+        del self.reserved[seq.seq_id]
+        seq.status = RequestStatus.RUNNING
+        self.num_prompt_tokens_queried += seq.num_prompt_tokens
         self.running.append(seq)
         seq.append_token(sampled.token_id)
         status = token_stop_status(seq, self.eos_token_ids, self.config.max_model_len)
@@ -296,9 +300,7 @@ class Scheduler:
             if not count or (allocation := self.kv.allocate(seq, count, match)) is None:
                 break
             self.waiting.pop(0)
-            if seq.status is RequestStatus.WAITING:
-                # A resumed sequence (request.py's resume()) may also find its output tokens cached: only the
-                # prompt's count as cached prompt tokens.
+            if seq.status is RequestStatus.WAITING:  # (a resumed one's cached outputs are not prompt tokens)
                 seq.num_cached_tokens = min(match.num_cached_tokens, seq.num_prompt_tokens)
                 self.num_prompt_tokens_queried += seq.num_prompt_tokens
                 self.num_prompt_tokens_cached += seq.num_cached_tokens
@@ -427,8 +429,7 @@ class Scheduler:
             num_preemptions=self.num_preemptions, num_prompt_tokens_queried=queried,
             num_prompt_tokens_cached=self.num_prompt_tokens_cached, num_tokens_computed=self.num_tokens_computed,
             num_waiting_for_kv=len(self.reserved), num_prompt_tokens_from_tiers=self.num_prompt_tokens_from_tiers,
-            tiers=self.kv.tiers.stats() if self.kv.tiers is not None else None,
-        )
+            tiers=self.kv.tiers.stats() if self.kv.tiers is not None else None)
 
     def check_integrity(self) -> None:
         """Raises ValueError if KV ownership is inconsistent or a sequence is in the wrong place."""
