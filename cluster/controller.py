@@ -56,7 +56,8 @@ def driver_settings(manifest: Manifest) -> DriverSettings:
     routing = RoutingSettings(policy=r.policy, weights=RoutingWeights(**r.weights.model_dump()),
                               local_prefill_max_tokens=r.local_prefill_max_tokens,
                               prefill_saturation_tokens=r.prefill_saturation_tokens,
-                              session_affinity=r.session_affinity, affinity_max_gap=r.affinity_max_gap)
+                              session_affinity=r.session_affinity, affinity_max_gap=r.affinity_max_gap,
+                              pull_min_blocks=r.prefix_pull_min_blocks)
     return DriverSettings(mode=manifest.mode, max_queued_requests=r.max_queued_requests,
                           queue_timeout_s=r.queue_timeout_s, routing=routing,
                           kv_events_interval_s=r.kv_events_interval_s, max_migrations=r.max_migrations,

@@ -33,6 +33,7 @@ YAML.
       queue_timeout_s: 30
       max_migrations: 3             # moves of one request to another replica after a replica serving it died
       prefill_queue_tokens: 0       # late binding: wait at the router while the prefill replica has this many queued
+      prefix_pull_min_blocks: 4     # pull a prompt's prefix from the replica holding it when that saves this much (0: never)
       request_timeout_s: 600        # every request's deadline (a client may ask for less: gRPC deadline, `timeout`)
       limits: {max_body_bytes: 4MiB, max_n: 8, max_batch_prompts: 32, ...}   # router/limits.py RequestLimits
     transport: {kind: ucx, host: null, lease_s: 30}
@@ -222,7 +223,10 @@ class RouterSettings(_Strict):
     (a replica that joins the pool then takes the backlog's next request; 0: send every request at once).
     token_channel: stream decode replicas' outputs to the router over their token channels (one TCP connection
     per replica; replica/token_channel.py) instead of Ray streaming calls, which cost about 2 ms of CPU per token
-    more. limits: what one request may ask for (router/limits.py)."""
+    more. limits: what one request may ask for (router/limits.py). prefix_pull_min_blocks: a prefill replica pulls
+    a prompt's prefix over the KV transfer from a replica holding it on its device (another prefill replica, or the
+    decode replica that decoded a session's last turn) when that saves at least this many blocks of prefill net of
+    the pull's measured cost (router/prefix_pulls.py; 0: never)."""
 
     policy: Literal["cache_aware", "least_loaded", "round_robin", "random"] = "cache_aware"
     weights: RoutingWeightsSettings = RoutingWeightsSettings()
@@ -239,6 +243,7 @@ class RouterSettings(_Strict):
     prefill_queue_tokens: int = Field(0, ge=0)
     token_channel: bool = True
     limits: RequestLimits = RequestLimits()
+    prefix_pull_min_blocks: int = Field(4, ge=0)
 
 
 class Transport(_Strict):

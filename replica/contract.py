@@ -94,11 +94,13 @@ class ReplicaStats:
 class KVEventsReply:
     """One answer to kv_events(): the replica's KV events from the asked position on (a KVEventBatch), or a
     snapshot of its prefix cache and tiers (a KVSnapshot) when those are gone, plus its free KV blocks after its
-    last step and what a hit on each of its KV tiers costs (None: it has none)."""
+    last step, what a hit on each of its KV tiers costs (None: it has none) and its measured prefill speed
+    (None: it has not prefilled yet)."""
 
     events: Union[KVEventBatch, KVSnapshot]
     kv_blocks_free: int
     tier_hit_costs: TierHitCosts | None = None
+    prefill_tokens_per_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -135,6 +137,21 @@ class ReplicaAPI(Protocol):
 
     async def check_integrity(self) -> None:
         """Raises ValueError if the replica's KV bookkeeping or any rank's KV agent is inconsistent."""
+
+    async def reserve_prefix(self, pull_id: str, prefix_token_ids: Sequence[int], *, cache_salt: str | None = None,
+                             senders: tuple[str, ...] = ()) -> TransferDescriptor | None:
+        """A prefix pull's puller (router/prefix_pulls.py): holds blocks for prefix_token_ids (whole blocks) that
+        the replica at senders (its kv_addresses) sends; None when there is no room now. Raises ValueError on a
+        replica without KV agents (colocated)."""
+
+    async def send_prefix(self, pull_id: str, block_hashes: tuple[int, ...], descriptor: TransferDescriptor) -> None:
+        """A prefix pull's holder: sends its cached blocks of block_hashes into descriptor now; returns once every
+        destination rank acknowledged them. Raises LookupError if it no longer caches them all,
+        TransferFailedError if the transfer failed."""
+
+    async def keep_prefix(self, pull_id: str) -> int:
+        """A prefix pull's puller: waits for the prefix's KV and keeps it in the prefix cache; returns its blocks.
+        Raises TransferFailedError if it did not arrive (nothing is held then)."""
 
     async def shutdown(self) -> None:
         """Stops the engine and its ranks."""

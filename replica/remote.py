@@ -113,6 +113,17 @@ class RemoteReplica:
     async def check_integrity(self) -> None:
         await self.actor.check_integrity.remote()
 
+    async def reserve_prefix(self, pull_id: str, prefix_token_ids: Sequence[int], *, cache_salt: str | None = None,
+                             senders: tuple[str, ...] = ()) -> TransferDescriptor | None:
+        return await self.actor.reserve_prefix.remote(pull_id, prefix_token_ids, cache_salt=cache_salt,
+                                                      senders=senders)
+
+    async def send_prefix(self, pull_id: str, block_hashes: tuple[int, ...], descriptor: TransferDescriptor) -> None:
+        await self.actor.send_prefix.remote(pull_id, block_hashes, descriptor)
+
+    async def keep_prefix(self, pull_id: str) -> int:
+        return await self.actor.keep_prefix.remote(pull_id)
+
     async def shutdown(self) -> None:
         await self.actor.shutdown.remote()
 

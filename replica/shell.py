@@ -2,7 +2,8 @@
 ReplicaSpec with a KV transfer agent on every rank, plugs its role's connector into the engine thread, runs the
 engine behind an AsyncEngine, and answers the calls every replica answers (contract.py's ReplicaAPI: ready,
 stats, kv_events, abort, check_integrity, shutdown); ready() reports its KV agents' addresses, and stats() the
-messages they dropped. It remembers recently aborted request ids, so that a call arriving after its abort
+messages they dropped. A replica with KV agents also sends and receives prefix pulls (reserve_prefix,
+send_prefix, keep_prefix: router/prefix_pulls.py), whatever its role, with a connector of each kind. It remembers recently aborted request ids, so that a call arriving after its abort
 (calls and aborts may race across processes) is refused instead of holding blocks nobody frees. The role's own
 calls live in prefill_worker/replica.py and decode_worker/replica.py.
 
@@ -16,12 +17,14 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from typing import TYPE_CHECKING, AsyncIterator, Callable, ClassVar
+from typing import TYPE_CHECKING, AsyncIterator, Callable, ClassVar, Sequence
 
 from tandem.engine.core.output_processor import RequestOutput
 from tandem.engine.decoding.speculation import SpeculationStats
 from tandem.engine.kv.kv_events import DISK, HOST, KVEventBatch, KVEventLog, KVSnapshot
+from tandem.engine.sampling_params import SamplingParams
 from tandem.kv_transfer.config import TransferConfig
+from tandem.kv_transfer.descriptor import TransferDescriptor, TransferFailedError, TransferState
 from tandem.kv_transfer.drops import MessageDrops
 from tandem.replica.contract import KVEventsReply, ReplicaInfo, ReplicaStats, RequestAbortedError, StreamCall
 from tandem.replica.spec import ReplicaSpec
@@ -30,6 +33,7 @@ from tandem.replica.token_channel import ChannelEnd, ChannelEndpoint, ChannelSer
 if TYPE_CHECKING:
     from tandem.engine.core.llm_engine import LLMEngine
     from tandem.kv_transfer.connector import DecodeConnector, PrefillConnector, TransferEvent
+    from tandem.kv_transfer.connector_loop import ConnectorLoop
 
 ABORT_MEMORY_S = 120.0
 
@@ -85,7 +89,16 @@ class ReplicaShell:
                                  event_sink=self.events)
         self.connector = connect(self.engine, transfer) if transfer is not None else None
         self.transfers = ConnectorLoop(self.connector, on_failed=self._transfer_failed) if self.connector else None
-        self.server = AsyncEngine(self.engine, tick=self.transfers.tick if self.transfers else None)
+        self._receiving = self._sending = None  # prefix pulls in and out: the role's own loop, or one of the other kind
+        if self.connector is not None:
+            from tandem.kv_transfer.connector import DecodeConnector, PrefillConnector
+
+            self._receiving = self.transfers if isinstance(self.connector, DecodeConnector) else \
+                ConnectorLoop(DecodeConnector(self.engine, transfer))
+            self._sending = self.transfers if isinstance(self.connector, PrefillConnector) else \
+                ConnectorLoop(PrefillConnector(self.engine))
+        self._loops = [loop for loop in dict.fromkeys((self.transfers, self._receiving, self._sending)) if loop]
+        self.server = AsyncEngine(self.engine, tick=self._tick if self._loops else None)
         self.server.start()
         self._aborted: dict[str, float] = {}
         # the agents' drop counts and messages sent by reference, as last read (what a failed engine reports)
@@ -95,6 +108,10 @@ class ReplicaShell:
 
     def _transfer_failed(self, event: TransferEvent) -> None:
         """Engine thread: a transfer ended badly (the connector already freed its blocks). Default: nothing."""
+
+    def _tick(self) -> bool:
+        """Engine thread: polls every connector; True while any has transfers pending."""
+        return any([loop.tick() for loop in self._loops])
 
     # -- what every replica answers (contract.ReplicaAPI) ----------------------------------------------------
 
@@ -158,15 +175,52 @@ class ReplicaShell:
                 log.epoch, log.next_seq, engine.cached_block_hashes(), engine.cached_block_hashes(HOST),
                 engine.cached_block_hashes(DISK)))
         s = self.server.stats()
-        return KVEventsReply(batch, s.num_blocks_total - s.num_blocks_in_use, s.tier_hit_costs)
+        return KVEventsReply(batch, s.num_blocks_total - s.num_blocks_in_use, s.tier_hit_costs,
+                             s.prefill_tokens_per_s)
 
     async def abort(self, request_id: str) -> None:
         """Ends the request wherever it is here (reserved, transferring, computing, decoding) and frees its
         blocks; a later call for the same id is refused. Unknown ids are remembered, not an error."""
         self._mark_aborted(request_id)
-        if self.transfers is not None:
-            await self.server.call(lambda _e: self.transfers.forget(request_id))
+        if self._loops:
+            await self.server.call(lambda _e: [loop.forget(request_id) for loop in self._loops])
         await self.server.abort(request_id)
+
+    # -- prefix pulls (router/prefix_pulls.py) --------------------------------------------------------------
+
+    async def reserve_prefix(self, pull_id: str, prefix_token_ids: Sequence[int], *, cache_salt: str | None = None,
+                             senders: tuple[str, ...] = ()) -> TransferDescriptor | None:
+        """Holds blocks for a prefix of whole blocks another replica sends (senders: its agents' addresses);
+        None when there is no room now. Raises ValueError on a replica without KV agents."""
+        receiving = self._pull_loop(self._receiving)
+        self._check_not_aborted(pull_id)
+        return await self.server.call(lambda _e: receiving.connector.reserve(
+            pull_id, prefix_token_ids, SamplingParams(max_tokens=1), cache_salt=cache_salt, senders=tuple(senders)))
+
+    async def send_prefix(self, pull_id: str, block_hashes: tuple[int, ...], descriptor: TransferDescriptor) -> None:
+        """Sends this replica's cached blocks of block_hashes into descriptor; returns once every destination
+        rank acknowledged them. Raises LookupError if it no longer caches them all, TransferFailedError if the
+        transfer ended otherwise."""
+        sending = self._pull_loop(self._sending)
+        self._check_not_aborted(pull_id)
+        await self.server.call(lambda _e: sending.connector.send_prefix(pull_id, block_hashes, descriptor))
+        event = await sending.wait(self.server, pull_id)
+        if event.state is not TransferState.DONE:
+            raise TransferFailedError(pull_id, event.state, event.error)
+
+    async def keep_prefix(self, pull_id: str) -> int:
+        """Waits for a reserved prefix's KV and keeps it in the prefix cache (parked); returns its blocks. Raises
+        TransferFailedError if it did not arrive (nothing is held then)."""
+        receiving = self._pull_loop(self._receiving)
+        event = await receiving.wait(self.server, pull_id)
+        if event.state is not TransferState.DONE:
+            raise TransferFailedError(pull_id, event.state, event.error)
+        return await self.server.call(lambda _e: receiving.connector.keep_prefix(pull_id))
+
+    def _pull_loop(self, loop: ConnectorLoop | None) -> ConnectorLoop:
+        if loop is None:
+            raise ValueError(f"{self.name} has no KV transfer agents (colocated): it takes no prefix pulls")
+        return loop
 
     async def check_integrity(self) -> None:
         """Raises ValueError if the replica's KV bookkeeping, or any rank's KV transfer agent, is inconsistent

@@ -90,6 +90,8 @@ class KVFeed:
         load.kv_blocks_free = reply.kv_blocks_free
         if reply.tier_hit_costs is not None:
             load.tier_hit_costs = reply.tier_hit_costs
+        if reply.prefill_tokens_per_s is not None:
+            load.prefill_tokens_per_s = reply.prefill_tokens_per_s
 
     def forget(self, name: str) -> None:
         self.cursors.pop(name, None)

@@ -140,6 +140,17 @@ class PrefixIndex:
         self._name_bits(alive, i, depth)
         return depth
 
+    def device_depth(self, replica: str, block_hashes: Sequence[int]) -> int:
+        """How many leading blocks of block_hashes replica's events say it holds on its device (expected ones
+        not counted: they may not be computed yet): what it can send another replica at once."""
+        held = self._confirmed.get(replica, ())
+        depth = 0
+        for h in block_hashes:
+            if h not in held:
+                break
+            depth += 1
+        return depth
+
     def lower_tier_blocks(self, replica: str, block_hashes: Sequence[int]) -> tuple[int, int]:
         """Of block_hashes (a prefix overlap() matched on replica), how many replica holds only on its host tier
         and how many only on its disk tier: not on the device nor expected there. (0, 0) at once for a replica

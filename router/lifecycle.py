@@ -8,9 +8,9 @@
   1. Reserve. Decode replicas are asked in the plan's order until one holds blocks for the prompt and returns
      a transfer descriptor. When none has room the request waits (polling, re-ranked each round) up to
      queue_timeout_s, and at most max_queued_requests requests wait at once; past either, RESOURCE_EXHAUSTED.
-  2. Prefill. The planned prefill replica computes the prompt, reusing its prefix cache, and pushes the KV of
-     each layer into the descriptor as soon as it is written; it answers with the first token once every
-     decode rank has acknowledged its data.
+  2. Prefill. The planned prefill replica computes the prompt, reusing its prefix cache (first pulled from a
+     replica holding it, where that pays: prefix_pulls.py), and pushes each layer's KV into the descriptor as
+     soon as it is written; it answers with the first token once every decode rank has acknowledged its data.
   3. Decode. The decode replica admits the request with that first token and streams its outputs back; each
      engine step's outputs travel decode replica -> router as one Ray message, then to the client.
   4. End. A stop, a length limit or an error ends the stream; a client that goes away or an Abort cancels the
@@ -53,6 +53,7 @@ from tandem.router.kv_feed import KVFeed
 from tandem.router.migration import MIGRATION, PREFILL_DIED, Replay, seeded
 from tandem.router.policy import ReplicaLoad
 from tandem.router.prefill_waiting_room import PrefillWaitingRoom
+from tandem.router.prefix_pulls import PrefixPulls
 from tandem.router.replicas import (NoCapacityError, NoReplicaError, Replica, ReplicaLostError, ReplicaPools,
                                     is_replica_death)
 from tandem.router.request_parsing import ParsedRequest
@@ -93,6 +94,7 @@ class RequestDriver:
             block_size = next((r.info.block_size for r in prefill + decode if r.info is not None), 16)
         self.routing = Routing(settings.routing, block_size)
         self.feed = KVFeed(self.routing.indexes)
+        self.pulls = PrefixPulls(block_size, settings.routing.pull_min_blocks, self.routing.indexes, self.pools)
         self.num_queued = 0  # requests waiting for decode room (step 1)
         self.waiting_room = PrefillWaitingRoom(settings.prefill_queue_tokens)
 
@@ -173,9 +175,7 @@ class RequestDriver:
         key = RunKey(request.tenant, request.request_id) if key is None else key
         request = dataclasses.replace(request, params=seeded(request.params))
         local = "colocated" if self.settings.mode == "colocated" else "n_gt_1" if request.params.n > 1 else None
-        plan = self.routing.plan(request.prompt_token_ids, prefill=[r.load for r in self.prefill],
-                                 decode=[r.load for r in self.decode], local_reason=local,
-                                 cache_salt=request.cache_salt, session=request.session_id)
+        plan = self._plan(request, local)
         touched: list[tuple[Replica, str]] = []  # (replica, the request's id there)
         replay = Replay(key, self.settings.max_migrations)
         try:
@@ -201,13 +201,16 @@ class RequestDriver:
         def replan() -> RoutePlan:
             if not self.decode:
                 raise NoReplicaError("no ready replica in the decode pool")
-            return self.routing.plan(request.prompt_token_ids, prefill=[r.load for r in self.prefill],
-                                     decode=[r.load for r in self.decode], local_reason=local,
-                                     cache_salt=request.cache_salt, session=request.session_id)
+            return self._plan(request, local)
 
         return await self.waiting_room.wait(plan, replan, queued=lambda: self.num_queued,
                                             max_queued=self.settings.max_queued_requests,
                                             timeout_s=self.settings.queue_timeout_s)
+
+    def _plan(self, request: ParsedRequest, local: str | None = None) -> RoutePlan:
+        return self.routing.plan(request.prompt_token_ids, prefill=[r.load for r in self.prefill],
+                                 decode=[r.load for r in self.decode], local_reason=local,
+                                 cache_salt=request.cache_salt, session=request.session_id)
 
     async def _call(self, replica: Replica, call: Awaitable[T]) -> T:
         """Awaits a call on replica; if the replica died, stops routing to it and raises ReplicaLostError."""
@@ -310,8 +313,7 @@ class RequestDriver:
         step M (in _follow)."""
         rid = key.replica_id()
         prefill = self._prefill(plan.prefill)
-        # Counted as queued on the prefill replica from the decision on, so that a burst of requests spreads
-        # by load before any of them reaches it.
+        # Counted as queued there from the decision on: a burst spreads by load before any of it arrives.
         prefill.load.queued_prefill_tokens += plan.uncached_tokens
         self.waiting_room.wake(self.prefill)  # room left for the next one too?
         decode = None
@@ -321,6 +323,7 @@ class RequestDriver:
             self.routing.record(plan, prefill=prefill.name, decode=decode.name, session=request.session_id)
             self._use(prefill, rid, touched)
             start = time.monotonic()
+            await self.pulls.before_prefill(plan, prefill, f"{rid}/pull", request)
             result = await self._call(prefill, prefill.api.prefill(
                 rid, request.prompt_token_ids, request.params, descriptor,
                 priority=request.priority, cache_salt=request.cache_salt))
@@ -377,10 +380,7 @@ class RequestDriver:
         if not self.decode:
             raise NoReplicaError(f"{lost}, and no decode replica is left") from None
         retry = replay.next_key("p")
-        plan = self.routing.plan(request.prompt_token_ids, prefill=[r.load for r in self.prefill],
-                                 decode=[r.load for r in self.decode], cache_salt=request.cache_salt,
-                                 session=request.session_id)
-        plan = dataclasses.replace(plan, reason=PREFILL_DIED)  # counted (record) as a prefill after a death
+        plan = dataclasses.replace(self._plan(request), reason=PREFILL_DIED)  # counted (record) as a prefill after a death
         _log.warning("request %s: %s; prefilling it again on %s", replay.key.replica_id(), lost,
                      plan.prefill.name if plan.prefill else "a decode replica")
         if plan.prefill is not None:

@@ -187,6 +187,17 @@ class _DriverCollector:
         for (where, reason), count in sorted(d.routing.decisions.items()):
             decisions.add_metric([where, reason], count)
         yield decisions
+        pulls = CounterMetricFamily("tandem_prefix_pulls", "Prefixes a prefill replica pulled from a replica holding "
+                                    "them instead of computing them, by outcome (pulled, no_room, failed)",
+                                    labels=["outcome"])
+        for outcome, count in sorted(d.pulls.outcomes.items()):
+            pulls.add_metric([outcome], count)
+        yield pulls
+        pulled = CounterMetricFamily("tandem_prefix_pulled_blocks", "KV blocks those pulls moved")
+        pulled.add_metric([], d.pulls.blocks_pulled)
+        yield pulled
+        yield _gauge("tandem_prefix_pull_cost", "What pulling a block costs against computing it, as measured "
+                     "over the pulls so far (a prior before any)", d.pulls.pull_cost)
         feed = CounterMetricFamily("tandem_kv_feed", "The router's KV event feed: batches, events, snapshots "
                                                      "(resyncs), gaps and failed polls", labels=["kind"])
         for kind, count in vars(d.feed.counters).items():

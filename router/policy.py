@@ -31,7 +31,8 @@ class ReplicaLoad:
     queued_prefill_tokens: uncached prompt tokens of prefills sent there and not answered yet (router's own
     count). kv_blocks_free: the replica's last polled count (None: not polled yet). refusals:
     reservations it refused since its last success (then it is tried last). tier_hit_costs: what a prefix block
-    on its host or disk KV tier costs to copy up, against recomputing it (its last polled measurement)."""
+    on its host or disk KV tier costs to copy up, against recomputing it (its last polled measurement).
+    prefill_tokens_per_s: its measured prefill speed (None: not measured yet)."""
 
     name: str
     in_flight: int = 0
@@ -39,6 +40,7 @@ class ReplicaLoad:
     queued_prefill_tokens: int = 0
     kv_blocks_free: int | None = None
     tier_hit_costs: TierHitCosts = PRIOR_HIT_COSTS
+    prefill_tokens_per_s: float | None = None
 
 
 @dataclass(frozen=True)

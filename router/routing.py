@@ -47,6 +47,7 @@ class RoutingSettings:
     prefill_saturation_tokens: int = 0
     session_affinity: bool = False
     affinity_max_gap: int = 4
+    pull_min_blocks: int = 4  # prefix pulls (prefix_pulls.py): the least net saving, in blocks, worth one; 0: off
     max_sessions: int = 100_000
     expect_ttl_s: float = 5.0
 
@@ -56,7 +57,8 @@ class RoutePlan:
     """decode: candidates best first (lazy; try them in turn until one has room). prefill: the prefill replica's
     load record, or None when the decode replica prefills (reason says why). hashes: the prompt's block hashes.
     uncached_tokens: prompt tokens the chosen prefill replica is expected to compute (by the index).
-    decision_s: what planning cost."""
+    cached_blocks: its cached prefix as routing weighed it (a block on a lower tier counts less). decision_s:
+    what planning cost."""
 
     decode: Iterator[ReplicaLoad]
     prefill: ReplicaLoad | None
@@ -64,6 +66,7 @@ class RoutePlan:
     hashes: tuple[int, ...]
     uncached_tokens: int
     decision_s: float
+    cached_blocks: float = 0.0
 
 
 class Routing:
@@ -90,26 +93,27 @@ class Routing:
         if last is not None:
             decode_order = self._sticky(last[1], decode, decode_order)
         reason, chosen = local_reason, None
-        uncached = len(prompt)
+        uncached, cached = len(prompt), 0.0
         if reason is None:
             reason = self._local_reason(prompt, hashes, prefill, decode)
         if reason is None:
             index = self.indexes["prefill"]
             overlap = index.overlap(hashes)
-            prefill_order = self.pickers["prefill"].rank_prefill(prefill, weigh_tiers(index, overlap, hashes, prefill),
-                                                                 block_size=self.block_size,
+            weighed = weigh_tiers(index, overlap, hashes, prefill)
+            prefill_order = self.pickers["prefill"].rank_prefill(prefill, weighed, block_size=self.block_size,
                                                                  cached_blocks=index.num_blocks)
             if last is not None and last[0] is not None:
                 prefill_order = self._sticky(last[0], prefill, prefill_order)
             chosen = next(prefill_order)
             uncached = len(prompt) - min(len(prompt) - 1, overlap.get(chosen.name, 0) * self.block_size)
+            cached = weighed.get(chosen.name, 0.0)
             reason = PREFILL_POOL
             # Expected there from now on, so that requests sharing the prefix that arrive before the replica's
             # events (a burst) follow this one.
             index.expect(chosen.name, hashes)
         elapsed = time.perf_counter() - start
         self.observe(elapsed)
-        return RoutePlan(decode_order, chosen, reason, hashes, uncached, elapsed)
+        return RoutePlan(decode_order, chosen, reason, hashes, uncached, elapsed, cached)
 
     def _local_reason(self, prompt: Sequence[int], hashes: tuple[int, ...], prefill: Sequence[ReplicaLoad],
                       decode: Sequence[ReplicaLoad]) -> str | None:

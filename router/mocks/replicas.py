@@ -110,6 +110,8 @@ class _MockReplica:
         self.kv_messages_dropped = MessageDrops()  # what stats() reports its KV agents dropped (settable)
         self.kv_messages_by_reference = 0  # and sent by reference (settable)
         self.speculation = None  # what stats() reports its speculative decoding did (settable: SpeculationStats)
+        self.pulls_in: dict[str, tuple[tuple[int, ...], str | None]] = {}  # prefix pulls reserved here
+        self.pulls_out: list[str] = []  # prefix pulls sent from here
 
     async def ready(self) -> ReplicaInfo:
         return ReplicaInfo(name=self.name, pool=self.pool, pid=os.getpid(), node="127.0.0.1", node_id=None,
@@ -137,6 +139,24 @@ class _MockReplica:
 
     async def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)
+        self.pulls_in.pop(request_id, None)
+
+    async def reserve_prefix(self, pull_id: str, prefix_token_ids: Sequence[int], *, cache_salt: str | None = None,
+                             senders: tuple[str, ...] = ()) -> TransferDescriptor | None:
+        prefix = tuple(prefix_token_ids)
+        self.pulls_in[pull_id] = (prefix, cache_salt)
+        return TransferDescriptor(f"{pull_id}/0", _LAYOUT, ("mock://" + self.name,),
+                                  tuple(range(len(prefix) // BLOCK_SIZE)), len(prefix), _KV, time.time() + LEASE_S)
+
+    async def send_prefix(self, pull_id: str, block_hashes: tuple[int, ...], descriptor: TransferDescriptor) -> None:
+        if missing := [h for h in block_hashes if h not in self.cache.blocks]:
+            raise LookupError(f"{self.name} no longer caches {len(missing)} of the prefix's blocks")
+        self.pulls_out.append(pull_id)
+
+    async def keep_prefix(self, pull_id: str) -> int:
+        prefix, salt = self.pulls_in.pop(pull_id)
+        self.cache.store(prefix, salt)  # what the holder sent enters this replica's prefix cache
+        return len(prefix) // BLOCK_SIZE
 
     async def check_integrity(self) -> None:
         if self.running < 0:

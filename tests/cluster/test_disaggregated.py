@@ -110,6 +110,25 @@ def test_cached_prefix_is_reported_from_the_prefill_replica(client):
     assert second.usage.cached_tokens >= 16 * (second.usage.prompt_tokens // 16 - 1) > 0
 
 
+def test_a_sessions_next_turn_pulls_the_last_answer_from_the_decode_replica(cluster, client, embedded):
+    """The decode replica holds the first turn's prompt and answer; the prefill replica only the prompt. The next
+    turn (prompt, answer, a new question) pulls the answer's blocks from the decode replica (router/prefix_pulls.py)
+    instead of computing them: reported cached, and the reply is one process's."""
+    first_ids = embedded.tokenizer.encode_chat(chat("Write a long poem about the sea and the lighthouses on it."))
+    first = client.generate(token_ids=first_ids, max_tokens=96, temperature=0, ignore_eos=True)
+    second_ids = first_ids + first.token_ids[0] + embedded.tokenizer.encode(" Now say it in one line.")
+    wait_idle(cluster)
+    time.sleep(0.5)  # the router's KV feed polls the replicas that just finished (about every 50 ms)
+    second = client.generate(token_ids=second_ids, max_tokens=8, temperature=0)
+    computed_by_decode = 16 * ((len(first_ids) + 96 - 1) // 16)  # the first turn's full blocks, answer included
+    assert second.usage.cached_tokens >= computed_by_decode > 16 * (len(first_ids) // 16) + 4 * 16
+    with Generator(embedded) as reference:
+        expected = reference.generate(second_ids, SamplingParams(max_tokens=8, temperature=0))
+    assert second.token_ids[0] == expected.token_ids
+    wait_idle(cluster)
+    check_integrity(cluster)
+
+
 def test_logprobs_travel_with_every_token_including_the_prefilled_one(client):
     result = client.generate(prompt="The capital of France is", max_tokens=4, temperature=0, logprobs=2)
     logprobs = result.logprobs[0]

@@ -66,11 +66,10 @@ def test_every_side_offers_the_protocol(protocol, implementation):
 
 
 def test_the_protocols_cover_what_the_router_calls():
-    assert set(_protocol_methods(contract.PrefillReplicaAPI)) == {
-        "ready", "stats", "health", "kv_events", "abort", "check_integrity", "shutdown", "prefill"}
-    assert set(_protocol_methods(contract.DecodeReplicaAPI)) == {
-        "ready", "stats", "health", "kv_events", "abort", "check_integrity", "shutdown", "reserve", "decode",
-        "generate", "resume"}
+    every = {"ready", "stats", "health", "kv_events", "abort", "check_integrity", "shutdown", "reserve_prefix",
+             "send_prefix", "keep_prefix"}
+    assert set(_protocol_methods(contract.PrefillReplicaAPI)) == every | {"prefill"}
+    assert set(_protocol_methods(contract.DecodeReplicaAPI)) == every | {"reserve", "decode", "generate", "resume"}
 
 
 def test_remote_replica_picks_the_pools_adapter():

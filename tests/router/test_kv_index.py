@@ -163,6 +163,10 @@ class PrefixIndexMachine(RuleBasedStateMachine):
         assert overlap == self.ref.overlap(query)
         for r, depth in overlap.items():
             assert self.index.lower_tier_blocks(r, query[:depth]) == self.ref.lower_tier_blocks(r, query[:depth])
+        for r in REPLICAS:
+            confirmed = self.ref.confirmed.get(r, set())
+            assert self.index.device_depth(r, query) == next(
+                (i for i, h in enumerate(query) if h not in confirmed), len(query))
 
     @invariant()
     def matches_reference(self):

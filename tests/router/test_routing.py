@@ -357,3 +357,53 @@ def test_a_prefix_on_a_host_tier_beats_recomputing_it_and_a_slow_disk_does_not()
     assert loads[0].tier_hit_costs == fast_disk
     assert routing.indexes["prefill"].lower_tier_blocks("mixed", hashes) == (7, 0)
     assert routing.plan(tokens, prefill=loads, decode=decode).uncached_tokens == len(tokens) - 160
+
+
+# --- prefix pulls: the chosen prefill replica takes a prefix another replica holds instead of computing it ---------
+
+
+def busy_holder_scenario(pull_min_blocks: int = 4, evict_before_pull: bool = False):
+    """prompt(0, 0) is computed on one prefill replica (and decoded on a decode replica, which caches it too);
+    that replica is then busy, so prompt(0, 1), sharing its 10-block prefix, is routed to another one."""
+    prefill, decode = pools()
+
+    async def scenario():
+        d = make(prefill, decode, pull_min_blocks=pull_min_blocks)
+        first = where(await send(d, "a0", prompt(0, 0)))[0]
+        await d.feed.poll(d.replicas())
+        d.pools[first].load.in_flight = 50
+        if evict_before_pull:  # every holder evicted the prefix since the router last heard
+            for replica in prefill + decode:
+                replica.cache.blocks.clear()
+        progress = await send(d, "a1", prompt(0, 1))
+        d.pools[first].load.in_flight = 0
+        return d, first, progress
+
+    return prefill, decode, asyncio.run(scenario())
+
+
+def test_a_prefill_replica_pulls_the_prefix_a_busy_replica_holds_instead_of_computing_it():
+    prefill, decode, (d, first, progress) = busy_holder_scenario()
+    chosen = where(progress)[0]
+    assert chosen != first
+    assert d.pulls.outcomes == {"pulled": 1} and d.pulls.blocks_pulled == 10
+    senders = [r.name for r in prefill + decode if r.pulls_out]
+    assert len(senders) == 1 and senders[0] in (first, where(progress)[1])  # the busy replica, or the decode one
+    puller = next(p for p in prefill if p.name == chosen)
+    assert puller.cached_tokens[puller.prefilled[-1]] == 160  # the prefix was not computed again
+    assert not puller.pulls_in  # kept
+
+
+def test_without_pulls_the_prefix_is_computed_again():
+    prefill, _, (d, first, progress) = busy_holder_scenario(pull_min_blocks=0)
+    puller = next(p for p in prefill if p.name == where(progress)[0])
+    assert not d.pulls.outcomes and puller.cached_tokens[puller.prefilled[-1]] == 0
+
+
+def test_a_pull_whose_holder_evicted_the_prefix_is_abandoned_and_the_prompt_computed():
+    prefill, decode, (d, first, progress) = busy_holder_scenario(evict_before_pull=True)
+    puller = next(p for p in prefill if p.name == where(progress)[0])
+    assert d.pulls.outcomes == {"failed": 1}
+    assert not puller.pulls_in and puller.aborted  # its reservation was aborted
+    assert puller.cached_tokens[puller.prefilled[-1]] == 0
+    assert sum(len(o.token_ids) for p in progress for o in p.outputs) == 2  # served in full all the same
