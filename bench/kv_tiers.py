@@ -9,6 +9,12 @@ Each mode starts the cluster on a local Ray head this script starts and stops (n
 is one JSON object: per mode, prefix hit rate, TTFT p50/p90, ITL p99 and the replica's tier counters; and the
 ratios against tiers off.
 
+    .venv/bin/python bench/kv_tiers.py --modes pulls-off,pulls-on --output fixed:96 [...]
+
+runs the workload on the disaggregated local cluster (deploy/manifests/local.yaml: a prefill and a decode
+replica, no tiers) with prefix pulls across replicas off (router.prefix_pull_min_blocks: 0) and on (4): a
+session's next turn pulls the last turn's blocks, its answer's included, from the decode replica.
+
     .venv/bin/python bench/kv_tiers.py --engine [--history 800] [--new 128] [--repeats 3]
 
 measures one turn in the engine alone instead (LLMEngine in this process, two torch threads, no serving path and no
@@ -28,6 +34,7 @@ import tempfile
 from pathlib import Path
 
 MANIFEST = Path(__file__).resolve().parents[1] / "deploy" / "manifests" / "local-colocated.yaml"
+DISAGGREGATED = MANIFEST.with_name("local.yaml")
 BLOCK_BYTES = 737_280  # one block of the embedded model's float32 KV: 30 layers x K,V x 3 heads x 16 x 64 x 4 B
 
 
@@ -45,11 +52,15 @@ def run_mode(mode: str, args, disk: Path) -> dict:
     from tandem.cluster import launcher
     from tandem.cluster.manifest_yaml import load_manifest
 
-    manifest = load_manifest(MANIFEST)
+    pulls = mode.startswith("pulls-")
+    manifest = load_manifest(DISAGGREGATED if pulls else MANIFEST)
     pool = manifest.pools.decode
-    engine = pool.engine.model_copy(update={"kv_cache_bytes": args.pool_blocks * BLOCK_BYTES, "speculative": None,
-                                            "kv_tiers": None})
-    if (tiers := tiers_of(mode, disk)) is not None:
+    engine = pool.engine.model_copy(update={"speculative": None, "kv_tiers": None} if pulls else {
+        "kv_cache_bytes": args.pool_blocks * BLOCK_BYTES, "speculative": None, "kv_tiers": None})
+    if pulls:
+        manifest = manifest.model_copy(update={"router": manifest.router.model_copy(
+            update={"prefix_pull_min_blocks": 4 if mode == "pulls-on" else 0})})
+    elif (tiers := tiers_of(mode, disk)) is not None:
         from tandem.cluster.engine_settings import KVTiersSettings
 
         engine = engine.model_copy(update={"kv_tiers": KVTiersSettings(**tiers)})
@@ -72,13 +83,20 @@ def run_mode(mode: str, args, disk: Path) -> dict:
             summary = json.loads(done.stdout.strip().splitlines()[-1])
         replicas = cluster.status()["replicas"]
         tier_stats = replicas[0].get("kv_tiers") if replicas else None
+        pull_counts = _pull_counts(cluster.status()) if pulls else None
     finally:
         cluster.shutdown()
         ray.shutdown()
     return {"completed": summary["completed"], "failed": summary["failed"],
             "prefix_hit_rate": summary["prefix_hit_rate"], "ttft_p50_ms": summary["ttft_ms"]["p50"],
             "ttft_p90_ms": summary["ttft_ms"]["p90"], "itl_p99_ms": summary["itl_ms"]["p99"],
-            "tiers": tier_stats}
+            "tiers": tier_stats, "pulls": pull_counts}
+
+
+def _pull_counts(status: dict) -> dict:
+    """The prefill replica's prompt tokens found cached, and its prefix cache, as `tandem status` reports them."""
+    prefill = [r for r in status["replicas"] if r.get("pool") == "prefill"]
+    return {"prefill_hit_rate": prefill[0].get("prefix_hit_rate") if prefill else None}
 
 
 def engine_turn(args) -> dict:
@@ -141,7 +159,8 @@ def main() -> None:
     p.add_argument("--input", default="fixed:384", help="tokens of each user message")
     p.add_argument("--output", default="fixed:32", help="tokens of each answer")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--modes", default="off,host,disk")
+    p.add_argument("--modes", default="off,host,disk", help="off, host, disk (tiers on the colocated cluster); "
+                   "pulls-off, pulls-on (prefix pulls on the disaggregated one)")
     p.add_argument("--engine", action="store_true", help="one turn in the engine alone (see above)")
     p.add_argument("--history", type=int, default=800)
     p.add_argument("--new", type=int, default=128)
@@ -159,11 +178,11 @@ def main() -> None:
         for mode in args.modes.split(","):
             print(f"kv_tiers bench: tiers {mode}", file=sys.stderr)
             results[mode] = run_mode(mode, args, Path(disk))
-    base = results.get("off")
+    base = results.get("off") or results.get("pulls-off")
     ratios = {}
     if base:
         for mode, r in results.items():
-            if mode != "off":
+            if r is not base:
                 ratios[mode] = {"ttft_p50_off_over_on": base["ttft_p50_ms"] / r["ttft_p50_ms"],
                                 "ttft_p90_off_over_on": base["ttft_p90_ms"] / r["ttft_p90_ms"],
                                 "itl_p99_on_over_off": r["itl_p99_ms"] / base["itl_p99_ms"]}

@@ -187,24 +187,23 @@ class DecodeConnector(_Connector):
     def admit(self, request_id: str, first_token: SampledToken) -> list[RequestOutput]:
         """Starts a request whose KV has arrived (state DONE, as poll reported) with first_token, the prefill
         side's SampledToken. Returns that token's output. Raises ValueError in any other state."""
-        entry = self._entries.get(request_id)
-        if entry is None or entry.state is not TransferState.DONE:
-            state = entry.state.value if entry else "unknown"
-            raise ValueError(f"request {request_id!r} cannot be admitted: its KV transfer is {state}, not done")
-        del self._entries[request_id]
-        self.agents.release(entry.transfer_id)
+        self._take_done(request_id, "request", "admitted")
         return self.engine.admit_transferred(request_id, first_token)
 
     def keep_prefix(self, request_id: str) -> int:
         """Ends a pulled prefix's reservation whose KV has arrived (state DONE, as poll reported) with its blocks
         in the prefix cache, parked; returns how many. Raises ValueError in any other state."""
+        self._take_done(request_id, "prefix", "kept")
+        return self.engine.keep_transferred_prefix(request_id)
+
+    def _take_done(self, request_id: str, what: str, done: str) -> None:
+        """Forgets a transfer that is DONE (its agents too); raises ValueError naming its state otherwise."""
         entry = self._entries.get(request_id)
         if entry is None or entry.state is not TransferState.DONE:
             state = entry.state.value if entry else "unknown"
-            raise ValueError(f"prefix {request_id!r} cannot be kept: its KV transfer is {state}, not done")
+            raise ValueError(f"{what} {request_id!r} cannot be {done}: its KV transfer is {state}, not done")
         del self._entries[request_id]
         self.agents.release(entry.transfer_id)
-        return self.engine.keep_transferred_prefix(request_id)
 
 
 class PrefillConnector(_Connector):

@@ -127,13 +127,14 @@ def index_hashes(tokens) -> list[int]:
     return block_hashes(tokens, 16)
 
 
-def hit_rate(lose_events: float, expect_ttl_s: float) -> tuple[float, int]:
+def hit_rate(lose_events: float, expect_ttl_s: float, pull_min_blocks: int = 0) -> tuple[float, int]:
     """Prefix hit rate of 4 rounds of 4 concurrent requests on 3 replicas (one per group, in a shuffled order),
-    and how many requests completed."""
+    and how many requests completed. lose_events: of the prefill replicas' events. Prefix pulls off unless
+    pull_min_blocks is set (the decode replicas' events would tell the router where each prefix is)."""
     prefill, decode = pools(lose_events=lose_events, step_s=0.01)
 
     async def scenario():
-        d = make(prefill, decode, expect_ttl_s=expect_ttl_s)
+        d = make(prefill, decode, expect_ttl_s=expect_ttl_s, pull_min_blocks=pull_min_blocks)
         await d.feed.poll(d.replicas())  # first contact (a snapshot of empty caches): from now on, only events
         done = 0
         for i in range(4):
@@ -155,6 +156,9 @@ def test_lost_events_cost_hit_rate_and_nothing_else():
     assert done_full == done_lossy == 16  # every request completed either way
     assert full > 0.7  # 12 of 16 requests find their group's 160 tokens (the first of each group cannot)
     assert lossy < full - 0.2
+    # The decode replicas still publish: they cache every prompt they decoded, and pulls fetch it from them.
+    pulled, done_pulled = hit_rate(1.0, 0.0, pull_min_blocks=4)
+    assert done_pulled == 16 and pulled > lossy + 0.2
 
 
 def test_a_gap_in_the_event_stream_triggers_a_snapshot_resync():
