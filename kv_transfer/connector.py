@@ -23,9 +23,9 @@ engine steps. One request, disaggregated:
   out (RESERVED, TRANSFERRING, or DONE and never admitted) ends in EXPIRED and frees the blocks by itself.
 
 A prefix pulled from a replica that holds it (KV tiers across replicas, engine/core/kv_tiers.py) is the same
-transfer with no request behind it: the puller's DecodeConnector.reserve() holds blocks for the prefix's tokens
-(whole blocks), the holder's PrefillConnector.send_prefix() holds its cached blocks of those block hashes and
-sends them at once (same wire format, MACs and re-sharding), and once DONE the puller's keep_prefix() puts the
+transfer with no request behind it: the puller's DecodeConnector.reserve_prefix() holds blocks for the prefix's
+tokens (whole blocks; those it caches already are its own, the rest are the descriptor's), the holder's
+PrefillConnector.send_prefix() holds its cached blocks of the descriptor's block hashes and sends them at once (same wire format, MACs and re-sharding), and once DONE the puller's keep_prefix() puts the
 blocks in its prefix cache, parked, for the request that comes next. Failures end as above; the holder's blocks
 are held until its side ends (past it, for a receiver that reads them from a shared store).
 """
@@ -172,17 +172,33 @@ class DecodeConnector(_Connector):
                                                   cache_salt=cache_salt)
         if blocks is None:
             return None
+        return self._expect(request_id, blocks, len(prompt_token_ids), lease_s, senders)
+
+    def _expect(self, request_id: str, blocks: tuple[int, ...], num_tokens: int, lease_s: float | None,
+                senders: Sequence[str]) -> TransferDescriptor:
+        """Registers held blocks with every rank's agent; the descriptor the sender pushes into."""
         transfer_id = self._new_transfer_id(request_id)
         deadline = self.clock() + (lease_s if lease_s is not None else self.config.lease_s)
         try:
-            self.agents.expect(transfer_id, blocks, deadline, senders)
+            self.agents.expect(transfer_id, blocks, deadline, tuple(senders))
         except BaseException:
             self.agents.release(transfer_id)
             self.engine.abort_request(request_id)
             raise
         self._entries[request_id] = _Entry(transfer_id, deadline)
-        return TransferDescriptor(transfer_id, self.engine.layout, self.addresses, blocks, len(prompt_token_ids),
+        return TransferDescriptor(transfer_id, self.engine.layout, self.addresses, blocks, num_tokens,
                                   self.kv_format, deadline, self.shm_domains)
+
+    def reserve_prefix(self, request_id: str, prefix_token_ids: Sequence[int], *, cache_salt: str | None = None,
+                       senders: Sequence[str] = ()) -> TransferDescriptor | None:
+        """A pull: holds blocks for a prefix of whole blocks (LLMEngine.reserve_prefix) and returns the
+        descriptor the holder sends into: the prefix's blocks this replica does not cache yet, its last ones (the
+        holder sends its blocks of the matching hashes: the last num_tokens // block_size of the prefix's). None
+        when there is no room now."""
+        blocks = self.engine.reserve_prefix(request_id, prefix_token_ids, cache_salt=cache_salt)
+        if blocks is None:
+            return None
+        return self._expect(request_id, blocks, len(blocks) * self.engine.config.block_size, None, senders)
 
     def admit(self, request_id: str, first_token: SampledToken) -> list[RequestOutput]:
         """Starts a request whose KV has arrived (state DONE, as poll reported) with first_token, the prefill

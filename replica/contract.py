@@ -140,9 +140,10 @@ class ReplicaAPI(Protocol):
 
     async def reserve_prefix(self, pull_id: str, prefix_token_ids: Sequence[int], *, cache_salt: str | None = None,
                              senders: tuple[str, ...] = ()) -> TransferDescriptor | None:
-        """A prefix pull's puller (router/prefix_pulls.py): holds blocks for prefix_token_ids (whole blocks) that
-        the replica at senders (its kv_addresses) sends; None when there is no room now. Raises ValueError on a
-        replica without KV agents (colocated)."""
+        """A prefix pull's puller (router/prefix_pulls.py): holds blocks for prefix_token_ids (whole blocks) and
+        returns where the replica at senders (its kv_addresses) sends them: the prefix's last
+        descriptor.num_tokens tokens' blocks (those it does not cache already). None when there is no room now.
+        Raises ValueError on a replica without KV agents (colocated)."""
 
     async def send_prefix(self, pull_id: str, block_hashes: tuple[int, ...], descriptor: TransferDescriptor) -> None:
         """A prefix pull's holder: sends its cached blocks of block_hashes into descriptor now; returns once every

@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING, AsyncIterator, Callable, ClassVar, Sequence
 from tandem.engine.core.output_processor import RequestOutput
 from tandem.engine.decoding.speculation import SpeculationStats
 from tandem.engine.kv.kv_events import DISK, HOST, KVEventBatch, KVEventLog, KVSnapshot
-from tandem.engine.sampling_params import SamplingParams
 from tandem.kv_transfer.config import TransferConfig
 from tandem.kv_transfer.descriptor import TransferDescriptor, TransferFailedError, TransferState
 from tandem.kv_transfer.drops import MessageDrops
@@ -190,12 +189,13 @@ class ReplicaShell:
 
     async def reserve_prefix(self, pull_id: str, prefix_token_ids: Sequence[int], *, cache_salt: str | None = None,
                              senders: tuple[str, ...] = ()) -> TransferDescriptor | None:
-        """Holds blocks for a prefix of whole blocks another replica sends (senders: its agents' addresses);
-        None when there is no room now. Raises ValueError on a replica without KV agents."""
+        """Holds blocks for a prefix of whole blocks another replica sends (senders: its agents' addresses):
+        the descriptor covers the prefix's last blocks, those not cached here yet. None when there is no room
+        now. Raises ValueError on a replica without KV agents."""
         receiving = self._pull_loop(self._receiving)
         self._check_not_aborted(pull_id)
-        return await self.server.call(lambda _e: receiving.connector.reserve(
-            pull_id, prefix_token_ids, SamplingParams(max_tokens=1), cache_salt=cache_salt, senders=tuple(senders)))
+        return await self.server.call(lambda _e: receiving.connector.reserve_prefix(
+            pull_id, prefix_token_ids, cache_salt=cache_salt, senders=senders))
 
     async def send_prefix(self, pull_id: str, block_hashes: tuple[int, ...], descriptor: TransferDescriptor) -> None:
         """Sends this replica's cached blocks of block_hashes into descriptor; returns once every destination

@@ -8,14 +8,15 @@ answer too, which no prefill replica ever computed.
 
 The decision (plan(), plain Python over the router's own state): for the chosen prefill replica P, whose weighed
 cached prefix (Routing: device blocks whole, tier blocks by their hit cost) is `own` blocks, and each other
-replica H whose events say it holds `depth` leading blocks on its device, a pull of those `depth` blocks saves
-depth - own blocks of prefill and costs depth * pull_cost of one, where pull_cost is what pulling a block costs
+replica H whose events say it holds `depth` leading blocks on its device, a pull of those blocks saves depth - own
+blocks of prefill and costs pull_cost blocks of prefill for each block sent (those P does not hold on its device
+already: P keeps its own and receives the rest), where pull_cost is what pulling a block costs
 against computing it: measured from the pulls made so far (seconds per block over P's measured prefill seconds
 per block, averaged), PRIOR_PULL_COST before any. The pull with the largest saving is made when it saves at
 least RoutingSettings.pull_min_blocks blocks (0: never pull).
 
-The pull (run()): P reserves blocks for the prefix's tokens (DecodeReplicaAPI-like reserve_prefix, naming H's
-agents), H sends its cached blocks of the prefix's hashes at once (send_prefix, returns once P's ranks have
+The pull (run()): P reserves blocks for the prefix's tokens (reserve_prefix, naming H's agents; its own cached
+blocks of the prefix are reused and the descriptor covers the rest), H sends its cached blocks of those hashes at once (send_prefix, returns once P's ranks have
 acknowledged them), P puts them in its prefix cache (keep_prefix); the prefill that follows finds them there.
 Any failure (H evicted them meanwhile, a transfer that failed, a replica that died, no room on P) abandons the
 pull: P's reservation is aborted (H learns it from its agents) and the prompt is computed as if no pull had been
@@ -70,11 +71,12 @@ class PrefixPulls:
         if not self.min_blocks or len(hashes) < self.min_blocks:
             return None
         best: PullPlan | None = None
+        has = self.indexes[prefill.pool].device_depth(prefill.name, hashes)  # its own blocks are not sent
         for holder in self.pools.all():
             if holder is prefill or (holder.info is not None and not holder.info.kv_addresses):
                 continue  # (a replica without KV agents sends nothing)
             depth = self.indexes[holder.pool].device_depth(holder.name, hashes)
-            saved = depth - own - depth * self.pull_cost
+            saved = depth - own - (depth - min(has, depth - 1)) * self.pull_cost
             if saved >= self.min_blocks and (best is None or saved > best.saved):
                 best = PullPlan(holder, depth, saved)
         return best
@@ -101,7 +103,8 @@ class PrefixPulls:
                 self.outcomes["no_room"] += 1
                 return 0
             reserved = True
-            await pull.holder.api.send_prefix(pull_id, tuple(hashes[:pull.blocks]), descriptor)
+            first = pull.blocks - descriptor.num_tokens // self.block_size  # (the puller caches those before)
+            await pull.holder.api.send_prefix(pull_id, tuple(hashes[first:pull.blocks]), descriptor)
             kept = await prefill.api.keep_prefix(pull_id)
         except Exception as e:  # any failure: compute the prompt instead
             self.outcomes["failed"] += 1

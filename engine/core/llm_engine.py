@@ -214,6 +214,22 @@ class LLMEngine:
             self.scheduler.finish(update.seq, RequestStatus.FINISHED_STOPPED)
         return [output]
 
+    def reserve_prefix(self, request_id: str, prefix_token_ids: Seq[int], *,
+                       cache_salt: str | None = None) -> tuple[int, ...] | None:
+        """Holds KV blocks for a prefix (whole blocks of tokens) another replica sends (a pull): the prefix
+        cache's own blocks of it, and new ones for the rest, which are returned (in token order; the transfer
+        fills them). None when there is no room now (nothing held). keep_transferred_prefix() or abort_request()
+        ends it. Raises ValueError for a prefix that is not whole blocks."""
+        if not prefix_token_ids or len(prefix_token_ids) % self.config.block_size:
+            raise ValueError(f"a pulled prefix is whole blocks of {self.config.block_size} tokens, "
+                             f"not {len(prefix_token_ids)}")
+        seq = self._sequence(request_id, prefix_token_ids, SamplingParams(max_tokens=1), 0, cache_salt)
+        blocks = self.scheduler.reserve(seq, cached=True)
+        if blocks is None:
+            return None
+        self.outputs.add_request(request_id, 1)
+        return blocks[sum(self.scheduler.kv.cache.is_cached(b) for b in blocks):]  # (the cached ones come first)
+
     def keep_transferred_prefix(self, request_id: str) -> int:
         """Ends a reserved request whose KV has fully arrived and is only a prefix to keep (pulled from another
         replica, kv_transfer/prefix_pull.py): its full blocks enter the prefix cache, parked. Returns how many

@@ -31,7 +31,7 @@ import bisect
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from tandem.engine.core.kv_cache_manager import Allocation, KVCacheManager
+from tandem.engine.core.kv_cache_manager import NO_MATCH, Allocation, KVCacheManager
 from tandem.engine.core.scheduler_stats import SchedulerStats
 from tandem.engine.errors import TandemError
 from tandem.engine.request import RequestStatus, Sequence, token_stop_status
@@ -133,14 +133,15 @@ class Scheduler:
         self._by_request[seq.request_id] = [seq.seq_id]
         self._resend.add(seq.seq_id)
 
-    def reserve(self, seq: Sequence) -> tuple[int, ...] | None:
-        """Takes blocks for seq's whole prompt and parks it in WAITING_FOR_KV (its KV will be written by a
-        transfer). Returns its block table, or None when there is no room now (nothing changes; try later or
-        elsewhere). Raises like add(), and ValueError for n > 1 (samples fork on the prefill side's logits)."""
+    def reserve(self, seq: Sequence, cached: bool = False) -> tuple[int, ...] | None:
+        """Takes blocks for seq's whole prompt (cached: its cached prefix's own, the rest new) and parks it in
+        WAITING_FOR_KV (its KV will be written by a transfer). Returns its block table, or None when there is no
+        room now (nothing changes; try later or elsewhere). Raises like add(), and ValueError for n > 1."""
         self._check_new(seq)
         if seq.fork_seeds:
             raise ValueError("a request whose KV arrives by transfer must have n=1")
-        if self.kv.allocate(seq, seq.num_prompt_tokens) is None:
+        match = self.kv.match_prefix(seq) if cached else NO_MATCH
+        if self.kv.allocate(seq, seq.num_prompt_tokens - match.num_cached_tokens, match) is None:
             return None
         seq.status = RequestStatus.WAITING_FOR_KV
         self._track(seq)

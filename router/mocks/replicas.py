@@ -145,8 +145,10 @@ class _MockReplica:
                              senders: tuple[str, ...] = ()) -> TransferDescriptor | None:
         prefix = tuple(prefix_token_ids)
         self.pulls_in[pull_id] = (prefix, cache_salt)
-        return TransferDescriptor(f"{pull_id}/0", _LAYOUT, ("mock://" + self.name,),
-                                  tuple(range(len(prefix) // BLOCK_SIZE)), len(prefix), _KV, time.time() + LEASE_S)
+        _, own = self.cache.lookup(prefix, cache_salt)
+        missing = len(prefix) // BLOCK_SIZE - min(own, len(prefix) // BLOCK_SIZE - 1)  # what the holder sends
+        return TransferDescriptor(f"{pull_id}/0", _LAYOUT, ("mock://" + self.name,), tuple(range(missing)),
+                                  missing * BLOCK_SIZE, _KV, time.time() + LEASE_S)
 
     async def send_prefix(self, pull_id: str, block_hashes: tuple[int, ...], descriptor: TransferDescriptor) -> None:
         if missing := [h for h in block_hashes if h not in self.cache.blocks]:

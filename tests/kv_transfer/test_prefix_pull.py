@@ -17,7 +17,6 @@ from tests.kv_transfer.faults import EnginePair
 from tests.kv_transfer.kv_helpers import TRANSPORTS
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
-KEEP = SamplingParams(max_tokens=1)  # a pulled prefix's reservation: no request is behind it
 BLOCK = 16
 
 
@@ -59,11 +58,11 @@ def holder_caches(pair: EnginePair, tokens) -> tuple[int, ...]:
 
 
 def pull(pair: EnginePair, pull_id: str, tokens, hashes):
-    """The puller (the decode side) reserves the prefix's whole blocks, the holder sends them."""
+    """The puller (the decode side) reserves the prefix's whole blocks, the holder sends those it lacks."""
     prefix = tokens[:len(hashes) * BLOCK]
-    descriptor = pair.dc.reserve(pull_id, prefix, KEEP, senders=pair.pc.addresses)
+    descriptor = pair.dc.reserve_prefix(pull_id, prefix, senders=pair.pc.addresses)
     assert descriptor is not None
-    pair.pc.send_prefix(pull_id, hashes, descriptor)
+    pair.pc.send_prefix(pull_id, hashes[len(hashes) - descriptor.num_tokens // BLOCK:], descriptor)
     return descriptor
 
 
@@ -85,11 +84,28 @@ def test_a_pulled_prefix_serves_the_next_turn_with_identical_output(pair, texts,
     pair.assert_clean()
 
 
+def test_a_puller_that_caches_the_first_blocks_receives_only_the_rest(pair, texts, reference):
+    history, follow_up = texts
+    hashes = holder_caches(pair, history)
+    puller = pair.decode.engine
+    puller.add_request("own", history[:3 * BLOCK + 5], GREEDY)  # the puller computed the first 3 blocks itself
+    run(puller)
+    descriptor = pull(pair, "tail", history, hashes)
+    assert descriptor.num_tokens == (len(hashes) - 3) * BLOCK  # only the blocks it lacked are sent
+    assert pair.settle("tail") == (TransferState.DONE, TransferState.DONE)
+    assert pair.dc.keep_prefix("tail") == len(hashes)
+    before = puller.stats().num_tokens_computed
+    puller.add_request("next", follow_up, GREEDY)
+    assert run(puller)["next"] == reference
+    assert puller.stats().num_tokens_computed - before == len(follow_up) - len(hashes) * BLOCK + GREEDY.max_tokens - 1
+    pair.assert_clean()
+
+
 def test_a_prefix_the_holder_no_longer_caches_is_refused_and_nothing_is_held(pair, texts, reference):
     history, follow_up = texts
     hashes = holder_caches(pair, history)
     pair.prefill.engine.kv_manager.reset_prefix_cache()  # evicted since the router last heard
-    descriptor = pair.dc.reserve("gone", history[:len(hashes) * BLOCK], KEEP, senders=pair.pc.addresses)
+    descriptor = pair.dc.reserve_prefix("gone", history[:len(hashes) * BLOCK], senders=pair.pc.addresses)
     with pytest.raises(LookupError, match="0 of the prefix's"):
         pair.pc.send_prefix("gone", hashes, descriptor)
     assert pair.prefill.engine.scheduler.kv.num_holds == 0

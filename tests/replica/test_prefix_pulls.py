@@ -70,7 +70,8 @@ def test_the_next_turn_pulls_the_last_turn_from_the_decode_replica(replicas, tin
         assert held > own + 1  # the decode replica holds the answer's blocks too; the prefill replica does not
         descriptor = await prefill.reserve_prefix("pull-1", second[:held * BLOCK],
                                                   senders=(await decode.ready()).kv_addresses)
-        await decode.send_prefix("pull-1", tuple(hashes[:held]), descriptor)
+        assert descriptor.num_tokens == (held - own) * BLOCK  # the prefill replica keeps the blocks it has
+        await decode.send_prefix("pull-1", tuple(hashes[own:held]), descriptor)
         assert await prefill.keep_prefix("pull-1") == held
         tokens, cached = await turn(prefill, decode, "turn-2", second)
         await wait_idle(prefill, decode)
@@ -97,7 +98,8 @@ def test_a_pull_of_blocks_the_holder_lacks_fails_and_holds_nothing(replicas, tin
         descriptor = await prefill.reserve_prefix("pull-2", never_seen[:len(hashes) * BLOCK],
                                                   senders=(await decode.ready()).kv_addresses)
         with pytest.raises(LookupError, match="are cached here"):
-            await decode.send_prefix("pull-2", tuple(hashes), descriptor)
+            await decode.send_prefix("pull-2", tuple(hashes[len(hashes) - descriptor.num_tokens // BLOCK:]),
+                                     descriptor)
         await prefill.abort("pull-2")
         await wait_idle(prefill, decode)
         await prefill.check_integrity()
