@@ -145,10 +145,13 @@ class ReplicaAPI(Protocol):
         descriptor.num_tokens tokens' blocks (those it does not cache already). None when there is no room now.
         Raises ValueError on a replica without KV agents (colocated)."""
 
-    async def send_prefix(self, pull_id: str, block_hashes: tuple[int, ...], descriptor: TransferDescriptor) -> None:
+    async def send_prefix(self, pull_id: str, block_hashes: tuple[int, ...], descriptor: TransferDescriptor, *,
+                          prefix_token_ids: tuple[int, ...] = (), cache_salt: str | None = None) -> None:
         """A prefix pull's holder: sends its cached blocks of block_hashes into descriptor now; returns once every
-        destination rank acknowledged them. Raises LookupError if it no longer caches them all,
-        TransferFailedError if the transfer failed."""
+        destination rank acknowledged them. prefix_token_ids: the prefix up to the last of block_hashes, given
+        when some of its blocks are only on this replica's KV tiers: they are brought up to the device first (a
+        one-token request of the prefix, with cache_salt). Raises LookupError if it does not cache them all
+        (on its device, after that), TransferFailedError if the transfer failed."""
 
     async def keep_prefix(self, pull_id: str) -> int:
         """A prefix pull's puller: waits for the prefix's KV and keeps it in the prefix cache; returns its blocks.

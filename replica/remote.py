@@ -118,8 +118,10 @@ class RemoteReplica:
         return await self.actor.reserve_prefix.remote(pull_id, prefix_token_ids, cache_salt=cache_salt,
                                                       senders=senders)
 
-    async def send_prefix(self, pull_id: str, block_hashes: tuple[int, ...], descriptor: TransferDescriptor) -> None:
-        await self.actor.send_prefix.remote(pull_id, block_hashes, descriptor)
+    async def send_prefix(self, pull_id: str, block_hashes: tuple[int, ...], descriptor: TransferDescriptor, *,
+                          prefix_token_ids: tuple[int, ...] = (), cache_salt: str | None = None) -> None:
+        await self.actor.send_prefix.remote(pull_id, block_hashes, descriptor, prefix_token_ids=prefix_token_ids,
+                                            cache_salt=cache_salt)
 
     async def keep_prefix(self, pull_id: str) -> int:
         return await self.actor.keep_prefix.remote(pull_id)

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, AsyncIterator, Callable, ClassVar, Sequence
 from tandem.engine.core.output_processor import RequestOutput
 from tandem.engine.decoding.speculation import SpeculationStats
 from tandem.engine.kv.kv_events import DISK, HOST, KVEventBatch, KVEventLog, KVSnapshot
+from tandem.engine.sampling_params import SamplingParams
 from tandem.kv_transfer.config import TransferConfig
 from tandem.kv_transfer.descriptor import TransferDescriptor, TransferFailedError, TransferState
 from tandem.kv_transfer.drops import MessageDrops
@@ -197,12 +198,21 @@ class ReplicaShell:
         return await self.server.call(lambda _e: receiving.connector.reserve_prefix(
             pull_id, prefix_token_ids, cache_salt=cache_salt, senders=senders))
 
-    async def send_prefix(self, pull_id: str, block_hashes: tuple[int, ...], descriptor: TransferDescriptor) -> None:
+    async def send_prefix(self, pull_id: str, block_hashes: tuple[int, ...], descriptor: TransferDescriptor, *,
+                          prefix_token_ids: tuple[int, ...] = (), cache_salt: str | None = None) -> None:
         """Sends this replica's cached blocks of block_hashes into descriptor; returns once every destination
-        rank acknowledged them. Raises LookupError if it no longer caches them all, TransferFailedError if the
-        transfer ended otherwise."""
+        rank acknowledged them. prefix_token_ids (the prefix up to the last of them): blocks on this replica's
+        KV tiers only are first brought up by running it as a one-token request (the tiers serve what they
+        hold). Raises LookupError if it does not cache them all, TransferFailedError if the transfer ended
+        otherwise."""
         sending = self._pull_loop(self._sending)
         self._check_not_aborted(pull_id)
+        if prefix_token_ids and await self.server.call(lambda e: e.cached_run(block_hashes)) < len(block_hashes):
+            rid = f"{pull_id}/up"
+            stream = self.server.add_request(rid, prefix_token_ids, SamplingParams(max_tokens=1),
+                                             cache_salt=cache_salt)
+            async for _ in self.server.batches(rid, stream):
+                pass
         await self.server.call(lambda _e: sending.connector.send_prefix(pull_id, block_hashes, descriptor))
         event = await sending.wait(self.server, pull_id)
         if event.state is not TransferState.DONE:

@@ -140,13 +140,14 @@ class PrefixIndex:
         self._name_bits(alive, i, depth)
         return depth
 
-    def device_depth(self, replica: str, block_hashes: Sequence[int]) -> int:
-        """How many leading blocks of block_hashes replica's events say it holds on its device (expected ones
-        not counted: they may not be computed yet): what it can send another replica at once."""
+    def device_depth(self, replica: str, block_hashes: Sequence[int], *, tiers: bool = False) -> int:
+        """How many leading blocks of block_hashes replica's events say it holds on its device (tiers: or on a
+        lower tier). Expected ones are not counted: they may not be computed yet."""
         held = self._confirmed.get(replica, ())
+        lower = self._lower.get(replica, {}) if tiers else {}
         depth = 0
         for h in block_hashes:
-            if h not in held:
+            if h not in held and h not in lower:
                 break
             depth += 1
         return depth

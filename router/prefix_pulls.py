@@ -4,11 +4,13 @@ format, MACs and re-sharding between layouts), instead of computing them again.
 
 The holder may be another prefill replica (the prefix was routed there before, and the chosen replica was picked
 for its load) or a decode replica: a session's earlier turn was decoded there, so its blocks hold the turn's
-answer too, which no prefill replica ever computed.
+answer too, which no prefill replica ever computed. Blocks the holder keeps only on its host or disk KV tier are
+copied up to its device first (it runs the prefix as a one-token request: its tiers serve the blocks, at most the
+last block is computed), at their tier hit costs plus that block.
 
 The decision (plan(), plain Python over the router's own state): for the chosen prefill replica P, whose weighed
 cached prefix (Routing: device blocks whole, tier blocks by their hit cost) is `own` blocks, and each other
-replica H whose events say it holds `depth` leading blocks on its device, a pull of those blocks saves depth - own
+replica H whose events say it holds `depth` leading blocks (on its device or tiers), a pull of those saves depth - own
 blocks of prefill and costs pull_cost blocks of prefill for each block sent (those P does not hold on its device
 already: P keeps its own and receives the rest), where pull_cost is what pulling a block costs
 against computing it: measured from the pulls made so far (seconds per block over P's measured prefill seconds
@@ -46,11 +48,13 @@ _SMOOTHING = 0.3  # weight of the newest measurement in the running pull cost
 @dataclass(frozen=True)
 class PullPlan:
     """Pull the first `blocks` blocks of the prompt (hashes[:blocks]) from holder into the prefill replica;
-    saved: the prefill blocks it is expected to save, net of its cost."""
+    saved: the prefill blocks it is expected to save, net of its cost. bring_up: some of them are only on the
+    holder's KV tiers (it copies them up to its device first)."""
 
     holder: Replica
     blocks: int
     saved: float
+    bring_up: bool = False
 
 
 class PrefixPulls:
@@ -75,10 +79,16 @@ class PrefixPulls:
         for holder in self.pools.all():
             if holder is prefill or (holder.info is not None and not holder.info.kv_addresses):
                 continue  # (a replica without KV agents sends nothing)
-            depth = self.indexes[holder.pool].device_depth(holder.name, hashes)
-            saved = depth - own - (depth - min(has, depth - 1)) * self.pull_cost
+            index = self.indexes[holder.pool]
+            depth = index.device_depth(holder.name, hashes, tiers=True)
+            if not depth:
+                continue
+            host, disk = index.lower_tier_blocks(holder.name, hashes[:depth])
+            costs = holder.load.tier_hit_costs  # bringing those up on the holder, its last block computed
+            up = host * costs.host + disk * costs.disk + 1 if host or disk else 0.0
+            saved = depth - own - (depth - min(has, depth - 1)) * self.pull_cost - up
             if saved >= self.min_blocks and (best is None or saved > best.saved):
-                best = PullPlan(holder, depth, saved)
+                best = PullPlan(holder, depth, saved, bool(host or disk))
         return best
 
     async def before_prefill(self, route: RoutePlan, prefill: Replica, pull_id: str, request: ParsedRequest) -> int:
@@ -104,7 +114,9 @@ class PrefixPulls:
                 return 0
             reserved = True
             first = pull.blocks - descriptor.num_tokens // self.block_size  # (the puller caches those before)
-            await pull.holder.api.send_prefix(pull_id, tuple(hashes[first:pull.blocks]), descriptor)
+            await pull.holder.api.send_prefix(
+                pull_id, tuple(hashes[first:pull.blocks]), descriptor, cache_salt=cache_salt,
+                prefix_token_ids=tuple(prompt[:pull.blocks * self.block_size]) if pull.bring_up else ())
             kept = await prefill.api.keep_prefix(pull_id)
         except Exception as e:  # any failure: compute the prompt instead
             self.outcomes["failed"] += 1

@@ -242,6 +242,10 @@ class LLMEngine:
         self.outputs.aborted([seq])
         return blocks
 
+    def cached_run(self, block_hashes: Seq[int]) -> int:
+        """How many of block_hashes, from the first, the prefix cache holds on the device now."""
+        return len(self.scheduler.kv.cache.match(list(block_hashes)).blocks)
+
     def hold_cached_prefix(self, key: str, block_hashes: Seq[int]) -> tuple[int, ...]:
         """Holds the blocks of the prefix cache's longest run of block_hashes under key (they stay allocated,
         unevicted, until release_held_blocks(key)) and returns them, in order (possibly fewer than asked: the

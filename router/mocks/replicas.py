@@ -150,7 +150,8 @@ class _MockReplica:
         return TransferDescriptor(f"{pull_id}/0", _LAYOUT, ("mock://" + self.name,), tuple(range(missing)),
                                   missing * BLOCK_SIZE, _KV, time.time() + LEASE_S)
 
-    async def send_prefix(self, pull_id: str, block_hashes: tuple[int, ...], descriptor: TransferDescriptor) -> None:
+    async def send_prefix(self, pull_id: str, block_hashes: tuple[int, ...], descriptor: TransferDescriptor, *,
+                          prefix_token_ids: tuple[int, ...] = (), cache_salt: str | None = None) -> None:
         if missing := [h for h in block_hashes if h not in self.cache.blocks]:
             raise LookupError(f"{self.name} no longer caches {len(missing)} of the prefix's blocks")
         self.pulls_out.append(pull_id)

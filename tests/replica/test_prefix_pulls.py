@@ -2,7 +2,7 @@
 agents over UCX on loopback: the decode replica that decoded a session's first turn sends that turn's blocks (its
 prompt and its answer) to the prefill replica, which then computes only the new part of the next turn, with the
 tokens of a run that computed everything; a pull of blocks the holder no longer caches fails cleanly and leaves
-nothing held on either side."""
+nothing held on either side; blocks the holder keeps only on its host tier are brought up to its device and sent."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import pytest
 
 from tandem.decode_worker.replica import DecodeReplica
 from tandem.engine.core.llm_engine import LLMEngine
-from tandem.engine.engine_config import EngineConfig
+from tandem.engine.engine_config import EngineConfig, KVTiersConfig
+from tandem.engine.kv.kv_events import HOST
 from tandem.engine.kv.prefix_cache import block_hashes
 from tandem.engine.sampling_params import SamplingParams
 from tandem.kv_transfer.config import TransferConfig
@@ -106,3 +107,47 @@ def test_a_pull_of_blocks_the_holder_lacks_fails_and_holds_nothing(replicas, tin
         await decode.check_integrity()
 
     asyncio.run(scenario())
+
+
+def test_blocks_the_holder_keeps_only_on_its_host_tier_are_brought_up_and_sent(tiny_llama):
+    spec = ReplicaSpec(model=str(tiny_llama.source), device="cpu", engine=EngineConfig(num_kv_blocks=48))
+    tiered = ReplicaSpec(model=str(tiny_llama.source), device="cpu",
+                         engine=EngineConfig(num_kv_blocks=48, kv_tiers=KVTiersConfig(host_bytes=1 << 28)))
+    transfer = TransferConfig(lease_s=10.0, max_message_bytes=1 << 20, staging_bytes=4 << 20)
+    prefill, decode = PrefillReplica("prefill-t", spec, transfer), DecodeReplica("decode-t", tiered, transfer)
+    encode = tiny_llama.tokenizer.encode
+    first = encode("Describe the tides of the Bay of Fundy and the people who fish there, in detail.")
+
+    async def scenario():
+        answer, _ = await turn(prefill, decode, "turn-1", first)
+        second = first + answer + encode(" Why are they so high?")
+        async for _ in decode.generate("nudge", encode("Hi"), SamplingParams(max_tokens=1)):
+            pass  # a step after turn 1 ended: its parked blocks are copied to the host tier
+        await decode.server.call(lambda engine: engine.kv_manager.reset_prefix_cache())  # gone from the device
+        hashes = block_hashes(second, BLOCK)
+        held, own = held_depth(decode, hashes), held_depth(prefill, hashes)
+        on_host = set(decode.engine.cached_block_hashes(HOST))
+        depth = next(i for i, h in enumerate(hashes) if h not in on_host)
+        assert held == 0 and depth > own + 1
+        descriptor = await prefill.reserve_prefix("pull-t", second[:depth * BLOCK],
+                                                  senders=(await decode.ready()).kv_addresses)
+        await decode.send_prefix("pull-t", tuple(hashes[own:depth]), descriptor,
+                                 prefix_token_ids=tuple(second[:depth * BLOCK]))
+        assert await prefill.keep_prefix("pull-t") == depth
+        tokens, cached = await turn(prefill, decode, "turn-2", second)
+        await wait_idle(prefill, decode)
+        await decode.check_integrity()
+        return second, depth, tokens, cached, (await decode.stats()).kv_tiers
+
+    try:
+        second, depth, tokens, cached, tiers = asyncio.run(scenario())
+    finally:
+        for replica in (prefill, decode):
+            asyncio.run(replica.shutdown())
+    assert cached == depth * BLOCK and tiers.host_hits >= depth - 1  # up from the host, then sent
+    with LLMEngine(tiny_llama, EngineConfig(num_kv_blocks=48)) as reference:
+        reference.add_request("ref", second, PARAMS)
+        expected = []
+        while reference.has_unfinished_requests():
+            expected += [t for out in reference.step() for t in out.token_ids]
+    assert tokens == expected

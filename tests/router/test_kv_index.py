@@ -165,8 +165,11 @@ class PrefixIndexMachine(RuleBasedStateMachine):
             assert self.index.lower_tier_blocks(r, query[:depth]) == self.ref.lower_tier_blocks(r, query[:depth])
         for r in REPLICAS:
             confirmed = self.ref.confirmed.get(r, set())
+            anywhere = confirmed | self.ref.lower.get((r, HOST), set()) | self.ref.lower.get((r, DISK), set())
             assert self.index.device_depth(r, query) == next(
                 (i for i, h in enumerate(query) if h not in confirmed), len(query))
+            assert self.index.device_depth(r, query, tiers=True) == next(
+                (i for i, h in enumerate(query) if h not in anywhere), len(query))
 
     @invariant()
     def matches_reference(self):

@@ -19,9 +19,10 @@ from tandem.router.driver_settings import DriverSettings
 from tandem.router.kv_feed import KVFeed
 from tandem.router.lifecycle import RequestDriver
 from tandem.router.mocks.replicas import MockDecode, MockPrefill
-from tandem.router.replicas import Replica
+from tandem.router.replicas import Replica, ReplicaPools
 from tandem.router.request_parsing import ParsedRequest
 from tandem.router.policy import ReplicaLoad
+from tandem.router.prefix_pulls import PrefixPulls
 from tandem.router.routing import Routing, RoutingSettings
 
 SYSTEM = {g: tuple(range(1000 * g, 1000 * g + 160)) for g in range(4)}  # 4 system prompts of 10 blocks
@@ -411,3 +412,20 @@ def test_a_pull_whose_holder_evicted_the_prefix_is_abandoned_and_the_prompt_comp
     assert not puller.pulls_in and puller.aborted  # its reservation was aborted
     assert puller.cached_tokens[puller.prefilled[-1]] == 0
     assert sum(len(o.token_ids) for p in progress for o in p.outputs) == 2  # served in full all the same
+
+
+def test_a_prefix_only_on_a_holders_tier_is_pulled_when_bringing_it_up_still_pays():
+    hashes = list(block_hashes(prompt(2, 0), 16))  # 10 blocks
+    prefill, decode = pools(n_prefill=2, n_decode=1)
+    replicas = ReplicaPools([Replica(p.name, "prefill", p) for p in prefill],
+                            [Replica(d.name, "decode", d) for d in decode])
+    routing = Routing(RoutingSettings(), block_size=16)
+    routing.indexes["decode"].apply_snapshot("decode-0", (), hashes[:4], hashes[4:])  # on its host and disk tiers
+    pulls = PrefixPulls(16, 4, routing.indexes, replicas)
+    puller, holder = replicas.get("prefill-0"), replicas.get("decode-0")
+    holder.load.tier_hit_costs = TierHitCosts(0.05, 0.2, True)
+    plan = pulls.plan(hashes, puller, own=0.0)
+    assert plan.holder is holder and plan.blocks == 10 and plan.bring_up
+    assert plan.saved == pytest.approx(10 - 10 * 0.2 - (4 * 0.05 + 6 * 0.2 + 1))  # sent, and brought up first
+    holder.load.tier_hit_costs = TierHitCosts(0.05, 1.5, True)  # a disk slower than computing: not worth it
+    assert pulls.plan(hashes, puller, own=0.0) is None
