@@ -45,6 +45,16 @@ async def turn(prefill, decode, request_id: str, prompt) -> tuple[list[int], int
     return tokens, result.num_cached_tokens
 
 
+def one_process(loaded, prompt) -> list[int]:
+    """The prompt's output tokens computed from scratch in one engine."""
+    with LLMEngine(loaded, EngineConfig(num_kv_blocks=48)) as reference:
+        reference.add_request("ref", prompt, PARAMS)
+        tokens = []
+        while reference.has_unfinished_requests():
+            tokens += [t for out in reference.step() for t in out.token_ids]
+    return tokens
+
+
 def held_depth(replica, hashes) -> int:
     cached = set(replica.engine.cached_block_hashes())
     return next((i for i, h in enumerate(hashes) if h not in cached), len(hashes))
@@ -82,12 +92,7 @@ def test_the_next_turn_pulls_the_last_turn_from_the_decode_replica(replicas, tin
 
     second, held, tokens, cached = asyncio.run(scenario())
     assert cached == held * BLOCK  # the pulled blocks were not computed again
-    with LLMEngine(tiny_llama, EngineConfig(num_kv_blocks=48)) as reference:
-        reference.add_request("ref", second, PARAMS)
-        expected = []
-        while reference.has_unfinished_requests():
-            expected += [t for out in reference.step() for t in out.token_ids]
-    assert tokens == expected
+    assert tokens == one_process(tiny_llama, second)
 
 
 def test_a_pull_of_blocks_the_holder_lacks_fails_and_holds_nothing(replicas, tiny_llama):
@@ -145,9 +150,4 @@ def test_blocks_the_holder_keeps_only_on_its_host_tier_are_brought_up_and_sent(t
         for replica in (prefill, decode):
             asyncio.run(replica.shutdown())
     assert cached == depth * BLOCK and tiers.host_hits >= depth - 1  # up from the host, then sent
-    with LLMEngine(tiny_llama, EngineConfig(num_kv_blocks=48)) as reference:
-        reference.add_request("ref", second, PARAMS)
-        expected = []
-        while reference.has_unfinished_requests():
-            expected += [t for out in reference.step() for t in out.token_ids]
-    assert tokens == expected
+    assert tokens == one_process(tiny_llama, second)
