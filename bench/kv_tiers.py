@@ -1,9 +1,10 @@
 """KV tiers on the local cluster: `tandem bench --workload sessions` (multi-turn chats; or shared-prefix: groups of
-requests sharing a long prefix) against the colocated manifest with a small KV pool, tiers off against a host tier (and a host + disk tier), one run, the same seed and
-rate. The sessions' working set is several times the pool, so without tiers each turn's history was evicted and is
-computed again; with them it is copied back.
+requests sharing a long prefix) against the colocated manifest with a small KV pool, tiers off against a host tier
+(and a host + disk tier), one run, the same seed and rate. The sessions' working set is several times the pool, so
+without tiers each turn's history was evicted and is computed again; with them it is copied back.
 
-    .venv/bin/python bench/kv_tiers.py [--pool-blocks 128] [--sessions 8] [--turns 3] [--rate 0.5] [--modes off,host,disk]
+    .venv/bin/python bench/kv_tiers.py [--pool-blocks 128] [--sessions 8] [--turns 3] [--rate 0.5] \
+        [--modes off,host,disk]
 
 Each mode starts the cluster on a local Ray head this script starts and stops (none may be running). The last line
 is one JSON object: per mode, prefix hit rate, TTFT p50/p90, ITL p99 and the replica's tier counters; and the

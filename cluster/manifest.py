@@ -33,7 +33,7 @@ YAML.
       queue_timeout_s: 30
       max_migrations: 3             # moves of one request to another replica after a replica serving it died
       prefill_queue_tokens: 0       # late binding: wait at the router while the prefill replica has this many queued
-      prefix_pull_min_blocks: 4     # pull a prompt's prefix from the replica holding it when that saves this much (0: never)
+      prefix_pull_min_blocks: 4     # pull a prefix from a replica holding it if that saves this many blocks (0: off)
       request_timeout_s: 600        # every request's deadline (a client may ask for less: gRPC deadline, `timeout`)
       limits: {max_body_bytes: 4MiB, max_n: 8, max_batch_prompts: 32, ...}   # router/limits.py RequestLimits
     transport: {kind: ucx, host: null, lease_s: 30}

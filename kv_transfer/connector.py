@@ -25,9 +25,10 @@ engine steps. One request, disaggregated:
 A prefix pulled from a replica that holds it (KV tiers across replicas, engine/core/kv_tiers.py) is the same
 transfer with no request behind it: the puller's DecodeConnector.reserve_prefix() holds blocks for the prefix's
 tokens (whole blocks; those it caches already are its own, the rest are the descriptor's), the holder's
-PrefillConnector.send_prefix() holds its cached blocks of the descriptor's block hashes and sends them at once (same wire format, MACs and re-sharding), and once DONE the puller's keep_prefix() puts the
-blocks in its prefix cache, parked, for the request that comes next. Failures end as above; the holder's blocks
-are held until its side ends (past it, for a receiver that reads them from a shared store).
+PrefillConnector.send_prefix() holds its cached blocks of the descriptor's block hashes and sends them at once (same
+wire format, MACs and re-sharding), and once DONE the puller's keep_prefix() puts the blocks in its prefix cache,
+parked, for the request that comes next. Failures end as above; the holder's blocks are held until its side ends
+(past it, for a receiver that reads them from a shared store).
 """
 
 from __future__ import annotations

@@ -1,11 +1,12 @@
 """What every serving replica (prefill or decode worker) is around its engine: it builds the engine from its
 ReplicaSpec with a KV transfer agent on every rank, plugs its role's connector into the engine thread, runs the
-engine behind an AsyncEngine, and answers the calls every replica answers (contract.py's ReplicaAPI: ready,
-stats, kv_events, abort, check_integrity, shutdown); ready() reports its KV agents' addresses, and stats() the
-messages they dropped. A replica with KV agents also sends and receives prefix pulls (reserve_prefix,
-send_prefix, keep_prefix: router/prefix_pulls.py), whatever its role, with a connector of each kind. It remembers recently aborted request ids, so that a call arriving after its abort
-(calls and aborts may race across processes) is refused instead of holding blocks nobody frees. The role's own
-calls live in prefill_worker/replica.py and decode_worker/replica.py.
+engine behind an AsyncEngine, and answers the calls every replica answers (contract.py's ReplicaAPI: ready, stats,
+kv_events, abort, check_integrity, shutdown); ready() reports its KV agents' addresses, and stats() the messages
+they dropped. A replica with KV agents also sends and receives prefix pulls (reserve_prefix, send_prefix,
+keep_prefix: router/prefix_pulls.py), whatever its role, with a connector of each kind. It remembers recently
+aborted request ids, so that a call arriving after its abort (calls and aborts may race across processes) is refused
+instead of holding blocks nobody frees. The role's own calls live in prefill_worker/replica.py and
+decode_worker/replica.py.
 
 This module and the two role modules import the runtime (torch, the engine, the KV agents) only when a replica is
 built: every process that receives a replica's Ray handle imports its actor class's module (Ray reads the class's

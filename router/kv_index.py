@@ -140,9 +140,9 @@ class PrefixIndex:
         self._name_bits(alive, i, depth)
         return depth
 
-    def device_depth(self, replica: str, block_hashes: Sequence[int], *, tiers: bool = False) -> int:
-        """How many leading blocks of block_hashes replica's events say it holds on its device (tiers: or on a
-        lower tier). Expected ones are not counted: they may not be computed yet."""
+    def confirmed_depth(self, replica: str, block_hashes: Sequence[int], *, tiers: bool = False) -> int:
+        """How many leading blocks of block_hashes replica's events confirmed it holds on its device (tiers: or on
+        a lower tier). Expected ones are not counted: they may not be computed yet."""
         held = self._confirmed.get(replica, ())
         lower = self._lower.get(replica, {}) if tiers else {}
         depth = 0

@@ -380,7 +380,7 @@ class RequestDriver:
         if not self.decode:
             raise NoReplicaError(f"{lost}, and no decode replica is left") from None
         retry = replay.next_key("p")
-        plan = dataclasses.replace(self._plan(request), reason=PREFILL_DIED)  # counted (record) as a prefill after a death
+        plan = dataclasses.replace(self._plan(request), reason=PREFILL_DIED)  # recorded as a prefill after a death
         _log.warning("request %s: %s; prefilling it again on %s", replay.key.replica_id(), lost,
                      plan.prefill.name if plan.prefill else "a decode replica")
         if plan.prefill is not None:

@@ -9,20 +9,20 @@ copied up to its device first (it runs the prefix as a one-token request: its ti
 last block is computed), at their tier hit costs plus that block.
 
 The decision (plan(), plain Python over the router's own state): for the chosen prefill replica P, whose weighed
-cached prefix (Routing: device blocks whole, tier blocks by their hit cost) is `own` blocks, and each other
-replica H whose events say it holds `depth` leading blocks (on its device or tiers), a pull of those saves depth - own
+cached prefix (Routing: device blocks whole, tier blocks by their hit cost) is `own` blocks, and each other replica
+H whose events say it holds `depth` leading blocks (on its device or tiers), a pull of those saves depth - own
 blocks of prefill and costs pull_cost blocks of prefill for each block sent (those P does not hold on its device
-already: P keeps its own and receives the rest), where pull_cost is what pulling a block costs
-against computing it: measured from the pulls made so far (seconds per block over P's measured prefill seconds
-per block, averaged), PRIOR_PULL_COST before any. The pull with the largest saving is made when it saves at
-least RoutingSettings.pull_min_blocks blocks (0: never pull).
+already: P keeps its own and receives the rest), where pull_cost is what pulling a block costs against computing it:
+measured from the pulls made so far (seconds per block over P's measured prefill seconds per block, averaged),
+PRIOR_PULL_COST before any. The pull with the largest saving is made when it saves at least
+RoutingSettings.pull_min_blocks blocks (0: never pull).
 
 The pull (run()): P reserves blocks for the prefix's tokens (reserve_prefix, naming H's agents; its own cached
-blocks of the prefix are reused and the descriptor covers the rest), H sends its cached blocks of those hashes at once (send_prefix, returns once P's ranks have
-acknowledged them), P puts them in its prefix cache (keep_prefix); the prefill that follows finds them there.
-Any failure (H evicted them meanwhile, a transfer that failed, a replica that died, no room on P) abandons the
-pull: P's reservation is aborted (H learns it from its agents) and the prompt is computed as if no pull had been
-planned. Counted by outcome for /metrics.
+blocks of the prefix are reused and the descriptor covers the rest), H sends its cached blocks of those hashes at
+once (send_prefix, returns once P's ranks have acknowledged them), P puts them in its prefix cache (keep_prefix);
+the prefill that follows finds them there. Any failure (H evicted them meanwhile, a transfer that failed, a replica
+that died, no room on P) abandons the pull: P's reservation is aborted (H learns it from its agents) and the prompt
+is computed as if no pull had been planned. Counted by outcome for /metrics.
 """
 
 from __future__ import annotations
@@ -72,15 +72,15 @@ class PrefixPulls:
     def plan(self, hashes: Sequence[int], prefill: Replica, own: float) -> PullPlan | None:
         """The best pull for a prompt of block hashes `hashes` about to be computed on `prefill`, whose own cached
         prefix is worth `own` blocks. None: no pull pays."""
-        if not self.min_blocks or len(hashes) < self.min_blocks:
-            return None
+        if not self.min_blocks or len(hashes) - own < self.min_blocks:
+            return None  # (no pull can save more than the blocks it lacks: nothing more to look at)
         best: PullPlan | None = None
-        has = self.indexes[prefill.pool].device_depth(prefill.name, hashes)  # its own blocks are not sent
+        has = self.indexes[prefill.pool].confirmed_depth(prefill.name, hashes)  # its own blocks are not sent
         for holder in self.pools.all():
             if holder is prefill or (holder.info is not None and not holder.info.kv_addresses):
                 continue  # (a replica without KV agents sends nothing)
             index = self.indexes[holder.pool]
-            depth = index.device_depth(holder.name, hashes, tiers=True)
+            depth = index.confirmed_depth(holder.name, hashes, tiers=True)
             if not depth:
                 continue
             host, disk = index.lower_tier_blocks(holder.name, hashes[:depth])

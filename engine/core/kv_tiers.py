@@ -256,8 +256,9 @@ class KVTiers:
 
     def stats(self) -> TierStats:
         c = self._counts
-        return TierStats(len(self.host), self.host.num_slots, len(self.disk) if self.disk is not None else 0,
-                         self.disk.num_slots if self.disk is not None else 0, c["host_hits"], c["disk_hits"], c["saved"],
+        disk = self.disk
+        return TierStats(len(self.host), self.host.num_slots, len(disk) if disk is not None else 0,
+                         disk.num_slots if disk is not None else 0, c["host_hits"], c["disk_hits"], c["saved"],
                          c["spilled"], c["dropped"], dict(self.failures), self.block_bytes, self._copied[HOST],
                          self._copy_s[HOST], self._copied[DISK], self._copy_s[DISK])
 

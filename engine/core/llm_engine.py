@@ -323,13 +323,12 @@ class LLMEngine:
         return speculator.stats() if speculator is not None else None
 
     def stats(self) -> EngineStats:
-        stats = self.scheduler.stats()
-        costs = None
-        if stats.tiers is not None:
-            rate = self.prefill_tokens / self.prefill_s if self.prefill_s > 0 else None
-            costs = hit_costs(stats.tiers, rate, self.config.block_size)
-        return EngineStats(**vars(stats), num_steps=self.num_steps, prefill_tokens=self.prefill_tokens,
-                           prefill_s=self.prefill_s, tier_hit_costs=costs)
+        stats = EngineStats(**vars(self.scheduler.stats()), num_steps=self.num_steps,
+                            prefill_tokens=self.prefill_tokens, prefill_s=self.prefill_s)
+        if stats.tiers is None:
+            return stats
+        return dataclasses.replace(stats, tier_hit_costs=hit_costs(stats.tiers, stats.prefill_tokens_per_s,
+                                                                     self.config.block_size))
 
     def cached_block_hashes(self, tier: str = "device") -> tuple[int, ...]:
         """The hashes of every block on `tier` now: the prefix cache ("device"), or the KV tiers' "host" or

@@ -166,9 +166,9 @@ class PrefixIndexMachine(RuleBasedStateMachine):
         for r in REPLICAS:
             confirmed = self.ref.confirmed.get(r, set())
             anywhere = confirmed | self.ref.lower.get((r, HOST), set()) | self.ref.lower.get((r, DISK), set())
-            assert self.index.device_depth(r, query) == next(
+            assert self.index.confirmed_depth(r, query) == next(
                 (i for i, h in enumerate(query) if h not in confirmed), len(query))
-            assert self.index.device_depth(r, query, tiers=True) == next(
+            assert self.index.confirmed_depth(r, query, tiers=True) == next(
                 (i for i, h in enumerate(query) if h not in anywhere), len(query))
 
     @invariant()
