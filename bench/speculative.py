@@ -10,11 +10,15 @@ without, and reports output tokens per second and the ratio:
     each stream is different.
 Each (round, setting) gets a fresh engine (the proposer's cache and the cost model start empty: no round learns from
 the last one's identical outputs), the settings in rotating order within a round; the reported figure is the median
-over rounds. Outputs are checked to be identical to those without speculation (they must be, sampled or greedy).
+over rounds. Outputs are checked to be identical to those without speculation (in float32 they must be, sampled or
+greedy; in bfloat16 the share that is, same_outputs, is reported).
 Acceptance: accepted / proposed tokens, and tokens per verified step, from the engine's own counters.
 
     .venv/bin/python bench/speculative.py [--rounds 3] [--tokens 96] [--k 4] [--threads 2]
         [--workloads repetition,multi_turn,open_chat] [--proposers ngram,suffix,draft] [--replay] [--device cuda]
+
+The draft proposer's default draft ('self': the model's own GGUF weights packed 4-bit) runs on the CPU only, so
+--device cuda leaves it out of the default proposers.
 
 --replay adds the offline replay of the proposers against the model's own greedy output (acceptance only, no
 timing). The last line of output is one JSON object with every number.
@@ -122,20 +126,30 @@ def measure(loaded, workloads: dict, args) -> dict:
                     runs[name].append(engine_run(loaded, requests, args.tokens, batch, settings[name], args.k))
             off = statistics.median(run["tokens_per_s"] for run in runs["off"])
             row = {"off": {"tokens_per_s": round(off, 1)}}
+            reference = runs["off"][0]["outputs"]
             for name in list(settings)[1:]:
-                if any(run["outputs"] != runs["off"][0]["outputs"] for run in runs[name]):
+                same = min(same_outputs(run["outputs"], reference) for run in runs[name])
+                if same < 1 and loaded.model.dtype == torch.float32:
                     raise SystemExit(f"{workload} batch {batch}: {name} changed the output")
                 rate = statistics.median(run["tokens_per_s"] for run in runs[name])
                 last = runs[name][-1]
-                row[name] = {"tokens_per_s": round(rate, 1), "speedup": round(rate / off, 3),
+                row[name] = {"tokens_per_s": round(rate, 1), "speedup": round(rate / off, 3), "same_outputs": same,
                              **{k: last[k] for k in ("acceptance_rate", "tokens_per_verified_step", "verified_steps",
                                                      "declined_steps", "steps", "step_ms", "token_ms")}}
                 print(f"{workload:11s} batch {batch:2d} {name:6s}: {rate:7.1f} tok/s vs {off:7.1f} off = "
                       f"{rate / off:.2f}x; acceptance {last['acceptance_rate']}, "
                       f"{last['tokens_per_verified_step']} tokens per verified step; cost model: "
-                      f"{last['step_ms']} ms + {last['token_ms']} ms/token", file=sys.stderr)
+                      f"{last['step_ms']} ms + {last['token_ms']} ms/token; outputs as without speculation: "
+                      f"{same:.0%}", file=sys.stderr)
             results.setdefault(workload, {})[f"batch_{batch}"] = row
     return results
+
+
+def same_outputs(outputs: dict, reference: dict) -> float:
+    """The share of requests whose output is the reference's token for token. In float32 speculation must keep every
+    output (the main loop stops otherwise); in bfloat16 verifying several tokens in one pass sums in another order
+    than decoding them one by one, and a near-tie can round the other way (seen on an H200), so it is reported."""
+    return round(sum(outputs[key] == reference[key] for key in reference) / len(reference), 3)
 
 
 def greedy_outputs(loaded, chats, tokens: int) -> list[tuple[list[int], list[int]]]:
@@ -189,11 +203,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated subset")
-    parser.add_argument("--proposers", default="ngram,suffix,draft", help="comma-separated subset")
+    parser.add_argument("--proposers", default=None,
+                        help="comma-separated subset (default ngram,suffix,draft; ngram,suffix on cuda)")
     parser.add_argument("--replay", action="store_true", help="also replay the proposers offline")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                         help="where the engine runs (float32 on the CPU, bfloat16 on CUDA)")
     args = parser.parse_args()
+    if args.proposers is None:
+        args.proposers = "ngram,suffix,draft" if args.device == "cpu" else "ngram,suffix"
     torch.set_num_threads(args.threads)
 
     from tandem.engine.decoding.proposers import NgramProposer

@@ -16,9 +16,10 @@ from pydantic import ValidationError
 
 from tandem.cluster.manifest import COLOCATED_HAS_PREFILL, MODE_NEEDS_PREFILL, ApiKey, Manifest, TLSSettings
 from tandem.cluster.manifest_yaml import ManifestError, ManifestInvalid, line_map, manifest_from, read_text, read_yaml
+from tandem.engine.engine_config import SELF_DRAFT
 from tandem.engine.errors import ModelLoadError
 from tandem.engine.hardware.cpu_affinity import format_cpus, offered_cpus
-from tandem.engine.hardware.device import DEVICES
+from tandem.engine.hardware.device import DEVICES, planned_device
 from tandem.router.tls import TLSFileError, check_certificates
 
 
@@ -139,6 +140,13 @@ def _device_errors(name: str, pool: dict) -> list[ManifestError]:
     if device == "cuda" and gpus == 0:
         errors.append(ManifestError(f"pools.{name}.engine.device", "device: cuda, but the pool's ranks ask for no GPU",
                                     f"give each rank a GPU (pools.{name}.resources.gpus: 1), or set device: cpu"))
+    speculative = _get(pool, "engine", "speculative")  # read by the replicas that decode only
+    if (name == "decode" and planned_device(device, gpus) == "cuda" and isinstance(speculative, dict)
+            and speculative.get("proposer") == "draft" and speculative.get("draft", SELF_DRAFT) == SELF_DRAFT):
+        errors.append(ManifestError(
+            f"pools.{name}.engine.speculative.draft", "the draft 'self' (the target's GGUF weights packed 4-bit) runs "
+            "on the CPU only, and this pool computes on CUDA", "name a smaller model of the same vocabulary as the "
+            "draft, or use the suffix or ngram proposer"))
     if world_size > 1 and 0 < gpus < 1:
         errors.append(ManifestError(
             f"pools.{name}.resources.gpus", f"{gpus:g} of a GPU per rank, but a replica of this pool has "

@@ -31,6 +31,7 @@ KV_CACHE_DTYPES = get_args(KVCacheDtype)
 
 ProposerName = Literal["ngram", "suffix", "draft"]  # speculative decoding's proposers (engine/decoding/speculation.py)
 PROPOSERS = get_args(ProposerName)
+SELF_DRAFT = "self"  # the draft setting for the target's own GGUF weights run packed 4-bit (the CPU only)
 
 
 @dataclass(frozen=True)
@@ -48,7 +49,7 @@ class SpeculativeConfig:
     ngram_max: Annotated[int, Ge(1)] = 4
     suffix_cached_requests: Annotated[int, Ge(0)] = 256
     adaptive: bool = True
-    draft: str = "self"
+    draft: str = SELF_DRAFT
 
     def __post_init__(self) -> None:
         if self.proposer not in PROPOSERS:

@@ -32,6 +32,7 @@ import torch
 from tandem.engine.attention import AttentionMetadata
 from tandem.engine.decoding.sampler import SampleRequest, sample_batch
 from tandem.engine.decoding.speculation import StepCost
+from tandem.engine.engine_config import SELF_DRAFT
 from tandem.engine.kv.block_pool import BlockPool
 from tandem.engine.kv.kv_cache import KVCacheSpec, PagedKVCache
 from tandem.engine.models.step import run_step
@@ -42,17 +43,22 @@ if TYPE_CHECKING:
     from tandem.engine.models import LlamaModel
     from tandem.engine.request import Sequence as Seq
 
-SELF = "self"  # the draft setting for the target's own GGUF weights, packed
+SELF = SELF_DRAFT
 _GREEDY = SamplingParams(temperature=0)
 
 
 def load_draft(target: LoadedModel, draft: str, device: torch.device) -> LoadedModel:
-    """The draft model: `draft` is SELF (the target's GGUF, packed 4-bit) or a model path. Raises ValueError when it
-    cannot be loaded or cannot serve as this target's draft (no packed layers, another vocabulary)."""
+    """The draft model: `draft` is SELF (the target's GGUF, packed 4-bit: the CPU only) or a model path. Raises
+    ValueError when it cannot be loaded or cannot serve as this target's draft (SELF off the CPU, no packed layers,
+    another vocabulary)."""
     from tandem.engine.loader import load_model
     from tandem.engine.models.int4 import Int4Linear
 
     if draft == SELF:
+        if device.type != "cpu":
+            raise ValueError(f"the draft 'self' runs the target's GGUF weights packed 4-bit, which only the CPU runs "
+                             f"(torch's int4 CPU kernel); on {device.type} name a smaller model of the same "
+                             "vocabulary as the draft (speculative.draft)")
         loaded = load_model(target.source, dtype=torch.bfloat16, device=device, weight_format="packed",
                             progress=False)
         if not any(isinstance(p, Int4Linear) for p in loaded.model.projections()):

@@ -262,6 +262,24 @@ pools:
     assert "pools.decode.resources.gpus: 1" in no_gpu.hint and "device: cpu" in no_gpu.hint
 
 
+def test_the_self_draft_is_refused_on_a_decode_pool_that_computes_on_cuda(tmp_path):
+    """The draft 'self' runs packed 4-bit weights, which only the CPU runs: a decode pool on a GPU (auto with a GPU
+    share, or device cuda) gets an error at its draft; on the CPU it passes, and the prefill pool never decodes."""
+    text = """\
+pools:
+  prefill:
+    resources: {gpus: 0.5}
+    engine: {speculative: {proposer: draft}}
+  decode:
+    resources: {gpus: GPUS}
+    engine: {speculative: {proposer: draft, draft: self}}
+"""
+    errors = manifest_errors(write_manifest(tmp_path, text.replace("GPUS", "0.5")))
+    assert [(e.path, e.line) for e in errors] == [("pools.decode.engine.speculative.draft", 7)]
+    assert "CPU only" in errors[0].message and "smaller model of the same vocabulary" in errors[0].hint
+    assert validate_file(write_manifest(tmp_path, text.replace("GPUS", "0"))).pools.decode.engine.speculative
+
+
 def test_a_single_rank_may_share_a_gpu_and_whole_gpus_are_whole(tmp_path):
     shared = write_manifest(tmp_path, """\
 pools:

@@ -7,8 +7,10 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from tandem.engine.core.llm_engine import LLMEngine
+from tandem.engine.decoding.draft_proposer import SELF, load_draft
 from tandem.engine.decoding.speculation import Speculator, StepCost
 from tandem.engine.engine_config import EngineConfig, SpeculativeConfig
 from tandem.engine.kv.kv_events import BlockStored, KVEventRecorder
@@ -282,6 +284,10 @@ def test_a_draft_the_engine_cannot_run_is_refused_with_the_reason(tmp_path, embe
                   parallel=ParallelConfig(pp=2))
     with pytest.raises(ValueError, match="proposer"):
         SpeculativeConfig(proposer="eagle")
+    # Packed 4-bit weights run on the CPU only: on a GPU the draft 'self' is refused before anything is loaded (the
+    # H200 run of bench/speculative.py --device cuda found the engine failing deep inside the draft's build).
+    with pytest.raises(ValueError, match="only the CPU runs .* on cuda name a smaller model"):
+        load_draft(embedded, SELF, torch.device("cuda"))
 
 
 def test_the_draft_depth_follows_the_batch_cost():

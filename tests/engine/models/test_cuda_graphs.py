@@ -1,8 +1,8 @@
 """The decode step as CUDA graphs (engine/models/cuda_graphs.py), full (attention inside) or piecewise: greedy tokens
-identical to eager on the GPU, every bucket captured at start-up and none on a request, piecewise where full graphs
-do not apply or fail to capture, eager where no bucket holds a batch. The bucket arithmetic and when full graphs
-apply are checked on any machine (the full graph's body on the CPU: test_decode_bucket.py); the rest needs a CUDA
-GPU (marked gpu, skipped without one)."""
+identical to eager on the GPU (in float32; in bfloat16 up to a near-tie: BF16_TIE), every bucket captured at
+start-up and none on a request, piecewise where full graphs do not apply or fail to capture, eager where no bucket
+holds a batch. The bucket arithmetic and when full graphs apply are checked on any machine (the full graph's body
+on the CPU: test_decode_bucket.py); the rest needs a CUDA GPU (marked gpu, skipped without one)."""
 
 from __future__ import annotations
 
@@ -20,10 +20,17 @@ from tandem.engine.loader import load_model
 from tandem.engine.models import cuda_graphs
 from tandem.engine.models.cuda_graphs import CudaGraphDecode, batch_buckets, bucket_for, why_not_full
 from tandem.engine.models.decode_bucket import BucketShape, DecodeInputs, run_body
-from tests.engine.models.test_compiled import _greedy
+from tandem.engine.sampling_params import SamplingParams
+from tests.engine.engine_helpers import run_all
+from tests.engine.models.test_compiled import NUM_TOKENS, _greedy
 from tests.engine.test_parity_embedded import PROMPTS, _prompt_ids
 
 GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")]
+# In bfloat16 a graph's decode kernel splits the keys by its bucket's fixed table width where eager splits by the
+# batch's, so attention sums in another order and a logit can round to its neighbouring bfloat16 value (0.125 apart
+# at magnitudes 16-32). On the H200 (2026-11-28) one of seven prompts took the other token at step 17 of 32. So in
+# bfloat16 greedy tokens may part only where eager's top two log-probabilities were within this many nats.
+BF16_TIE = 0.25
 
 
 def test_buckets_double_to_eight_then_step_by_eight_and_end_at_the_largest_batch():
@@ -81,16 +88,17 @@ def test_greedy_tokens_from_full_graphs_are_eager_tokens_on_the_parity_prompts(c
     as prompts finish: padded to 8, 4 and 2), against the same engine eager on the same GPU: each decode step one
     replay of its bucket's full graph, attention included."""
     prompts = [_prompt_ids(cuda_model.tokenizer, spec) for _, spec in sorted(PROMPTS.items())]
+    tie = BF16_TIE if cuda_model.model.dtype == torch.bfloat16 else 0.0
     with _engine(cuda_model, False, max_num_seqs) as eager:
         assert eager.executor.runner.compiled is None
-        expected = _greedy(eager, prompts)
+        expected, margins = _greedy_with_margins(eager, prompts)
     with _engine(cuda_model, True, max_num_seqs) as engine:
         graphs = engine.executor.runner.compiled
         assert isinstance(graphs, CudaGraphDecode) and graphs.full, graphs.why_piecewise
         assert graphs.compiles == len(batch_buckets(max_num_seqs))
         assert engine.rank_placements[0].decode_step == f"CUDA graphs, full ({graphs.buckets} sequences)"
         got = _greedy(engine, prompts)
-        _assert_same_tokens(got, expected)
+        _assert_same_tokens(got, expected, margins, tie)
         assert graphs.steps > 0 and graphs.fallbacks == 0  # decode steps replayed graphs, none ran eager
         assert graphs.compiles == len(batch_buckets(max_num_seqs))  # none captured on a request
         engine.check_integrity()
@@ -99,8 +107,9 @@ def test_greedy_tokens_from_full_graphs_are_eager_tokens_on_the_parity_prompts(c
 @pytest.mark.gpu
 def test_a_failed_full_capture_falls_back_to_piecewise_graphs_with_eager_tokens(cuda_model, monkeypatch, caplog):
     prompts = [_prompt_ids(cuda_model.tokenizer, spec) for _, spec in sorted(PROMPTS.items())]
+    tie = BF16_TIE if cuda_model.model.dtype == torch.bfloat16 else 0.0
     with _engine(cuda_model, False, 8) as eager:
-        expected = _greedy(eager, prompts)
+        expected, margins = _greedy_with_margins(eager, prompts)
 
     def fail(*args):
         raise RuntimeError("forced for the test")
@@ -113,7 +122,7 @@ def test_a_failed_full_capture_falls_back_to_piecewise_graphs_with_eager_tokens(
         assert graphs.why_piecewise == "full capture failed: RuntimeError: forced for the test"
         assert "run piecewise: full capture failed" in caplog.text
         assert engine.rank_placements[0].decode_step == f"CUDA graphs, piecewise ({graphs.buckets} sequences)"
-        _assert_same_tokens(_greedy(engine, prompts), expected)
+        _assert_same_tokens(_greedy(engine, prompts), expected, margins, tie)
         assert graphs.steps > 0 and graphs.fallbacks == 0 and graphs.compiles == len(batch_buckets(8))
 
 
@@ -153,17 +162,21 @@ def test_a_replayed_full_graph_is_its_body_and_padding_writes_nothing_else(cuda_
     assert graphs.fallbacks == 1
 
 
-def _assert_same_tokens(got: list[list[int]], expected: list[list[int]]) -> None:
+def _greedy_with_margins(engine: LLMEngine, prompts: list[list[int]]) -> tuple[list[list[int]], list[list[float]]]:
+    """Greedy tokens and, per step, the gap between the top two log-probabilities."""
+    params = SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True, logprobs=2)
+    for i, ids in enumerate(prompts):
+        engine.add_request(f"r{i}", ids, params)
+    done = run_all(engine)
+    runs = [done[(f"r{i}", 0)] for i in range(len(prompts))]
+    return ([run.token_ids for run in runs],
+            [[lp.top_logprobs[0][1] - lp.top_logprobs[1][1] for lp in run.logprobs] for run in runs])
+
+
+def _assert_same_tokens(got: list[list[int]], expected: list[list[int]], margins: list[list[float]],
+                        tie: float) -> None:
+    """got equals expected, but that a prompt may part where expected's top-two margin was at most tie."""
     diverged = {i: next(j for j, (a, b) in enumerate(zip(g, e)) if a != b)
                 for i, (g, e) in enumerate(zip(got, expected)) if g != e}
-    assert not diverged, f"prompt -> first differing token: {diverged}"
-
-
-@pytest.mark.gpu
-def test_a_batch_larger_than_every_bucket_is_left_to_eager(cuda_model):
-    graphs = CudaGraphDecode(cuda_model.model, 2)  # no KV cache given: piecewise
-    graphs.warm_up()
-    assert graphs.kind == "CUDA graphs, piecewise" and "were not given" in graphs.why_piecewise
-    ids = torch.zeros(3, dtype=torch.int64, device="cuda")
-    assert graphs(ids, ids.clone(), None, None, None) is None  # returns before it reads the step
-    assert graphs.fallbacks == 1 and graphs.steps == 0 and graphs.compiles == 2
+    beyond_tie = {i: (j, round(margins[i][j], 4)) for i, j in diverged.items() if margins[i][j] > tie}
+    assert not beyond_tie, f"prompt -> (first differing token, eager's top-two margin there): {beyond_tie}"
