@@ -28,16 +28,18 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 BENCHES = ("attention_kernels", "engine_throughput", "compiled_step", "engine_throughput_8b")
-# Issue 45's targets: (what, the summary's section and key, comparison, bound). Speeds are bf16 on one H100 or H200.
+# Issue 45's targets: (what, the summary's section and key, comparison, bound, the card it is set for: None for any).
+# Speeds are bf16 on one H100 or H200; a target set for one card is not judged on another.
 TARGETS = (
     ("decode attention, fraction of measured HBM bandwidth at 64 x 4k", "attention_kernels",
-     "decode_fraction_of_bandwidth", ">=", 0.70),
+     "decode_fraction_of_bandwidth", ">=", 0.70, None),
     ("prefill attention, fraction of measured bf16 matmul rate at 8k", "attention_kernels",
-     "prefill_fraction_of_matmul_rate", ">=", 0.50),
-    ("embedded model's decode step at batch 64, ms", "compiled_step", "batch_64_step_ms", "<=", 2.0),
-    ("Llama-3.1-8B shape, batch-1 decode tok/s (H100)", "engine_throughput_8b", "batch_1_tokens_per_s", ">=", 150.0),
+     "prefill_fraction_of_matmul_rate", ">=", 0.50, None),
+    ("embedded model's decode step at batch 64, ms", "compiled_step", "batch_64_step_ms", "<=", 2.0, None),
+    ("Llama-3.1-8B shape, batch-1 decode tok/s (H100)", "engine_throughput_8b", "batch_1_tokens_per_s", ">=", 150.0,
+     "H100"),
     ("Llama-3.1-8B shape, 64 x (512 + 256) tokens against transformers static batching", "engine_throughput_8b",
-     "speedup_vs_transformers_static", ">=", 1.5),
+     "speedup_vs_transformers_static", ">=", 1.5, None),
 )
 
 
@@ -153,17 +155,22 @@ def bench_result(results: Path, name: str, numbers) -> dict:
 def check_targets(sections: dict) -> list[dict]:
     """Each of TARGETS with its measured value (None where its benchmark left none) and whether it is met."""
     found = []
-    for what, section, key, op, bound in TARGETS:
+    for what, section, key, op, bound, card in TARGETS:
         value = sections.get(section, {}).get(key)
+        gpu = sections.get(section, {}).get("gpu") or sections.get(section, {}).get("device") or ""
         met = None if value is None else (value >= bound if op == ">=" else value <= bound)
-        found.append({"target": what, "value": value, "bound": f"{op} {bound:g}", "met": met})
+        target = {"target": what, "value": value, "bound": f"{op} {bound:g}", "met": met}
+        if value is not None and card is not None and card not in gpu:
+            target |= {"met": None, "not_judged": f"measured on {gpu or 'an unnamed GPU'}; the target is an {card}'s"}
+        found.append(target)
     return found
 
 
 def target_line(t: dict) -> str:
     if t["value"] is None:
         return f"target {t['target']} {t['bound']}: not measured"
-    return f"target {t['target']} {t['bound']}: {t['value']:.3g}, {'met' if t['met'] else 'NOT met'}"
+    verdict = f"not judged ({t['not_judged']})" if "not_judged" in t else "met" if t["met"] else "NOT met"
+    return f"target {t['target']} {t['bound']}: {t['value']:.3g}, {verdict}"
 
 
 def _section(label: str, result: dict, describe) -> str:
@@ -190,8 +197,10 @@ def _throughput_line(t: dict) -> str:
 def _graphs_line(g: dict) -> str:
     speedups = ", ".join(f"batch {b}: {x:.2f}x ({g['tokens_per_s'][b]:.0f} tok/s)"
                          for b, x in g["speedup_vs_eager"].items())
+    tokens = ("greedy tokens equal" if g["greedy_tokens_equal"] else "greedy tokens part from eager's at bfloat16 "
+              "near-ties (the gpu tests bound where)")
     return (f"decode step as {g['decode_step']} on {g['gpu']} ({g['dtype']}), captured in "
-            f"{g['capture_s']:.1f} s, against eager: {speedups}; greedy tokens equal")
+            f"{g['capture_s']:.1f} s, against eager: {speedups}; {tokens}")
 
 
 def _shape_line(m: dict) -> str:
@@ -210,7 +219,9 @@ def summarize(results: Path) -> tuple[list[str], dict, bool]:
     throughput = bench_result(results, "engine_throughput", throughput_numbers)
     graphs = bench_result(results, "compiled_step", graphs_numbers)
     shape = bench_result(results, "engine_throughput_8b", shape_numbers)
-    if graphs["ok"] and not graphs["greedy_tokens_equal"]:
+    # In bfloat16 a graph's attention sums in its bucket's split order, so greedy tokens may part at near-ties
+    # (tests/engine/models/test_cuda_graphs.py bounds where); in float32 they must not.
+    if graphs["ok"] and not graphs["greedy_tokens_equal"] and graphs.get("dtype") != "bfloat16":
         graphs |= {"ok": False, "problem": "the CUDA graphs' greedy tokens differ from eager's"}
     ok = (tests["exit"] == 0 and "problem" not in tests and attention["ok"] and throughput["ok"] and graphs["ok"]
           and shape["ok"])
