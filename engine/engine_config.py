@@ -62,6 +62,25 @@ class SpeculativeConfig:
             raise ValueError(f"suffix_cached_requests must be >= 0, got {self.suffix_cached_requests}")
 
 
+MAX_LORA_RANK = 256
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    """LoRA adapters served beside the base model (engine/models/lora.py): max_loaded adapters at once per replica
+    in a preallocated pool (others wait, least recently used leaves first), each of rank up to max_rank. Raises
+    ValueError for values out of range."""
+
+    max_rank: Annotated[int, Interval(ge=1, le=MAX_LORA_RANK)] = 64
+    max_loaded: Annotated[int, Ge(1)] = 4
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.max_rank <= MAX_LORA_RANK:
+            raise ValueError(f"lora max_rank must be in 1..{MAX_LORA_RANK}, got {self.max_rank}")
+        if self.max_loaded < 1:
+            raise ValueError(f"lora max_loaded must be at least 1, got {self.max_loaded}")
+
+
 @dataclass(frozen=True)
 class KVTiersConfig:
     """KV cache tiers below the device's pool (engine/core/kv_tiers.py): prefix blocks the pool evicts are kept in
@@ -110,6 +129,8 @@ class EngineConfig:
     kv_cache_dtype: KVCacheDtype = "auto"
     # KV tiers below the device pool (host memory, local disk) for evicted prefix blocks; None: the pool only.
     kv_tiers: KVTiersConfig | None = None
+    # LoRA adapters (engine/models/lora.py): None serves the base model only.
+    lora: LoRAConfig | None = None
 
     def __post_init__(self) -> None:
         if self.kv_tiers is not None and not self.enable_prefix_caching:

@@ -14,7 +14,7 @@ import enum
 from dataclasses import dataclass
 from typing import Sequence as Seq
 
-from tandem.engine.kv.prefix_cache import BlockHasher, extend_block_hashes, hash_block_tokens
+from tandem.engine.kv.prefix_cache import BlockHasher, extend_block_hashes, hash_block_tokens, kv_salt
 from tandem.engine.sampling_params import SamplingParams
 
 
@@ -69,7 +69,8 @@ class Sequence:
         self.num_preemptions = 0
         self.block_hashes: list[int] = []
         self._tokens: list[int] = list(self.prompt_token_ids)
-        extend_block_hashes(self.block_hashes, self._tokens, self.block_size, self.cache_salt, self.hasher)
+        self.hash_salt = kv_salt(self.cache_salt, self.params.lora)  # what the block hashes include
+        extend_block_hashes(self.block_hashes, self._tokens, self.block_size, self.hash_salt, self.hasher)
 
     @property
     def token_ids(self) -> Seq[int]:
@@ -98,7 +99,7 @@ class Sequence:
         self.output_token_ids.append(token_id)
         self._tokens.append(token_id)
         if len(self._tokens) % self.block_size == 0:
-            extend_block_hashes(self.block_hashes, self._tokens, self.block_size, self.cache_salt, self.hasher)
+            extend_block_hashes(self.block_hashes, self._tokens, self.block_size, self.hash_salt, self.hasher)
 
     def resume(self, output_token_ids: Seq[int]) -> None:
         """Starts the sequence with output tokens another replica already generated (a migrated request,

@@ -11,6 +11,7 @@ from tandem.engine.structured_output import StructuredOutput
 
 MAX_LOGPROBS = 20
 MAX_SPECULATIVE_TOKENS = 16  # proposals per sequence and step, at most (engine/decoding/speculation.py)
+MAX_LORA_NAME = 128  # characters of a LoRA adapter's name
 
 
 def _as_int(name: str, value: object) -> int:
@@ -43,7 +44,8 @@ class SamplingParams:
     chosen token's log-probability plus the k most likely alternatives. structured: what the output must match
     (a JSON schema, regex, choice or grammar: engine/structured_output.py), or None. speculative_tokens: at most
     this many proposed tokens per step for this request on a replica that speculates (engine/decoding/speculation.py; 0
-    turns it off for the request, None leaves it to the replica); the output is the same either way.
+    turns it off for the request, None leaves it to the replica); the output is the same either way. lora: the name
+    of the LoRA adapter to compute with (engine/models/lora.py), None for the base model; its KV is its own.
 
     Raises ValueError naming the field and its allowed range when a value is out of range or of the wrong type.
     """
@@ -64,6 +66,7 @@ class SamplingParams:
     logprobs: int | None = None
     structured: StructuredOutput | None = None
     speculative_tokens: int | None = None
+    lora: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("n", "max_tokens", "top_k"):
@@ -118,6 +121,8 @@ class SamplingParams:
         if self.speculative_tokens is not None and not 0 <= self.speculative_tokens <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"speculative_tokens must be in [0, {MAX_SPECULATIVE_TOKENS}] or None, "
                              f"got {self.speculative_tokens}")
+        if self.lora is not None and (not isinstance(self.lora, str) or not 0 < len(self.lora) <= MAX_LORA_NAME):
+            raise ValueError(f"lora must be an adapter name of 1..{MAX_LORA_NAME} characters, got {self.lora!r}")
         if self.structured is not None:
             if not isinstance(self.structured, StructuredOutput):
                 raise ValueError(f"structured must be a StructuredOutput, got {type(self.structured).__name__}")

@@ -118,6 +118,15 @@ class TierOps:
 
 
 @dataclass(frozen=True)
+class LoRAChange:
+    """An adapter registered under `name` from the PEFT folder `path` (engine/loader/lora_adapter.py), or
+    unregistered (path None): every rank learns it with the next step and reads the adapter when a step uses it."""
+
+    name: str
+    path: str | None
+
+
+@dataclass(frozen=True)
 class SchedulerOutput:
     new_seqs: tuple[NewSequenceData, ...] = ()
     cached_seqs: tuple[CachedSequenceData, ...] = ()
@@ -127,6 +136,7 @@ class SchedulerOutput:
     finished_seq_ids: frozenset[str] = frozenset()  # finished, aborted or preempted since the last step
     spec_tokens: Mapping[str, tuple[int, ...]] = field(default_factory=dict)  # seq id -> proposed tokens
     tier_ops: TierOps = TierOps()
+    lora_changes: tuple[LoRAChange, ...] = ()  # set by the engine: adapters registered or gone since the last step
 
     @property
     def total_num_scheduled_tokens(self) -> int:

@@ -134,7 +134,7 @@ class KVCacheManager:
         for i in range(table.num_cached_blocks, num_full):
             parent = seq.block_hashes[i - 1] if i else None
             tokens = seq.token_ids[i * self.block_size:(i + 1) * self.block_size]
-            self.cache.insert(table.blocks[i], seq.block_hashes[i], parent, tokens, seq.cache_salt)
+            self.cache.insert(table.blocks[i], seq.block_hashes[i], parent, tokens, seq.hash_salt)
         table.num_cached_blocks = max(table.num_cached_blocks, num_full)
 
     def trim(self, seq: Sequence, num_tokens: int) -> int:

@@ -36,6 +36,7 @@ from typing import Callable, Mapping, Sequence as Seq, TypeVar
 
 from tandem.engine.core.kv_cache_manager import KVCacheManager
 from tandem.engine.core.kv_tiers import KVTiers, TierHitCosts, hit_costs
+from tandem.engine.core.lora_registry import LoRARegistry
 from tandem.engine.kv.tier_plan import plan_tiers
 from tandem.engine.core.output_processor import OutputProcessor, RequestOutput
 from tandem.engine.core.resume import ResumeState
@@ -119,10 +120,12 @@ class LLMEngine:
                           block_bytes=self.kv_cache_spec.bytes_per_block) if self.tier_plan else None)
         self.scheduler = Scheduler(
             SchedulerConfig(max_model_len=max_len, max_num_batched_tokens=config.max_num_batched_tokens,
-                            max_num_seqs=config.max_num_seqs, enable_chunked_prefill=config.enable_chunked_prefill),
+                            max_num_seqs=config.max_num_seqs, enable_chunked_prefill=config.enable_chunked_prefill,
+                            max_loras=config.lora.max_loaded if config.lora is not None else 0),
             self.kv_manager, frozenset(self.tokenizer.eos_token_ids),
             Speculator(config.speculative, built.proposer) if config.speculative is not None else None)
         self.outputs = OutputProcessor(self.tokenizer)
+        self.lora = LoRARegistry(config.lora, model_config)  # the LoRA adapters served (load_lora)
         self.num_steps = 0
         self.prefill_tokens, self.prefill_s = 0, 0.0
         self._arrivals = 0
@@ -146,6 +149,7 @@ class LLMEngine:
         if (bad := next((t for t in prompt_token_ids if not 0 <= t < self.vocab_size), None)) is not None:
             raise ValueError(f"prompt token id {bad} is outside the vocabulary (0..{self.vocab_size - 1})")
         params.check_vocab(self.vocab_size)
+        self.lora.check(params)  # UnknownAdapterError (a ValueError) for an adapter not loaded
         if params.structured is not None:  # raises InvalidStructuredOutput (a ValueError) with the compiler's message
             grammar = self.grammars.compile(params.structured)
             if resume is not None:  # the delivered tokens must fit the grammar they were sampled under
@@ -274,6 +278,19 @@ class LLMEngine:
             del self.scheduler.hold_after[request_id]
         return self.scheduler.kv.release(key)
 
+    def load_lora(self, name: str, path: str) -> float:
+        """Serves the PEFT adapter at `path` as `name` (replacing one of that name: requests already running with it
+        finish on the new weights); returns the seconds its check took. Raises ValueError (LoRAAdapterError for the
+        adapter's files)."""
+        return self.lora.load(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        """Stops serving adapter `name`. Raises UnknownAdapterError if it is not loaded, ValueError while requests
+        use it."""
+        if users := sum(seq.params.lora == name for seq in self.scheduler.seqs.values()):
+            raise ValueError(f"LoRA adapter {name!r} is in use by {users} unfinished request(s)")
+        self.lora.unload(name)
+
     def abort_request(self, request_id: str) -> list[RequestOutput]:
         """Ends a request now, freeing its blocks; returns its final outputs (empty for an unknown or finished id)."""
         return self.outputs.aborted(self.scheduler.abort_request(request_id))
@@ -290,6 +307,8 @@ class LLMEngine:
         sample that got tokens (a speculating sample may get several in one output)."""
         start = time.perf_counter()
         schedule = self.scheduler.schedule()
+        if changes := self.lora.take_changes():
+            schedule = dataclasses.replace(schedule, lora_changes=changes)
         executed = time.perf_counter()
         result = self.executor.execute_step(schedule)
         if any(n > 1 + len(schedule.spec_tokens.get(i, ())) for i, n in schedule.num_scheduled_tokens.items()):

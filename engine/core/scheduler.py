@@ -22,7 +22,7 @@ back in the queue, holding them, with the run computed up to the first block a d
 A sequence whose prompt KV arrives by transfer skips the queue: reserve() gives it blocks for the whole prompt and
 parks it in WAITING_FOR_KV (never scheduled nor preempted); admit_transferred() makes it RUNNING with its prompt
 computed and its first token (sampled by the prefill replica) appended, or (a prefix pulled from another replica)
-ends it with its blocks cached.
+ends it with its blocks cached. At most max_loras LoRA adapters run or wait for KV at once.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from tandem.engine.core.kv_cache_manager import NO_MATCH, Allocation, KVCacheManager
-from tandem.engine.core.scheduler_stats import SchedulerStats
+from tandem.engine.core.scheduler_stats import SchedulerStats, collect_stats
 from tandem.engine.errors import TandemError
 from tandem.engine.request import RequestStatus, Sequence, token_stop_status
 from tandem.engine.sampled_token import SampledToken
@@ -55,6 +55,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 128
     enable_chunked_prefill: bool = True
+    max_loras: int = 0  # LoRA adapters that may run at once (the runner's pool: engine/models/lora.py)
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "max_num_batched_tokens", "max_num_seqs"):
@@ -141,7 +142,8 @@ class Scheduler:
         if seq.fork_seeds:
             raise ValueError("a request whose KV arrives by transfer must have n=1")
         match = self.kv.match_prefix(seq) if cached else NO_MATCH
-        if self.kv.allocate(seq, seq.num_prompt_tokens - match.num_cached_tokens, match) is None:
+        if not self._fits(seq, False) or self.kv.allocate(seq, seq.num_prompt_tokens - match.num_cached_tokens,
+                                                          match) is None:
             return None
         seq.status = RequestStatus.WAITING_FOR_KV
         self._track(seq)
@@ -274,7 +276,7 @@ class Scheduler:
         # Sequences whose prefix came up from a tier go first, wherever they wait: they hold their blocks, their
         # first chunk's included (taken as they loaded), so they never wait for anyone's and never block anyone.
         for seq in [s for s in self.waiting if s.seq_id in self._loaded]:
-            if budget == 0 or len(self.running) + 1 + len(seq.fork_seeds) > self.config.max_num_seqs:
+            if budget == 0 or not self._fits(seq):
                 break
             room = len(self.kv.block_table(seq.seq_id)) * self.kv.block_size - seq.num_computed_tokens
             count = min(self._chunk(seq, seq.num_tokens - seq.num_computed_tokens, budget), room)
@@ -284,7 +286,7 @@ class Scheduler:
                 budget -= self._start(seq, count, allocation, scheduled, allocations)
         while self.waiting and budget > 0 and self.waiting[0].seq_id not in self._loaded:
             seq = self.waiting[0]
-            if len(self.running) + 1 + len(seq.fork_seeds) > self.config.max_num_seqs:
+            if not self._fits(seq):
                 break
             match = self.kv.match_prefix(seq)
             if tier_blocks := self.kv.match_tiers(seq, match):
@@ -308,6 +310,13 @@ class Scheduler:
             seq.num_computed_tokens = match.num_cached_tokens
             budget -= self._start(seq, count, allocation, scheduled, allocations)
         return budget
+
+    def _fits(self, seq: Sequence, count_seqs: bool = True) -> bool:
+        """Whether seq (and its forks) may start now: the sequence cap, and max_loras adapters running or reserved."""
+        if count_seqs and len(self.running) + 1 + len(seq.fork_seeds) > self.config.max_num_seqs:
+            return False
+        adapters = {s.params.lora for s in (*self.running, *self.reserved.values(), seq)} - {None}
+        return len(adapters) <= self.config.max_loras
 
     def _start(self, seq: Sequence, count: int, allocation: Allocation, scheduled: dict[str, int],
                allocations: dict[str, Allocation]) -> int:
@@ -421,16 +430,7 @@ class Scheduler:
         return updates
 
     def stats(self) -> SchedulerStats:
-        pool = self.kv.pool
-        queried = self.num_prompt_tokens_queried
-        return SchedulerStats(
-            num_running=len(self.running), num_waiting=len(self.waiting), num_blocks_total=pool.num_blocks,
-            num_blocks_in_use=pool.num_in_use, num_blocks_cached=len(self.kv.cache), kv_usage=self.kv.usage(),
-            prefix_hit_rate=self.num_prompt_tokens_cached / queried if queried else 0.0,
-            num_preemptions=self.num_preemptions, num_prompt_tokens_queried=queried,
-            num_prompt_tokens_cached=self.num_prompt_tokens_cached, num_tokens_computed=self.num_tokens_computed,
-            num_waiting_for_kv=len(self.reserved), num_prompt_tokens_from_tiers=self.num_prompt_tokens_from_tiers,
-            tiers=self.kv.tiers.stats() if self.kv.tiers is not None else None)
+        return collect_stats(self)
 
     def check_integrity(self) -> None:
         """Raises ValueError if KV ownership is inconsistent or a sequence is in the wrong place."""

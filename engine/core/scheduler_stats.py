@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from tandem.engine.core.kv_tiers import TierStats
+
+if TYPE_CHECKING:
+    from tandem.engine.core.scheduler import Scheduler
 
 
 @dataclass(frozen=True)
@@ -23,3 +27,16 @@ class SchedulerStats:
     num_waiting_for_kv: int = 0  # sequences holding reserved blocks until their KV arrives
     num_prompt_tokens_from_tiers: int = 0  # of num_prompt_tokens_cached: copied up from a KV tier
     tiers: TierStats | None = None  # None: no KV tiers
+
+
+def collect_stats(scheduler: Scheduler) -> SchedulerStats:
+    """What `scheduler`'s counters, queues and KV pool say now."""
+    kv, queried = scheduler.kv, scheduler.num_prompt_tokens_queried
+    return SchedulerStats(
+        num_running=len(scheduler.running), num_waiting=len(scheduler.waiting), num_blocks_total=kv.pool.num_blocks,
+        num_blocks_in_use=kv.pool.num_in_use, num_blocks_cached=len(kv.cache), kv_usage=kv.usage(),
+        prefix_hit_rate=scheduler.num_prompt_tokens_cached / queried if queried else 0.0,
+        num_preemptions=scheduler.num_preemptions, num_prompt_tokens_queried=queried,
+        num_prompt_tokens_cached=scheduler.num_prompt_tokens_cached, num_tokens_computed=scheduler.num_tokens_computed,
+        num_waiting_for_kv=len(scheduler.reserved), num_prompt_tokens_from_tiers=scheduler.num_prompt_tokens_from_tiers,
+        tiers=kv.tiers.stats() if kv.tiers is not None else None)

@@ -20,6 +20,12 @@ from tandem.engine.kv.kv_events import BlockRemoved, BlockStored, KVEventSink, d
 BlockHasher = Callable[[int | None, Sequence[int], str | None], int]
 
 
+def kv_salt(cache_salt: str | None, lora: str | None) -> str | None:
+    """The salt a block's hash includes: the tenant's cache salt and the LoRA adapter the KV was computed under, so
+    that KV of one adapter is never another's, nor the base model's (lora None: the tenant's salt alone)."""
+    return cache_salt if lora is None else f"{cache_salt or ''}\x00lora:{lora}"
+
+
 def hash_block_tokens(parent_hash: int | None, token_ids: Sequence[int], cache_salt: str | None = None) -> int:
     """The 64-bit chained hash of one full block. parent_hash is None for a sequence's first block."""
     h = hashlib.blake2b(digest_size=8)

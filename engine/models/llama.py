@@ -28,6 +28,7 @@ from tandem.engine.models.int4 import Int4Linear
 from tandem.engine.models.int8 import Int8Linear
 from tandem.engine.models.linear import Linear
 from tandem.engine.models.mlp import GatedMLP
+from tandem.engine.models.lora import LoRAOps, LoRASlots
 from tandem.engine.models.moe import MoEBlock
 from tandem.engine.models.projections import ProjectionBuilder, Weight
 from tandem.engine.models.rope import RotaryEmbedding
@@ -248,6 +249,7 @@ class LlamaModel:
         self.decode_plan = FIXED_DECODE_PLAN if self.tuner is None or not self.num_kv_heads else tuned_decode_plan(
             self.tuner, dtype, self.num_kv_heads, self.num_heads // self.num_kv_heads, config.head_dim)
         self.attention = TorchAttentionBackend()
+        self.lora: LoRASlots | None = None  # LoRA adapters (engine/models/lora.py): set by the runner's builder
         _log.info("%s projections on %s by kernel: %s; decode attention: %s", dtype, self.device,
                   self.kernel_counts(), self.decode_plan.describe("sequence"))
 
@@ -333,7 +335,10 @@ class LlamaModel:
         """
         if int(positions.max()) >= self.rope.max_positions:
             raise ValueError(f"position {int(positions.max())} is beyond the model's {self.rope.max_positions}")
-        return self.run_layers(input_ids, positions, hidden, _EagerOps(self, meta, kv_cache, on_layer))
+        ops: LayerOps = _EagerOps(self, meta, kv_cache, on_layer)
+        if self.lora is not None and self.lora.active:
+            ops = LoRAOps(ops, self.lora)
+        return self.run_layers(input_ids, positions, hidden, ops)
 
     def attend(self, index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
                kv_cache: PagedKVCache, on_layer: Callable[[int], None] | None) -> torch.Tensor:

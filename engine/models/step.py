@@ -23,8 +23,9 @@ def run_step(model: LlamaModel, input_ids: torch.Tensor, positions: torch.Tensor
     """model.forward's result (its arguments as there), computed by `compiled` when it was warmed up for the
     batch: a first stage's step (no `hidden`) of at most compiled.max_batch tokens, none of its sequences adding
     more than compiled.max_query_len (1 for a decode; more for speculated tokens). Any other step, and one the
-    compiled step declines (it returns None), runs eager."""
-    if compiled is not None and hidden is None and input_ids.shape[0] <= compiled.max_batch and \
+    compiled step declines (it returns None), and a step with LoRA rows, runs eager."""
+    lora = model.lora is not None and model.lora.active  # LoRA deltas run eager (not captured in the step)
+    if compiled is not None and hidden is None and not lora and input_ids.shape[0] <= compiled.max_batch and \
             meta.max_query_len <= compiled.max_query_len:
         if int(positions.max()) >= model.rope.max_positions:
             raise ValueError(f"position {int(positions.max())} is beyond the model's {model.rope.max_positions}")

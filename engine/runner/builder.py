@@ -23,6 +23,7 @@ from tandem.engine.kv.tier_store import TierStore
 from tandem.engine.loader.model_loader import LoadedModel
 from tandem.engine.models.compiled import compile_decode, compile_enabled, decode_step_summary
 from tandem.engine.models.decode_bucket import blocks_per_sequence
+from tandem.engine.models.lora import LoRASlots
 from tandem.engine.parallel.layout import ParallelConfig, ReplicaLayout
 from tandem.engine.runner.executor import Executor, LocalExecutor
 from tandem.engine.runner.model_runner import ModelRunner
@@ -89,6 +90,8 @@ def _one_process(request: ExecutorRequest) -> Built:
         raise ValueError("a single-process engine needs the model's weights (load_model(weights=True))")
     device = loaded.device
     loaded.model.attention = select_backend(config.attention_backend, device)
+    if config.lora is not None:  # the adapters' pool is taken before the KV cache's share of memory is measured
+        loaded.model.lora = LoRASlots(loaded.model, config.lora.max_loaded, config.lora.max_rank)
     draft = _draft(loaded, config)
     share = request.largest_share()
     bytes_per_block = share.bytes_per_block  # after the weights were loaded
@@ -166,7 +169,7 @@ def _rank_processes(request: ExecutorRequest) -> Executor:
             attention_backend=config.attention_backend, visible_gpus=request.rank_gpus,
             cpus=None if request.rank_cpus is None else tuple(tuple(c) for c in request.rank_cpus),
             weight_format=loaded.weight_format, kv_dtype=config.kv_cache_dtype, load_format=loaded.load_format,
-            kv_tiers=request.tiers),
+            kv_tiers=request.tiers, lora=config.lora),
             kv_blocks=lambda free: config.num_blocks(bytes_per_block, free // share, on_gpu))
 
     for _ in range(STARTUP_PORT_ATTEMPTS - 1):

@@ -23,6 +23,7 @@ import torch
 from tandem.engine.attention import AttentionMetadata
 from tandem.engine.kv.kv_cache import PagedKVCache
 from tandem.engine.models import LlamaModel
+from tandem.engine.models.lora import LoRAPool
 from tandem.engine.models.step import run_step
 from tandem.engine.runner.sampling_step import SamplingStep
 from tandem.engine.runner.sequence_mirror import SequenceMirror
@@ -100,6 +101,23 @@ class ModelRunner:
         self.times = RunnerTimes()
         self.seqs = SequenceMirror(samples, grammars)
         self.sampling = SamplingStep(model, self.seqs) if samples else None
+        self.lora = None if model.lora is None else LoRAPool(model.lora, self._read_adapter)
+        self._adapter_paths: dict[str, str] = {}  # registered LoRA adapters: name -> PEFT folder
+
+    def _read_adapter(self, name: str):
+        from tandem.engine.loader.lora_adapter import read_adapter
+
+        return read_adapter(self._adapter_paths[name], name, self.model.config, self.model.lora.max_rank)
+
+    def _apply_lora_changes(self, output: SchedulerOutput) -> None:
+        for change in output.lora_changes:
+            if self.lora is None:
+                raise ValueError("the engine sent LoRA adapters to a runner without a LoRA pool")
+            self.lora.forget(change.name)
+            if change.path is None:
+                self._adapter_paths.pop(change.name, None)
+            else:
+                self._adapter_paths[change.name] = change.path
 
     def execute(self, chunks: Sequence[SequenceChunk]) -> torch.Tensor:
         """Computes every chunk, writing its K/V to the cache. Returns float32 logits [len(chunks), vocab] of
@@ -107,11 +125,12 @@ class ModelRunner:
         return self.model.compute_logits(self._forward(chunks))
 
     def _forward(self, chunks: Sequence[SequenceChunk], completing: Sequence[str | None] = (),
-                 tails: Sequence[int] = ()) -> torch.Tensor | None:
+                 tails: Sequence[int] = (), adapters: Sequence[str | None] = ()) -> torch.Tensor | None:
         """Runs this rank's layers over the chunks, micro-batch by micro-batch. Returns the last stage's final
         hidden states of each chunk's last tails[i] tokens (1 where tails is short), chunk after chunk
         [sum of tails, hidden]; None on the other stages. completing[i]: the seq id of chunk i if it completes that
-        sequence's prompt (for layer_observer)."""
+        sequence's prompt (for layer_observer). adapters[i]: the LoRA adapter chunk i computes with (None or
+        absent: the base model)."""
         shard = self.model.shard
         runs = split_micro_batches([len(c.token_ids) for c in chunks], self.micro_batches)
         observers = [self._layer_callback({completing[i]: chunks[i].block_ids for i in run
@@ -130,6 +149,9 @@ class ModelRunner:
                 hidden, work = receives[i]
                 self.comm.wait(work)
             start = time.perf_counter()
+            if self.lora is not None:
+                self.lora.use([adapters[c] if c < len(adapters) else None
+                               for c in runs[i] for _ in range(len(chunks[c].token_ids))])
             out = run_step(self.model, ids, positions, meta, self.kv_cache, hidden, observers[i], self.compiled)
             self.times.forward += time.perf_counter() - start
             if shard.is_last_stage:
@@ -175,6 +197,7 @@ class ModelRunner:
 
     def _execute_step(self, output: SchedulerOutput, prev_tokens: Mapping[str, Sequence[int]]) -> RunnerOutput:
         self.seqs.apply(output, prev_tokens if not self.samples else {})
+        self._apply_lora_changes(output)
         if not output.tier_ops.ops:
             return self._compute_step(output)
         if self.tiers is None:
@@ -192,14 +215,19 @@ class ModelRunner:
         if output.is_empty:
             return RunnerOutput()
         computed = {d.seq_id: d.num_computed_tokens for d in (*output.new_seqs, *output.cached_seqs)}
-        chunks, names, rows, completing, tails = [], [], [], [], []
+        chunks, names, rows, completing, tails, adapters = [], [], [], [], [], []
         row_of, next_row = {}, 0  # seq id -> its first row of the forward's output
-        for seq_id, count in output.num_scheduled_tokens.items():
+        order = output.num_scheduled_tokens
+        if self.lora is not None:  # rows of one adapter side by side: LoRA's products take them as one run each
+            order = sorted(order, key=lambda i: self.seqs[i].params.lora or "")
+        for seq_id in order:
+            count = output.num_scheduled_tokens[seq_id]
             seq = self.seqs[seq_id]
             start = computed[seq_id]
             proposed = output.spec_tokens.get(seq_id, ())
             tokens = (*seq.token_ids[start:start + count - len(proposed)], *proposed)
             chunks.append(SequenceChunk(tokens, start, tuple(seq.block_ids)))
+            adapters.append(seq.params.lora)
             ends = start + count - len(proposed) == len(seq.token_ids)
             if ends:
                 names.append(seq_id)
@@ -212,7 +240,7 @@ class ModelRunner:
             names.append(fork.child_id)
             rows.append(row_of[fork.parent_id])
         masks = self.sampling.start_masks(names) if self.sampling is not None else None
-        hidden = self._forward(chunks, completing, tails)
+        hidden = self._forward(chunks, completing, tails, adapters)
         if not rows or self.sampling is None:
             return RunnerOutput()
         return self.sampling.sample(hidden, names, rows, output.spec_tokens, masks)

@@ -20,6 +20,7 @@ import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
+from tandem.engine.engine_config import LoRAConfig
 from tandem.engine.kv.tier_plan import TierPlan
 from tandem.engine.hardware.cpu_affinity import current_cpus, pin_process, pinned_threads
 from tandem.engine.hardware.device import RankPlacement
@@ -50,6 +51,7 @@ class WorkerSpec:
     kv_dtype: str = "auto"  # engine_config.KV_CACHE_DTYPES
     load_format: str = "auto"  # engine_config.LOAD_FORMATS: dummy makes this rank's shard on its device
     kv_tiers: TierPlan | None = None  # this replica's KV tiers (engine/core/kv_tiers.py); each rank holds its share
+    lora: LoRAConfig | None = None  # LoRA adapters (engine/models/lora.py): each rank holds its shard of each
 
 
 def run_worker(rank: int, spec: WorkerSpec, conn: Connection) -> None:
@@ -68,6 +70,7 @@ def run_worker(rank: int, spec: WorkerSpec, conn: Connection) -> None:
         from tandem.engine.kv.kv_cache import KVCacheSpec, PagedKVCache, kv_storage_dtype, store_memory_of
         from tandem.engine.loader.model_loader import keeps_q4_blocks, load_checkpoint
         from tandem.engine.models import build_model
+        from tandem.engine.models.lora import LoRASlots
         from tandem.engine.models.compiled import decode_step_summary
         from tandem.engine.parallel.comm import ParallelComm
         from tandem.engine.runner.model_runner import ModelRunner
@@ -91,6 +94,8 @@ def run_worker(rank: int, spec: WorkerSpec, conn: Connection) -> None:
         del checkpoint
         model.attention = select_backend(spec.attention_backend, torch.device(device), log=rank == 0)  # once
         tune_for(model, spec.block_size, log=rank == 0, kv_dtype=kv_storage_dtype(spec.kv_dtype, dtype))
+        if spec.lora is not None:  # the adapters' pool, this rank's shard of each (before the free memory is read)
+            model.lora = LoRASlots(model, spec.lora.max_loaded, spec.lora.max_rank)
         config = model.config
         conn.send(Memory(available_memory_bytes(device)))
         allocate = pickle.loads(conn.recv_bytes())

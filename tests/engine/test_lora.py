@@ -1,0 +1,196 @@
+"""LoRA adapters in the engine (engine/models/lora.py, engine/loader/lora_adapter.py): adapters made here with `peft`
+on the embedded model (non-zero B, ranks 8, 16 and 64, different target modules), served unmerged, checked
+against `transformers` + `peft` on the same weights: greedy tokens equal alone and in one batch of three adapters
+plus the base model; the prefix cache keeps each adapter's KV its own; bad adapters and unknown names refused with
+the reason."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+from tandem.engine.core.llm_engine import LLMEngine
+from tandem.engine.core.lora_registry import UnknownAdapterError
+from tandem.engine.engine_config import EngineConfig, LoRAConfig
+from tandem.engine.loader.lora_adapter import LoRAAdapterError, read_adapter
+from tandem.engine.sampling_params import SamplingParams
+from tests.engine.engine_helpers import run_all
+from tests.engine.test_parity_embedded import PROMPTS, _prompt_ids
+from tests.reference import hf_greedy
+
+NUM_TOKENS = 12
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# name -> (rank, alpha, target modules, use_rslora, factor on peft's random B: large enough to change the output)
+ADAPTERS = {"all8": (8, 16, ALL, False, 0.2), "attn64": (64, 128, ["q_proj", "v_proj", "o_proj"], False, 2.0),
+            "mlp16": (16, 16, ["k_proj", "gate_proj", "up_proj", "down_proj"], True, 0.5)}
+
+
+@pytest.fixture(scope="module")
+def adapters(hf_embedded, tmp_path_factory):
+    """{name: folder} of adapters saved by peft, and the peft model holding all of them (a copy of the reference:
+    the session's is left as it was). B is random (peft's init_lora_weights=False), scaled so that each adapter
+    changes the output and the adapted model still writes text."""
+    from peft import LoraConfig, get_peft_model
+
+    hf_model, _ = hf_embedded
+    peft_model = None
+    folders = {}
+    root = tmp_path_factory.mktemp("adapters")
+    torch.manual_seed(0)
+    for name, (rank, alpha, targets, rslora, factor) in ADAPTERS.items():
+        config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, init_lora_weights=False,
+                            use_rslora=rslora)
+        if peft_model is None:
+            peft_model = get_peft_model(copy.deepcopy(hf_model), config, adapter_name=name)
+        else:
+            peft_model.add_adapter(name, config)
+        with torch.no_grad():
+            for param_name, param in peft_model.named_parameters():
+                if f"lora_B.{name}." in param_name:
+                    param.mul_(factor)
+        peft_model.save_pretrained(root / name, selected_adapters=[name])
+        folders[name] = next((root / name).rglob("adapter_config.json")).parent
+    peft_model.eval()
+    return folders, peft_model
+
+
+def _reference(peft_model, ids: list[int], adapter: str | None) -> list[int]:
+    if adapter is None:
+        with peft_model.disable_adapter():
+            return hf_greedy(peft_model, ids, NUM_TOKENS)[0]
+    peft_model.set_adapter(adapter)
+    return hf_greedy(peft_model, ids, NUM_TOKENS)[0]
+
+
+@pytest.fixture(scope="module")
+def lora_engine(embedded, adapters):
+    folders, _ = adapters
+    engine = LLMEngine(embedded, EngineConfig(num_kv_blocks=256, lora=LoRAConfig(max_rank=64, max_loaded=3)))
+    for name, folder in folders.items():
+        assert engine.load_lora(name, str(folder)) < 1.0  # seconds to check it
+    return engine
+
+
+def _generate(engine: LLMEngine, requests: list[tuple[list[int], str | None]]) -> list[list[int]]:
+    names = [f"q{engine.num_steps}-{i}" for i in range(len(requests))]
+    for name, (ids, adapter) in zip(names, requests):
+        engine.add_request(name, ids, SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True,
+                                                     lora=adapter))
+    done = run_all(engine)
+    return [done[(name, 0)].token_ids for name in names]
+
+
+@pytest.mark.reference
+def test_each_adapter_alone_gives_transformers_and_peft_greedy_tokens(embedded, adapters, lora_engine):
+    _, peft_model = adapters
+    ids = _prompt_ids(embedded.tokenizer, PROMPTS["chat_short"])
+    got = {name: _generate(lora_engine, [(ids, name)])[0] for name in [*ADAPTERS, None]}
+    for name, tokens in got.items():
+        assert tokens == _reference(peft_model, ids, name), name
+    assert len({tuple(t) for t in got.values()}) == len(got)  # every adapter changes the output
+
+
+@pytest.mark.reference
+def test_a_batch_of_three_adapters_and_the_base_equals_each_alone(embedded, adapters, lora_engine):
+    """Seven prompts x (three adapters + base) in one batch, rows of one adapter interleaved with others'."""
+    _, peft_model = adapters
+    prompts = [_prompt_ids(embedded.tokenizer, spec) for _, spec in sorted(PROMPTS.items())][:4]
+    requests = [(ids, name) for ids in prompts for name in [*ADAPTERS, None]]
+    batched = _generate(lora_engine, requests)
+    for (ids, name), tokens in zip(requests, batched):
+        assert tokens == _reference(peft_model, ids, name), (name, ids[:8])
+    assert lora_engine.executor.runner.lora.loads >= len(ADAPTERS)
+
+
+def test_an_adapters_kv_is_its_own_in_the_prefix_cache(embedded, lora_engine):
+    """The same prompt under two adapters and the base: no block hash in common (the adapter salts them), so
+    the second adapter never reads the first one's KV; the same adapter again hits its own."""
+    ids = _prompt_ids(embedded.tokenizer, PROMPTS["chat_long"])[::-1]  # a prompt no other test of the engine ran
+    hashes = {}
+    for name in ("all8", "mlp16", None):
+        seq = lora_engine._sequence(f"h-{name}", ids, SamplingParams(lora=name), 0, None)
+        hashes[name] = set(seq.block_hashes)
+    assert hashes["all8"].isdisjoint(hashes["mlp16"]) and hashes["all8"].isdisjoint(hashes[None])
+    _generate(lora_engine, [(ids, "all8")])
+    before = lora_engine.scheduler.num_prompt_tokens_cached
+    _generate(lora_engine, [(ids, "mlp16")])
+    assert lora_engine.scheduler.num_prompt_tokens_cached == before
+    _generate(lora_engine, [(ids, "all8")])
+    assert lora_engine.scheduler.num_prompt_tokens_cached > before
+
+
+def test_more_adapters_than_slots_wait_their_turn_with_the_same_tokens(embedded, adapters):
+    """One slot: requests of three adapters run one adapter at a time (the scheduler holds the others back), each
+    adapter loaded into the slot as its turn comes, every output as with three slots."""
+    folders, _ = adapters
+    ids = _prompt_ids(embedded.tokenizer, PROMPTS["chat_short"])
+    outputs = {}
+    for slots in (3, 1):
+        engine = LLMEngine(embedded, EngineConfig(num_kv_blocks=128, lora=LoRAConfig(max_rank=64, max_loaded=slots)))
+        for name, folder in folders.items():
+            engine.load_lora(name, str(folder))
+        outputs[slots] = _generate(engine, [(ids, name) for name in ADAPTERS for _ in range(2)])
+        engine.check_integrity()
+    assert outputs[1] == outputs[3]
+
+
+def test_bad_adapters_and_unknown_names_are_refused_with_the_reason(embedded, adapters, tmp_path):
+    folders, _ = adapters
+    config = embedded.config
+    with pytest.raises(LoRAAdapterError, match="over this replica's lora.max_rank"):
+        read_adapter(folders["attn64"], "attn64", config, max_rank=16)
+    with pytest.raises(LoRAAdapterError, match="adapter_config.json is missing"):
+        read_adapter(tmp_path, "none", config, 64)
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    settings = json.loads((folders["all8"] / "adapter_config.json").read_text())
+    (broken / "adapter_config.json").write_text(json.dumps(settings | {"use_dora": True}))
+    with pytest.raises(LoRAAdapterError, match="use_dora is not served"):
+        read_adapter(broken, "broken", config, 64)
+    (broken / "adapter_config.json").write_text(json.dumps(settings))
+    (broken / "adapter_model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(LoRAAdapterError, match="cannot be read"):
+        read_adapter(broken, "broken", config, 64)
+    engine = LLMEngine(embedded, EngineConfig(num_kv_blocks=64))
+    with pytest.raises(ValueError, match="serves no LoRA adapters"):
+        engine.load_lora("all8", str(folders["all8"]))
+    with pytest.raises(UnknownAdapterError, match="no LoRA adapter named 'nope'"):
+        engine.add_request("x", [1, 2, 3], SamplingParams(lora="nope"))
+    assert not engine.has_unfinished_requests()
+
+
+def test_an_adapter_in_use_cannot_be_unloaded_and_an_unloaded_one_is_refused(embedded, adapters):
+    folders, _ = adapters
+    engine = LLMEngine(embedded, EngineConfig(num_kv_blocks=64, lora=LoRAConfig(max_rank=64, max_loaded=1)))
+    engine.load_lora("all8", str(folders["all8"]))
+    engine.add_request("busy", [1, 2, 3], SamplingParams(max_tokens=4, lora="all8"))
+    with pytest.raises(ValueError, match="in use by 1 unfinished request"):
+        engine.unload_lora("all8")
+    run_all(engine)
+    engine.unload_lora("all8")
+    with pytest.raises(UnknownAdapterError):
+        engine.add_request("late", [1, 2, 3], SamplingParams(lora="all8"))
+    with pytest.raises(UnknownAdapterError):
+        engine.unload_lora("all8")
+
+
+def test_tp2_ranks_hold_their_shard_of_each_adapter_and_give_one_process_tokens(embedded, adapters):
+    """tensor parallelism over two rank processes: each rank reads its rows or columns of every adapter it is told
+    of (with the step), and a batch of two adapters and the base model gives the one-process tokens."""
+    from tandem.engine.parallel import ParallelConfig
+
+    folders, _ = adapters
+    ids = _prompt_ids(embedded.tokenizer, PROMPTS["chat_short"])
+    requests = [(ids, "all8"), (ids, "mlp16"), (ids, None)]
+    outputs = []
+    for parallel in (ParallelConfig(), ParallelConfig(tp=2)):
+        config = EngineConfig(num_kv_blocks=128, lora=LoRAConfig(max_rank=64, max_loaded=2))
+        with LLMEngine(embedded, config, parallel=parallel) as engine:
+            for name in ("all8", "mlp16"):
+                engine.load_lora(name, str(folders[name]))
+            outputs.append(_generate(engine, requests))
+    assert outputs[1] == outputs[0]
+    assert len({tuple(t) for t in outputs[0]}) == 3
