@@ -61,7 +61,9 @@ def driver_settings(manifest: Manifest) -> DriverSettings:
     return DriverSettings(mode=manifest.mode, max_queued_requests=r.max_queued_requests,
                           queue_timeout_s=r.queue_timeout_s, routing=routing,
                           kv_events_interval_s=r.kv_events_interval_s, max_migrations=r.max_migrations,
-                          prefill_queue_tokens=r.prefill_queue_tokens)
+                          prefill_queue_tokens=r.prefill_queue_tokens,
+                          lora_runtime_loading=bool(manifest.lora and manifest.lora.runtime_loading),
+                          lora_admin_tenants=tuple(manifest.lora.admin_tenants) if manifest.lora else ())
 
 
 def serving_limits(manifest: Manifest) -> ServingLimits:

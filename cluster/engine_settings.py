@@ -92,7 +92,8 @@ class KVTiersSettings(_Strict):
         return KVTiersConfig(self.host_bytes, self.disk_path, self.disk_bytes)
 
 
-_OWN_KEYS = ("kv_cache_bytes", "speculative", "kv_tiers")  # the engine's, but taken differently here (see the module doc)
+# the engine's, but taken differently here (see the module doc); lora from the manifest's own section, for every pool
+_OWN_KEYS = ("kv_cache_bytes", "speculative", "kv_tiers", "lora")
 ENGINE_KEYS = tuple(_fields_of(EngineConfig, skip=_OWN_KEYS))  # taken as the engine defines them
 _REPLICA = {f.name: f.default for f in dataclasses.fields(ReplicaSpec)}
 

@@ -204,6 +204,26 @@ def _tls_errors(tls) -> list[ManifestError]:
     return errors
 
 
+def _lora_errors(data: dict, config) -> list[ManifestError]:
+    """Each adapter of the lora section read as a replica will read it (engine/loader/lora_adapter.py)."""
+    from tandem.engine.loader.lora_adapter import read_adapter
+
+    lora = data.get("lora")
+    if not isinstance(lora, dict) or not isinstance(lora.get("adapters"), dict):
+        return []
+    max_rank = lora.get("max_rank", 16) if isinstance(lora.get("max_rank", 16), int) else 256
+    errors = []
+    for name, path in lora["adapters"].items():
+        if not isinstance(path, str):
+            continue
+        try:
+            read_adapter(Path(path).expanduser(), str(name), config, max_rank)
+        except ValueError as e:
+            errors.append(ManifestError(f"lora.adapters.{name}", str(e),
+                                        "give a PEFT LoRA folder (adapter_config.json, adapter_model.safetensors)"))
+    return errors
+
+
 def check_manifest(data: dict, lines: dict[tuple, int] | None = None, *,
                    check_ports: bool = True) -> list[ManifestError]:
     """The problems a structurally valid manifest can still have, checked on the parsed YAML (so that they are
@@ -217,6 +237,7 @@ def check_manifest(data: dict, lines: dict[tuple, int] | None = None, *,
     pools = [name for name in ("prefill", "decode") if isinstance(_get(data, "pools", name), dict)]
     if loaded is not None:
         config = loaded.config
+        errors += _lora_errors(data, config)
         for name in pools:
             split = [_int(_get(data, "pools", name, "parallelism", k)) for k in ("tp", "pp", "ep")]
             if None in split or min(split) < 1:

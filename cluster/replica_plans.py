@@ -43,13 +43,16 @@ def replica_spec(manifest: Manifest, pool: Pool) -> ReplicaSpec:
     speculative = e.speculative.config() if e.speculative and decodes else None
     if speculative is not None and speculative.draft != "self":  # a draft model's path, as every node reads it
         speculative = dataclasses.replace(speculative, draft=str(Path(speculative.draft).expanduser().resolve()))
-    engine = e.config(compile=compile_step, speculative=speculative)
+    lora = manifest.lora
+    engine = e.config(compile=compile_step, speculative=speculative, lora=lora.config() if lora else None)
+    adapters = tuple((name, str(Path(path).expanduser().resolve()))  # as every node reads them
+                     for name, path in (lora.adapters if lora else {}).items())
     p = pool.parallelism
     threads = max(1, round(pool.resources.cpus * p.world_size))
     return ReplicaSpec(model=absolute_model(manifest), device=e.device, dtype=pool.dtype if e.weights != "dense"
                        else e.dtype, weights=e.weights, load_format=e.load_format, engine=engine,
                        parallel=ParallelConfig(tp=p.tp, pp=p.pp, ep=p.ep), threads=threads,
-                       cpu_affinity=pool.cpu_affinity)
+                       cpu_affinity=pool.cpu_affinity, lora_adapters=adapters)
 
 
 def replica_plan(manifest: Manifest, pool_name: str, index: int) -> ReplicaPlan:

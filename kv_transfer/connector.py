@@ -173,10 +173,10 @@ class DecodeConnector(_Connector):
                                                   cache_salt=cache_salt)
         if blocks is None:
             return None
-        return self._expect(request_id, blocks, len(prompt_token_ids), lease_s, senders)
+        return self._expect(request_id, blocks, len(prompt_token_ids), lease_s, senders, params.lora)
 
     def _expect(self, request_id: str, blocks: tuple[int, ...], num_tokens: int, lease_s: float | None,
-                senders: Sequence[str]) -> TransferDescriptor:
+                senders: Sequence[str], lora: str | None = None) -> TransferDescriptor:
         """Registers held blocks with every rank's agent; the descriptor the sender pushes into."""
         transfer_id = self._new_transfer_id(request_id)
         deadline = self.clock() + (lease_s if lease_s is not None else self.config.lease_s)
@@ -188,7 +188,7 @@ class DecodeConnector(_Connector):
             raise
         self._entries[request_id] = _Entry(transfer_id, deadline)
         return TransferDescriptor(transfer_id, self.engine.layout, self.addresses, blocks, num_tokens,
-                                  self.kv_format, deadline, self.shm_domains)
+                                  self.kv_format, deadline, self.shm_domains, lora)
 
     def reserve_prefix(self, request_id: str, prefix_token_ids: Sequence[int], *, cache_salt: str | None = None,
                        senders: Sequence[str] = ()) -> TransferDescriptor | None:
@@ -268,6 +268,9 @@ class PrefillConnector(_Connector):
         as it is computed. Raises ValueError (bad request, KV formats differ, layouts of different models)."""
         if len(prompt_token_ids) != descriptor.num_tokens:
             raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens, the descriptor {descriptor.num_tokens}")
+        if descriptor.lora != params.lora:  # KV of one adapter must never land in blocks reserved for another
+            raise ValueError(f"the blocks were reserved for LoRA adapter {descriptor.lora!r}, but this request "
+                             f"computes with {params.lora!r}")
         self.agents.arm(descriptor, f"{request_id}#0")
         if self.holds:
             self.engine.hold_blocks_after(request_id, descriptor.transfer_id)

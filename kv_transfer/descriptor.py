@@ -90,7 +90,8 @@ class TransferDescriptor:
     into which blocks (the same ids on every destination rank, in token order), and until when (a wall-clock
     deadline, time.time() seconds: the lease; after it the blocks are freed and late data is refused).
     shm_domains: each destination rank's shared-memory domain ("" or missing: none); a source rank in the same
-    domain sends it payloads by reference (kv_transfer/shm.py)."""
+    domain sends it payloads by reference (kv_transfer/shm.py). lora: the LoRA adapter the blocks were reserved
+    for (None: the base model); a sender computing under another one is refused (PrefillConnector.submit)."""
 
     transfer_id: str
     layout: ReplicaLayout
@@ -100,6 +101,7 @@ class TransferDescriptor:
     kv: KVFormat
     deadline: float
     shm_domains: tuple[str, ...] = ()
+    lora: str | None = None
 
     def shm_domain(self, rank: int) -> str:
         return self.shm_domains[rank] if rank < len(self.shm_domains) else ""

@@ -57,6 +57,7 @@ class ReplicaInfo:
     ranks: tuple[RankPlacement, ...] = ()
     weights: str = "dense"  # how its projections are held (engine_config.WEIGHT_FORMATS)
     kv_dtype: str = "float32"  # what its KV cache stores (engine/kv/kv_cache.py KV_STORAGE names)
+    lora_adapters: tuple[str, ...] = ()  # the LoRA adapters it served when it started (by name)
 
 
 @dataclass(frozen=True)
@@ -156,6 +157,14 @@ class ReplicaAPI(Protocol):
     async def keep_prefix(self, pull_id: str) -> int:
         """A prefix pull's puller: waits for the prefix's KV and keeps it in the prefix cache; returns its blocks.
         Raises TransferFailedError if it did not arrive (nothing is held then)."""
+
+    async def load_lora(self, name: str, path: str) -> float:
+        """Serves the LoRA adapter in the PEFT folder `path` (as every node reads it) as `name`; returns the seconds
+        its check took. Raises ValueError with the reason (a bad adapter, a replica without LoRA)."""
+
+    async def unload_lora(self, name: str) -> None:
+        """Stops serving adapter `name`. Raises ValueError with the reason: not loaded (the engine's
+        UnknownAdapterError), or in use."""
 
     async def shutdown(self) -> None:
         """Stops the engine and its ranks."""

@@ -126,6 +126,12 @@ class RemoteReplica:
     async def keep_prefix(self, pull_id: str) -> int:
         return await self.actor.keep_prefix.remote(pull_id)
 
+    async def load_lora(self, name: str, path: str) -> float:
+        return await self.actor.load_lora.remote(name, path)
+
+    async def unload_lora(self, name: str) -> None:
+        await self.actor.unload_lora.remote(name)
+
     async def shutdown(self) -> None:
         await self.actor.shutdown.remote()
 

@@ -127,7 +127,7 @@ class ReplicaShell:
                            kv_addresses=self.connector.addresses if self.connector else (),
                            device=f"{engine.loaded.device.type} {str(engine.loaded.dtype).removeprefix('torch.')}",
                            ranks=engine.rank_placements, weights=engine.loaded.weight_format,
-                           kv_dtype=kv_dtype_name(engine.kv_dtype))
+                           kv_dtype=kv_dtype_name(engine.kv_dtype), lora_adapters=engine.lora.names)
 
     async def stats(self) -> ReplicaStats:
         """Counters read on the engine thread between steps (exact, at the cost of waiting for a running step),
@@ -227,6 +227,12 @@ class ReplicaShell:
         if event.state is not TransferState.DONE:
             raise TransferFailedError(pull_id, event.state, event.error)
         return await self.server.call(lambda _e: receiving.connector.keep_prefix(pull_id))
+
+    async def load_lora(self, name: str, path: str) -> float:
+        return await self.server.call(lambda e: e.load_lora(name, path))
+
+    async def unload_lora(self, name: str) -> None:
+        await self.server.call(lambda e: e.unload_lora(name))
 
     def _pull_loop(self, loop: ConnectorLoop | None) -> ConnectorLoop:
         if loop is None:

@@ -35,7 +35,8 @@ class ReplicaSpec:
     from (engine_config.LOAD_FORMATS: the model's files, or dummy ones of its shapes). threads: torch CPU threads for
     the whole replica (split over its ranks). cpu_affinity: host CPUs to pin the replica to (None: no pinning):
     its driver process takes the whole list, rank r of several the r-th equal share (engine/hardware/cpu_affinity.py);
-    len(cpu_affinity) must be a multiple of the world size."""
+    len(cpu_affinity) must be a multiple of the world size. lora_adapters: the LoRA adapters it serves once built
+    (engine.lora must be set; a bad one fails the build with the reason)."""
 
     model: str | None = None
     device: str = "auto"
@@ -46,6 +47,7 @@ class ReplicaSpec:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     threads: int = 1
     cpu_affinity: tuple[int, ...] | None = None
+    lora_adapters: tuple[tuple[str, str], ...] = ()  # (name, PEFT folder) served from the start (engine.lora set)
 
     def choose_device(self, gpu_ids: list[str] | None) -> DeviceChoice:
         """This replica's device and dtype, given the GPU IDs Ray assigned it (None outside Ray). Raises
@@ -87,5 +89,12 @@ class ReplicaSpec:
                   f"; CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')}" if gpu_ids else "")
         loaded = load_model(self.model, dtype=getattr(torch, choice.dtype), device=choice.device, progress=False,
                             weights=world_size == 1, weight_format=self.weights, load_format=self.load_format)
-        return LLMEngine(loaded, self.engine, parallel=self.parallel, kv_agent=kv_agent,
-                         event_sink=event_sink or discard_events, rank_gpus=rank_gpus, rank_cpus=rank_cpus)
+        engine = LLMEngine(loaded, self.engine, parallel=self.parallel, kv_agent=kv_agent,
+                           event_sink=event_sink or discard_events, rank_gpus=rank_gpus, rank_cpus=rank_cpus)
+        try:
+            for name, path in self.lora_adapters:
+                engine.load_lora(name, path)
+        except BaseException:
+            engine.shutdown()
+            raise
+        return engine

@@ -20,6 +20,9 @@ class DriverSettings:
     kv_events_interval_s: float = 0.05  # how often the router polls every replica's KV events and load
     max_migrations: int = 3
     prefill_queue_tokens: int = 0  # late binding: prefill_waiting_room.py (0: off)
+    # LoRA adapters loaded and unloaded over HTTP while serving (lora_routes.py), by these tenants when keys are on
+    lora_runtime_loading: bool = False
+    lora_admin_tenants: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.max_migrations < 0:

@@ -114,8 +114,9 @@ class TandemServicer(pb_grpc.TandemServicer):
         except Unauthenticated as e:
             await context.abort(*status_for(e))
         model = self.serving.model
-        return pb.ListModelsResponse(models=[pb.Model(id=model.model_id, max_model_len=model.max_model_len,
-                                                      mode=self.serving.mode)])
+        names = (model.model_id, *self.serving.driver.pools.adapters.names)  # the model, then its LoRA adapters
+        return pb.ListModelsResponse(models=[pb.Model(id=name, max_model_len=model.max_model_len,
+                                                      mode=self.serving.mode) for name in names])
 
 
 def _decoding_handlers(servicer: TandemServicer) -> grpc.GenericRpcHandler:

@@ -1,7 +1,9 @@
 """The OpenAI-compatible HTTP front door, on FastAPI + uvicorn inside the router's event loop:
 
   POST /v1/chat/completions, POST /v1/completions  (streaming SSE or one JSON body; n; batched completion prompts)
-  GET  /v1/models
+  GET  /v1/models  the model and its LoRA adapters
+  POST /v1/load_lora_adapter, /v1/unload_lora_adapter  (vLLM's shapes; the manifest's lora.runtime_loading, and
+       with API keys a tenant of lora.admin_tenants)
   GET  /health    200 while the decode pool has a replica, else 503 (no key needed)
   GET  /metrics   Prometheus exposition (no key needed)
 
@@ -38,6 +40,7 @@ from tandem.proto.v1 import tandem_pb2 as pb
 from tandem.router.admission import AtCapacity
 from tandem.router.auth import Unauthenticated
 from tandem.router.http_limits import parse_limited, read_body
+from tandem.router.lora_routes import UnknownAdapter
 from tandem.router.openai_bodies import ChatCompletionRequest, CompletionRequest, RequestBody
 from tandem.router.openai_errors import OpenAIError, http_status_for
 from tandem.router.openai_requests import chat_request, completion_requests
@@ -179,9 +182,53 @@ class OpenAIRoutes:
         return Response(self.serving.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     async def models(self, request: Request) -> JSONResponse:
-        """GET /v1/models: the one model the cluster serves."""
+        """GET /v1/models: the model the cluster serves and its LoRA adapters."""
         self._tenant(request)
-        return JSONResponse(models_body(self.model.model_id, self.created, self.model.max_model_len))
+        adapters = self.serving.driver.pools.adapters.names
+        return JSONResponse(models_body(self.model.model_id, self.created, self.model.max_model_len, adapters))
+
+    async def load_lora_adapter(self, request: Request) -> JSONResponse:
+        """POST /v1/load_lora_adapter {"lora_name", "lora_path"}: every replica serves the adapter (vLLM's shape)."""
+        body = await self._lora_body(request, ("lora_name", "lora_path"))
+        try:
+            seconds = await self.serving.driver.pools.adapters.load(body["lora_name"], body["lora_path"],
+                                                                   self.serving.driver.replicas())
+        except ValueError as e:
+            raise OpenAIError(400, str(e), param="lora_path") from None
+        return JSONResponse({"status": "ok", "lora_name": body["lora_name"], "replicas": sorted(seconds)})
+
+    async def unload_lora_adapter(self, request: Request) -> JSONResponse:
+        """POST /v1/unload_lora_adapter {"lora_name"}: no replica serves it any more."""
+        body = await self._lora_body(request, ("lora_name",))
+        try:
+            await self.serving.driver.pools.adapters.unload(body["lora_name"], self.serving.driver.replicas())
+        except UnknownAdapter as e:
+            raise OpenAIError(404, str(e), type="not_found_error", param="lora_name") from None
+        except ValueError as e:
+            raise OpenAIError(409, str(e), param="lora_name") from None
+        return JSONResponse({"status": "ok", "lora_name": body["lora_name"]})
+
+    async def _lora_body(self, request: Request, keys: tuple[str, ...]) -> dict:
+        """The body of a LoRA call, once the caller may make it: runtime loading on (the manifest's
+        lora.runtime_loading) and, with API keys on, a tenant of lora.admin_tenants."""
+        tenant = self._tenant(request)
+        settings = self.serving.driver.settings
+        if not settings.lora_runtime_loading:
+            raise OpenAIError(403, "loading LoRA adapters at run time is off (the manifest's lora.runtime_loading)",
+                              type="permission_error")
+        if self.serving.auth.enabled and tenant not in settings.lora_admin_tenants:
+            raise OpenAIError(403, f"tenant {tenant!r} may not load or unload LoRA adapters (lora.admin_tenants)",
+                              type="permission_error")
+        try:
+            body = json.loads(await request.body())
+        except ValueError:
+            raise OpenAIError(400, "the body is not JSON") from None
+        for key in keys:
+            if not isinstance(body, dict) or not isinstance(body.get(key), str) or not body[key]:
+                raise OpenAIError(400, f"{key} must be a non-empty string", param=key)
+        if body["lora_name"] == self.model.model_id:
+            raise OpenAIError(400, "an adapter cannot take the base model's name", param="lora_name")
+        return body
 
     async def chat_completions(self, request: Request) -> Response:
         """POST /v1/chat/completions."""
@@ -250,9 +297,10 @@ class OpenAIRoutes:
         except InvalidRequest as e:
             raise openai_error(e) from None
         n = parsed[0].params.n
-        builder = ResponseBuilder(kind, response_id, self.model.model_id, int(time.time()), self.token_text,
-                                  n=n * len(parsed), logprobs=parsed[0].params.logprobs is not None,
-                                  include_usage=body.include_usage, tool_mode=getattr(body, "tool_mode", None))
+        model = parsed[0].params.lora or self.model.model_id  # a LoRA adapter's reply names the adapter
+        builder = ResponseBuilder(kind, response_id, model, int(time.time()), self.token_text, n=n * len(parsed),
+                                  logprobs=parsed[0].params.logprobs is not None, include_usage=body.include_usage,
+                                  tool_mode=getattr(body, "tool_mode", None))
         merged = _Merged(serving, parsed, arrival, deadline, admission)
         # Until the response starts, a client that disconnects cancels its request (a stream notices by itself).
         watcher = asyncio.create_task(_cancel_on_disconnect(request, merged))
@@ -316,6 +364,8 @@ def build_app(serving: Serving) -> FastAPI:
     app.get("/metrics")(routes.metrics)
     secured = {"security": [{"bearer": []}]} if serving.auth.enabled else {}
     app.get("/v1/models", openapi_extra=secured or None)(routes.models)
+    app.post("/v1/load_lora_adapter", openapi_extra=secured or None)(routes.load_lora_adapter)
+    app.post("/v1/unload_lora_adapter", openapi_extra=secured or None)(routes.unload_lora_adapter)
     for path, handler, body in (("/v1/chat/completions", routes.chat_completions, ChatCompletionRequest),
                                 ("/v1/completions", routes.completions, CompletionRequest)):
         request_body = {"required": True, "content": {"application/json": {

@@ -210,7 +210,7 @@ class RequestDriver:
     def _plan(self, request: ParsedRequest, local: str | None = None) -> RoutePlan:
         return self.routing.plan(request.prompt_token_ids, prefill=[r.load for r in self.prefill],
                                  decode=[r.load for r in self.decode], local_reason=local,
-                                 cache_salt=request.cache_salt, session=request.session_id)
+                                 cache_salt=request.hash_salt, session=request.session_id)
 
     async def _call(self, replica: Replica, call: Awaitable[T]) -> T:
         """Awaits a call on replica; if the replica died, stops routing to it and raises ReplicaLostError."""

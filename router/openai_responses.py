@@ -185,7 +185,8 @@ class ResponseBuilder:
         return {**self._envelope(object_, choices), "usage": _usage(prompt_tokens, completion_tokens, cached_tokens)}
 
 
-def models_body(model_id: str, created: int, max_model_len: int) -> dict:
-    """The GET /v1/models body: the one model the cluster serves."""
-    return {"object": "list", "data": [{"id": model_id, "object": "model", "created": created, "owned_by": "tandem",
-                                        "max_model_len": max_model_len}]}
+def models_body(model_id: str, created: int, max_model_len: int, adapters: tuple[str, ...] = ()) -> dict:
+    """The GET /v1/models body: the model the cluster serves, then each LoRA adapter served on it (its `parent`)."""
+    base = {"object": "model", "created": created, "owned_by": "tandem", "max_model_len": max_model_len}
+    return {"object": "list", "data": [{"id": model_id} | base] + [
+        {"id": name} | base | {"root": name, "parent": model_id} for name in adapters]}

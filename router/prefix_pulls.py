@@ -93,8 +93,9 @@ class PrefixPulls:
 
     async def before_prefill(self, route: RoutePlan, prefill: Replica, pull_id: str, request: ParsedRequest) -> int:
         """Pulls the prompt's prefix into prefill where plan() says it pays (under pull_id there); returns the
-        blocks pulled (0: none)."""
-        pull = self.plan(route.hashes, prefill, route.cached_blocks)
+        blocks pulled (0: none). A request of a LoRA adapter pulls nothing (its blocks are salted by the adapter,
+        and a pull's holder and puller hash the base model's)."""
+        pull = None if request.params.lora is not None else self.plan(route.hashes, prefill, route.cached_blocks)
         if pull is None:
             return 0
         return await self.run(pull, pull_id, request.prompt_token_ids, route.hashes, prefill, request.cache_salt)

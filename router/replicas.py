@@ -9,6 +9,7 @@ from typing import Generic, TypeVar
 
 from tandem.engine.errors import EngineDeadError, ReplicaFailedError
 from tandem.replica.contract import DecodeReplicaAPI, PrefillReplicaAPI, ReplicaInfo
+from tandem.router.lora_routes import LoRARoutes
 from tandem.router.policy import ReplicaLoad
 
 API = TypeVar("API", PrefillReplicaAPI, DecodeReplicaAPI)
@@ -64,6 +65,9 @@ class ReplicaPools:
         self.decode = decode
         self.lost: list[str] = []  # replicas found dead, no longer routed to
         self._by_name = {r.name: r for r in prefill + decode}
+        self.adapters = LoRARoutes()  # the LoRA adapters served, and where (lora_routes.py)
+        for replica in prefill + decode:
+            self.adapters.wrap(replica)
 
     def all(self) -> list[Replica]:
         return self.prefill + self.decode
@@ -80,11 +84,13 @@ class ReplicaPools:
         if replica.name in self._by_name:
             raise ValueError(f"replica {replica.name} is already routed to")
         self._by_name[replica.name] = replica
+        self.adapters.wrap(replica)
         (self.prefill if replica.pool == "prefill" else self.decode).append(replica)
 
     def remove(self, name: str) -> Replica | None:
         """Takes the replica out of its pool; returns it, or None if no pool held it."""
         replica = self._by_name.pop(name, None)
+        self.adapters.forget(name)
         if replica is not None:
             (self.prefill if replica.pool == "prefill" else self.decode).remove(replica)
         return replica

@@ -14,10 +14,12 @@ import secrets
 from dataclasses import dataclass, field, replace
 
 from tandem.engine.decoding.grammar import GrammarBackend
+from tandem.engine.kv.prefix_cache import kv_salt
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.structured_output import InvalidStructuredOutput, StructuredOutput
 from tandem.engine.tokenizer import Tokenizer
 from tandem.engine.tokenizer.chat_template import ChatTemplateError
+from tandem.router.lora_routes import LoRARoutes
 from tandem.proto.v1 import tandem_pb2 as pb
 from tandem.router.limits import RequestLimits
 
@@ -46,6 +48,11 @@ class ParsedRequest:
     cache_salt: str | None = None  # the tenant's prefix-cache salt (set by the server after authentication)
     tenant: str | None = None  # who sent it (None: authentication is off); ids are scoped by it
 
+    @property
+    def hash_salt(self) -> str | None:
+        """What the replicas' block hashes of this request include: the tenant's salt and its LoRA adapter."""
+        return kv_salt(self.cache_salt, self.params.lora)
+
 
 @dataclass(frozen=True)
 class ModelFacts:
@@ -58,6 +65,7 @@ class ModelFacts:
     vocab_size: int
     max_model_len: int
     grammars: GrammarBackend | None = field(default=None, compare=False)
+    lora: LoRARoutes | None = field(default=None, compare=False)  # the LoRA adapters served beside the model
 
     def __post_init__(self) -> None:
         if self.grammars is None and self.tokenizer is not None:
@@ -155,9 +163,14 @@ def parse_request(request: pb.GenerateRequest, model: ModelFacts,
                   limits: RequestLimits = RequestLimits()) -> ParsedRequest:
     """Raises InvalidRequest for anything the cluster could not serve as asked or that exceeds limits. Blocking
     (tokenizes the prompt): run it off an event loop."""
+    adapter = None
     if request.model and request.model != model.model_id:
-        raise InvalidRequest(f"model {request.model!r} is not served here; this cluster serves {model.model_id!r}",
-                             "NOT_FOUND")
+        if model.lora is None or not model.lora.serves(request.model):
+            names = model.lora.names if model.lora is not None else ()
+            adapters = f" and the LoRA adapters {', '.join(names)}" if names else ""
+            raise InvalidRequest(f"model {request.model!r} is not served here; this cluster serves "
+                                 f"{model.model_id!r}{adapters}", "NOT_FOUND")
+        adapter = request.model
     s = request.sampling
     _check_sampling(s, model, limits)
     _check_ids(request)
@@ -168,7 +181,7 @@ def parse_request(request: pb.GenerateRequest, model: ModelFacts,
     structured = _structured(s, model)
     try:
         params = SamplingParams(ignore_eos=s.ignore_eos, stop_token_ids=tuple(s.stop_token_ids), stop=tuple(s.stop),
-                                structured=structured, **fields)
+                                structured=structured, lora=adapter, **fields)
         params.check_vocab(model.vocab_size)
     except ValueError as e:
         raise InvalidRequest(f"sampling: {e}") from None

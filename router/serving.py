@@ -84,7 +84,7 @@ class Serving:
                  limits: ServingLimits | None = None):
         self.driver = driver
         self.limits = limits or ServingLimits()
-        self.model = model
+        self.model = model if model.lora is not None else replace(model, lora=driver.pools.adapters)
         self.mode = mode
         self.auth = auth or Authenticator()
         self.gate = TenantGate(self.limits)

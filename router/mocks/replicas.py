@@ -112,12 +112,23 @@ class _MockReplica:
         self.speculation = None  # what stats() reports its speculative decoding did (settable: SpeculationStats)
         self.pulls_in: dict[str, tuple[tuple[int, ...], str | None]] = {}  # prefix pulls reserved here
         self.pulls_out: list[str] = []  # prefix pulls sent from here
+        self.lora_adapters: dict[str, str] = {}  # LoRA adapters loaded here: name -> path
 
     async def ready(self) -> ReplicaInfo:
         return ReplicaInfo(name=self.name, pool=self.pool, pid=os.getpid(), node="127.0.0.1", node_id=None,
                            layout=tuple(_LAYOUT.describe()), world_size=1, max_model_len=8192,
                            block_size=BLOCK_SIZE, kv_blocks_total=self.cache.capacity,
-                           kv_addresses=(f"mock://{self.name}",))
+                           kv_addresses=(f"mock://{self.name}",), lora_adapters=tuple(self.lora_adapters))
+
+    async def load_lora(self, name: str, path: str) -> float:
+        if not name or not path:
+            raise ValueError("a LoRA adapter needs a name and a path")
+        self.lora_adapters[name] = path
+        return 0.0
+
+    async def unload_lora(self, name: str) -> None:
+        if self.lora_adapters.pop(name, None) is None:
+            raise ValueError(f"no LoRA adapter named {name!r} is loaded")
 
     def _blocks_in_use(self) -> int:
         return 0

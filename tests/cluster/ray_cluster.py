@@ -78,3 +78,24 @@ def check_integrity(cluster: launcher.RunningCluster) -> None:
     """Every replica's block bookkeeping and KV agents check themselves (raises on a problem)."""
     handles = cluster.replica_handles()
     ray.get([h.check_integrity.remote() for h in handles.values()])
+
+
+def one_process_lora(embedded, adapters: dict[str, str], asks: list[tuple[str, str | None]],
+                     max_tokens: int) -> list[list[int]]:
+    """Greedy tokens of (question, LoRA adapter or None) pairs from one engine in this process serving `adapters`
+    (name -> PEFT folder): what a cluster serving them must answer."""
+    from tandem.engine.core.llm_engine import LLMEngine
+    from tandem.engine.engine_config import EngineConfig, LoRAConfig
+    from tandem.engine.sampling_params import SamplingParams
+
+    with LLMEngine(embedded, EngineConfig(num_kv_blocks=256, lora=LoRAConfig(max_rank=16, max_loaded=3))) as engine:
+        for name, path in adapters.items():
+            engine.load_lora(name, path)
+        for i, (question, adapter) in enumerate(asks):
+            engine.add_request(f"r{i}", embedded.tokenizer.encode_chat(chat(question)),
+                               SamplingParams(max_tokens=max_tokens, temperature=0, lora=adapter))
+        done: dict[str, list[int]] = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                done.setdefault(out.request_id, []).extend(out.token_ids)
+    return [done[f"r{i}"] for i in range(len(asks))]

@@ -12,13 +12,15 @@ import httpx
 import openai
 
 from tandem.cluster.cli import main as tandem_main
+from tandem.cluster.manifest import LoRASettings
 from tandem.cluster.manifest_yaml import parse_manifest
 from tandem.engine.core.generator import Generator
 from tandem.engine.loader import load_model
+from tandem.engine.loader.lora_adapter import write_random_adapter
 from tandem.engine.sampling_params import SamplingParams
 from tandem.router.client import TandemClient
-from tests.cluster.ray_cluster import (MANIFESTS, QUESTIONS, chat, check_integrity, manifest_for_test, running,
-                                      simulated_cluster, wait_idle)
+from tests.cluster.ray_cluster import (MANIFESTS, QUESTIONS, chat, check_integrity, manifest_for_test,
+                                      one_process_lora, running, simulated_cluster, wait_idle)
 from tests.cluster.structured_checks import greedy_reply_equals_one_process
 
 
@@ -46,9 +48,11 @@ def draft_manifest():
     return manifest.model_copy(update={"pools": parse_manifest(drafted).pools})
 
 
-def test_colocated_mode_serves_through_the_same_router(embedded):
+def test_colocated_mode_serves_through_the_same_router(embedded, tmp_path):
     nodes = {"decode": dict(num_cpus=2, resources={"decode": 4})}
-    with simulated_cluster(nodes) as (_, node_ids), running(draft_manifest()) as cluster:
+    tone = str(write_random_adapter(tmp_path / "tone", embedded.config, 8, seed=5, scale=0.2))
+    manifest = draft_manifest().model_copy(update={"lora": LoRASettings(adapters={"tone": tone}, max_rank=8)})
+    with simulated_cluster(nodes) as (_, node_ids), running(manifest) as cluster:
         status = cluster.status()
         assert [r["name"] for r in status["replicas"]] == ["decode-0"]
         assert status["replicas"][0]["node_id"] == node_ids["decode"]
@@ -60,8 +64,8 @@ def test_colocated_mode_serves_through_the_same_router(embedded):
         speculation = wait_idle(cluster)[0]["speculation"]
         assert speculation["proposer"] == "draft" and speculation["accepted"] > 0, speculation
         with TandemClient(cluster.endpoint) as client:
-            (model,) = client.list_models()
-            assert model.mode == "colocated"
+            model, adapter = client.list_models()
+            assert model.mode == adapter.mode == "colocated" and adapter.id == "tone"
             stream = client.stream(prompt="Once upon a time", max_tokens=200, temperature=0, ignore_eos=True)
             next(stream), next(stream)
             stream.close()  # a client that goes away mid-decode
@@ -72,6 +76,12 @@ def test_colocated_mode_serves_through_the_same_router(embedded):
                                                       max_tokens=16, temperature=0)
         assert reply.choices[0].message.content == results[0].text
         greedy_reply_equals_one_process(cluster.http_endpoint, embedded)  # structured output, colocated
+        # A LoRA adapter on the colocated replica, drafted by the base model's 4-bit twin: one process's tokens.
+        adapted = openai_client.chat.completions.create(model="tone", messages=chat(QUESTIONS[1]), max_tokens=16,
+                                                        temperature=0)
+        want = one_process_lora(embedded, {"tone": tone}, [(QUESTIONS[1], "tone")], 16)[0]
+        assert adapted.model == "tone" and adapted.usage.completion_tokens == len(want)
+        assert adapted.choices[0].message.content == embedded.tokenizer.decode(want, skip_special_tokens=True)
         metrics = httpx.get(f"http://{cluster.http_endpoint}/metrics").text
         assert 'tandem_prefill_decisions_total{reason="colocated",where="decode_replica"}' in metrics
         wait_idle(cluster)

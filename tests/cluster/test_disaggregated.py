@@ -13,13 +13,16 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
+import httpx
 import pytest
 
+from tandem.cluster.manifest import LoRASettings
 from tandem.engine.core.generator import Generator
+from tandem.engine.loader.lora_adapter import write_random_adapter
 from tandem.engine.sampling_params import SamplingParams
 from tandem.router.client import TandemClient, build_request
-from tests.cluster.ray_cluster import (QUESTIONS, chat, check_integrity, manifest_for_test, running,
-                                      simulated_cluster, wait_idle)
+from tests.cluster.ray_cluster import (QUESTIONS, chat, check_integrity, manifest_for_test, one_process_lora,
+                                      running, simulated_cluster, wait_idle)
 from tests.cluster.structured_checks import (greedy_reply_equals_one_process, sampled_replies_validate,
                                              tool_calls_round_trip)
 
@@ -38,10 +41,21 @@ def forced_speculation(manifest):
 
 
 @pytest.fixture(scope="module")
-def cluster():
+def adapters(embedded, tmp_path_factory) -> dict[str, str]:
+    """Three LoRA adapters of the embedded model (random weights, PEFT's format): two in the manifest, one loaded
+    while the cluster runs."""
+    root = tmp_path_factory.mktemp("lora")
+    return {name: str(write_random_adapter(root / name, embedded.config, rank, seed=seed, scale=0.2))
+            for name, rank, seed in (("terse", 8, 1), ("poet", 16, 2), ("late", 4, 3))}
+
+
+@pytest.fixture(scope="module")
+def cluster(adapters):
     manifest = manifest_for_test("local.yaml")
+    lora = LoRASettings(adapters={name: adapters[name] for name in ("terse", "poet")}, max_rank=16, max_loaded=2,
+                        runtime_loading=True)
     with simulated_cluster() as (ray_cluster, node_ids):
-        with running(manifest.model_copy(update={"pools": forced_speculation(manifest)})) as tandem:
+        with running(manifest.model_copy(update={"pools": forced_speculation(manifest), "lora": lora})) as tandem:
             tandem.node_ids = node_ids
             yield tandem
 
@@ -259,8 +273,9 @@ def test_invalid_requests_get_their_status_and_the_cluster_keeps_serving(client,
 def test_health_reflection_and_models(client):
     assert client.health() == "SERVING"
     assert client.health("tandem.v1.Tandem") == "SERVING"
-    (model,) = client.list_models()
+    model, *adapters = client.list_models()  # the model, then the manifest's LoRA adapters
     assert (model.id, model.mode, model.max_model_len) == ("SmolLM2-135M-Instruct", "disaggregated", 2048)
+    assert {a.id for a in adapters} >= {"poet", "terse"} and all(a.max_model_len == 2048 for a in adapters)
     from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
     stub = reflection_pb2_grpc.ServerReflectionStub(client.channel)
@@ -317,4 +332,42 @@ def test_the_decode_replica_speculates_on_a_transferred_prompt_with_one_process_
     assert after["decode-0"]["proposer"] == "suffix"
     accepted = after["decode-0"]["accepted"] - (before["decode-0"] or {}).get("accepted", 0)
     assert accepted > 0, after["decode-0"]
+    check_integrity(cluster)
+
+
+def test_lora_adapters_named_as_the_model_equal_one_process_across_the_transfer(cluster, client, embedded,
+                                                                               adapters):
+    """Requests of two manifest adapters and the base model at once (gRPC's model field), prefilled on one replica
+    and decoded on the other: each equals one engine serving the same adapters, and the adapters change the
+    output. Then an adapter loaded while the cluster runs (POST /v1/load_lora_adapter), listed in /v1/models and
+    served by name over the OpenAI API, unloaded again (404 after). An unknown name is NOT_FOUND."""
+    asks = [(q, adapter) for q in QUESTIONS[:3] for adapter in ("terse", "poet", None)]
+    with ThreadPoolExecutor(len(asks)) as pool:
+        results = list(pool.map(lambda ask: client.generate(chat=chat(ask[0]), max_tokens=MAX_TOKENS, temperature=0,
+                                                            model=ask[1] or ""), asks))
+    expected = one_process_lora(embedded, adapters, asks, MAX_TOKENS)
+    for (question, adapter), got, want in zip(asks, results, expected):
+        assert got.token_ids[0] == want, (question, adapter)
+        assert (got.prefill_replica, got.decode_replica) == ("prefill-0", "decode-0")
+    assert len({tuple(r.token_ids[0]) for r in results[:3]}) == 3  # each adapter answers differently
+    with pytest.raises(grpc.RpcError) as refused:
+        client.generate(chat=chat(QUESTIONS[0]), max_tokens=4, model="no-such-adapter")
+    assert refused.value.code() == grpc.StatusCode.NOT_FOUND and "terse" in refused.value.details()
+
+    http = f"http://{cluster.http_endpoint}/v1"
+    loaded = httpx.post(f"{http}/load_lora_adapter", json={"lora_name": "late", "lora_path": adapters["late"]})
+    assert loaded.status_code == 200 and loaded.json()["replicas"] == ["decode-0", "prefill-0"], loaded.text
+    models = [m["id"] for m in httpx.get(f"{http}/models").json()["data"]]
+    assert models[1:] == ["late", "poet", "terse"] and models[0] != "late"
+    reply = httpx.post(f"{http}/chat/completions", timeout=120, json={
+        "model": "late", "messages": chat(QUESTIONS[4]), "max_tokens": MAX_TOKENS, "temperature": 0}).json()
+    want = one_process_lora(embedded, adapters, [(QUESTIONS[4], "late")], MAX_TOKENS)[0]
+    assert reply["model"] == "late" and reply["usage"]["completion_tokens"] == len(want)
+    assert reply["choices"][0]["message"]["content"] == embedded.tokenizer.decode(want, skip_special_tokens=True)
+    bad = httpx.post(f"{http}/load_lora_adapter", json={"lora_name": "broken", "lora_path": "/nonexistent"})
+    assert bad.status_code == 400 and "adapter_config.json is missing" in bad.json()["error"]["message"]
+    assert httpx.post(f"{http}/unload_lora_adapter", json={"lora_name": "late"}).status_code == 200
+    gone = httpx.post(f"{http}/chat/completions", json={"model": "late", "messages": chat("Hi"), "max_tokens": 2})
+    assert gone.status_code == 404
+    wait_idle(cluster)
     check_integrity(cluster)

@@ -67,7 +67,7 @@ def test_every_side_offers_the_protocol(protocol, implementation):
 
 def test_the_protocols_cover_what_the_router_calls():
     every = {"ready", "stats", "health", "kv_events", "abort", "check_integrity", "shutdown", "reserve_prefix",
-             "send_prefix", "keep_prefix"}
+             "send_prefix", "keep_prefix", "load_lora", "unload_lora"}
     assert set(_protocol_methods(contract.PrefillReplicaAPI)) == every | {"prefill"}
     assert set(_protocol_methods(contract.DecodeReplicaAPI)) == every | {"reserve", "decode", "generate", "resume"}
 
