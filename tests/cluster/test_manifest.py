@@ -345,3 +345,24 @@ def test_an_unreadable_tls_file_is_reported_at_its_key(tmp_path, monkeypatch, ca
     assert "relative paths start there" in error.hint
     assert main(["validate", str(path), "--no-port-check"]) == 2
     assert "tls.cert_file" in capsys.readouterr().err
+
+
+def test_lora_adapters_are_read_as_a_replica_reads_them(tmp_path, embedded_shape, embedded_shape_once):
+    """tandem validate reads each adapter against the model: a folder that is none, or one of a higher rank than
+    lora.max_rank, is reported at its name; a good one passes."""
+    from tandem.engine.loader.lora_adapter import write_random_adapter
+
+    good = write_random_adapter(tmp_path / "good", embedded_shape.config, 8)
+    wide = write_random_adapter(tmp_path / "wide", embedded_shape.config, 32)
+    text = f"""\
+pools:
+  prefill: {{}}
+  decode: {{}}
+lora:
+  max_rank: 16
+  adapters: {{good: {good}, wide: {wide}, missing: {tmp_path / "missing"}}}
+"""
+    errors = {e.path: e for e in manifest_errors(write_manifest(tmp_path, text))}
+    assert set(errors) == {"lora.adapters.wide", "lora.adapters.missing"}
+    assert "rank 32 is over this replica's lora.max_rank (16)" in errors["lora.adapters.wide"].message
+    assert "adapter_config.json is missing" in errors["lora.adapters.missing"].message

@@ -194,3 +194,23 @@ def test_tp2_ranks_hold_their_shard_of_each_adapter_and_give_one_process_tokens(
             outputs.append(_generate(engine, requests))
     assert outputs[1] == outputs[0]
     assert len({tuple(t) for t in outputs[0]}) == 3
+
+
+def test_a_migrated_request_and_a_structured_one_keep_their_adapter(embedded, lora_engine):
+    """A request resumed after the tokens another replica sent (migration) goes on as the adapter would; a choice
+    constraint under an adapter answers one of the choices."""
+    from tandem.engine.core.resume import ResumeState
+    from tandem.engine.structured_output import StructuredOutput
+
+    ids = _prompt_ids(embedded.tokenizer, PROMPTS["chat_short"])
+    whole = _generate(lora_engine, [(ids, "all8")])[0]
+    params = SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True, lora="all8")
+    lora_engine.add_request("moved", ids, params, resume=ResumeState(tuple(whole[:5])))
+    assert whole[:5] + run_all(lora_engine)[("moved", 0)].token_ids == whole
+    choices = ["red", "green", "blue", "yellow"]
+    picks = {}
+    for adapter in ("all8", "attn64", None):
+        lora_engine.add_request(f"pick-{adapter}", ids, SamplingParams(
+            max_tokens=8, temperature=0, lora=adapter, structured=StructuredOutput.choice(choices)))
+        picks[adapter] = run_all(lora_engine)[(f"pick-{adapter}", 0)].text
+    assert set(picks.values()) <= set(choices), picks

@@ -252,3 +252,37 @@ def test_metrics_count_requests_routing_decisions_and_latencies(server):
     assert 'tandem_prefill_decisions_total{reason="prefill_pool",where="prefill_pool"} 1.0' in text
     assert "tandem_time_to_first_token_seconds_count 1.0" in text
     assert "tandem_routing_decision_seconds_count" in text and 'tandem_replicas{pool="decode"} 1.0' in text
+
+
+def test_lora_adapters_load_only_where_the_manifest_allows_and_are_served_by_name():
+    """Runtime loading off: 403. On with API keys: only an admin tenant; then every replica has the adapter,
+    /v1/models lists it, a request names it and the reply does too; unloading an unknown one is 404."""
+    closed = Server([MockDecode("decode-0")], [MockPrefill("prefill-0")])
+    try:
+        refused = httpx.post(f"{closed.url}/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": "/x"})
+        assert refused.status_code == 403 and "lora.runtime_loading" in refused.json()["error"]["message"]
+    finally:
+        closed.close()
+    settings = DriverSettings(lora_runtime_loading=True, lora_admin_tenants=("acme",))
+    s = Server([MockDecode("decode-0")], [MockPrefill("prefill-0")], settings=settings, keys=KEYS)
+    try:
+        def post(path, key, body):
+            return httpx.post(f"{s.url}/v1/{path}", json=body, headers={"authorization": f"Bearer {key}"})
+
+        body = {"lora_name": "sql", "lora_path": "/adapters/sql"}
+        assert post("load_lora_adapter", "sk-beta-0123456789", body).status_code == 403  # not an admin tenant
+        assert post("load_lora_adapter", "sk-acme-0123456789", {"lora_name": "sql"}).status_code == 400
+        loaded = post("load_lora_adapter", "sk-acme-0123456789", body)
+        assert loaded.status_code == 200 and loaded.json()["replicas"] == ["decode-0", "prefill-0"]
+        assert all(r.lora_adapters == {"sql": "/adapters/sql"} for r in s.prefill + s.decode)
+        models = s.client("sk-beta-0123456789").models.list()
+        assert [m.id for m in models.data] == [MODEL, "sql"]
+        reply = s.client("sk-beta-0123456789").completions.create(model="sql", prompt="hi", max_tokens=3)
+        assert reply.model == "sql" and reply.usage.completion_tokens == 3
+        with pytest.raises(openai.NotFoundError):
+            s.client("sk-beta-0123456789").completions.create(model="nope", prompt="hi", max_tokens=3)
+        assert post("unload_lora_adapter", "sk-acme-0123456789", {"lora_name": "nope"}).status_code == 404
+        assert post("unload_lora_adapter", "sk-acme-0123456789", {"lora_name": "sql"}).status_code == 200
+        assert all(not r.lora_adapters for r in s.prefill + s.decode)
+    finally:
+        s.close()
