@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.engine_throughput import prompts  # noqa: E402
-from bench.machine import cpu_report, machine_line  # noqa: E402
+from bench.machine import cpu_report, embedded_on, machine_line  # noqa: E402
 
 
 def run(engine, requests: list[list[int]], adapters: list[str | None], tokens: int) -> float:
@@ -62,12 +62,9 @@ def main() -> None:
 
     from tandem.engine.core.llm_engine import LLMEngine
     from tandem.engine.engine_config import EngineConfig, LoRAConfig
-    from tandem.engine.hardware.device import default_dtype
-    from tandem.engine.loader import load_model
     from tandem.engine.loader.lora_adapter import write_random_adapter
 
-    dtype = default_dtype(args.device)
-    loaded = load_model(progress=False, dtype=getattr(torch, dtype), device=args.device)
+    loaded, dtype = embedded_on(args.device)
     config = EngineConfig(kv_cache_bytes=512 << 20, max_num_seqs=max(64, args.requests),
                           compile=False if args.compile == "off" else None,
                           lora=LoRAConfig(max_rank=args.rank, max_loaded=args.adapters))

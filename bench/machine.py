@@ -26,3 +26,13 @@ def cpu_report() -> dict:
             "kernels": {name: getattr(found, name) for name in FEATURES}, "why_not": found.why_not,
             "env": {k: os.environ[k] for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "TANDEM_CPU_DISABLE")
                     if k in os.environ}}
+
+
+def embedded_on(device: str):
+    """The embedded model on `device` in that device's default dtype (float32 on the CPU, bfloat16 on CUDA), and
+    the dtype's name: what the engine benchmarks that take --device run."""
+    from tandem.engine.hardware.device import default_dtype
+    from tandem.engine.loader import load_model
+
+    dtype = default_dtype(device)
+    return load_model(progress=False, dtype=getattr(torch, dtype), device=device), dtype

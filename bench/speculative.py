@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.machine import machine_line  # noqa: E402
+from bench.machine import embedded_on, machine_line  # noqa: E402
 
 CODE = '''def total_price(items, tax_rate):
     subtotal = 0
@@ -215,11 +215,8 @@ def main() -> None:
 
     from tandem.engine.decoding.proposers import NgramProposer
     from tandem.engine.decoding.suffix_proposer import SuffixProposer
-    from tandem.engine.hardware.device import default_dtype
-    from tandem.engine.loader import load_model
 
-    dtype = default_dtype(args.device)
-    loaded = load_model(progress=False, dtype=getattr(torch, dtype), device=args.device)
+    loaded, dtype = embedded_on(args.device)
     workloads = {name: WORKLOADS[name] for name in args.workloads.split(",")}
     report = {"bench": "speculative", "machine": machine_line(), "device": args.device, "dtype": dtype,
               **({"gpu": torch.cuda.get_device_name()} if args.device == "cuda" else {}), "k": args.k,

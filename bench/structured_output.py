@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.compiled_step import step_times  # noqa: E402
-from bench.machine import cpu_report, machine_line  # noqa: E402
+from bench.machine import cpu_report, embedded_on, machine_line  # noqa: E402
 
 # Outputs longer than any measured run: an array of at least 40 short objects.
 LONG_SCHEMA = {"type": "object", "properties": {"rows": {"type": "array", "minItems": 40, "maxItems": 60, "items": {
@@ -224,11 +224,8 @@ def main() -> None:
 
     from tandem.engine.core.llm_engine import LLMEngine
     from tandem.engine.engine_config import EngineConfig
-    from tandem.engine.hardware.device import default_dtype
-    from tandem.engine.loader import load_model
 
-    dtype = default_dtype(args.device)
-    loaded = load_model(progress=False, dtype=getattr(torch, dtype), device=args.device)
+    loaded, dtype = embedded_on(args.device)
     outputs = reference_outputs(loaded, LLMEngine, EngineConfig(num_kv_blocks=2048, max_num_seqs=64, compile=False))
     result = {"bench": "structured_output", "machine": machine_line(), "cpu": cpu_report(), "threads": args.threads,
               "device": args.device, "dtype": dtype,
