@@ -208,8 +208,8 @@ class RequestDriver:
                                             timeout_s=self.settings.queue_timeout_s)
 
     def _plan(self, request: ParsedRequest, local: str | None = None) -> RoutePlan:
-        return self.routing.plan(request.prompt_token_ids, prefill=[r.load for r in self.prefill],
-                                 decode=[r.load for r in self.decode], local_reason=local,
+        prefill, decode = self.pools.loads(request.params.lora)  # those that serve its LoRA adapter, if any do
+        return self.routing.plan(request.prompt_token_ids, prefill=prefill, decode=decode, local_reason=local,
                                  cache_salt=request.hash_salt, session=request.session_id)
 
     async def _call(self, replica: Replica, call: Awaitable[T]) -> T:

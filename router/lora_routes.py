@@ -63,8 +63,12 @@ class LoRARoutes:
         _log.info("loaded LoRA adapter %s onto %s for a request", name, replica_name)
 
     async def load(self, name: str, path: str, replicas: Iterable[Replica]) -> dict[str, float]:
-        """Loads the adapter on every replica (replacing one of that name); returns each replica's check seconds.
-        Raises ValueError with the first replica's reason when one refuses it (the others keep it)."""
+        """Loads the adapter on every replica; returns each replica's check seconds. Raises ValueError for a name
+        served from another folder (a name stays bound to its folder: cached KV is keyed by it), or with the first
+        replica's reason when one refuses it (the others keep it)."""
+        if self.paths.get(name, path) != path:
+            raise ValueError(f"LoRA adapter {name!r} is served from {self.paths[name]}: give another folder another "
+                             "name")
         replicas = list(replicas)
         results = await asyncio.gather(*(r.api.load_lora(name, path) for r in replicas), return_exceptions=True)
         failed = [(r.name, e) for r, e in zip(replicas, results) if isinstance(e, BaseException)]

@@ -72,6 +72,16 @@ class ReplicaPools:
     def all(self) -> list[Replica]:
         return self.prefill + self.decode
 
+    def loads(self, adapter: str | None = None) -> tuple[list[ReplicaLoad], list[ReplicaLoad]]:
+        """Each pool's replicas' loads, to route among: with a LoRA adapter, those that serve it already where some
+        do (the others load it before they serve the request: lora_routes.py)."""
+        def serving(pool: list[Replica]) -> list[ReplicaLoad]:
+            holders = self.adapters.holders.get(adapter, ()) if adapter is not None else None
+            holding = [r for r in pool if holders is None or r.name in holders]
+            return [r.load for r in holding or pool]
+
+        return serving(self.prefill), serving(self.decode)
+
     def get(self, name: str) -> Replica | None:
         """The replica of that name, None once it left its pool."""
         return self._by_name.get(name)

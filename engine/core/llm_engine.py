@@ -279,9 +279,8 @@ class LLMEngine:
         return self.scheduler.kv.release(key)
 
     def load_lora(self, name: str, path: str) -> float:
-        """Serves the PEFT adapter at `path` as `name` (replacing one of that name: requests already running with it
-        finish on the new weights); returns the seconds its check took. Raises ValueError (LoRAAdapterError for the
-        adapter's files)."""
+        """Serves the PEFT adapter at `path` as `name` (core/lora_registry.py: a name stays bound to its folder);
+        returns the seconds its check took. Raises ValueError (LoRAAdapterError for the adapter's files)."""
         return self.lora.load(name, path)
 
     def unload_lora(self, name: str) -> None:

@@ -24,6 +24,7 @@ class LoRARegistry:
     def __init__(self, config: LoRAConfig | None, model: ModelConfig):
         self.config, self.model = config, model
         self.paths: dict[str, str] = {}
+        self._served: dict[str, str] = {}  # every name served since start -> its folder (names are never reused)
         self._changes: list[LoRAChange] = []
 
     @property
@@ -31,18 +32,26 @@ class LoRARegistry:
         return tuple(self.paths)
 
     def load(self, name: str, path: str | Path) -> float:
-        """Registers (or replaces) adapter `name` from `path` once it reads as one this model can serve; returns
-        the seconds the check took. Raises ValueError (LoRAAdapterError for the adapter's files)."""
+        """Registers adapter `name` from `path` once it reads as one this model can serve; returns the seconds the
+        check took (0 for the same name and folder again: nothing changes). A name stays bound to its folder while
+        the engine lives, unloaded or not, because its cached KV (prefix cache, KV tiers) is keyed by the name.
+        Raises ValueError (LoRAAdapterError for the adapter's files)."""
         from tandem.engine.loader.lora_adapter import read_adapter
 
         if self.config is None:
             raise ValueError("this engine serves no LoRA adapters: give it a lora config (lora.max_rank, max_loaded)")
         if not isinstance(name, str) or not 0 < len(name) <= MAX_LORA_NAME:
             raise ValueError(f"a LoRA adapter's name has 1..{MAX_LORA_NAME} characters, got {name!r}")
+        folder = str(Path(path).resolve())
+        if self._served.get(name, folder) != folder:
+            raise ValueError(f"LoRA adapter name {name!r} was served from {self._served[name]} on this replica: "
+                             "give another folder another name (cached KV is keyed by the name)")
+        if self.paths.get(name) == folder:
+            return 0.0
         start = time.perf_counter()
-        read_adapter(path, name, self.model, self.config.max_rank)
-        self.paths[name] = str(Path(path).resolve())
-        self._changes.append(LoRAChange(name, self.paths[name]))
+        read_adapter(folder, name, self.model, self.config.max_rank)
+        self.paths[name] = self._served[name] = folder
+        self._changes.append(LoRAChange(name, folder))
         return time.perf_counter() - start
 
     def unload(self, name: str) -> None:

@@ -214,3 +214,16 @@ def test_a_migrated_request_and_a_structured_one_keep_their_adapter(embedded, lo
             max_tokens=8, temperature=0, lora=adapter, structured=StructuredOutput.choice(choices)))
         picks[adapter] = run_all(lora_engine)[(f"pick-{adapter}", 0)].text
     assert set(picks.values()) <= set(choices), picks
+
+
+def test_a_name_stays_bound_to_its_folder(embedded, adapters):
+    """Cached KV is keyed by the adapter's name: loading the same folder again changes nothing, and another folder
+    under a name served before (even after an unload) is refused."""
+    folders, _ = adapters
+    engine = LLMEngine(embedded, EngineConfig(num_kv_blocks=64, lora=LoRAConfig(max_rank=64, max_loaded=1)))
+    assert engine.load_lora("x", str(folders["all8"])) > 0
+    assert engine.load_lora("x", str(folders["all8"])) == 0.0
+    engine.unload_lora("x")
+    with pytest.raises(ValueError, match="'x' was served from .*all8"):
+        engine.load_lora("x", str(folders["mlp16"]))
+    assert engine.load_lora("x", str(folders["all8"])) > 0  # the same folder again, after its unload

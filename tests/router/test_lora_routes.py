@@ -87,3 +87,13 @@ def test_loads_and_unloads_reach_every_replica_and_a_refusal_says_where():
 
     asyncio.run(run())
     assert routes.names == ("sql",)
+
+
+def test_routing_prefers_the_replicas_that_serve_the_adapter():
+    pools, _, _ = _pools()
+    pools.add(Replica("decode-1", "decode", MockDecode("decode-1")))
+    base_prefill, base_decode = pools.loads(None)
+    assert [r.name for r in base_decode] == ["decode-0", "decode-1"]
+    prefill, decode = pools.loads("sql")
+    assert [r.name for r in decode] == ["decode-0"]  # decode-1 would load it first
+    assert [r.name for r in prefill] == ["prefill-0"]  # no prefill replica serves it yet: all of them
