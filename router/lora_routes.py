@@ -13,10 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterable
-
-if TYPE_CHECKING:
-    from tandem.router.replicas import Replica
+from typing import Any, AsyncIterator, Callable, Iterable
 
 _log = logging.getLogger(__name__)
 
@@ -38,8 +35,9 @@ class LoRARoutes:
     def serves(self, name: str) -> bool:
         return name in self.paths or name in self.holders
 
-    def wrap(self, replica: Replica) -> None:
-        """Counts what the replica serves (its info) and makes its API load an adapter before it first serves it."""
+    def wrap(self, replica) -> None:
+        """Counts what a replica (router/replicas.py Replica) serves, from its info, and makes its API load an
+        adapter before it first serves it."""
         for name in (replica.info.lora_adapters if replica.info is not None else ()):
             self.holders.setdefault(name, set()).add(replica.name)
         if not isinstance(replica.api, _AdapterAware):
@@ -62,7 +60,7 @@ class LoRARoutes:
         self.loads_on_demand += 1
         _log.info("loaded LoRA adapter %s onto %s for a request", name, replica_name)
 
-    async def load(self, name: str, path: str, replicas: Iterable[Replica]) -> dict[str, float]:
+    async def load(self, name: str, path: str, replicas: Iterable) -> dict[str, float]:
         """Loads the adapter on every replica; returns each replica's check seconds. Raises ValueError for a name
         served from another folder (a name stays bound to its folder: cached KV is keyed by it), or with the first
         replica's reason when one refuses it (the others keep it)."""
@@ -81,7 +79,7 @@ class LoRARoutes:
             raise ValueError(f"LoRA adapter {name!r} could not be loaded on {replica}: {_reason(error)}")
         return loaded
 
-    async def unload(self, name: str, replicas: Iterable[Replica]) -> None:
+    async def unload(self, name: str, replicas: Iterable) -> None:
         """Stops serving the adapter everywhere. Raises UnknownAdapter if it is not served, ValueError when a
         replica refuses (it still has requests of it: nothing is forgotten then)."""
         if not self.serves(name):

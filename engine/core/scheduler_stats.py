@@ -3,12 +3,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from tandem.engine.core.kv_tiers import TierStats
-
-if TYPE_CHECKING:
-    from tandem.engine.core.scheduler import Scheduler
 
 
 @dataclass(frozen=True)
@@ -29,8 +25,8 @@ class SchedulerStats:
     tiers: TierStats | None = None  # None: no KV tiers
 
 
-def collect_stats(scheduler: Scheduler) -> SchedulerStats:
-    """What `scheduler`'s counters, queues and KV pool say now."""
+def collect_stats(scheduler) -> SchedulerStats:
+    """What a Scheduler's counters, queues and KV pool say now (engine/core/scheduler.py: it calls this)."""
     kv, queried = scheduler.kv, scheduler.num_prompt_tokens_queried
     return SchedulerStats(
         num_running=len(scheduler.running), num_waiting=len(scheduler.waiting), num_blocks_total=kv.pool.num_blocks,

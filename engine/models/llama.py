@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterator, Protocol
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +28,7 @@ from tandem.engine.models.int4 import Int4Linear
 from tandem.engine.models.int8 import Int8Linear
 from tandem.engine.models.linear import Linear
 from tandem.engine.models.mlp import GatedMLP
+from tandem.engine.models.layer_ops import LayerOps
 from tandem.engine.models.lora import LoRAOps, LoRASlots
 from tandem.engine.models.moe import MoEBlock
 from tandem.engine.models.projections import ProjectionBuilder, Weight
@@ -130,15 +131,6 @@ class _Layer:
     window: int | None
     q_norm: torch.Tensor | None = None  # [head_dim], Qwen3's per-head query/key norms
     k_norm: torch.Tensor | None = None
-
-
-class LayerOps(Protocol):
-    """What the layer loop (run_layers) calls for weight products and attention: plain calls (_EagerOps), or the
-    custom ops a compiled step traces (engine/models/compiled.py CompiledOps)."""
-
-    def project(self, projection: Linear | Int4Linear | Int8Linear, x: torch.Tensor) -> torch.Tensor: ...
-
-    def attend(self, index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)

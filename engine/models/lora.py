@@ -20,12 +20,11 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Mapping, Sequence
+from typing import Mapping, Sequence
 
 import torch
 
-if TYPE_CHECKING:
-    from tandem.engine.models.llama import LayerOps, LlamaModel
+from tandem.engine.models.layer_ops import LayerOps
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -67,10 +66,10 @@ class _Site:
 
 
 class LoRASlots:
-    """`slots` adapters of rank up to max_rank for `model`'s rank (see the module doc). Raises ValueError for an
-    adapter of a higher rank."""
+    """`slots` adapters of rank up to max_rank for the part of the model (engine/models/llama.py LlamaModel) this rank
+    holds (see the module doc). Raises ValueError for an adapter of a higher rank."""
 
-    def __init__(self, model: LlamaModel, slots: int, max_rank: int):
+    def __init__(self, model, slots: int, max_rank: int):
         from tandem.engine.models.mlp import GatedMLP
         from tandem.engine.parallel.layout import split_evenly
 
@@ -211,7 +210,7 @@ class _Plan:
 
 @dataclass(frozen=True)
 class LoRAOps:
-    """The layer loop's ops with each weight product's adapter deltas added (engine/models/llama.py LayerOps)."""
+    """The layer loop's ops (layer_ops.py) with each weight product's adapter deltas added."""
 
     inner: LayerOps
     slots: LoRASlots

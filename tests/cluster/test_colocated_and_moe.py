@@ -12,7 +12,7 @@ import httpx
 import openai
 
 from tandem.cluster.cli import main as tandem_main
-from tandem.cluster.manifest import LoRASettings
+from tandem.cluster.lora_settings import LoRASettings
 from tandem.cluster.manifest_yaml import parse_manifest
 from tandem.engine.core.generator import Generator
 from tandem.engine.loader import load_model

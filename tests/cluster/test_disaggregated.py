@@ -16,7 +16,7 @@ import grpc
 import httpx
 import pytest
 
-from tandem.cluster.manifest import LoRASettings
+from tandem.cluster.lora_settings import LoRASettings
 from tandem.engine.core.generator import Generator
 from tandem.engine.loader.lora_adapter import write_random_adapter
 from tandem.engine.sampling_params import SamplingParams
