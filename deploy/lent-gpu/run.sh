@@ -8,7 +8,7 @@
 # 1: the Triton kernels' gpu tests, their start-up tuning, bench/attention_kernels.py (no model needed yet)
 # 2: the engine's gpu tests (CUDA, CUDA graphs, int8 weights, the 8B shape's start), the decode step, the 8B shape
 # 3: the gpu-1.yaml cluster on Ray and KV between two processes' CUDA stores over UCX, then the engine, speculative
-#    decoding, structured output and KV transfer benchmarks on CUDA
+#    decoding, structured output, KV transfer and multi-LoRA benchmarks on CUDA
 set -u
 STAGE=$1; BUDGET=$2; T0=$(date +%s)
 R=$PWD; S=/tmp/stash; SITE=/tmp/site; RES=/tmp/results$STAGE
@@ -66,7 +66,7 @@ for name, shape in (('SmolLM2-135M', (9, 3, 64)), ('Llama-3.1-8B', (32, 8, 128))
   ;;
 2)
   step tests 300 60 $PT tests/engine/core/test_engine_cuda.py tests/engine/models/test_cuda_graphs.py \
-    tests/engine/models/test_quantized_weights.py tests/engine/loader/test_dummy_weights.py
+    tests/engine/models/test_quantized_weights.py tests/engine/loader/test_dummy_weights.py tests/engine/test_lora.py
   step compiled_step 150 40 $PY bench/compiled_step.py --device cuda --batches 1,8,64 --steps 24 --rounds 2
   step engine_throughput_8b 240 60 $PY bench/engine_throughput.py --device cuda --like Llama-3.1-8B \
     --concurrency 1,64 --prompt-tokens 512 --tokens 256 --rounds 1 --hf-requests 1 --ttft-rounds 0 --kv-cache-gib 12
@@ -78,5 +78,6 @@ for name, shape in (('SmolLM2-135M', (9, 3, 64)), ('Llama-3.1-8B', (32, 8, 128))
   step speculative 100 40 $PY bench/speculative.py --device cuda --rounds 1 --tokens 64
   step structured_output 60 25 $PY bench/structured_output.py --device cuda --rounds 1
   step kv_transfer 60 25 $PY bench/kv_transfer.py --device cuda --rounds 1 --requests 1 16
+  step lora 90 30 $PY bench/lora.py --device cuda --rounds 2
   ;;
 esac

@@ -172,9 +172,10 @@ class LoRASlots:
             return out
         if isinstance(plan.rows, list):  # one run of rows per adapter, of different lengths (a prefill)
             slots = range(plan.groups) if plan.slots is None else plan.slots.tolist()
-            for part in site.parts:
-                for slot, rows in zip(slots, plan.rows):
-                    out[rows, part.out_rows].addmm_(x[rows] @ part.a[slot, :, :plan.rank], part.b[slot, :plan.rank])
+            for slot, rows in zip(slots, plan.rows):
+                xs = x[rows]
+                for part in site.parts:  # a contiguous product, added into the strided columns
+                    out[rows, part.out_rows] += (xs @ part.a[slot, :, :plan.rank]) @ part.b[slot, :plan.rank]
             return out
         if isinstance(plan.rows, slice):  # equal runs of rows side by side (the runner orders rows by adapter)
             rows = x[plan.rows]
