@@ -95,9 +95,9 @@ def test_each_adapter_alone_gives_transformers_and_peft_greedy_tokens(embedded, 
 
 @pytest.mark.reference
 def test_a_batch_of_three_adapters_and_the_base_equals_each_alone(embedded, adapters, lora_engine):
-    """Seven prompts x (three adapters + base) in one batch, rows of one adapter interleaved with others'."""
+    """Three prompts x (three adapters + base) in one batch, rows of one adapter interleaved with others'."""
     _, peft_model = adapters
-    prompts = [_prompt_ids(embedded.tokenizer, spec) for _, spec in sorted(PROMPTS.items())][:4]
+    prompts = [_prompt_ids(embedded.tokenizer, spec) for _, spec in sorted(PROMPTS.items())][:3]
     requests = [(ids, name) for ids in prompts for name in [*ADAPTERS, None]]
     batched = _generate(lora_engine, requests)
     for (ids, name), tokens in zip(requests, batched):
