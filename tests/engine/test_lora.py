@@ -21,7 +21,7 @@ from tests.engine.engine_helpers import run_all
 from tests.engine.test_parity_embedded import PROMPTS, _prompt_ids
 from tests.reference import hf_greedy
 
-NUM_TOKENS = 12
+NUM_TOKENS = 8
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # name -> (rank, alpha, target modules, use_rslora, factor on peft's random B: large enough to change the output)
 ADAPTERS = {"all8": (8, 16, ALL, False, 0.2), "attn64": (64, 128, ["q_proj", "v_proj", "o_proj"], False, 2.0),
