@@ -4,9 +4,10 @@ The same C concurrent requests (distinct prompts, --tokens greedy tokens each, i
 twice per round, in alternating order: every request on the base model, then request i under adapter i mod A (A
 adapters of rank R on all seven projections, random weights written in PEFT's format: the values do not change
 the cost). The ratio is LoRA wall time over base wall time, median over rounds (lower is better; the target is
-<= 1.3 at 32 requests over 8 adapters of rank 16). Also: the seconds to load (check) one adapter, and how many
-times the runner read adapters into its pool. --compile off runs both eager (the default is the engine's, where
-base decode steps are compiled and steps with LoRA rows are not).
+<= 1.3 at 32 requests over 8 adapters of rank 16). Also: the seconds to load one adapter (registering it checks
+its headers; a rank reads its weights when a step first needs it: both timed), and how many times the runner read
+adapters into its pool. --compile off runs both eager (the default is the engine's, where base decode steps are
+compiled and steps with LoRA rows are not).
 
     .venv/bin/python bench/lora.py [--requests 32] [--adapters 8] [--rank 16] [--tokens 32] [--rounds 3]
     .venv/bin/python bench/lora.py --device cuda
@@ -62,7 +63,7 @@ def main() -> None:
 
     from tandem.engine.core.llm_engine import LLMEngine
     from tandem.engine.engine_config import EngineConfig, LoRAConfig
-    from tandem.engine.loader.lora_adapter import write_random_adapter
+    from tandem.engine.loader.lora_adapter import read_adapter, write_random_adapter
 
     loaded, dtype = embedded_on(args.device)
     config = EngineConfig(kv_cache_bytes=512 << 20, max_num_seqs=max(64, args.requests),
@@ -71,10 +72,13 @@ def main() -> None:
     requests = prompts(loaded.tokenizer, args.requests)
     names = [f"adapter{i}" for i in range(args.adapters)]
     with tempfile.TemporaryDirectory() as tmp, LLMEngine(loaded, config) as engine:
-        load_s = []
+        load_s, read_s = [], []
         for i, name in enumerate(names):
             folder = write_random_adapter(Path(tmp) / name, loaded.config, args.rank, seed=i)
-            load_s.append(engine.load_lora(name, str(folder)))
+            load_s.append(engine.load_lora(name, str(folder)))  # registration: its headers checked
+            start = time.perf_counter()
+            read_adapter(folder, name, loaded.config, args.rank)  # what a rank reads when a step first needs it
+            read_s.append(time.perf_counter() - start)
         modes = {"base": [None] * args.requests, "lora": [names[i % args.adapters] for i in range(args.requests)]}
         run(engine, requests, modes["lora"], 2)  # warm-up: the pool reads every adapter, kernels start
         run(engine, requests, modes["base"], 2)
@@ -88,7 +92,8 @@ def main() -> None:
     ratio = statistics.median(lo / b for lo, b in zip(times["lora"], times["base"]))
     produced = args.requests * args.tokens
     print(f"{args.requests} requests over {args.adapters} adapters of rank {args.rank}: {ratio:.2f}x the base "
-          f"model's time (target <= 1.3); loading one adapter {statistics.median(load_s):.3f} s", file=sys.stderr)
+          f"model's time (target <= 1.3); loading one adapter: {statistics.median(load_s):.4f} s to check it, "
+          f"{statistics.median(read_s):.4f} s to read it", file=sys.stderr)
     report = {"bench": "lora", "machine": machine_line(), "device": args.device, "dtype": dtype,
               **({"gpu": torch.cuda.get_device_name()} if args.device == "cuda" else {"cpu": cpu_report()}),
               "threads": args.threads, "requests": args.requests, "adapters": args.adapters, "rank": args.rank,
@@ -97,6 +102,7 @@ def main() -> None:
               "lora_over_base_time": round(ratio, 3), "per_round": [round(lo / b, 3) for lo, b in
                                                                     zip(times["lora"], times["base"])],
               "load_s": {"median": round(statistics.median(load_s), 4), "max": round(max(load_s), 4)},
+              "read_s": {"median": round(statistics.median(read_s), 4), "max": round(max(read_s), 4)},
               "pool_loads": loads, "target": 1.3, "target_met": ratio <= 1.3}
     print(json.dumps(report))
 

@@ -206,7 +206,7 @@ def _tls_errors(tls) -> list[ManifestError]:
 
 def _lora_errors(data: dict, config) -> list[ManifestError]:
     """Each adapter of the lora section read as a replica will read it (engine/loader/lora_adapter.py)."""
-    from tandem.engine.loader.lora_adapter import read_adapter
+    from tandem.engine.loader.lora_adapter import check_adapter
 
     lora = data.get("lora")
     if not isinstance(lora, dict) or not isinstance(lora.get("adapters"), dict):
@@ -217,7 +217,7 @@ def _lora_errors(data: dict, config) -> list[ManifestError]:
         if not isinstance(path, str):
             continue
         try:
-            read_adapter(Path(path).expanduser(), str(name), config, max_rank)
+            check_adapter(Path(path).expanduser(), config, max_rank)
         except ValueError as e:
             errors.append(ManifestError(f"lora.adapters.{name}", str(e),
                                         "give a PEFT LoRA folder (adapter_config.json, adapter_model.safetensors)"))

@@ -1,6 +1,6 @@
-"""The LoRA adapters an engine serves, by name: registered with a PEFT folder (checked by reading it here), told to
+"""The LoRA adapters an engine serves, by name: registered with a PEFT folder (its headers checked here), told to
 every rank with the next step (SchedulerOutput.lora_changes), which reads it when a step first needs it
-(engine/models/lora.py LoRAPool). Torch-free apart from the check's read."""
+(engine/models/lora.py LoRAPool). Torch-free apart from the check."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ class LoRARegistry:
         check took (0 for the same name and folder again: nothing changes). A name stays bound to its folder while
         the engine lives, unloaded or not, because its cached KV (prefix cache, KV tiers) is keyed by the name.
         Raises ValueError (LoRAAdapterError for the adapter's files)."""
-        from tandem.engine.loader.lora_adapter import read_adapter
+        from tandem.engine.loader.lora_adapter import check_adapter
 
         if self.config is None:
             raise ValueError("this engine serves no LoRA adapters: give it a lora config (lora.max_rank, max_loaded)")
@@ -49,7 +49,7 @@ class LoRARegistry:
         if self.paths.get(name) == folder:
             return 0.0
         start = time.perf_counter()
-        read_adapter(folder, name, self.model, self.config.max_rank)
+        check_adapter(folder, self.model, self.config.max_rank)  # headers only: each rank reads the weights
         self.paths[name] = self._served[name] = folder
         self._changes.append(LoRAChange(name, folder))
         return time.perf_counter() - start

@@ -315,8 +315,8 @@ class Scheduler:
         """Whether seq (and its forks) may start now: the sequence cap, and max_loras adapters running or reserved."""
         if count_seqs and len(self.running) + 1 + len(seq.fork_seeds) > self.config.max_num_seqs:
             return False
-        adapters = {s.params.lora for s in (*self.running, *self.reserved.values(), seq)} - {None}
-        return len(adapters) <= self.config.max_loras
+        return seq.params.lora is None or len(  # a base-model sequence adds no adapter
+            {s.params.lora for s in (*self.running, *self.reserved.values(), seq)} - {None}) <= self.config.max_loras
 
     def _start(self, seq: Sequence, count: int, allocation: Allocation, scheduled: dict[str, int],
                allocations: dict[str, Allocation]) -> int:

@@ -58,41 +58,61 @@ def _settings(path: Path, max_rank: int) -> tuple[int, float]:
     return rank, alpha / (math.sqrt(rank) if settings.get("use_rslora") else rank)
 
 
-def read_adapter(path: str | Path, name: str, config: ModelConfig, max_rank: int) -> LoRAWeights:
-    """The adapter at `path`, checked against the model's shape: every tensor a LoRA A [r, in] or B [out, r] of a
-    served module of an existing dense layer, in pairs. Raises LoRAAdapterError naming the first problem."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
+def check_adapter(path: str | Path, config: ModelConfig, max_rank: int) -> tuple[int, float]:
+    """Checks the adapter at `path` against the model's shape from its config and its tensors' headers (no weight
+    is read): every tensor a LoRA A [r, in] or B [out, r] of a served module of an existing dense layer, in
+    pairs. Returns (rank, scaling). Raises LoRAAdapterError naming the first problem."""
+    from safetensors import SafetensorError, safe_open
 
     path = Path(path)
     rank, scaling = _settings(path, max_rank)
     try:
-        tensors = load_file(path / WEIGHTS_FILE)
+        with safe_open(path / WEIGHTS_FILE, "pt") as f:
+            shapes = {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}
     except FileNotFoundError:
         raise LoRAAdapterError(f"{path}: {WEIGHTS_FILE} is missing") from None
     except (OSError, SafetensorError) as e:
         raise LoRAAdapterError(f"{path / WEIGHTS_FILE} cannot be read: {e}") from None
-    halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
-    for key, tensor in tensors.items():
-        found = _KEY.search(key)
-        if found is None or found[2] not in TARGETS:
-            raise LoRAAdapterError(f"{path}: tensor {key!r} is not a LoRA weight of {', '.join(TARGETS)}")
-        layer, target, half = int(found[1]), found[2], found[3]
-        if layer >= config.num_layers:
-            raise LoRAAdapterError(f"{path}: {key!r} names layer {layer}; the model has {config.num_layers}")
-        sparse = config.moe is not None and config.moe.sparse_layers[layer]
-        if sparse and target in ("gate_proj", "up_proj", "down_proj"):
-            raise LoRAAdapterError(f"{path}: {key!r}: layer {layer}'s MLP is a mixture of experts (not served)")
+    halves: dict[tuple[int, str], set[str]] = {}
+    for key, shape in shapes.items():
+        layer, target, half = _module_of(path, key, config)
         out, inp = module_shape(config, target)
         expected = (rank, inp) if half == "A" else (out, rank)
-        if tuple(tensor.shape) != expected:
-            raise LoRAAdapterError(f"{path}: {key!r} has shape {tuple(tensor.shape)}, expected {expected} (r={rank})")
-        halves.setdefault((layer, target), {})[half] = tensor.float()
+        if shape != expected:
+            raise LoRAAdapterError(f"{path}: {key!r} has shape {shape}, expected {expected} (r={rank})")
+        halves.setdefault((layer, target), set()).add(half)
     if not halves:
         raise LoRAAdapterError(f"{path}: {WEIGHTS_FILE} holds no LoRA weights")
     if unpaired := [f"layer {n} {t}" for (n, t), pair in halves.items() if len(pair) != 2]:
         raise LoRAAdapterError(f"{path}: lora_A and lora_B must come in pairs; alone: {', '.join(unpaired[:3])}")
-    return LoRAWeights(name, rank, scaling, {key: (pair["A"], pair["B"]) for key, pair in halves.items()})
+    return rank, scaling
+
+
+def _module_of(path: Path, key: str, config: ModelConfig) -> tuple[int, str, str]:
+    """(layer, target, "A" or "B") of a PEFT tensor name; raises LoRAAdapterError for one that is not served."""
+    found = _KEY.search(key)
+    if found is None or found[2] not in TARGETS:
+        raise LoRAAdapterError(f"{path}: tensor {key!r} is not a LoRA weight of {', '.join(TARGETS)}")
+    layer, target = int(found[1]), found[2]
+    if layer >= config.num_layers:
+        raise LoRAAdapterError(f"{path}: {key!r} names layer {layer}; the model has {config.num_layers}")
+    if config.moe is not None and config.moe.sparse_layers[layer] and target in ("gate_proj", "up_proj", "down_proj"):
+        raise LoRAAdapterError(f"{path}: {key!r}: layer {layer}'s MLP is a mixture of experts (not served)")
+    return layer, target, found[3]
+
+
+def read_adapter(path: str | Path, name: str, config: ModelConfig, max_rank: int) -> LoRAWeights:
+    """The adapter at `path` (checked as check_adapter does), its weights read as float32 on the CPU. Raises
+    LoRAAdapterError naming the first problem."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    rank, scaling = check_adapter(path, config, max_rank)
+    modules: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for key, tensor in load_file(path / WEIGHTS_FILE).items():
+        layer, target, half = _module_of(path, key, config)
+        modules.setdefault((layer, target), {})[half] = tensor.float()
+    return LoRAWeights(name, rank, scaling, {key: (pair["A"], pair["B"]) for key, pair in modules.items()})
 
 
 def write_random_adapter(folder: str | Path, config: ModelConfig, rank: int, *, targets: tuple[str, ...] = TARGETS,

@@ -18,6 +18,7 @@ CUDA alike (a dedicated Triton kernel is not written yet).
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Mapping, Sequence
@@ -26,6 +27,7 @@ import torch
 
 from tandem.engine.models.layer_ops import LayerOps
 
+_log = logging.getLogger(__name__)
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -38,10 +40,6 @@ class LoRAWeights:
     rank: int
     scaling: float
     modules: Mapping[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in self.modules.values())
 
 
 @dataclass(frozen=True)
@@ -101,6 +99,8 @@ class LoRASlots:
                                                      part(gate_up, "up_proj", slice(cols, 2 * cols), split, None)))
                 self._sites[id(down)] = _Site(n, (part(down, "down_proj", slice(None), None, split),))
         self._plan: _Plan | None = None
+        _log.info("LoRA pool: %d adapters of rank <= %d, %.1f MiB on %s", slots, max_rank, self.nbytes / 2**20,
+                  model.device)
 
     @property
     def active(self) -> bool:
@@ -133,33 +133,39 @@ class LoRASlots:
                 part.b[slot, :r] = (b * adapter.scaling).T.to(part.b.dtype)
         self.ranks[slot] = r
 
-    def set_rows(self, slot_of_row: Sequence[int]) -> None:
-        """This step's adapter per row of the batch (-1: the base model's); clear() undoes it. The rows are grouped
-        by slot once here, so that each projection then runs two batched products over every group at once."""
-        groups: dict[int, list[int]] = {}
-        for row, slot in enumerate(slot_of_row):
-            if slot >= 0:
-                groups.setdefault(slot, []).append(row)
+    def set_rows(self, runs: Sequence[tuple[int, int]]) -> None:
+        """This step's rows as runs of (slot, rows), in row order (slot -1: the base model's); clear() undoes it.
+        The rows are grouped by slot once here, so that each projection then runs two batched products over every
+        group at once, or one pair per group."""
+        groups: dict[int, list[range]] = {}
+        start = 0
+        for slot, length in runs:
+            if slot >= 0 and length:
+                groups.setdefault(slot, []).append(range(start, start + length))
+            start += length
         if not groups:
             self._plan = None
             return
         device = next(iter(self._sites.values())).parts[0].a.device
         slots = sorted(groups)
         rank = max(self.ranks[slot] for slot in slots)
-        which = None if slots == list(range(len(slots))) else torch.tensor(slots, device=device)
-        runs = [groups[slot] for slot in slots]
-        n = len(runs[0])
-        if all(rows[-1] - rows[0] + 1 == len(rows) for rows in runs):  # each adapter's rows side by side
-            if all(len(rows) == n for rows in runs) and all(b[0] == a[-1] + 1 for a, b in zip(runs, runs[1:])):
-                self._plan = _Plan(which, rank, len(slots), slice(runs[0][0], runs[-1][-1] + 1), None, None)
+        contiguous_slots = slots == list(range(len(slots)))  # as the pool fills them: a[:groups] is theirs
+        spans = [(r[0].start, r[-1].stop) if all(x.stop == y.start for x, y in zip(r, r[1:])) else None
+                 for r in (groups[slot] for slot in slots)]
+        if None not in spans:  # each adapter's rows side by side (the runner orders them so)
+            n = spans[0][1] - spans[0][0]
+            if contiguous_slots and all(b - a == n for a, b in spans) and \
+                    all(y[0] == x[1] for x, y in zip(spans, spans[1:])):
+                self._plan = _Plan(slots, None, rank, slice(spans[0][0], spans[-1][1]), None, None)
             else:
-                self._plan = _Plan(which, rank, len(slots), [slice(r[0], r[-1] + 1) for r in runs], None, None)
+                self._plan = _Plan(slots, None, rank, [slice(a, b) for a, b in spans], None, None)
             return
-        n = max(len(rows) for rows in groups.values())  # groups padded to n rows (repeating their first row)
-        index = torch.tensor([rows + rows[:1] * (n - len(rows)) for rows in (groups[s] for s in slots)],
-                             device=device)
-        valid = torch.tensor([[i < len(groups[s]) for i in range(n)] for s in slots], device=device).flatten()
-        self._plan = _Plan(which, rank, len(slots), index, valid, index.flatten()[valid])
+        rows = [[i for r in groups[slot] for i in r] for slot in slots]
+        n = max(len(r) for r in rows)  # groups padded to n rows (repeating their first row)
+        index = torch.tensor([r + r[:1] * (n - len(r)) for r in rows], device=device)
+        valid = torch.tensor([[i < len(r) for i in range(n)] for r in rows], device=device).flatten()
+        stacked = None if contiguous_slots else torch.tensor(slots, device=device)
+        self._plan = _Plan(slots, stacked, rank, index, valid, index.flatten()[valid])
 
     def clear(self) -> None:
         self._plan = None
@@ -170,25 +176,25 @@ class LoRASlots:
         site, plan = self._sites.get(id(projection)), self._plan
         if site is None or plan is None:
             return out
-        if isinstance(plan.rows, list):  # one run of rows per adapter, of different lengths (a prefill)
-            slots = range(plan.groups) if plan.slots is None else plan.slots.tolist()
-            for slot, rows in zip(slots, plan.rows):
+        if isinstance(plan.rows, list):  # one run of rows per adapter, of different lengths or slots
+            for slot, rows in zip(plan.slots, plan.rows):
                 xs = x[rows]
                 for part in site.parts:  # a contiguous product, added into the strided columns
                     out[rows, part.out_rows] += (xs @ part.a[slot, :, :plan.rank]) @ part.b[slot, :plan.rank]
             return out
-        if isinstance(plan.rows, slice):  # equal runs of rows side by side (the runner orders rows by adapter)
+        if isinstance(plan.rows, slice):  # equal runs of rows side by side, slots 0..groups-1 in order
             rows = x[plan.rows]
-            rows = rows.view(plan.groups, -1, rows.shape[-1])
+            rows = rows.view(len(plan.slots), -1, rows.shape[-1])
         else:
             rows = x[plan.rows]  # [groups, n, in], padded
+        groups = len(plan.slots)
         for part in site.parts:
-            a = part.a[:plan.groups] if plan.slots is None else part.a.index_select(0, plan.slots)
-            b = part.b[:plan.groups] if plan.slots is None else part.b.index_select(0, plan.slots)
+            a = part.a[:groups] if plan.stacked is None else part.a.index_select(0, plan.stacked)
+            b = part.b[:groups] if plan.stacked is None else part.b.index_select(0, plan.stacked)
             h = torch.bmm(rows, a[:, :, :plan.rank])  # [groups, n, rank]
             if isinstance(plan.rows, slice):  # added in place: out's rows seen as [groups, n, out rows]
                 target = out[plan.rows, part.out_rows]
-                target.view(plan.groups, -1, target.shape[-1]).baddbmm_(h, b[:, :plan.rank])
+                target.view(groups, -1, target.shape[-1]).baddbmm_(h, b[:, :plan.rank])
             else:
                 delta = torch.bmm(h, b[:, :plan.rank])  # [groups, n, out rows]
                 out[:, part.out_rows].index_add_(0, plan.targets, delta.reshape(-1, delta.shape[-1])[plan.valid])
@@ -197,13 +203,14 @@ class LoRASlots:
 
 @dataclass(frozen=True)
 class _Plan:
-    """One step's rows by adapter: slots (None: slots 0..groups-1, as the pool fills them), the highest rank among
-    them, and the rows: one slice (equal runs, one per group, in slot order), a slice per group (runs of any
-    length), or rows [groups, n] (padded) with which of them are real (flat) and those."""
+    """One step's rows by adapter: the slots (in order), the index that stacks their A and B for a batched product
+    when they are not slots 0..groups-1 (None: they are), the highest rank among them, and the rows: one slice
+    (equal runs, one per slot, side by side), a slice per slot (runs of any length or slots in any order), or rows
+    [groups, n] (padded) with which of them are real (flat) and those."""
 
-    slots: torch.Tensor | None
+    slots: list[int]
+    stacked: torch.Tensor | None
     rank: int
-    groups: int
     rows: slice | list[slice] | torch.Tensor
     valid: torch.Tensor | None
     targets: torch.Tensor | None
@@ -239,10 +246,11 @@ class LoRAPool:
         if slot is not None:
             self.slots.ranks[slot] = 0
 
-    def use(self, adapter_of_row: Sequence[str | None]) -> None:
-        """Puts every adapter the rows name in a slot and maps the rows to them; raises ValueError when they are
-        more than the slots (the scheduler keeps a step within lora.max_loaded)."""
-        names = list(dict.fromkeys(a for a in adapter_of_row if a is not None))
+    def use(self, adapters: Sequence[str | None], lengths: Sequence[int]) -> None:
+        """Puts every adapter the batch's chunks name (adapters[i]: chunk i's, None for the base model; lengths[i]:
+        its rows) in a slot and maps the rows to them. Raises ValueError when they are more than the slots (the
+        scheduler keeps a step within lora.max_loaded)."""
+        names = list(dict.fromkeys(a for a in adapters if a is not None))
         if not names:
             self.slots.clear()
             return
@@ -260,4 +268,4 @@ class LoRAPool:
             self.slots.load(free, self._read(name))
             self._in_slot[name] = free
             self.loads += 1
-        self.slots.set_rows([-1 if a is None else self._in_slot[a] for a in adapter_of_row])
+        self.slots.set_rows([(-1 if a is None else self._in_slot[a], n) for a, n in zip(adapters, lengths)])

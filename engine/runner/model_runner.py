@@ -150,8 +150,8 @@ class ModelRunner:
                 self.comm.wait(work)
             start = time.perf_counter()
             if self.lora is not None:
-                self.lora.use([adapters[c] if c < len(adapters) else None
-                               for c in runs[i] for _ in range(len(chunks[c].token_ids))])
+                self.lora.use([adapters[c] if c < len(adapters) else None for c in runs[i]],
+                              [len(chunks[c].token_ids) for c in runs[i]])
             out = run_step(self.model, ids, positions, meta, self.kv_cache, hidden, observers[i], self.compiled)
             self.times.forward += time.perf_counter() - start
             if shard.is_last_stage:
@@ -217,9 +217,9 @@ class ModelRunner:
         computed = {d.seq_id: d.num_computed_tokens for d in (*output.new_seqs, *output.cached_seqs)}
         chunks, names, rows, completing, tails, adapters = [], [], [], [], [], []
         row_of, next_row = {}, 0  # seq id -> its first row of the forward's output
-        order = output.num_scheduled_tokens
-        if self.lora is not None:  # rows of one adapter side by side: LoRA's products take them as one run each
-            order = sorted(order, key=lambda i: self.seqs[i].params.lora or "")
+        order = list(output.num_scheduled_tokens)
+        if self.lora is not None and any(self.seqs[i].params.lora for i in order):
+            order.sort(key=lambda i: self.seqs[i].params.lora or "")  # one adapter's rows side by side: one run
         for seq_id in order:
             count = output.num_scheduled_tokens[seq_id]
             seq = self.seqs[seq_id]
