@@ -2,8 +2,10 @@
 
 Decode (paged, split-K): batch x context tokens of KV read once; floor = KV bytes / measured memory bandwidth
 (a large device-to-device copy). Prefill (paged, causal, over cached context): floor = attention FLOPs / measured
-matmul rate (a large bf16 matmul on CUDA, fp32 on the CPU). Each kernel's time is the median of --rounds after a
-warm-up; the reference is TorchAttentionBackend on the same inputs.
+matmul rate (a large bf16 matmul on CUDA, fp32 on the CPU). On CUDA each time is Triton's do_bench (CUDA events
+over many calls, L2 flushed, median); on the CPU the median of --rounds after a warm-up. The reference is
+TorchAttentionBackend on the same inputs. The decode kernel is also timed alone at 1, 2, 4 and 8 splits
+(by_splits), and each kernel's autotuning candidates are listed with their times (candidates_ms).
 
 The JSON's headline numbers: decode_fraction_of_bandwidth (KV bytes read per second over the copy bandwidth) and
 prefill_fraction_of_matmul (attention FLOP/s over the matmul rate), against TARGETS; targets_met says whether
@@ -30,6 +32,13 @@ TARGETS = {"decode": 0.70, "prefill": 0.50}  # fractions of the bandwidth and ma
 
 
 def timed(fn, rounds: int, device: torch.device) -> float:
+    """Seconds per call of fn: on CUDA, Triton's do_bench (CUDA events over many calls, the L2 cache flushed before
+    each, the median), so that launch gaps and a single call's noise stay out of kernels of a fraction of a ms;
+    elsewhere the median of `rounds` timed calls after a warm-up."""
+    if device.type == "cuda":
+        import triton
+
+        return triton.testing.do_bench(fn, warmup=25, rep=max(100, 40 * rounds), return_mode="median") / 1e3
     fn()
     times = []
     for _ in range(rounds):
@@ -56,6 +65,19 @@ def matmul_rate(device: torch.device, dtype: torch.dtype, rounds: int) -> float:
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
     return 2 * n**3 / timed(lambda: a @ b, rounds, device)
+
+
+def split_sweep(q, kv, meta, scale, kv_bytes, bw, rounds, device) -> dict:
+    """The decode kernel alone (no KV write) at 1, 2, 4 and 8 splits per sequence, and the split count the backend
+    chooses (choose_splits): fraction of the bandwidth floor for each, to show what the split heuristic costs."""
+    from tandem.engine.attention.triton_decode import choose_splits, paged_decode_attention
+
+    sweep = {"chosen": choose_splits(q.shape[0], kv.shape[2], meta.block_tables.shape[1])}
+    for splits in (1, 2, 4, 8):
+        t = timed(lambda: paged_decode_attention(q, kv, meta.block_tables, meta.seq_lens_tensor, scale,
+                                                 num_splits=splits), rounds, device)
+        sweep[str(splits)] = {"s": t, "fraction_of_bandwidth": kv_bytes / t / bw}
+    return sweep
 
 
 def paged_batch(lens_done, query_lens, heads, kv_heads, head_dim, block_size, dtype, device):
@@ -106,7 +128,8 @@ def main() -> None:
     t_torch = timed(lambda: torch_backend.forward(q, k, v, kv, meta, scale), rounds, device)
     results["decode"] = {"batch": batch, "context": context, "kv_bytes": kv_bytes, "bandwidth_gb_s": bw / 1e9,
                          "triton_s": t_triton, "torch_s": t_torch, "speedup_vs_torch": t_torch / t_triton,
-                         "fraction_of_bandwidth": kv_bytes / t_triton / bw}
+                         "fraction_of_bandwidth": kv_bytes / t_triton / bw,
+                         "by_splits": split_sweep(q, kv, meta, scale, kv_bytes, bw, rounds, device)}
 
     rate = matmul_rate(device, dtype, rounds)
     kv, meta, q, k, v = paged_batch([0], [prefill], heads, kv_heads, head_dim, block_size, dtype, device)
@@ -119,8 +142,10 @@ def main() -> None:
     if not interpreted:  # the tile shapes triton.autotune chose on this GPU for the two shapes above
         from tandem.engine.attention import triton_decode, triton_prefill
 
-        results["decode"]["config"] = str(triton_decode._split_kernel.best_config)
-        results["prefill"]["config"] = str(triton_prefill._prefill_kernel.best_config)
+        for name, kernel in (("decode", triton_decode._split_kernel), ("prefill", triton_prefill._prefill_kernel)):
+            results[name]["config"] = str(kernel.best_config)
+            timings = getattr(kernel, "configs_timings", None) or {}  # every candidate's time (ms), where kept
+            results[name]["candidates_ms"] = {str(c): t[0] if isinstance(t, list) else t for c, t in timings.items()}
     fractions = {"decode": results["decode"]["fraction_of_bandwidth"],
                  "prefill": results["prefill"]["fraction_of_matmul_rate"]}
     results["decode_fraction_of_bandwidth"] = fractions["decode"]

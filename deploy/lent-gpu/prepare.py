@@ -59,14 +59,24 @@ def download(names: list[str], into: Path, versions: dict[str, str]) -> None:
                    check=True)
 
 
+def unpack_wheel(wheel: Path, tree: Path) -> None:
+    """The wheel's files under tree with their mode bits (zipfile's extractall drops them, and Ray's gcs_server and
+    raylet then fail to start: Permission denied)."""
+    with zipfile.ZipFile(wheel) as z:
+        z.extractall(tree)
+        for info in z.infolist():
+            mode = info.external_attr >> 16 & 0o777
+            if mode and not info.is_dir():
+                (tree / info.filename).chmod(mode)
+
+
 def trimmed_tarball(name: str, version: str, into: Path) -> Path:
     """The wheel unpacked, TRIM's folders and (for libucx) static libraries and perftest removed, as .tar.xz."""
     with tempfile.TemporaryDirectory() as tmp:
         download([name], Path(tmp), {name: version})
         wheel = next(Path(tmp).glob("*.whl"))
         tree = Path(tmp) / "tree"
-        with zipfile.ZipFile(wheel) as z:
-            z.extractall(tree)
+        unpack_wheel(wheel, tree)
         for folder in TRIM[name]:
             shutil.rmtree(tree / folder, ignore_errors=True)
         for path in list(tree.rglob("*")):

@@ -79,5 +79,6 @@ for name, shape in (('SmolLM2-135M', (9, 3, 64)), ('Llama-3.1-8B', (32, 8, 128))
   step structured_output 60 25 $PY bench/structured_output.py --device cuda --rounds 1
   step kv_transfer 60 25 $PY bench/kv_transfer.py --device cuda --rounds 1 --requests 1 16
   step lora 90 30 $PY bench/lora.py --device cuda --rounds 2
+  step lora_eager 60 25 $PY bench/lora.py --device cuda --rounds 2 --compile off
   ;;
 esac

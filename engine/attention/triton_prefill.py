@@ -6,7 +6,8 @@ chunk is one token.
 The new tokens' K/V must already be in the cache (the backend writes them first). A program handles one tile of
 BLOCK_M query tokens of one sequence and one query head; it walks the sequence's keys up to the tile's last
 position BLOCK_N at a time (each key found through the block table, so a tile may span KV blocks) with an online
-softmax in float32 (base 2). Compiled, 16-bit tiles are multiplied as they are and BLOCK_M, BLOCK_N and the
+softmax in float32 (base 2): first the whole tiles of keys that every row of the tile sees, with no mask, then
+the tiles along the causal diagonal (and, with a sliding window, every tile), masked. Compiled, 16-bit tiles are multiplied as they are and BLOCK_M, BLOCK_N and the
 pipelining depth are chosen by timing a few configurations on the GPU (triton.autotune); see triton_decode.py for
 that and for the interpreter's float32 path.
 
@@ -25,10 +26,21 @@ from tandem.engine.attention.triton_decode import (LOG2E, check_paged_shapes, ke
 _CONFIGS = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=st)
             for m, n, w, st in ((128, 64, 8, 3), (128, 64, 8, 2), (128, 128, 8, 2), (128, 32, 4, 3),
                                 (64, 64, 4, 3), (64, 128, 8, 2), (64, 32, 4, 2))]
+FLOAT32_TILE = 64 * 64  # the largest BLOCK_M x BLOCK_N timed where tiles are widened to float32
+
+
+def float32_tiles(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
+    """The configurations worth timing (triton's early_config_prune): all of them for 16-bit products; where tiles
+    are widened to float32 (a float32 model, a quantized cache: NATIVE_DOT false) only tiles of up to FLOAT32_TILE
+    scores, since wider float32 tiles spill registers and each costs seconds to compile (an H200's float32 tuning
+    took 125 s over all seven)."""
+    if kwargs.get("NATIVE_DOT", True):
+        return configs
+    return [c for c in configs if c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= FLOAT32_TILE] or configs
 
 
 @tuned(_CONFIGS, triton.Config({"BLOCK_M": 16, "BLOCK_N": 32}, num_warps=4, num_stages=1),
-       key=["GROUP", "HEAD_DIM", "BLOCK_SIZE"])
+       key=["GROUP", "HEAD_DIM", "BLOCK_SIZE"], prune=float32_tiles)
 @triton.jit
 def _prefill_kernel(q_ptr, kv_ptr, out_ptr, tables_ptr, starts_ptr, lens_ptr, scales_ptr,
                     scale_log2, window,
@@ -61,18 +73,29 @@ def _prefill_kernel(q_ptr, kv_ptr, out_ptr, tables_ptr, starts_ptr, lens_ptr, sc
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
         cols = tl.arange(0, BLOCK_N)
         # The keys this tile can see: up to its last row's position (causal), from its first row's window start.
-        hi = tl.minimum(seq_len - query_len + (tile + 1) * BLOCK_M, seq_len)
+        first_pos = seq_len - query_len + tile * BLOCK_M
+        hi = tl.minimum(first_pos + BLOCK_M, seq_len)
         lo = 0
         if HAS_WINDOW:
-            lo = tl.maximum(seq_len - query_len + tile * BLOCK_M - window + 1, 0) // BLOCK_N * BLOCK_N
+            lo = tl.maximum(first_pos - window + 1, 0) // BLOCK_N * BLOCK_N
+            full_hi = lo  # a window hides keys from some rows anywhere: every tile is masked
+        else:  # whole tiles of keys at or before the first row's position are seen by every row: no mask
+            full_hi = tl.minimum((first_pos + 1) // BLOCK_N * BLOCK_N, hi)
         head_base = kv_ptr + kv_head * stride_kv_h
-        for key_start in range(lo, hi, BLOCK_N):
+        table_row = tables_ptr + seq * stride_tab
+        scales_base = scales_ptr + kv_head * stride_sc_h
+        for key_start in range(lo, full_hi, BLOCK_N):
+            tok = key_start + cols
+            k, v = load_keys(head_base, table_row, tok, tok < full_hi, dims, stride_kv_kv, stride_kv_b, stride_kv_s,
+                             scales_base, stride_sc_kv, stride_sc_b, BLOCK_SIZE, QUANTIZED)
+            scores = key_scores(q, k, scale_log2, NATIVE_DOT, DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
+            m, l, acc = online_softmax_step(scores, v, m, l, acc, NATIVE_DOT, DOT_PRECISION)
+        for key_start in range(full_hi, hi, BLOCK_N):  # the diagonal (and a window's edges): masked tiles
             tok = key_start + cols
             tok_ok = tok < hi
-            k, v = load_keys(head_base, tables_ptr + seq * stride_tab, tok, tok_ok, dims, stride_kv_kv, stride_kv_b,
-                             stride_kv_s, scales_ptr + kv_head * stride_sc_h, stride_sc_kv, stride_sc_b, BLOCK_SIZE,
-                             QUANTIZED)
-            scores = key_scores(q, k, scale_log2, NATIVE_DOT, DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
+            k, v = load_keys(head_base, table_row, tok, tok_ok, dims, stride_kv_kv, stride_kv_b, stride_kv_s,
+                             scales_base, stride_sc_kv, stride_sc_b, BLOCK_SIZE, QUANTIZED)
+            scores = key_scores(q, k, scale_log2, NATIVE_DOT, DOT_PRECISION)
             visible = (tok[None, :] <= query_pos[:, None]) & tok_ok[None, :]
             if HAS_WINDOW:
                 visible = visible & (query_pos[:, None] - tok[None, :] < window)

@@ -32,3 +32,19 @@ def test_the_stage_script_parses_and_has_the_three_stages():
     assert subprocess.run(["bash", "-n", str(FOLDER / "run.sh")]).returncode == 0
     text = (FOLDER / "run.sh").read_text()
     assert all(f"\n{stage})\n" in text for stage in (1, 2, 3))
+
+
+def test_unpacked_wheels_keep_their_executables_runnable(tmp_path):
+    """Ray's wheel carries its gcs_server and raylet binaries as 0755 entries: unpacked, they must still run."""
+    import stat
+    import zipfile
+
+    wheel = tmp_path / "demo-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as z:
+        for name, mode in (("demo/bin/server", 0o755), ("demo/data.txt", 0o644)):
+            info = zipfile.ZipInfo(name)
+            info.external_attr = (stat.S_IFREG | mode) << 16
+            z.writestr(info, "x")
+    _prepare().unpack_wheel(wheel, tmp_path / "tree")
+    assert (tmp_path / "tree/demo/bin/server").stat().st_mode & 0o777 == 0o755
+    assert (tmp_path / "tree/demo/data.txt").stat().st_mode & 0o777 == 0o644

@@ -226,3 +226,14 @@ def test_tuning_runs_both_kernels_on_the_model_shape_and_says_what_it_chose():
                                            context=40)
     assert chosen.startswith("attention kernels tuned in ")
     assert "decode BLOCK_N: 32," in chosen and "prefill BLOCK_M: 16, BLOCK_N: 32," in chosen
+
+
+def test_float32_tiles_are_tuned_over_narrow_configurations_only():
+    """The compiled prefill kernel times every tile shape for 16-bit products, and only tiles of up to
+    FLOAT32_TILE scores where it widens them to float32 (float32 models, quantized caches)."""
+    from tandem.engine.attention.triton_prefill import _CONFIGS, FLOAT32_TILE, float32_tiles
+
+    assert float32_tiles(_CONFIGS, {}, NATIVE_DOT=True) == _CONFIGS
+    narrow = float32_tiles(_CONFIGS, {}, NATIVE_DOT=False)
+    assert narrow and len(narrow) < len(_CONFIGS)
+    assert all(c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= FLOAT32_TILE for c in narrow)
