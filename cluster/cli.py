@@ -170,7 +170,9 @@ def _add_cluster(sub: argparse._SubParsersAction) -> None:
                        description="Connects to Ray (the manifest's ray.address; a local head is started when none "
                                    "runs, listening on the manifest's ray.host), places and starts every replica "
                                    "and the router, prints the endpoints and serves until `tandem down`, Ctrl-C, "
-                                   "SIGTERM or SIGHUP (each stops the cluster and the Ray head it started).")
+                                   "SIGTERM or SIGHUP (each stops the cluster and the Ray head it started; SIGTERM "
+                                   "first drains the router: no new requests, the running ones finish within "
+                                   "router.drain_timeout_s).")
     p.add_argument("manifest")
     p.add_argument("--address", default=None, help="Ray address (overrides the manifest's ray.address)")
     p.add_argument("--detach", action="store_true", help="return once the cluster serves and leave it running")
@@ -194,6 +196,10 @@ def _add_cluster(sub: argparse._SubParsersAction) -> None:
         p.add_argument("--name", default="tandem", help="the manifest's name (default tandem)")
         p.add_argument("--namespace", default="tandem", help="the manifest's ray.namespace (default tandem)")
         p.add_argument("--address", default=None, help="Ray address (default: the local cluster)")
+        if name == "down":
+            p.add_argument("--drain", action="store_true",
+                           help="drain the router first: /health turns not-ready, new requests get 503 / "
+                                "UNAVAILABLE with Retry-After, running ones finish within router.drain_timeout_s")
         if name == "status":
             p.add_argument("--json", action="store_true", help="print one JSON object")
             p.add_argument("--log", type=int, default=0, metavar="N",

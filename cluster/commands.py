@@ -116,7 +116,7 @@ def _ask(target: str, message: str, max_tokens: int, api_key: str | None, tls_ca
 def down(args: argparse.Namespace) -> int:
     from tandem.cluster import launcher
 
-    launcher.down(args.name, address=args.address, namespace=args.namespace)
+    launcher.down(args.name, address=args.address, namespace=args.namespace, drain=args.drain)
     return 0
 
 

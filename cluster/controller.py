@@ -361,9 +361,24 @@ class Controller:
 
     # -- stop ------------------------------------------------------------------------------------------
 
-    async def shutdown(self) -> None:
+    async def _drain_router(self, timeout_s: float) -> None:
+        self.state = "draining"
+        try:
+            running = (await asyncio.wait_for(self.router.stats.remote(), GONE_TIMEOUT_S)).active_requests
+            self._say(f"draining: {running} request(s) running; no new requests; up to {timeout_s:g} s to finish")
+            left = await asyncio.wait_for(self.router.drain.remote(timeout_s), timeout_s + GONE_TIMEOUT_S)
+        except Exception as e:
+            self._say(f"drain failed ({e!r}); stopping")
+            return
+        self._say("drained: every request finished" if left == 0 else
+                  f"drain timeout (router.drain_timeout_s): {left} request(s) still running are ended")
+
+    async def shutdown(self, drain: bool = False) -> None:
         """Stops the control loops, the router (no new requests), then every replica (their ranks exit), then
-        frees the placement groups. Idempotent."""
+        frees the placement groups. Idempotent. drain: first the router drains (router.drain_timeout_s: it admits
+        nothing new and running requests may finish), the replicas and control loops still serving it."""
+        if drain and self.router is not None and self.state in ("serving", "degraded"):
+            await self._drain_router(self.manifest.router.drain_timeout_s)
         self.state = "stopping"
         for task in self._tasks:
             task.cancel()

@@ -160,15 +160,31 @@ class RunningCluster:
         """The control plane's log lines (start-up progress, scaling decisions, replicas lost and replaced)."""
         return ray.get(self.controller.log.remote())
 
-    def shutdown(self, stop_ray: bool = True) -> None:
+    def shutdown(self, stop_ray: bool = True, *, drain: bool = False, out: TextIO | None = None) -> None:
         """Stops every replica and the router, then the controller, then (stop_ray) the local Ray head this
-        cluster's `tandem up` started: that one also when the controller or Ray's GCS no longer answer."""
+        cluster's `tandem up` started: that one also when the controller or Ray's GCS no longer answer. drain:
+        the router first drains (router.drain_timeout_s), its progress lines printed to out."""
         gcs = ray.get_runtime_context().gcs_address
         answering = local_ray.answers(gcs)  # if not, the actors went with the GCS, or calls to them would hang
         try:
             if answering:
                 try:
-                    ray.get(self.controller.shutdown.remote(), timeout=120)
+                    shown = len(ray.get(self.controller.log.remote(), timeout=10)) if drain else 0
+                    pending = self.controller.shutdown.remote(drain)
+                    # A drain is bounded by the controller (drain_timeout_s, then a few seconds); a stop by 120 s.
+                    deadline = None if drain else time.monotonic() + 120
+                    while True:
+                        done = ray.wait([pending], timeout=0.5)[0]
+                        if drain and out is not None:  # the drain's progress lines, as they come
+                            lines = ray.get(self.controller.log.remote(shown), timeout=10)
+                            for line in lines:
+                                _tell(out, f"tandem: {line}")
+                            shown += len(lines)
+                        if done:
+                            break
+                        if deadline is not None and time.monotonic() > deadline:
+                            raise TimeoutError("the cluster did not stop within 120 s")
+                    ray.get(pending)
                 finally:
                     ray.kill(self.controller)
         finally:
@@ -240,10 +256,10 @@ def find(name: str = "tandem", *, address: str | None = None, namespace: str = "
 
 
 def down(name: str = "tandem", *, address: str | None = None, namespace: str = "tandem",
-         out: TextIO = sys.stderr) -> None:
-    """Stops the cluster called name, and the Ray head its `tandem up` started. A local head tandem started
-    whose GCS no longer answers is stopped outright: its processes are ended, the cluster's with them. Raises
-    ClusterNotFound."""
+         out: TextIO = sys.stderr, drain: bool = False) -> None:
+    """Stops the cluster called name, and the Ray head its `tandem up` started. drain: the router drains first
+    (router.drain_timeout_s). A local head tandem started whose GCS no longer answers is stopped outright: its
+    processes are ended, the cluster's with them. Raises ClusterNotFound."""
     try:
         cluster = find(name, address=address, namespace=namespace)
     except RayHeadNotAnswering as e:
@@ -253,14 +269,16 @@ def down(name: str = "tandem", *, address: str | None = None, namespace: str = "
         _tell(out, f"tandem: the Ray head tandem started at {e.address} does not answer; ended its {ended} "
                    f"process(es), and the cluster's with them")
         return
-    cluster.shutdown()
+    cluster.shutdown(drain=drain, out=out)
     _tell(out, f"tandem: cluster {name!r} stopped" + (" (and the local Ray it started)" if cluster.started_ray
                                                       else ""))
 
 
 def serve_until_stopped(cluster: RunningCluster, out: TextIO = sys.stderr) -> None:
-    """Blocks until Ctrl-C, SIGTERM or SIGHUP (with stop_on_signals; then stops the cluster) or until `tandem
-    down` stopped it from elsewhere (then stops the Ray head this `tandem up` started, if that is still up)."""
+    """Blocks until Ctrl-C, SIGTERM or SIGHUP (with stop_on_signals; then stops the cluster: after draining it on
+    SIGTERM, the signal of service managers, Kubernetes and `helm upgrade`; a Ctrl-C during that drain stops at
+    once) or until `tandem down` stopped it from elsewhere (then stops the Ray head this `tandem up` started, if
+    that is still up)."""
     try:
         while True:
             time.sleep(1.0)
@@ -273,6 +291,14 @@ def serve_until_stopped(cluster: RunningCluster, out: TextIO = sys.stderr) -> No
                 if cluster.started_ray:
                     _stop_started_head(ray.get_runtime_context().gcs_address)
                 return
-    except KeyboardInterrupt:
-        _tell(out, "\ntandem: stopping")
-        cluster.shutdown()
+    except KeyboardInterrupt as e:
+        drain = e.args == ("SIGTERM",)
+        _tell(out, "\ntandem: stopping (the router drains first)" if drain else "\ntandem: stopping")
+        try:
+            cluster.shutdown(drain=drain, out=out)
+        except KeyboardInterrupt:  # Ctrl-C during the drain: stop now
+            _tell(out, "tandem: stopping without waiting for the drain")
+            try:
+                cluster.shutdown()  # the interrupted call killed the controller, its replicas with it
+            except ray.exceptions.RayError:
+                pass

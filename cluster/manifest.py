@@ -227,7 +227,8 @@ class RouterSettings(_Strict):
     more. limits: what one request may ask for (router/limits.py). prefix_pull_min_blocks: a prefill replica pulls
     a prompt's prefix over the KV transfer from a replica holding it on its device (another prefill replica, or the
     decode replica that decoded a session's last turn) when that saves at least this many blocks of prefill net of
-    the pull's measured cost (router/prefix_pulls.py; 0: never)."""
+    the pull's measured cost (router/prefix_pulls.py; 0: never). drain_timeout_s: how long a draining router (SIGTERM
+    to `tandem up`, `tandem down --drain`) lets running requests finish before everything stops."""
 
     policy: Literal["cache_aware", "least_loaded", "round_robin", "random"] = "cache_aware"
     weights: RoutingWeightsSettings = RoutingWeightsSettings()
@@ -245,6 +246,7 @@ class RouterSettings(_Strict):
     token_channel: bool = True
     limits: RequestLimits = RequestLimits()
     prefix_pull_min_blocks: int = Field(4, ge=0)
+    drain_timeout_s: float = Field(30.0, gt=0)
 
 
 class Transport(_Strict):

@@ -22,7 +22,7 @@ from tandem.proto.v1 import tandem_pb2_grpc as pb_grpc
 from tandem.router.admission import AtCapacity
 from tandem.router.auth import Unauthenticated
 from tandem.router.request_parsing import InvalidRequest
-from tandem.router.serving import Serving, error_code
+from tandem.router.serving import Draining, Serving, error_code
 from tandem.router.tenant_gate import TooManyRequests
 from tandem.router.tls import TLSConfig, grpc_server_credentials
 
@@ -56,7 +56,7 @@ class TandemServicer(pb_grpc.TandemServicer):
 
     async def _refuse(self, context: grpc.aio.ServicerContext, error: Exception) -> None:
         """Ends the call with error's status (raises); one to retry later also tells when (retry-after)."""
-        if isinstance(error, (TooManyRequests, AtCapacity)):
+        if isinstance(error, (TooManyRequests, AtCapacity, Draining)):
             context.set_trailing_metadata((("retry-after", str(error.retry_after_s)),
                                            ("grpc-retry-pushback-ms", str(error.retry_after_s * 1000))))
         await context.abort(*status_for(error))
@@ -67,7 +67,7 @@ class TandemServicer(pb_grpc.TandemServicer):
             tenant = self._tenant(context)
             self.serving.check_capacity(1, "grpc")  # before tokenizing: a refusal costs little
             admission = self.serving.admit(tenant, 1, "grpc")
-        except (InvalidRequest, Unauthenticated, AtCapacity) as e:
+        except (InvalidRequest, Unauthenticated, AtCapacity, Draining) as e:
             await self._refuse(context, e)
         try:
             parsed = await self.serving.parse(request, tenant, "grpc")
@@ -159,10 +159,14 @@ def _unary(call, message):
     return handle
 
 
+LIVENESS = "liveness"  # a gRPC health service name SERVING for as long as the router's process serves
+
+
 async def start_grpc_server(servicer: TandemServicer, address: str, *, max_message_bytes: int = 4 << 20,
                             tls: TLSConfig | None = None) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
     """Starts the server on address (HOST:PORT; port 0 picks a free one). Returns it, its port and its health
-    servicer (SERVING for "" and tandem.v1.Tandem). A request message over max_message_bytes is refused by gRPC
+    servicer (SERVING for "" and tandem.v1.Tandem: drain_health turns those NOT_SERVING; and for LIVENESS, which
+    stays SERVING while the process serves, draining included: a liveness probe's name). A request message over max_message_bytes is refused by gRPC
     itself (RESOURCE_EXHAUSTED) before it is parsed. tls: serve over TLS (None: plaintext); every service,
     health included, is then TLS-only. Raises RuntimeError if the address cannot be bound, TLSFileError for an
     unusable TLS file."""
@@ -181,6 +185,13 @@ async def start_grpc_server(servicer: TandemServicer, address: str, *, max_messa
     except RuntimeError as e:
         raise RuntimeError(f"cannot listen on {address}: {e}") from None
     await server.start()
-    for name in ("", SERVICE_NAME):
+    for name in ("", SERVICE_NAME, LIVENESS):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     return server, port, health_servicer
+
+
+async def drain_health(health_servicer: health.aio.HealthServicer) -> None:
+    """A draining router's gRPC health: NOT_SERVING for "" and tandem.v1.Tandem (load balancers move away),
+    LIVENESS still SERVING (a liveness probe must not kill a router that is finishing its requests)."""
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)

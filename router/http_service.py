@@ -4,7 +4,7 @@
   GET  /v1/models  the model and its LoRA adapters
   POST /v1/load_lora_adapter, /v1/unload_lora_adapter  (vLLM's shapes; the manifest's lora.runtime_loading, and
        with API keys a tenant of lora.admin_tenants)
-  GET  /health    200 while the decode pool has a replica, else 503 (no key needed)
+  GET  /health    200 while the decode pool has a replica and the router is not draining, else 503 (no key needed)
   GET  /metrics   Prometheus exposition (no key needed)
 
 Bodies are parsed by openai_bodies.py, translated by openai_requests.py into the gRPC API's GenerateRequest and
@@ -46,7 +46,7 @@ from tandem.router.openai_errors import OpenAIError, http_status_for
 from tandem.router.openai_requests import chat_request, completion_requests
 from tandem.router.openai_responses import ResponseBuilder, models_body
 from tandem.router.request_parsing import CHAT_ROLES, InvalidRequest, ParsedRequest
-from tandem.router.serving import RequestCancelled, Serving, Step, error_code
+from tandem.router.serving import Draining, RequestCancelled, Serving, Step, error_code
 from tandem.router.tenant_gate import Admission, TooManyRequests
 from tandem.router.tls import TLSConfig, uvicorn_ssl_options
 from tandem.router.tool_calls import auto_supported
@@ -60,7 +60,7 @@ def openai_error(error: BaseException) -> OpenAIError:
         return error
     code, message = error_code(error)
     status, kind = http_status_for(code)
-    retry = isinstance(error, (TooManyRequests, AtCapacity))
+    retry = isinstance(error, (TooManyRequests, AtCapacity, Draining))
     headers = {"Retry-After": str(error.retry_after_s)} if retry else None
     return OpenAIError(status, message, kind, code="model_not_found" if code == "NOT_FOUND" else code.lower(),
                        headers=headers)
@@ -170,10 +170,11 @@ class OpenAIRoutes:
         return self.model.tokenizer.decode([token_id], skip_special_tokens=False)
 
     async def health(self) -> JSONResponse:
-        """GET /health: 200 while the decode pool has a replica, else 503."""
+        """GET /health: 200 while the decode pool has a replica and the router is not draining, else 503."""
         driver = self.serving.driver
-        ready = bool(driver.decode)
-        return JSONResponse({"status": "ok" if ready else "unavailable",
+        ready = bool(driver.decode) and not self.serving.draining
+        status = "draining" if self.serving.draining else "ok" if ready else "unavailable"
+        return JSONResponse({"status": status,
                              "replicas": {"prefill": len(driver.prefill), "decode": len(driver.decode)}},
                             status_code=200 if ready else 503)
 
@@ -279,7 +280,7 @@ class OpenAIRoutes:
         try:
             self.serving.check_capacity(len(requests), "http")  # before tokenizing: a refusal costs little
             admission = self.serving.admit(who, len(requests), "http")
-        except (InvalidRequest, AtCapacity) as e:
+        except (InvalidRequest, AtCapacity, Draining) as e:
             raise openai_error(e) from None
         try:
             return await self._serve(request, kind, body, requests, who, arrival, response_id, admission)

@@ -66,6 +66,7 @@ class RouterActor:
         self.settings = settings
         self.serving = None
         self.grpc_server = None
+        self.grpc_health = None
         self.http_server = None
         self.endpoints: dict[str, str | None] = {"grpc": None, "http": None}
         self._feed_task: asyncio.Task | None = None
@@ -91,7 +92,7 @@ class RouterActor:
         self.serving = Serving(driver, facts, self.settings.mode, auth=Authenticator(api_keys), limits=limits)
         self._feed_task = asyncio.get_running_loop().create_task(
             driver.feed.run(driver.replicas, self.settings.kv_events_interval_s))
-        self.grpc_server, port, _ = await start_grpc_server(TandemServicer(self.serving), grpc_address,
+        self.grpc_server, port, self.grpc_health = await start_grpc_server(TandemServicer(self.serving), grpc_address,
                                                             max_message_bytes=limits.limits.max_body_bytes,
                                                             tls=tls)
         self.endpoints["grpc"] = f"{grpc_address.rpartition(':')[0]}:{port}"
@@ -156,6 +157,22 @@ class RouterActor:
         while replica.load.in_flight > 0 and time.monotonic() < deadline:
             await asyncio.sleep(DRAIN_POLL_S)
         return replica.load.in_flight
+
+    async def drain(self, timeout_s: float) -> int:
+        """Drains the router before it stops: /health and gRPC health turn not-serving (load balancers move away),
+        new requests get UNAVAILABLE / 503 with Retry-After, and the running ones may finish for up to timeout_s.
+        Returns how many were still running then (0: drained); stop() ends those."""
+        serving = self.serving
+        if serving is None:
+            return 0
+        _log.warning("draining: no new requests; %d running, up to %g s to finish", len(serving.active), timeout_s)
+        if self.grpc_health is not None:
+            from tandem.router.grpc_service import drain_health
+
+            await drain_health(self.grpc_health)
+        left = await serving.drain(timeout_s)
+        _log.warning("drained" if left == 0 else "drain timeout: %d request(s) still running are ended", left)
+        return left
 
     async def remove_replica(self, name: str, reason: str) -> bool:
         """Stops routing to a replica the control plane found dead (requests still on it find out on their own

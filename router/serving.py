@@ -40,6 +40,20 @@ class DeadlineExceeded(Exception):
     """The request's deadline passed (DEADLINE_EXCEEDED); it was aborted on every replica."""
 
 
+class Draining(Exception):
+    """The router is draining (SIGTERM to `tandem up`, `tandem down --drain`, a replaced router): it admits nothing
+    new (UNAVAILABLE / HTTP 503, Retry-After retry_after_s) and finishes the requests it runs."""
+
+    retry_after_s = 1  # another router, or the next release, takes the request now
+
+    def __init__(self):
+        super().__init__("this router is draining (stopping or being replaced) and takes no new requests; retry: "
+                         "another router or the next release takes it")
+
+
+DRAIN_POLL_S = 0.05
+
+
 def error_code(error: BaseException) -> tuple[str, str]:
     """The gRPC status name a failed request ends with, and its message for the client."""
     if isinstance(error, InvalidRequest):
@@ -52,7 +66,7 @@ def error_code(error: BaseException) -> tuple[str, str]:
         return "DEADLINE_EXCEEDED", str(error)
     if isinstance(error, NoCapacityError):
         return "RESOURCE_EXHAUSTED", str(error)
-    if isinstance(error, (NoReplicaError, ReplicaLostError)):
+    if isinstance(error, (NoReplicaError, ReplicaLostError, Draining)):
         return "UNAVAILABLE", str(error)
     if is_replica_death(error):
         return "UNAVAILABLE", f"a replica serving the request died: {error}"
@@ -97,6 +111,7 @@ class Serving:
         self._ended_by: dict[RequestKey, str] = {}  # why a task was cancelled: "abort" or "deadline" (else: client)
         self.num_finished = 0
         self.num_failed = 0
+        self.draining = False  # drain(): nothing new is admitted
         self.metrics = RouterMetrics(driver, lambda: len(self.active))
         self.signals = PoolSignals()  # what the autoscaler reads of each pool (router/pool_signals.py)
         self.metrics.watch_admission(self.admission)
@@ -119,12 +134,28 @@ class Serving:
 
     def check_capacity(self, count: int, api: str) -> None:
         """Refuses count requests at once (AtCapacity, counted) when the cluster could not start them in time;
-        holds nothing. The front doors call it before parsing, so a refusal costs no tokenizing; run() decides."""
+        holds nothing. The front doors call it before parsing, so a refusal costs no tokenizing; run() decides.
+        Raises Draining (counted) once drain() began."""
+        self._refuse_if_draining(api)
         try:
             self.admission.check(count)
         except AtCapacity as e:
             self._at_capacity(api, e, count)
             raise
+
+    def _refuse_if_draining(self, api: str) -> None:
+        if self.draining:
+            self.refused(api, "UNAVAILABLE")
+            raise Draining()
+
+    async def drain(self, timeout_s: float) -> int:
+        """Stops admitting (from now on check_capacity and run raise Draining) and waits until the requests running
+        end, at most timeout_s. Returns how many were still running then (0: drained)."""
+        self.draining = True
+        deadline = time.monotonic() + timeout_s
+        while self.active and time.monotonic() < deadline:
+            await asyncio.sleep(DRAIN_POLL_S)
+        return len(self.active)
 
     def _at_capacity(self, api: str, error: AtCapacity, count: int = 1) -> None:
         self.refused(api, "RESOURCE_EXHAUSTED")
@@ -166,11 +197,13 @@ class Serving:
                   deadline: float | None = None) -> AsyncIterator[Step]:
         """Drives one request, yielding each progress, until its deadline (monotonic; None: the manifest's
         request_timeout_s from arrival). Raises InvalidRequest (ALREADY_EXISTS for an id the tenant has in use),
-        AtCapacity (before any replica is called) when the cluster cannot start it in time, RequestCancelled
+        Draining once drain() began, AtCapacity (before any replica is called) when the cluster cannot start it in
+        time, RequestCancelled
         after an Abort call, DeadlineExceeded, the driver's errors, or CancelledError when the caller went away;
         in every case but success the request is aborted on every replica (the driver does). Metrics and counters
         are updated however it ends."""
         key = RequestKey(parsed.tenant, parsed.request_id)
+        self._refuse_if_draining(api)
         if key in self.active:
             self.metrics.finished(api, "ALREADY_EXISTS", None, None)
             raise InvalidRequest(f"request id {parsed.request_id!r} is in use", "ALREADY_EXISTS")

@@ -5,7 +5,8 @@ local Ray head that listens on loopback only.
 
 1. Over a stale Ray address file (a head that died without clean-up): `tandem up --detach --ask` notices the dead
    head and starts a fresh one; `tandem status` (text and --json) and `tandem generate --target` reach the
-   cluster from other processes; HTTP traffic; `tandem down`.
+   cluster from other processes; HTTP traffic; `tandem down --drain` while a client sends requests back to back:
+   the running one finishes whole, later ones are refused (503, Retry-After) or find the router gone.
 2. A foreground `tandem up`, HTTP traffic, then its GCS freezes (SIGSTOP: it answers nothing and ignores
    SIGTERM), then SIGTERM (`timeout`, service managers): it stops as on Ctrl-C, Ray head included, in seconds.
 3. A foreground `tandem up` gets SIGHUP (a closed terminal) while it starts: it stops what it started.
@@ -25,7 +26,9 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -109,6 +112,41 @@ def http_traffic(port: int) -> None:
             assert reply.status == 200 and json.loads(reply.read())["choices"][0]["finish_reason"]
 
 
+LONG_TOKENS = 300
+
+
+@contextlib.contextmanager
+def back_to_back_requests(port: int):
+    """A client sending completions of LONG_TOKENS tokens one after another until the block ends or the router
+    stops taking them; yields the list it fills: each reply's JSON, or the urllib error that ended a request."""
+    replies: list = []
+    stop = threading.Event()
+
+    def client() -> None:
+        body = json.dumps({"model": "tiny-moe", "prompt": "Count:", "max_tokens": LONG_TOKENS,
+                           "ignore_eos": True}).encode()
+        while not stop.is_set():
+            request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
+                                             headers={"Content-Type": "application/json"})
+            try:
+                with urllib.request.urlopen(request, timeout=120) as reply:
+                    replies.append(json.loads(reply.read()))
+            except urllib.error.URLError as e:
+                replies.append(e)
+                if not isinstance(e, urllib.error.HTTPError):
+                    return  # the router stopped
+                time.sleep(0.1)
+
+    thread = threading.Thread(target=client, daemon=True)
+    thread.start()
+    time.sleep(1.0)
+    try:
+        yield replies
+    finally:
+        stop.set()
+        thread.join(130)
+
+
 def _tcp_sockets() -> list[tuple[str, int, str, str]]:
     """(local host, local port, state in hex, inode) of every TCP socket on this machine."""
     sockets = []
@@ -186,8 +224,18 @@ def test_up_traffic_and_stop_four_times_in_a_row(cluster, tmp_path, tiny_model):
                               SamplingParams(max_tokens=6, temperature=0))
     assert json.loads(remote.stdout)["token_ids"] == local.token_ids
     http_traffic(http)
-    down = tandem("down", "--name", "cli-test")
+    with back_to_back_requests(http) as replies:  # one is running whenever the drain begins
+        down = tandem("down", "--name", "cli-test", "--drain")
     assert down.returncode == 0 and "stopped (and the local Ray it started)" in down.stderr, down.stderr
+    running = re.search(r"draining: (\d+) request\(s\) running; no new requests", down.stderr)
+    assert running and int(running.group(1)) >= 1, down.stderr
+    assert "drained: every request finished" in down.stderr
+    finished = [r for r in replies if isinstance(r, dict)]
+    assert finished and all(r["usage"]["completion_tokens"] == LONG_TOKENS for r in finished)
+    for refused in (r for r in replies if not isinstance(r, dict)):  # after the drain began: refused, never cut
+        assert (isinstance(refused, urllib.error.HTTPError) and refused.code == 503
+                and refused.headers["Retry-After"] == "1") or isinstance(refused.reason, ConnectionRefusedError), \
+            refused
     assert_stopped(head, grpc, http)
 
     # 2. Right away, on the same ports: a foreground up, traffic, a frozen GCS, SIGTERM.

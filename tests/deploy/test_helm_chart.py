@@ -230,9 +230,29 @@ def test_probes_check_the_served_model_and_the_router(value_set):
     assert tandem["startupProbe"]["failureThreshold"] * tandem["startupProbe"]["periodSeconds"] >= 600
     assert tandem["readinessProbe"]["httpGet"]["path"] == "/health"
     liveness = tandem["livenessProbe"]
-    assert liveness == liveness | ({"tcpSocket": {"port": "grpc"}} if tls else {"grpc": {"port": 50051}})
+    assert liveness == liveness | ({"tcpSocket": {"port": "grpc"}} if tls else
+                                   {"grpc": {"port": 50051, "service": "liveness"}})  # SERVING while draining
     assert {p["name"]: p["containerPort"] for p in tandem["ports"]} == {"grpc": 50051, "http": 8000}
     assert "tandem up /etc/tandem/manifest/manifest.yaml" in tandem["args"][0]
+
+
+def test_the_control_pod_waits_for_the_router_to_drain(value_set):
+    """SIGTERM drains the router (router.drain_timeout_s) after preStop's pause: the grace period covers both and
+    the stop that follows."""
+    name, objects = value_set
+    values = merged(name)
+    pod = control_pod(objects)["spec"]
+    tandem = next(c for c in pod["containers"] if c["name"] == "tandem")
+    pause = values["control"]["preStopSeconds"]
+    assert tandem["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", str(pause)]
+    drain = values["router"].get("drain_timeout_s", 30)
+    assert pod["terminationGracePeriodSeconds"] >= pause + drain + 30
+
+
+def test_a_longer_drain_gets_a_longer_grace_period():
+    objects = render(with_("router", {"drain_timeout_s": 300}))
+    assert "drain_timeout_s: 300" in manifest_text(objects)
+    assert control_pod(objects)["spec"]["terminationGracePeriodSeconds"] >= 5 + 300 + 30
 
 
 def test_every_container_has_requests_and_limits_and_runs_as_no_root(value_set):

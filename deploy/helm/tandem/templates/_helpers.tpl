@@ -298,3 +298,10 @@ its node. Call with (dict "gpus" N). */}}
 {{- end -}}
 {{- toYaml $plans -}}
 {{- end -}}
+
+{{/* The control pod's termination grace: preStop's pause, the router's drain (router.drain_timeout_s, default 30)
+and 45 s to stop the replicas and the Ray node. */}}
+{{- define "tandem.terminationGraceSeconds" -}}
+{{- $drain := .Values.router.drain_timeout_s | default 30 | int -}}
+{{- add .Values.control.preStopSeconds $drain 45 -}}
+{{- end -}}
