@@ -39,7 +39,9 @@ from pydantic.json_schema import models_json_schema
 from tandem.proto.v1 import tandem_pb2 as pb
 from tandem.router.admission import AtCapacity
 from tandem.router.auth import Unauthenticated
+from tandem.router.http_connections import guarded_protocol
 from tandem.router.http_limits import parse_limited, read_body
+from tandem.router.limits import RequestLimits
 from tandem.router.lora_routes import UnknownAdapter
 from tandem.router.openai_bodies import ChatCompletionRequest, CompletionRequest, RequestBody
 from tandem.router.openai_errors import OpenAIError, http_status_for
@@ -358,6 +360,7 @@ def build_app(serving: Serving) -> FastAPI:
     handlers read raw bodies, so FastAPI could not derive them) and, with API keys on, the bearer key the
     /v1 routes need."""
     app = FastAPI(title="tandem", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
+    app.state.request_limits = serving.limits.limits  # start_http_server guards connections with them
     routes = OpenAIRoutes(serving)
     app.exception_handler(OpenAIError)(_error_reply)
     app.exception_handler(StarletteHTTPException)(_http_error_reply)
@@ -403,8 +406,9 @@ class HttpServer:
 
 async def start_http_server(app: FastAPI, address: str, *, tls: TLSConfig | None = None) -> tuple[HttpServer, int]:
     """Serves app on address (HOST:PORT; port 0 picks a free one). Returns the server and its port. tls: serve
-    https only (None: plain http); /health and /metrics included. Raises RuntimeError if the address cannot be
-    bound, TLSFileError for an unusable TLS file."""
+    https only (None: plain http); /health and /metrics included. Connections are guarded by the app's
+    RequestLimits (router/http_connections.py: a header timeout, a cap per client address). Raises RuntimeError
+    if the address cannot be bound, TLSFileError for an unusable TLS file."""
     ssl_options = {} if tls is None else uvicorn_ssl_options(tls)
     host, _, port = address.rpartition(":")
     host = host.strip("[]")
@@ -416,8 +420,9 @@ async def start_http_server(app: FastAPI, address: str, *, tls: TLSConfig | None
         sock.close()
         raise RuntimeError(f"cannot listen on {address}: {e.strerror}") from None
     port = sock.getsockname()[1]
+    limits = getattr(app.state, "request_limits", None) or RequestLimits()  # build_app's: its Serving's limits
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=2,
-                            **ssl_options)
+                            http=guarded_protocol(limits), **ssl_options)
     server = uvicorn.Server(config)
     task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]))
     while not server.started:

@@ -41,13 +41,17 @@ class _Strict(BaseModel):
 class RequestLimits(_Strict):
     """Each is refused with HTTP 400 (413 for the body) / gRPC INVALID_ARGUMENT before any work is done.
     max_body_bytes also bounds a gRPC message (grpc.max_receive_message_length). body_timeout_s: how long a
-    client may take to send its HTTP body (408 past it). max_prompt_chars: text and
+    client may take to send its HTTP request's headers (from its first byte, or from the connection's opening:
+    the connection is then closed with 408) and then its body (408 past it). max_connections_per_client: open
+    HTTP connections from one client address; more get 429 and are closed (router/http_connections.py).
+    max_prompt_chars: text and
     chat content, counted before tokenizing (null: 16 characters per token of max_prompt_tokens).
     max_prompt_tokens, max_tokens: null is the model's max_model_len. parse_threads: the router's threads that
     tokenize prompts and render chat templates, off its event loop."""
 
     max_body_bytes: int = Field(4 << 20, ge=1024)
     body_timeout_s: float = Field(30.0, gt=0)
+    max_connections_per_client: int = Field(1024, ge=1)
     max_json_depth: int = Field(32, ge=4, le=1000)
     max_prompt_chars: int | None = Field(None, ge=1)
     max_prompt_tokens: int | None = Field(None, ge=1)
