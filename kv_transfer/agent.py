@@ -13,7 +13,10 @@ receives each DATA message of a held transfer that fits the reservation into a s
 and header, copies the payload into the KV blocks and, once the header's message count has arrived,
 acknowledges every source rank seen (ACK OK, to senders[rank]). An authentic message that does not fit the
 reservation, the lease passing, or an ABORT from the sender end the transfer in FAILED / EXPIRED / ABORTED,
-and each source rank seen is told. An authentic message of a transfer that already ended (still held, or
+and each source rank seen is told. Each source rank also says when it has sent everything (an ACK OK from the
+source side); once all the named senders said so, a transfer still missing messages that are not arriving
+fails SENT_GRACE_S later (every named sender told): a message lost or corrupted on the wire (dropped by its MAC
+check) fails its transfer within a second instead of at its lease, and a forged copy of a message cannot. An authentic message of a transfer that already ended (still held, or
 forgotten and remembered by a tombstone) is answered with that outcome, so no sender waits on it; messages of
 transfers the agent never held are dropped. With no senders, nobody is answered: the senders then learn the
 outcome from their own leases.
@@ -23,7 +26,8 @@ on_layers_done() after each layer; every message whose last layer that is leaves
 KV store into a staging slot, sealed with its MAC, sent without blocking), so sending overlaps the next
 layers' compute. send_all() sends everything at once (KV already computed). Within one call the copy of
 message i+1 is started before message i is sealed and sent (on a GPU the two overlap; on the CPU the copy is
-synchronous). The transfer is DONE when every destination rank it feeds has acknowledged; a failed send, a
+synchronous). Once every message went out, every destination rank is told so (ACK OK). The transfer is DONE
+when every destination rank it feeds has acknowledged; a failed send, a
 negative acknowledgement or the lease passing end it otherwise, and its destination ranks are told (ABORT).
 
 Same host: where a destination rank's descriptor names this agent's shared-memory domain, its DATA messages go
@@ -347,7 +351,7 @@ class KVTransferAgent:
 
     def _on_control(self, control: ControlMessage) -> None:
         key, kind, status, rank = control.key, control.kind, control.message.status, control.message.rank
-        if kind is Kind.ACK and self.sender.on_ack(key, status, rank):
+        if kind is Kind.ACK and (self.sender.on_ack(key, status, rank) or self.receiver.on_sent(key, status, rank)):
             return
         if kind is Kind.ABORT and self.receiver.on_abort(key, status, rank):
             return
@@ -358,7 +362,7 @@ class KVTransferAgent:
 
     def _check_deadlines(self) -> None:
         now = self.ctx.clock()
-        self.receiver.expire(now)
+        self.receiver.expire(now, self.inbox.arriving)
         self.sender.expire(now)
         cutoff = now - self.config.tombstone_s
         self.ctx.tombstones = {k: t for k, t in self.ctx.tombstones.items() if t.ended_at >= cutoff}

@@ -5,7 +5,7 @@ to the senders the reservation named. Every method but expect runs under the age
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 from tandem.engine.kv.kv_cache import KV_STORAGE
 from tandem.kv_transfer.agent_context import AgentContext
@@ -14,6 +14,9 @@ from tandem.kv_transfer.inbox import DataMessage
 from tandem.kv_transfer.rank_transfer import STATE_FOR, STATUS_FOR, Inbound, Tombstone
 from tandem.kv_transfer.shm import PeerSegments, ShmUnavailable, readable
 from tandem.kv_transfer.wire import HEADER_BYTES, DataHeader, Kind, Status, transfer_key
+
+
+SENT_GRACE_S = 0.5  # a transfer whose senders all sent everything and still lacks messages fails this long after
 
 
 class AgentReceiver:
@@ -65,11 +68,35 @@ class AgentReceiver:
         self.ctx.replies.tell_senders(key, inbound)
         return True
 
-    def expire(self, now: float) -> None:
+    def on_sent(self, key: int, status: Status, rank: int) -> bool:
+        """A source rank's ACK: it sent this rank every message of the transfer under key (status OK). Noted
+        for expire(); False if this rank does not know the transfer (the agent then counts the message)."""
+        inbound = self.inbound.get(key)
+        if inbound is None:
+            return key in self.ctx.tombstones  # the transfer ended here already: nothing to do
+        if status is Status.OK and not inbound.state.terminal and 0 <= rank < len(inbound.senders):
+            inbound.sent_by.setdefault(rank, self.ctx.clock())
+        return True
+
+    def expire(self, now: float, arriving: Callable[[int], bool]) -> None:
+        """Ends the reservations whose lease ran out (EXPIRED), and (FAILED, every named sender told BAD_MESSAGE)
+        those whose senders all said they sent everything SENT_GRACE_S ago while messages are still missing and
+        none is arriving (arriving(key): a DATA message under key is queued or being received): a message lost
+        or corrupted on the wire (dropped by its MAC check) fails the transfer at once, not at its lease, so the
+        request falls back now. Only authentic messages count: a forged copy of a message changes nothing."""
         for key, inbound in self.inbound.items():
-            if not inbound.state.terminal and now > inbound.deadline:
+            if inbound.state.terminal:
+                continue
+            if now > inbound.deadline:
                 inbound.end(TransferState.EXPIRED, f"the lease ran out with the transfer {inbound.state.value}")
                 self.ctx.replies.tell_senders(key, inbound)
+            elif (inbound.senders and len(inbound.sent_by) == len(inbound.senders)
+                  and now - max(inbound.sent_by.values()) >= SENT_GRACE_S and not arriving(key)):
+                missing = "every message" if inbound.expected is None else \
+                    f"{inbound.expected - len(inbound.arrived)} of {inbound.expected} messages"
+                inbound.end(TransferState.FAILED, f"every sender sent everything, but {missing} never arrived "
+                                                  f"intact (lost, or corrupted and dropped by its MAC check)")
+                self.ctx.replies.tell_senders(key, inbound, Status.BAD_MESSAGE, every_named=True)
 
     def on_data(self, message: DataMessage) -> None:
         ctx = self.ctx

@@ -333,9 +333,13 @@ class AgentSender:
             out.pending = still
             if out.state.terminal and out.held:
                 self._give_back_held(out)
-            if (not out.state.terminal and not out.pending and len(out.sent) == len(out.messages)
-                    and out.acked >= {m.dst_rank for m in out.messages}):
-                out.state = TransferState.DONE
+            if not out.state.terminal and not out.pending and len(out.sent) == len(out.messages):
+                if not out.announced:  # "all sent" to every destination rank: a lost message then fails at once
+                    out.announced = True
+                    for address in out.descriptor.addresses:
+                        ctx.replies.send(address, key, Kind.ACK, Status.OK)
+                if out.acked >= {m.dst_rank for m in out.messages}:
+                    out.state = TransferState.DONE
         return busy
 
     def expire(self, now: float) -> None:

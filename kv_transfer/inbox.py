@@ -28,8 +28,8 @@ from tandem.kv_transfer.drops import DropCounter
 from tandem.kv_transfer.staging import Slot, StagingPool
 from tandem.kv_transfer.transport import Handle, Probe, Transport
 from tandem.kv_transfer.wire import (HEADER_BYTES, INDEX_MASK, KEY_SHIFT, KIND_MASK, KIND_SHIFT, OTHER_KINDS,
-                                     STATUS_BYTES, DataHeader, ForgedMessage, Kind, MalformedMessage, MessageKey,
-                                     StatusMessage, make_tag)
+                                     STATUS_BYTES, TAG_MASK, DataHeader, ForgedMessage, Kind, MalformedMessage,
+                                     MessageKey, StatusMessage, make_tag)
 
 DRAIN_BYTES = 64  # what a drained message may write into: less than any header, so nothing of it is read
 SWEEP_INTERVAL_S = 0.05  # how often tags of unknown kinds are looked for
@@ -175,6 +175,12 @@ class Inbox:
     def slots_in_flight(self) -> int:
         """Staging slots held by posted receives (for the agent's check_integrity)."""
         return sum(1 for r in self._posted if r.slot is not None and r.slot.offset >= 0)
+
+    def arriving(self, key: int) -> bool:
+        """Whether a DATA message under key is queued in the transport or being received."""
+        data = make_tag(key, Kind.DATA, 0)
+        return (any(r.tag & ~INDEX_MASK == data for r in self._posted)
+                or self.transport.probe(data, ~INDEX_MASK & TAG_MASK) is not None)
 
     @property
     def busy(self) -> bool:

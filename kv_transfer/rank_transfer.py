@@ -38,7 +38,8 @@ class RankTransfer:
 class Inbound(RankTransfer):
     """senders: the sending replica's agent addresses by source rank, as the reservation named them: the only
     peers this side answers (empty: nobody; the senders then learn the outcome from their leases). seen: the
-    source ranks an authentic message came from. max_message: the most bytes (header included) a DATA message
+    source ranks an authentic message came from. sent_by: the source ranks whose authentic ACK said they sent
+    this rank everything (AgentReceiver.on_sent). max_message: the most bytes (header included) a DATA message
     of this reservation may have."""
 
     block_ids: tuple[int, ...] = ()
@@ -47,6 +48,7 @@ class Inbound(RankTransfer):
     expected: int | None = None  # DATA messages this rank receives, learnt from the first header
     arrived: set[int] = field(default_factory=set)
     seen: set[int] = field(default_factory=set)
+    sent_by: dict[int, float] = field(default_factory=dict)  # source rank -> when it said it sent everything
 
     def problem_with(self, header: DataHeader, index: int, layers: range, kv_heads: range,
                      bytes_per_block_layer_head: int) -> tuple[Status, str] | None:
@@ -97,3 +99,4 @@ class Outbound(RankTransfer):
     waited_in_vain: bool = False  # a wait for a shared staging slot timed out (it does not wait again)
     store_readers: set[int] = field(default_factory=set)  # destination ranks sent refs into the KV store
     answered: set[int] = field(default_factory=set)  # destination ranks that sent an ACK (of any status)
+    announced: bool = False  # every message went out and the destination ranks were told so

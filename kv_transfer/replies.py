@@ -30,11 +30,13 @@ class Replies:
         except Exception:
             pass  # a closed transport: the peer learns the outcome from its own lease
 
-    def tell_senders(self, key: int, inbound: Inbound, status: Status | None = None) -> None:
+    def tell_senders(self, key: int, inbound: Inbound, status: Status | None = None, *,
+                     every_named: bool = False) -> None:
         """ACKs status (default: the one inbound's state stands for) to every source rank an authentic message
-        came from, at the address the reservation named for it (none named: nobody is told)."""
+        came from (every_named: every rank the reservation named, heard from or not), at the address the
+        reservation named for it (none named: nobody is told)."""
         status = STATUS_FOR[inbound.state] if status is None else status
-        for rank in sorted(inbound.seen):
+        for rank in range(len(inbound.senders)) if every_named else sorted(inbound.seen):
             if rank < len(inbound.senders):
                 self.send(inbound.senders[rank], key, Kind.ACK, status)
 

@@ -38,6 +38,7 @@ KEY_SHIFT = 16
 KIND_SHIFT = 12
 INDEX_MASK = (1 << KIND_SHIFT) - 1
 KIND_MASK = 0xF << KIND_SHIFT
+TAG_MASK = (1 << 64) - 1  # tags are 64-bit: a 48-bit transfer key, the kind, a 12-bit index
 MAC_BYTES = 32
 MIN_SECRET_BYTES = 16
 _KDF_CONTEXT = "tandem kv_transfer 2026-11 message MAC"

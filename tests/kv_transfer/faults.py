@@ -24,7 +24,10 @@ from tests.kv_transfer.kv_helpers import make_transport, wait_until
 class FaultyTransport:
     """Passes everything to `inner` except: the next `corrupt` DATA messages get one payload byte flipped; the
     DATA message number `drop_at` (0-based, counted from now) closes the connection right after it is posted
-    and reports the send failed; with swallow_acks, ACKs are never sent."""
+    and reports the send failed; with swallow_acks, ACKs are never sent. fault_every = N (vLLM's UCX injector
+    fails every 16th operation): every Nth send of any kind is hit, in turn corrupted (its last byte flipped:
+    a DATA payload, a status message's MAC), failed (the connection closed, the send reported failed) and
+    lost (reported sent, never delivered); `injected` counts them by how."""
 
     def __init__(self, inner):
         self.inner = inner
@@ -32,6 +35,22 @@ class FaultyTransport:
         self.drop_at: int | None = None
         self.swallow_acks = False
         self.data_sent = 0
+        self.fault_every: int | None = None
+        self.sends = 0
+        self.injected = {"corrupted": 0, "failed": 0, "lost": 0}
+
+    def _injected_fault(self, peer, buffer):
+        """(buffer to send, or a Completed to return instead) for the send fault_every picks."""
+        how = ("corrupted", "failed", "lost")[sum(self.injected.values()) % 3]
+        self.injected[how] += 1
+        if how == "corrupted":
+            buffer = buffer.copy()
+            buffer[-1] ^= 0x40
+            return buffer
+        if how == "failed":
+            self.inner.forget_peer(peer)
+            return Completed("injected fault: the connection dropped")
+        return Completed()
 
     @property
     def address(self) -> str:
@@ -42,6 +61,12 @@ class FaultyTransport:
         return self.inner.device_transports
 
     def send(self, peer, tag, buffer):
+        self.sends += 1
+        if self.fault_every and self.sends % self.fault_every == 0:
+            hit = self._injected_fault(peer, buffer)
+            if isinstance(hit, Completed):
+                return hit
+            buffer = hit
         kind = split_tag(tag)[1]
         if kind is Kind.ACK and self.swallow_acks:
             return Completed()  # "sent", never delivered

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
+import time
 
 import pytest
 
@@ -162,16 +163,62 @@ def test_a_drill_that_drops_the_connections_mid_transfer_fails_it_on_both_sides(
     next_transfer_succeeds(pair, prompts, colocated)
 
 
-def test_a_corrupted_message_is_dropped_and_the_lease_ends_the_transfer(rid, pair, prompts, colocated):
+def test_a_corrupted_message_fails_the_transfer_at_once_not_at_its_lease(rid, pair, prompts, colocated):
     """A flipped payload bit fails the message's MAC: the receiver drops it unread (it cannot tell corruption
-    from forgery) and counts it; the transfer, one message short, ends with its lease on both sides."""
+    from forgery) and counts it; once every other message is in, the transfer fails on both sides within a second
+    (BAD_MESSAGE to the sender), long before its 30 s lease, so the request falls back at once."""
     pair.prefill.transport.corrupt = 1
-    desc = pair.reserve(rid, prompts[0], GREEDY, lease_s=1.5)
+    desc = pair.reserve(rid, prompts[0], GREEDY, lease_s=30.0)
+    start = time.monotonic()
     pair.pc.submit(rid, prompts[0], GREEDY, desc)
     pair.run_prefill()
-    assert pair.settle(rid) == (TransferState.EXPIRED, TransferState.EXPIRED)
+    assert pair.settle(rid, timeout_s=10.0) == (TransferState.FAILED, TransferState.FAILED)
+    assert time.monotonic() - start < 5.0
     assert pair.decode.agent.stats().drops.forged == 1
+    assert "never arrived intact" in pair.decode.events[rid].error
     pair.assert_clean()
+    next_transfer_succeeds(pair, prompts, colocated)
+
+
+def local_tokens(pair: EnginePair, request_id: str, prompt, params) -> list[int]:
+    """The fallback of a failed transfer: the decode side prefills the prompt itself."""
+    engine = pair.decode.engine
+    engine.add_request(request_id, prompt, params)
+    tokens = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens.extend(out.token_ids)
+    return tokens
+
+
+@pytest.mark.parametrize("every", [16, 7, 3])
+def test_injected_transport_faults_end_in_the_right_tokens_or_a_prompt_fallback_and_never_leak(every, pair,
+                                                                                                prompts, colocated):
+    """Every `every`-th send on both sides is corrupted, failed or lost (FaultyTransport.fault_every): each
+    transfer ends DONE with the colocated run's tokens or ends FAILED / EXPIRED within its short lease, its
+    request falling back to a prefill on the decode side (the colocated tokens too); nothing leaks either way."""
+    for side in (pair.prefill, pair.decode):
+        side.transport.fault_every = every
+    ended = []
+    for i in range(6):
+        rid, p = f"fault-{every}-{i}", i % 2
+        desc = pair.reserve(rid, prompts[p], GREEDY, lease_s=2.0)
+        pair.pc.submit(rid, prompts[p], GREEDY, desc)
+        pair.run_prefill()
+        states = pair.settle(rid, timeout_s=15.0)
+        ended.append(states)
+        if states == (D, D):
+            assert pair.decode_rest(rid) == colocated[(p, "greedy")], (rid, states)
+        else:
+            assert states[1] in (TransferState.FAILED, TransferState.EXPIRED, None), (rid, states)
+            if pair.dc.state(rid) is not None:  # a reservation still held on the decode side is given up
+                pair.dc.abort(rid)
+            assert local_tokens(pair, f"{rid}-local", prompts[p], GREEDY) == colocated[(p, "greedy")]
+        pair.assert_clean()
+    for side in (pair.prefill, pair.decode):
+        side.transport.fault_every = None
+    injected = sum(sum(side.transport.injected.values()) for side in (pair.prefill, pair.decode))
+    assert injected > 0 and (every > 3 or any(states != (D, D) for states in ended)), ended
     next_transfer_succeeds(pair, prompts, colocated)
 
 

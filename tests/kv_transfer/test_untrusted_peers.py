@@ -271,9 +271,10 @@ def test_agents_under_different_secrets_cannot_move_kv(kind, no_errors):
             agent.send_all("r/0", SRC_BLOCKS)
         states = lambda: pair.dst.states("r/0") + pair.src.states("r/0")  # noqa: E731
         wait_until(lambda: all(s.state is TransferState.EXPIRED for s in states()), what=f"EXPIRED: {states()}")
-        # Each sending rank: 4 DATA messages (its KV head x all 4 layers, a block each), then an ABORT (EXPIRED).
-        wait_until(lambda: pair.drops().total == 2 * (4 + 1), what=f"10 drops, not {pair.drops()}")
-        assert pair.drops() == MessageDrops(forged=2 * (4 + 1))
+        # Each sending rank: 4 DATA messages (its KV head x all 4 layers, a block each), an ACK saying it sent them
+        # all, then an ABORT (EXPIRED).
+        wait_until(lambda: pair.drops().total == 2 * (4 + 2), what=f"12 drops, not {pair.drops()}")
+        assert pair.drops() == MessageDrops(forged=2 * (4 + 2))
         assert np.array_equal(pair.agent.read_kv(DST_BLOCKS), before)  # nothing written
         assert all(agent.stats().drops == MessageDrops() for agent in pair.src.agents)  # nobody answered them
     finally:
