@@ -6,6 +6,8 @@ HTTP API; the colocated cluster streams over the replica's token channel, the Mo
 
 from __future__ import annotations
 
+import asyncio
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -48,6 +50,26 @@ def draft_manifest():
     return manifest.model_copy(update={"pools": parse_manifest(drafted).pools})
 
 
+BURST_TOKENS = 8
+
+
+def burst(http_endpoint: str, count: int) -> list[tuple[float, httpx.Response]]:
+    """count chat requests sent at once, each on its own connection: (seconds to its reply, the reply)."""
+    async def one(client: httpx.AsyncClient, i: int) -> tuple[float, httpx.Response]:
+        sent = time.monotonic()
+        reply = await client.post(f"http://{http_endpoint}/v1/chat/completions", json={
+            "model": "SmolLM2-135M-Instruct", "messages": chat(f"Tell me a story, number {i}."),
+            "max_tokens": BURST_TOKENS, "ignore_eos": True})
+        return time.monotonic() - sent, reply
+
+    async def run() -> list[tuple[float, httpx.Response]]:
+        limits = httpx.Limits(max_connections=count, max_keepalive_connections=0)
+        async with httpx.AsyncClient(timeout=300, limits=limits) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(count)))
+
+    return asyncio.run(run())
+
+
 def test_colocated_mode_serves_through_the_same_router(embedded, tmp_path):
     nodes = {"decode": dict(num_cpus=2, resources={"decode": 4})}
     tone = str(write_random_adapter(tmp_path / "tone", embedded.config, 8, seed=5, scale=0.2))
@@ -84,6 +106,16 @@ def test_colocated_mode_serves_through_the_same_router(embedded, tmp_path):
         assert adapted.choices[0].message.content == embedded.tokenizer.decode(want, skip_special_tokens=True)
         metrics = httpx.get(f"http://{cluster.http_endpoint}/metrics").text
         assert 'tandem_prefill_decisions_total{reason="colocated",where="decode_replica"}' in metrics
+        # A real burst (issue 48): 400 chat requests at once over HTTP, after a first burst measured the start
+        # rate. Every refusal comes within 2 s of its request, with Retry-After; every admitted request completes.
+        burst(cluster.http_endpoint, 100)
+        results = burst(cluster.http_endpoint, 400)
+        refused = [(seconds, reply) for seconds, reply in results if reply.status_code == 429]
+        admitted = [reply for _, reply in results if reply.status_code == 200]
+        assert refused and admitted and len(refused) + len(admitted) == 400, {r.status_code for _, r in results}
+        assert max(seconds for seconds, _ in refused) < 2.0, sorted(seconds for seconds, _ in refused)[-5:]
+        assert all(int(reply.headers["retry-after"]) >= 1 for _, reply in refused)
+        assert all(reply.json()["usage"]["completion_tokens"] == BURST_TOKENS for reply in admitted)
         wait_idle(cluster)
         check_integrity(cluster)
         # the streams went over the replica's token channel (a batch carries every output since the last one)
