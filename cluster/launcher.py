@@ -73,6 +73,8 @@ def connect(address: str | None, namespace: str, *, start_if_missing: dict[str, 
         return False
     explicit = address not in (None, "auto") or bool(os.environ.get("RAY_ADDRESS"))
     target = address if address not in (None, "auto") else local_ray.current_address()
+    if target is not None:
+        local_ray.use_head_token(target)  # a head tandem started: its own token
     if target is not None and "://" not in target and not local_ray.answers(target):  # ray://: Ray Client's own
         _clear_dead_head(target, explicit=explicit, can_start=start_if_missing is not None, out=out)
         target = None
@@ -82,6 +84,7 @@ def connect(address: str | None, namespace: str, *, start_if_missing: dict[str, 
             raise ClusterNotFound(f"no Ray cluster at {address or 'this machine'}; start one with `tandem up` "
                                   f"(or `ray start --head`)")
         target, started = local_ray.start(start_if_missing, host, out).gcs_address, True
+        local_ray.use_head_token(target)
     keep = signal.getsignal(signal.SIGTERM)
     local_ray.connect_mode(target)
     try:

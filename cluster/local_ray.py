@@ -14,12 +14,19 @@ probed and stopped.
    on), then SIGKILL for whatever is left.
 3. Liveness. answers() asks the GCS's gRPC health service with a deadline, so that a dead or hung head named in
    Ray's ray_current_cluster file is noticed in seconds instead of ray.init retrying it forever.
+4. Authentication. Ray's servers run code for whoever reaches them (actor calls are pickled), so the head runs
+   with Ray's token authentication (RAY_AUTH_MODE=token): start() writes a fresh random token for it, readable by
+   this user only, to <Ray's temp dir>/tandem_auth_token and notes its path with the head; every process of the
+   head inherits it, and a driver of tandem's connecting to that head uses it (use_head_token), whatever
+   RAY_AUTH_* or ~/.ray/auth_token this shell has. A client without the token is refused; answers() says so at
+   once (RayAuthRefused, naming where this process's token came from and the fix) instead of ray.init retrying.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -34,6 +41,11 @@ from tandem.cluster.manifest_checks import is_loopback
 SINGLE_NODE_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # Ray's switch; "0": loopback node IPs stay loopback
 PROBE_TIMEOUT_S = 5.0
 START_TIMEOUT_S = 300.0
+AUTH_MODE_ENV, AUTH_TOKEN_PATH_ENV, AUTH_TOKEN_ENV = "RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH", "RAY_AUTH_TOKEN"
+
+
+class RayAuthRefused(RuntimeError):
+    """The Ray head refused this process's authentication token (or its lack of one)."""
 
 
 @dataclass(frozen=True)
@@ -46,6 +58,7 @@ class LocalHead:
     session_id: int
     leader_start: int
     boot_id: str
+    token_path: str = ""  # the head's Ray authentication token ("" for a head started before tandem set one)
 
 
 def _ray_cli() -> str:
@@ -85,19 +98,82 @@ def _file_address() -> str | None:
 
 def answers(address: str, timeout_s: float = PROBE_TIMEOUT_S) -> bool:
     """Whether the GCS at address (HOST:PORT) answers a health check within timeout_s (Ray's TLS and token
-    settings from the environment apply, as for any of Ray's clients)."""
+    settings from the environment apply, as for any of Ray's clients). Raises RayAuthRefused if it refuses this
+    process's token."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
     from ray._private.grpc_utils import init_grpc_channel
+    from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
 
     channel = init_grpc_channel(address)
     try:
         reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
-        return reply.status == health_pb2.HealthCheckResponse.SERVING
-    except grpc.RpcError:
+        if reply.status != health_pb2.HealthCheckResponse.SERVING:
+            return False
+        # The health service takes anyone; this call takes only a client with the cluster's token (auth on).
+        gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel).GetClusterId(gcs_service_pb2.GetClusterIdRequest(),
+                                                                          timeout=timeout_s)
+        return True
+    except grpc.RpcError as e:
+        if e.code() == grpc.StatusCode.UNAUTHENTICATED:
+            raise RayAuthRefused(f"the Ray head at {address} uses Ray's token authentication and refused "
+                                 f"{_token_source()}: {auth_fix(address)}") from None
         return False
     finally:
         channel.close()
+
+
+def _token_source() -> str:
+    """Where Ray takes this process's token from, in Ray's order, for an error message."""
+    if os.environ.get(AUTH_MODE_ENV, "").lower() == "disabled":
+        return f"this process, which sends no token ({AUTH_MODE_ENV}=disabled)"
+    if os.environ.get(AUTH_TOKEN_ENV):
+        return f"the token in {AUTH_TOKEN_ENV}"
+    if os.environ.get(AUTH_TOKEN_PATH_ENV):
+        return f"the token in {os.environ[AUTH_TOKEN_PATH_ENV]} ({AUTH_TOKEN_PATH_ENV})"
+    default = Path.home() / ".ray" / "auth_token"
+    return f"the token in {default}" if default.exists() else f"this process, which has no token ({default} absent)"
+
+
+def auth_fix(address: str) -> str:
+    """How to give this process the token of the head at address."""
+    head = recorded()
+    if head is not None and head.gcs_address == address and head.token_path:
+        return (f"tandem started this head; its token is {head.token_path}, which tandem's own commands use (for "
+                f"another client: {AUTH_MODE_ENV}=token {AUTH_TOKEN_PATH_ENV}={head.token_path})")
+    return (f"set {AUTH_MODE_ENV}=token and {AUTH_TOKEN_PATH_ENV} to the file holding this cluster's token (or "
+            f"{AUTH_TOKEN_ENV}); a stale ~/.ray/auth_token left by another cluster is read when neither is set")
+
+
+def use_head_token(address: str) -> bool:
+    """If address is the head tandem started here, makes this process (and what it starts) use that head's
+    token, whatever RAY_AUTH_* or ~/.ray/auth_token say; returns whether it did. Call before answers() and
+    ray.init."""
+    head = recorded()
+    if head is None or head.gcs_address != address or not head.token_path:
+        return False
+    os.environ[AUTH_MODE_ENV] = "token"
+    os.environ[AUTH_TOKEN_PATH_ENV] = head.token_path
+    os.environ.pop(AUTH_TOKEN_ENV, None)
+    try:  # Ray caches its mode and token per process (as ray.init does when it turns token mode on)
+        from ray._raylet import AuthenticationTokenLoader, Config
+
+        Config.initialize("")
+        AuthenticationTokenLoader.instance().reset_cache()
+    except (ImportError, AttributeError):
+        pass
+    return True
+
+
+def _new_token() -> Path:
+    """A fresh random token for a new head, readable by this user only."""
+    path = _temp_dir() / "tandem_auth_token"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32))
+    return path
 
 
 def connect_mode(address: str) -> None:
@@ -119,7 +195,8 @@ def ray_processes_running() -> bool:
 
 def start(resources: dict[str, float], host: str, out: TextIO) -> LocalHead:
     """Starts a Ray head on this machine listening on host (127.0.0.1: loopback only) and offering what the
-    manifest needs (logical CPUs at least this machine's cores); notes it as tandem's. Raises RuntimeError with
+    manifest needs (logical CPUs at least this machine's cores), with Ray's token authentication under a fresh
+    token (see the module docstring); notes it as tandem's. Raises RuntimeError with
     Ray's output if it fails; an interrupted or failed start leaves none of its processes running."""
     cpus = max(os.cpu_count() or 1, int(-(-resources.get("CPU", 0) // 1)))
     gpus = int(-(-resources.get("GPU", 0) // 1))
@@ -132,12 +209,14 @@ def start(resources: dict[str, float], host: str, out: TextIO) -> LocalHead:
         cmd.append(f"--num-gpus={gpus}")
     if custom:
         cmd.append(f"--resources={json.dumps(custom)}")
-    env = os.environ | ({SINGLE_NODE_ENV: "0"} if loopback else {})
+    token = _new_token()
+    env = {k: v for k, v in os.environ.items() if k != AUTH_TOKEN_ENV} | (
+        {SINGLE_NODE_ENV: "0"} if loopback else {}) | {AUTH_MODE_ENV: "token", AUTH_TOKEN_PATH_ENV: str(token)}
     print(f"tandem: starting a local Ray head on {node_ip} ({cpus} CPUs{', ' + json.dumps(custom) if custom else ''})",
           file=out, flush=True)
     process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                                start_new_session=True)
-    head = LocalHead("", process.pid, _start_time(process.pid) or 0, _boot_id())
+    head = LocalHead("", process.pid, _start_time(process.pid) or 0, _boot_id(), str(token))
     try:
         output, _ = process.communicate(timeout=START_TIMEOUT_S)
         if process.returncode != 0:
@@ -147,7 +226,8 @@ def start(resources: dict[str, float], host: str, out: TextIO) -> LocalHead:
         process.wait()
         _end_session(head, grace_s=2.0)
         raise
-    head = LocalHead(_file_address() or f"{node_ip}:6379", head.session_id, head.leader_start, head.boot_id)
+    head = LocalHead(_file_address() or f"{node_ip}:6379", head.session_id, head.leader_start, head.boot_id,
+                     head.token_path)
     _note_path().write_text(json.dumps(asdict(head)))
     return head
 

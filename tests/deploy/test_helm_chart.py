@@ -8,6 +8,7 @@ Ray resources that match the manifest) holds; and bad values fail the install wi
 
 from __future__ import annotations
 
+import base64
 import copy
 import functools
 import math
@@ -255,6 +256,29 @@ def test_a_longer_drain_gets_a_longer_grace_period():
     assert control_pod(objects)["spec"]["terminationGracePeriodSeconds"] >= 5 + 300 + 30
 
 
+def test_every_ray_container_runs_with_token_authentication_from_the_secret(value_set):
+    """Ray's ports run code for whoever reaches them: every Ray container (head, control, workers) has
+    RAY_AUTH_MODE=token and its token from the release's Secret, never a literal in the manifests."""
+    name, objects = value_set
+    secret = one(objects, "Secret", f"{RELEASE}-tandem-ray-auth")
+    assert len(base64.b64decode(secret["data"]["auth_token"])) == 64
+    cluster = one(objects, "RayCluster")
+    templates = [cluster["spec"]["headGroupSpec"]["template"]] + [g["template"] for g in
+                                                                  cluster["spec"]["workerGroupSpecs"]]
+    containers = [c for t in templates for c in t["spec"]["containers"]]
+    assert len(containers) >= 3
+    for container in containers:
+        env = {e["name"]: e for e in container["env"]}
+        assert env["RAY_AUTH_MODE"]["value"] == "token", container["name"]
+        assert env["RAY_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": secret["metadata"]["name"],
+                                                                      "key": "auth_token"}
+    off = render(with_("rayAuth", {"enabled": False}))
+    assert not [o for o in off if o["kind"] == "Secret" and o["metadata"]["name"].endswith("ray-auth")]
+    mine = render(with_("rayAuth", {"existingSecret": "my-ray-token"}))
+    env = {e["name"]: e for e in control_pod(mine)["spec"]["containers"][0]["env"]}
+    assert env["RAY_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] == "my-ray-token"
+
+
 def test_every_container_has_requests_and_limits_and_runs_as_no_root(value_set):
     name, objects = value_set
     cluster = one(objects, "RayCluster")["spec"]
@@ -321,12 +345,13 @@ def test_the_service_monitor_scrapes_the_router_metrics():
 
 def test_api_keys_and_tls_come_from_secrets_mounted_where_the_manifest_reads_them():
     objects = render(values_of("gpu-one-node"))
-    secret = one(objects, "Secret")
+    secret = one(objects, "Secret", f"{RELEASE}-tandem-api-keys")
     assert secret["stringData"] == {"default": "sk-demo-0123456789abcdef"}
     volumes = {v["name"]: v for v in control_pod(objects)["spec"]["volumes"]}
     assert volumes["api-keys"]["secret"]["secretName"] == secret["metadata"]["name"]
     multi = render(values_of("gpu-multi-node"))
-    assert not [o for o in multi if o["kind"] == "Secret"]  # existingSecret and tls.secretName: made beforehand
+    # existingSecret and tls.secretName: made beforehand (only Ray's token is the chart's)
+    assert [o["metadata"]["name"] for o in multi if o["kind"] == "Secret"] == [f"{RELEASE}-tandem-ray-auth"]
     volumes = {v["name"]: v for v in control_pod(multi)["spec"]["volumes"]}
     assert volumes["api-keys"]["secret"]["secretName"] == "tandem-api-keys"
     assert volumes["tls"]["secret"]["secretName"] == "tandem-router-tls"

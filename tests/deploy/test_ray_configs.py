@@ -16,6 +16,8 @@ The checks run on broken copies of the configs too, so that each of them is seen
 
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
 
 import pytest
@@ -143,6 +145,18 @@ def test_node_type_initialization_commands_keep_the_top_level_ones(path):
         if "initialization_commands" in node_type:
             own = node_type["initialization_commands"]
             assert all(command in own for command in config.get("initialization_commands", [])), name
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=ids(CONFIGS))
+def test_every_node_runs_ray_with_token_authentication_from_a_shipped_file(path):
+    """Every command Ray runs on a node sources ~/.bashrc: setup_commands put Ray's token mode and the token's
+    path there, the path inside a folder file_mounts ships (the user's, made before `ray up`), never a token."""
+    config = load(path)
+    [setup] = [c for c in config["setup_commands"] if "RAY_AUTH_MODE" in c]
+    assert "~/.bashrc" in setup and "export RAY_AUTH_MODE=token" in setup
+    token_path = re.search(r'RAY_AUTH_TOKEN_PATH="\$HOME/([^"]+)"', setup).group(1)
+    assert any(token_path.startswith(remote.removeprefix("~/") + "/") for remote in config["file_mounts"])
+    assert "RAY_AUTH_TOKEN=" not in json.dumps(config)  # no literal token anywhere
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=ids(CONFIGS))

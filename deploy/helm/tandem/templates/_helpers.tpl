@@ -269,9 +269,23 @@ container's raylet and `tandem up`'s driver share it), the model. */}}
 {{/* Every Ray container's environment. Pods that ask for no GPU get NVIDIA_VISIBLE_DEVICES=void: the cuda image
 sets it to all, which on a node whose default container runtime is NVIDIA's would show such a pod every GPU of
 its node. Call with (dict "gpus" N). */}}
+{{/* The Secret holding Ray's authentication token (data key auth_token). */}}
+{{- define "tandem.rayAuthSecret" -}}
+{{- .Values.rayAuth.existingSecret | default (printf "%s-ray-auth" (include "tandem.fullname" .)) -}}
+{{- end -}}
+
+{{/* Every Ray container's environment: usage stats off, Ray's token authentication from the Secret (rayAuth),
+NVIDIA's devices hidden from a pod that asks for no GPU. Takes (dict "gpus" N "root" $). */}}
 {{- define "tandem.rayEnv" -}}
 - name: RAY_USAGE_STATS_ENABLED
   value: "0"
+{{- if .root.Values.rayAuth.enabled }}
+- name: RAY_AUTH_MODE
+  value: token
+- name: RAY_AUTH_TOKEN
+  valueFrom:
+    secretKeyRef: {name: {{ include "tandem.rayAuthSecret" .root }}, key: auth_token}
+{{- end }}
 {{- if not .gpus }}
 - name: NVIDIA_VISIBLE_DEVICES
   value: void
