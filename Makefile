@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.tandem-installed
 PROMPT ?= Explain in two sentences why the sky is blue.
 
-.PHONY: setup run test test-all test-avx2 test-gpu bench-peers lock wheelhouse install-offline image clean
+.PHONY: soak setup run test test-all test-avx2 test-gpu bench-peers lock wheelhouse install-offline image clean
 
 setup: $(STAMP)
 
@@ -74,6 +74,13 @@ test: setup
 
 test-all: setup
 	$(PY) -m pytest
+
+# A soak under chaos (bench/soak.py): 10 minutes of open-loop load on the local disaggregated cluster while a
+# rank, the KV connections, the router or a stalled replica fails every 20-40 s; prints the verdict as JSON (its
+# 2-minute form runs in `make test`: tests/cluster/test_soak.py). SOAK_MINUTES=30 for a longer one.
+SOAK_MINUTES ?= 10
+soak: setup
+	$(PY) bench/soak.py --minutes $(SOAK_MINUTES)
 
 # The suite as an AVX2-only CPU runs it (torch's ATen dispatch and oneDNN capped at AVX2): for AVX-512 machines.
 test-avx2: setup
