@@ -25,6 +25,7 @@ import asyncio
 import json
 import os
 import random
+import re
 import signal
 import sys
 import threading
@@ -123,10 +124,15 @@ class Chaos:
             handles = self.cluster.replica_handles()
             prefill = [handles[r["name"]] for r in self._replicas() if r["pool"] == "prefill" and r["name"] in handles]
             return "; ".join(ray.get([h.inject_fault.remote("drop_kv_connections") for h in prefill], timeout=30))
-        if action == "kill_router":
-            router = ray.get_actor(f"{self.cluster.name}-router", namespace=self.cluster.namespace)
-            ray.kill(router)
-            return "ray.kill the router"
+        if action == "kill_router":  # the serving one of the router actors (the warm standby is another)
+            names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                     if a["namespace"] == self.cluster.namespace and a["name"].startswith(f"{self.cluster.name}-router")]
+            for name in names:
+                router = ray.get_actor(name, namespace=self.cluster.namespace)
+                if ray.get(router.stats.remote(), timeout=10).state == "serving":
+                    ray.kill(router)
+                    return f"ray.kill the router ({name})"
+            raise RuntimeError(f"no serving router among {names}")
         replica = self.rng.choice(self._replicas())
         pids = [p["pid"] for p in replica["rank_placements"]]
         pause = self.rng.uniform(2.0, 5.0)
@@ -298,16 +304,23 @@ def verdict(outcomes, want, chaos_log, busy, integrity, growth, args, load_hung:
         else:
             counts["undocumented_error"] += 1
             violations.append({k: o.get(k) for k in ("q", "kind", "sent", "status", "details")})
-    examples = {}
+    reasons: dict[str, int] = {}  # each failure's message with the names of replicas and requests taken out
     for o in outcomes:
         if o["status"] != "OK":
-            examples.setdefault(o["status"], o.get("details", ""))
+            reason = re.sub(r"(prefill|decode)-\d+", r"\1-N", re.sub(r"'[^']*'", "'...'", o.get("details", "")))
+            reasons[f"{o['status']}: {reason}"] = reasons.get(f"{o['status']}: {reason}", 0) + 1
+    timeline = []  # per minute of sending: requests sent, and how they ended
+    for minute in range(int(max((o["sent"] for o in outcomes), default=0) // 60) + 1):
+        sent = [o for o in outcomes if minute * 60 <= o["sent"] < (minute + 1) * 60]
+        timeline.append({"minute": minute, "sent": len(sent), "identical": sum(o["status"] == "OK" for o in sent),
+                         "failed": sum(o["status"] != "OK" for o in sent)})
     leaks_ok = not busy and not integrity
     memory_ok = all(g["growth"] <= MEMORY_TOLERANCE for g in growth.values())
     ok = not violations and leaks_ok and memory_ok and not load_hung and counts["identical"] > 0
     return {"bench": "soak", "minutes": args.minutes, "rate_per_s": args.rate, "max_tokens": args.max_tokens,
             "requests": len(outcomes), "outcomes": counts, "failed_by_code": failed_by_code,
-            "error_examples": examples, "violations": violations[:20], "chaos": chaos_log,
+            "failure_reasons": dict(sorted(reasons.items(), key=lambda kv: -kv[1])), "timeline": timeline,
+            "violations": violations[:20], "chaos": chaos_log,
             "replicas_still_busy": busy, "integrity_errors": integrity, "memory": growth,
             "memory_tolerance": MEMORY_TOLERANCE, "load_hung": load_hung, "ok": ok}
 
