@@ -125,8 +125,9 @@ class Chaos:
             prefill = [handles[r["name"]] for r in self._replicas() if r["pool"] == "prefill" and r["name"] in handles]
             return "; ".join(ray.get([h.inject_fault.remote("drop_kv_connections") for h in prefill], timeout=30))
         if action == "kill_router":  # the serving one of the router actors (the warm standby is another)
+            prefix, namespace = f"{self.cluster.name}-router", self.cluster.namespace
             names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-                     if a["namespace"] == self.cluster.namespace and a["name"].startswith(f"{self.cluster.name}-router")]
+                     if a["namespace"] == namespace and a["name"].startswith(prefix)]
             for name in names:
                 router = ray.get_actor(name, namespace=self.cluster.namespace)
                 if ray.get(router.stats.remote(), timeout=10).state == "serving":

@@ -16,8 +16,8 @@ reservation, the lease passing, or an ABORT from the sender end the transfer in 
 and each source rank seen is told. Each source rank also says when it has sent everything (an ACK OK from the
 source side); once all the named senders said so, a transfer still missing messages that are not arriving
 fails SENT_GRACE_S later (every named sender told): a message lost or corrupted on the wire (dropped by its MAC
-check) fails its transfer within a second instead of at its lease, and a forged copy of a message cannot. An authentic message of a transfer that already ended (still held, or
-forgotten and remembered by a tombstone) is answered with that outcome, so no sender waits on it; messages of
+check) fails its transfer within a second instead of at its lease, and a forged copy of a message cannot. An
+authentic message of a transfer that already ended (still held, or forgotten and remembered by a tombstone) is answered with that outcome, so no sender waits on it; messages of
 transfers the agent never held are dropped. With no senders, nobody is answered: the senders then learn the
 outcome from their own leases.
 
@@ -27,8 +27,8 @@ KV store into a staging slot, sealed with its MAC, sent without blocking), so se
 layers' compute. send_all() sends everything at once (KV already computed). Within one call the copy of
 message i+1 is started before message i is sealed and sent (on a GPU the two overlap; on the CPU the copy is
 synchronous). Once every message went out, every destination rank is told so (ACK OK). The transfer is DONE
-when every destination rank it feeds has acknowledged; a failed send, a
-negative acknowledgement or the lease passing end it otherwise, and its destination ranks are told (ABORT).
+when every destination rank it feeds has acknowledged; a failed send, a negative acknowledgement or the lease
+passing end it otherwise, and its destination ranks are told (ABORT).
 
 Same host: where a destination rank's descriptor names this agent's shared-memory domain, its DATA messages go
 by reference (kv_transfer/shm.py): only the header (with a ref and the MAC) crosses the transport. A message

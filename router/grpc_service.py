@@ -1,8 +1,8 @@
 """The gRPC front door: tandem.v1.Tandem (Generate, Abort, ListModels) beside the standard grpc.health.v1 health
 service and server reflection, on grpc.aio. A failure's status name comes from serving.error_code; here it becomes
 a grpc.StatusCode; a refusal the client should retry later (a tenant past its cap, a cluster that cannot start the
-request in time: admission.py) is RESOURCE_EXHAUSTED with trailing metadata `retry-after` (whole seconds) and
-gRPC's own `grpc-retry-pushback-ms`. With API keys on, every Tandem call needs `authorization: Bearer KEY`
+request in time: admission.py) is RESOURCE_EXHAUSTED, a draining router's UNAVAILABLE, each with trailing
+metadata `retry-after` (whole seconds, the error's retry_after_s) and gRPC's own `grpc-retry-pushback-ms`. With API keys on, every Tandem call needs `authorization: Bearer KEY`
 metadata; the health and reflection services stay open (probes carry no keys)."""
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ from tandem.router.admission import AtCapacity
 from tandem.router.auth import Unauthenticated
 from tandem.router.request_parsing import InvalidRequest
 from tandem.router.serving import Draining, Serving, error_code
-from tandem.router.tenant_gate import TooManyRequests
 from tandem.router.tls import TLSConfig, grpc_server_credentials
 
 _log = logging.getLogger(__name__)
@@ -56,9 +55,9 @@ class TandemServicer(pb_grpc.TandemServicer):
 
     async def _refuse(self, context: grpc.aio.ServicerContext, error: Exception) -> None:
         """Ends the call with error's status (raises); one to retry later also tells when (retry-after)."""
-        if isinstance(error, (TooManyRequests, AtCapacity, Draining)):
-            context.set_trailing_metadata((("retry-after", str(error.retry_after_s)),
-                                           ("grpc-retry-pushback-ms", str(error.retry_after_s * 1000))))
+        if (retry_after_s := getattr(error, "retry_after_s", None)) is not None:  # a refusal to retry later
+            context.set_trailing_metadata((("retry-after", str(retry_after_s)),
+                                           ("grpc-retry-pushback-ms", str(retry_after_s * 1000))))
         await context.abort(*status_for(error))
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
@@ -166,7 +165,8 @@ async def start_grpc_server(servicer: TandemServicer, address: str, *, max_messa
                             tls: TLSConfig | None = None) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
     """Starts the server on address (HOST:PORT; port 0 picks a free one). Returns it, its port and its health
     servicer (SERVING for "" and tandem.v1.Tandem: drain_health turns those NOT_SERVING; and for LIVENESS, which
-    stays SERVING while the process serves, draining included: a liveness probe's name). A request message over max_message_bytes is refused by gRPC
+    stays SERVING while the process serves, draining included: a liveness probe's name). A request message over
+    max_message_bytes is refused by gRPC
     itself (RESOURCE_EXHAUSTED) before it is parsed. tls: serve over TLS (None: plaintext); every service,
     health included, is then TLS-only. Raises RuntimeError if the address cannot be bound, TLSFileError for an
     unusable TLS file."""

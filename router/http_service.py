@@ -49,7 +49,7 @@ from tandem.router.openai_requests import chat_request, completion_requests
 from tandem.router.openai_responses import ResponseBuilder, models_body
 from tandem.router.request_parsing import CHAT_ROLES, InvalidRequest, ParsedRequest
 from tandem.router.serving import Draining, RequestCancelled, Serving, Step, error_code
-from tandem.router.tenant_gate import Admission, TooManyRequests
+from tandem.router.tenant_gate import Admission
 from tandem.router.tls import TLSConfig, uvicorn_ssl_options
 from tandem.router.tool_calls import auto_supported
 
@@ -62,8 +62,8 @@ def openai_error(error: BaseException) -> OpenAIError:
         return error
     code, message = error_code(error)
     status, kind = http_status_for(code)
-    retry = isinstance(error, (TooManyRequests, AtCapacity, Draining))
-    headers = {"Retry-After": str(error.retry_after_s)} if retry else None
+    retry_after_s = getattr(error, "retry_after_s", None)  # a refusal to retry later: when
+    headers = {"Retry-After": str(retry_after_s)} if retry_after_s is not None else None
     return OpenAIError(status, message, kind, code="model_not_found" if code == "NOT_FOUND" else code.lower(),
                        headers=headers)
 

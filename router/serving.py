@@ -41,8 +41,8 @@ class DeadlineExceeded(Exception):
 
 
 class Draining(Exception):
-    """The router is draining (SIGTERM to `tandem up`, `tandem down --drain`, a replaced router): it admits nothing
-    new (UNAVAILABLE / HTTP 503, Retry-After retry_after_s) and finishes the requests it runs."""
+    """The router is draining (SIGTERM to `tandem up`, `tandem down --drain`): it admits nothing new
+    (UNAVAILABLE / HTTP 503, Retry-After retry_after_s) and finishes the requests it runs."""
 
     retry_after_s = 1  # another router, or the next release, takes the request now
 
@@ -51,7 +51,7 @@ class Draining(Exception):
                          "another router or the next release takes it")
 
 
-DRAIN_POLL_S = 0.05
+DRAIN_POLL_S = 0.05  # how often a draining router looks whether its requests have ended
 
 
 def error_code(error: BaseException) -> tuple[str, str]:

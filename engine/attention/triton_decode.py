@@ -77,10 +77,10 @@ def quick_bench(fn, quantiles=None):
 def tuned(configs: list[triton.Config], interpreted: triton.Config, key: list[str], prune=None):
     """triton.autotune over `configs` keyed by `key` (and the arguments' dtypes), or the one `interpreted`
     configuration under the interpreter. prune: triton's early_config_prune (configs, positional args, **keyword
-    args) -> the configs worth timing for this call's variant. The keys hold the model's shape only (heads, head_dim, block size), not
-    the batch: a kernel is timed once per model, at the engine's start (TritonAttentionBackend.tune), on one
-    representative batch, never on a request (re-timing as batches and contexts grow stalled steps by 100 ms and
-    more on an H200)."""
+    args) -> the configs worth timing for this call's variant. The keys hold the model's shape only (heads,
+    head_dim, block size), not the batch: a kernel is timed once per model, at the engine's start
+    (TritonAttentionBackend.tune), on one representative batch, never on a request (re-timing as batches and
+    contexts grow stalled steps by 100 ms and more on an H200)."""
     configs = [interpreted] if INTERPRETED else configs
     pruning = {"prune_configs_by": {"early_config_prune": prune}} if prune else {}
     try:  # cache_results: the choice is kept in Triton's cache folder, so a later start on this GPU reads it

@@ -7,9 +7,10 @@ The new tokens' K/V must already be in the cache (the backend writes them first)
 BLOCK_M query tokens of one sequence and one query head; it walks the sequence's keys up to the tile's last
 position BLOCK_N at a time (each key found through the block table, so a tile may span KV blocks) with an online
 softmax in float32 (base 2): first the whole tiles of keys that every row of the tile sees, with no mask, then
-the tiles along the causal diagonal (and, with a sliding window, every tile), masked. Compiled, 16-bit tiles are multiplied as they are and BLOCK_M, BLOCK_N and the
-pipelining depth are chosen by timing a few configurations on the GPU (triton.autotune); see triton_decode.py for
-that and for the interpreter's float32 path.
+the tiles along the causal diagonal (and, with a sliding window, every tile), masked. Compiled, 16-bit tiles
+are multiplied as they are and BLOCK_M, BLOCK_N and the pipelining depth are chosen by timing a few
+configurations on the GPU (triton.autotune; float32 tiles over the narrow ones only: float32_tiles); see
+triton_decode.py for that and for the interpreter's float32 path.
 
 Triton is imported here only; on the CPU the kernel runs under TRITON_INTERPRET=1 (set before import).
 """

@@ -6,7 +6,6 @@ tests/cluster/test_cli_lifecycle.py drains a real cluster with `tandem down --dr
 
 from __future__ import annotations
 
-import asyncio
 import threading
 import time
 
@@ -23,7 +22,7 @@ from tandem.router.http_service import build_app, start_http_server
 from tandem.router.lifecycle import RequestDriver
 from tandem.router.mocks.replicas import MockDecode, MockPrefill
 from tandem.router.replicas import Replica
-from tandem.router.serving import Serving
+from tandem.router.serving import Draining, Serving, error_code
 from tests.router.router_harness import MODEL, BackgroundLoop, model_facts
 
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
@@ -211,20 +210,26 @@ def test_grpc_refuses_new_requests_with_unavailable_and_a_retry_after_while_drai
 
 
 def test_draining_refuses_before_any_work_and_counts_the_refusal():
+    """Both admission points refuse once the drain began: the front doors' check and run() (a request parsed
+    just before), and no replica sees the request."""
     loop = BackgroundLoop()
+    decode = MockDecode("decode-0")
+
+    async def check():
+        serving = Serving(RequestDriver([], [Replica("decode-0", "decode", decode)], DriverSettings()), model_facts(),
+                          "colocated")
+        parsed = await serving.parse(build_request(prompt="Hi", max_tokens=2), None, "grpc")
+        assert await serving.drain(1.0) == 0  # nothing running: drained at once
+        with pytest.raises(Draining) as refused:
+            serving.check_capacity(1, "http")
+        assert error_code(refused.value)[0] == "UNAVAILABLE"
+        with pytest.raises(Draining):
+            async for _ in serving.run(parsed, time.monotonic(), "grpc"):
+                pass
+        return serving.num_failed
+
     try:
-        async def check():
-            driver = RequestDriver([], [Replica("decode-0", "decode", MockDecode("decode-0"))], DriverSettings())
-            serving = Serving(driver, model_facts(), "colocated")
-            assert await serving.drain(1.0) == 0  # nothing running: drained at once
-            from tandem.router.serving import Draining, error_code
-
-            with pytest.raises(Draining) as refused:
-                serving.check_capacity(1, "http")
-            assert error_code(refused.value)[0] == "UNAVAILABLE"
-            assert serving.num_failed == 1
-            await asyncio.sleep(0)
-
-        loop.run(check())
+        assert loop.run(check()) == 2
+        assert decode.served == []
     finally:
         loop.stop()
