@@ -17,9 +17,9 @@ and each source rank seen is told. Each source rank also says when it has sent e
 source side); once all the named senders said so, a transfer still missing messages that are not arriving
 fails SENT_GRACE_S later (every named sender told): a message lost or corrupted on the wire (dropped by its MAC
 check) fails its transfer within a second instead of at its lease, and a forged copy of a message cannot. An
-authentic message of a transfer that already ended (still held, or forgotten and remembered by a tombstone) is answered with that outcome, so no sender waits on it; messages of
-transfers the agent never held are dropped. With no senders, nobody is answered: the senders then learn the
-outcome from their own leases.
+authentic message of a transfer that already ended (still held, or forgotten and remembered by a tombstone) is
+answered with that outcome, so no sender waits on it; messages of transfers the agent never held are dropped.
+With no senders, nobody is answered: the senders then learn the outcome from their own leases.
 
 Sending (prefill rank): arm() computes the plan's messages for this rank. The model runner calls
 on_layers_done() after each layer; every message whose last layer that is leaves at once (gathered from the

@@ -2,8 +2,9 @@
 service and server reflection, on grpc.aio. A failure's status name comes from serving.error_code; here it becomes
 a grpc.StatusCode; a refusal the client should retry later (a tenant past its cap, a cluster that cannot start the
 request in time: admission.py) is RESOURCE_EXHAUSTED, a draining router's UNAVAILABLE, each with trailing
-metadata `retry-after` (whole seconds, the error's retry_after_s) and gRPC's own `grpc-retry-pushback-ms`. With API keys on, every Tandem call needs `authorization: Bearer KEY`
-metadata; the health and reflection services stay open (probes carry no keys)."""
+metadata `retry-after` (whole seconds, the error's retry_after_s) and gRPC's own `grpc-retry-pushback-ms`. With
+API keys on, every Tandem call needs `authorization: Bearer KEY` metadata; the health and reflection services
+stay open (probes carry no keys)."""
 
 from __future__ import annotations
 
