@@ -37,12 +37,12 @@ class DecodeReplica(ReplicaShell):
     streams = STREAM_CALLS
     connector: DecodeConnector | None
 
-    def __init__(self, name: str, spec: ReplicaSpec, transfer: TransferConfig | None):
+    def __init__(self, name: str, spec: ReplicaSpec, transfer: TransferConfig | None, *, settle_heap: bool = False):
         """transfer None: a colocated replica (no KV agents; reserve/decode are refused). transfer.host "": this
-        node's address."""
+        node's address. settle_heap: ReplicaShell's."""
         from tandem.kv_transfer.connector import DecodeConnector
 
-        super().__init__(name, spec, transfer, DecodeConnector)
+        super().__init__(name, spec, transfer, DecodeConnector, settle_heap=settle_heap)
 
     async def reserve(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *,
                       priority: int = 0, cache_salt: str | None = None,

@@ -26,13 +26,14 @@ class PrefillReplica(ReplicaShell):
     pool = "prefill"
     connector: PrefillConnector
 
-    def __init__(self, name: str, spec: ReplicaSpec, transfer: TransferConfig):
-        """transfer.host "": this node's address."""
+    def __init__(self, name: str, spec: ReplicaSpec, transfer: TransferConfig, *, settle_heap: bool = False):
+        """transfer.host "": this node's address. settle_heap: ReplicaShell's."""
         if transfer is None:
             raise ValueError(f"prefill replica {name} needs a transfer config: it only serves disaggregated prompts")
         from tandem.kv_transfer.connector import PrefillConnector
 
-        super().__init__(name, spec, transfer, lambda engine, _transfer: PrefillConnector(engine))
+        super().__init__(name, spec, transfer, lambda engine, _transfer: PrefillConnector(engine),
+                         settle_heap=settle_heap)
 
     def _transfer_failed(self, event: TransferEvent) -> None:
         """Engine thread: the connector already aborted the request in the engine; wake its prefill() call."""

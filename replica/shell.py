@@ -16,12 +16,14 @@ methods from it), the router's process included, and the router stays torch-free
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import time
 from typing import TYPE_CHECKING, AsyncIterator, Callable, ClassVar, Sequence
 
 from tandem.engine.core.output_processor import RequestOutput
 from tandem.engine.decoding.speculation import SpeculationStats
+from tandem.engine.heap import settle
 from tandem.engine.kv.kv_events import DISK, HOST, KVEventBatch, KVEventLog, KVSnapshot
 from tandem.engine.sampling_params import SamplingParams
 from tandem.kv_transfer.config import TransferConfig
@@ -37,6 +39,7 @@ if TYPE_CHECKING:
     from tandem.kv_transfer.connector_loop import ConnectorLoop
 
 ABORT_MEMORY_S = 120.0
+_log = logging.getLogger(__name__)
 
 
 def _ray_if_running():
@@ -71,10 +74,13 @@ class ReplicaShell:
     streams: ClassVar[tuple[type, ...]] = ()  # the stream calls (replica/contract.py StreamCall) it answers
 
     def __init__(self, name: str, spec: ReplicaSpec, transfer: TransferConfig | None, connect: Connect, *,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, settle_heap: bool = False):
         """transfer None: no KV agents and no connector (a colocated decode replica). transfer.host "": this
         node's address. connect(engine, transfer): the role's connector, built once before the engine thread
-        starts. Raises ModelLoadError / ValueError / ReplicaFailedError if the engine cannot start."""
+        starts. settle_heap: this process serves until it ends (a replica actor the control plane started): once
+        built, freeze what it holds so that garbage collections, which pause the engine's step loop, stop scanning
+        it (engine/heap.py). Raises ModelLoadError / ValueError / ReplicaFailedError if the engine cannot
+        start."""
         from tandem.engine.core.async_engine import AsyncEngine
         from tandem.kv_transfer.agent_factory import AgentFactory
         from tandem.kv_transfer.connector_loop import ConnectorLoop
@@ -106,6 +112,8 @@ class ReplicaShell:
         self._kv_counts: tuple[MessageDrops, int] = (MessageDrops(), 0)
         self._speculation: SpeculationStats | None = None  # as of the last stats() (a failed engine keeps them)
         self._channel = ChannelServer()
+        if settle_heap:
+            _log.info("replica %s: %d objects frozen at its start", name, settle())
 
     def _transfer_failed(self, event: TransferEvent) -> None:
         """Engine thread: a transfer ended badly (the connector already freed its blocks). Default: nothing."""

@@ -12,7 +12,9 @@ scrape old."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
+import time
 from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -20,6 +22,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 
 from tandem.engine.core.kv_tiers import TierHitCosts, TierStats
 from tandem.engine.decoding.speculation import SpeculationStats
+from tandem.engine.heap import PAUSE_BUCKETS, gc_pauses
 from tandem.kv_transfer.drops import MessageDrops
 from tandem.replica.contract import ReplicaStats
 from tandem.router.accounting import Accounting, Timings
@@ -33,6 +36,7 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.
                    40.0, 80.0)
 DECISION_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2)
 STATS_TIMEOUT_S = 5.0  # how long a scrape's refresh waits for one replica's stats()
+LOOP_TICK_S = 0.05  # how often watch_loop() asks the event loop for a turn
 
 
 class RouterMetrics:
@@ -66,6 +70,21 @@ class RouterMetrics:
         driver.routing.observe = self.decision.observe
         self.scaling: dict[str, PoolScaling] = {}  # the control plane's last report (RouterActor.report_scaling)
         r.register(_ScalingCollector(lambda: self.scaling))
+        self.loop_lag = Histogram("tandem_event_loop_lag_seconds", "How late the router's event loop ran a callback "
+                                  f"due every {LOOP_TICK_S:g} s (a garbage collection or a blocking call stalls "
+                                  "every request of the router)", buckets=PAUSE_BUCKETS, registry=r)
+        r.register(_HeapCollector())
+        self.loop_lag_longest = 0.0  # seconds: the longest lag watch_loop() has seen
+
+    async def watch_loop(self, tick_s: float = LOOP_TICK_S) -> None:
+        """Observes the event loop's lag until cancelled: each turn sleeps tick_s and records how much later than
+        that it woke."""
+        while True:
+            due = time.monotonic() + tick_s
+            await asyncio.sleep(tick_s)
+            lag = max(0.0, time.monotonic() - due)
+            self.loop_lag.observe(lag)
+            self.loop_lag_longest = max(self.loop_lag_longest, lag)
 
     def watch_admission(self, admission: AdmissionController) -> None:
         """Exposes the admission controller's requests waiting to start and its start rate at scrape time."""
@@ -248,6 +267,22 @@ class _ScalingCollector:
             if state.last_action:
                 last.add_metric([pool, state.last_action, state.last_reason], 1)
         yield from (replicas, decisions, last, shortfall)
+
+
+class _HeapCollector:
+    """The router process's garbage collector (engine/heap.py): its pauses per generation, and the objects frozen
+    at the router's start, which no collection scans."""
+
+    def collect(self):
+        pauses = HistogramMetricFamily("tandem_gc_pause_seconds", "Garbage collection pauses of the router's "
+                                       "process by generation (2: full); each holds every thread",
+                                       labels=["generation"])
+        for generation, p in sorted(gc_pauses().pauses().items()):
+            buckets = [(f"{bound:g}", n) for bound, n in zip(PAUSE_BUCKETS, p.buckets)] + [("+Inf", p.count)]
+            pauses.add_metric([str(generation)], buckets, p.seconds)
+        yield pauses
+        yield _gauge("tandem_gc_frozen_objects", "Objects frozen at the router's start (no collection scans them)",
+                     gc.get_freeze_count())
 
 
 class _AdmissionCollector:

@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tandem.engine.heap import settle
 from tandem.engine.loader.model_info import load_model_info
 from tandem.replica.contract import DecodeReplicaAPI, PrefillReplicaAPI, ReadyReplica
 from tandem.router.auth import Authenticator
@@ -70,13 +71,17 @@ class RouterActor:
         self.http_server = None
         self.endpoints: dict[str, str | None] = {"grpc": None, "http": None}
         self._feed_task: asyncio.Task | None = None
+        self._lag_task: asyncio.Task | None = None
 
     async def start(self, replicas: list[ReadyReplica], grpc_address: str, http_address: str | None = None,
                     api_keys: dict[str, str] | None = None, *, limits: ServingLimits | None = None,
-                    tls: TLSConfig | None = None) -> dict[str, str | None]:
+                    tls: TLSConfig | None = None, settle_heap: bool = False) -> dict[str, str | None]:
         """replicas: every ready replica of both pools. api_keys: key -> tenant (None: no auth). limits: what
         requests and tenants may ask for (None: the defaults). tls: serve both APIs over TLS only (None:
-        plaintext). Starts serving; returns {"grpc": HOST:PORT, "http": HOST:PORT or None}."""
+        plaintext). settle_heap: this process serves until it ends (the control plane's router actor): once
+        serving, freeze what it holds so that garbage collections stop scanning it (engine/heap.py); never in a
+        process that goes on to do other work (a test's). Starts serving; returns {"grpc": HOST:PORT, "http":
+        HOST:PORT or None}."""
         from tandem.router.grpc_service import TandemServicer, start_grpc_server
         from tandem.router.http_service import build_app, start_http_server
         from tandem.router.serving import Serving
@@ -90,8 +95,9 @@ class RouterActor:
         driver = RequestDriver(prefill, decode, self.settings)
         limits = limits or ServingLimits()
         self.serving = Serving(driver, facts, self.settings.mode, auth=Authenticator(api_keys), limits=limits)
-        self._feed_task = asyncio.get_running_loop().create_task(
-            driver.feed.run(driver.replicas, self.settings.kv_events_interval_s))
+        loop = asyncio.get_running_loop()
+        self._feed_task = loop.create_task(driver.feed.run(driver.replicas, self.settings.kv_events_interval_s))
+        self._lag_task = loop.create_task(self.serving.metrics.watch_loop())
         self.grpc_server, port, self.grpc_health = await start_grpc_server(TandemServicer(self.serving), grpc_address,
                                                             max_message_bytes=limits.limits.max_body_bytes,
                                                             tls=tls)
@@ -99,6 +105,8 @@ class RouterActor:
         if http_address is not None:
             self.http_server, port = await start_http_server(build_app(self.serving), http_address, tls=tls)
             self.endpoints["http"] = f"{http_address.rpartition(':')[0]}:{port}"
+        if settle_heap:
+            _log.info("router: %d objects frozen at its start", settle())
         return dict(self.endpoints)
 
     async def warm(self) -> bool:
@@ -190,9 +198,10 @@ class RouterActor:
         return self.serving.driver
 
     async def stop(self, grace_s: float = 2.0) -> None:
-        if self._feed_task is not None:
-            self._feed_task.cancel()
-            self._feed_task = None
+        for task in (self._feed_task, self._lag_task):
+            if task is not None:
+                task.cancel()
+        self._feed_task = self._lag_task = None
         if self.http_server is not None:
             await self.http_server.stop()
             self.http_server = None

@@ -85,16 +85,18 @@ _frozen_at: str | None = None  # the file at whose first test survivors were las
 
 
 def _collect_and_freeze() -> None:
-    """Collects what is garbage now, then moves every survivor to the collector's permanent generation: later
-    collections scan only what later tests create. Survivors are what lives on (libraries' modules, session
-    fixtures, torch's and dynamo's caches); a frozen object still goes when its last reference does, only a
-    reference cycle made of frozen objects stays until the process ends."""
+    """Collects what is garbage now, then moves every survivor to the collector's permanent generation (what a
+    router or replica process does once started, engine/heap.py): later collections scan only what later tests
+    create. Survivors are what lives on (libraries' modules, session fixtures, torch's and dynamo's caches); a
+    frozen object still goes when its last reference does, only a reference cycle made of frozen objects stays
+    until the process ends."""
+    from tandem.engine.heap import settle
+
     _COLLECTOR.explicit = True
     try:
-        gc.collect()
+        settle()
     finally:
         _COLLECTOR.explicit = False
-    gc.freeze()
 
 
 def pytest_collection_finish(session):

@@ -161,3 +161,9 @@ def test_metrics_show_requests_and_routing(cluster, client):
     assert 'tandem_prefill_decisions_total{reason="prefill_pool",where="prefill_pool"}' in text
     assert 'tandem_prefill_decisions_total{reason="short_prompt",where="decode_replica"}' in text
     assert 'tandem_kv_feed_total{kind="events"}' in text
+    # The router actor froze its start-up heap (engine/heap.py): no garbage collection scans it; the collector's
+    # pauses and the event loop's lag are on /metrics.
+    frozen = next(line for line in text.splitlines() if line.startswith("tandem_gc_frozen_objects "))
+    assert float(frozen.split()[1]) > 10_000, frozen
+    assert 'tandem_gc_pause_seconds_count{generation="0"}' in text
+    assert "tandem_event_loop_lag_seconds_count" in text

@@ -375,9 +375,9 @@ class BurstOutcome:
 
 def run_burst() -> BurstOutcome:
     """Warms a fresh Front up, measures its start rate, then sends BURST requests at once. Runs in a process of
-    its own (spawned by the test): a thousand tests before it leave this process's gRPC asyncio machinery with
-    state that once stalled the router's loop for 7-13 s in the middle of the burst, which no fresh router process
-    does."""
+    its own (spawned by the test): a thousand tests before it leave this process holding millions of objects,
+    and one full garbage collection of them once held the router's loop for 7-13 s in the middle of the burst (a
+    router the control plane starts freezes its start-up heap instead: tests/router/test_gc_pauses.py)."""
     front = Front()
     try:
         asyncio.run(warm_up(front.target, 2.5, 3 * SLOTS))

@@ -24,6 +24,7 @@ from tandem.engine.engine_config import LoRAConfig
 from tandem.engine.kv.tier_plan import TierPlan
 from tandem.engine.hardware.cpu_affinity import current_cpus, pin_process, pinned_threads
 from tandem.engine.hardware.device import RankPlacement
+from tandem.engine.heap import settle
 from tandem.engine.parallel.layout import ReplicaLayout
 from tandem.engine.runner.ranks.messages import (AgentAnswer, AgentCall, Allocate, GetStats, Memory, RankError,
                                                  RankStats, Ready, Step, StepResult, Stop)
@@ -118,6 +119,7 @@ def run_worker(rank: int, spec: WorkerSpec, conn: Connection) -> None:
             tiers = TierStore(kv_cache, spec.kv_tiers.host_slots, spec.kv_tiers.rank_folder(rank))
         runner = ModelRunner(model, kv_cache, comm=comm, samples=samples, micro_batches=spec.micro_batches,
                              layer_observer=agent, grammars=grammars, tiers=tiers)
+        settle()  # this process serves until Stop: no collection scans what it built (engine/heap.py)
         conn.send(Ready(RankPlacement(rank, os.getpid(), str(device), os.environ.get("CUDA_VISIBLE_DEVICES"),
                                       model.attention.choice.summary(), current_cpus(),
                                       decode_step_summary(model, True, None))))  # eager: spans processes
