@@ -314,7 +314,7 @@ class AgentSender:
                 if slot is not None:
                     self.give_back([slot])
             elif now - since > ORPHAN_GRACE_S:
-                ctx.transport.forget_peer(peer)
+                ctx.transport.forget_peer(peer, handle)
         for key, out in self.outbound.items():
             still = []
             for handle, slot, peer in out.pending:
@@ -325,9 +325,9 @@ class AgentSender:
                 if slot is not None:
                     self.give_back([slot])
                 if (error := handle.error()) is not None:
-                    # The connection is broken: close it first, so the ABORT below goes over a new one (closed
-                    # after it, the ABORT could be cut on the wire and reach the peer garbled).
-                    ctx.transport.forget_peer(peer)
+                    # The connection is broken: close it first, so the ABORT below goes over a new one. Only
+                    # that connection: a newer one (opened for an earlier ABORT) must carry its ABORT out.
+                    ctx.transport.forget_peer(peer, handle)
                     if out.end(TransferState.FAILED, f"send failed: {error}"):
                         ctx.replies.tell_receivers(key, out)
             out.pending = still

@@ -86,7 +86,7 @@ class FakeTransport:
         np.asarray(buffer)[:len(data)] = np.frombuffer(data, dtype=np.uint8)
         return Completed()
 
-    def forget_peer(self, peer: str) -> None:
+    def forget_peer(self, peer: str, handle: object = None) -> None:
         pass  # no connection state to drop
 
     def kill(self) -> None:

@@ -6,8 +6,9 @@ and CUDA memory where UCX finds them) and FakeTransport (kv_transfer/fake_transp
 injection).
 
 Rules every transport keeps:
-  - send() never blocks on the peer; the Handle says when the buffer may be reused (done) and whether it
-    failed (error). A peer that refuses, drops or dies fails the handles of its sends, never hangs them.
+  - send() never blocks on the peer; the Handle says when the buffer may be reused (done: the transport will not
+    read it again, also after its connection was closed) and whether it failed (error). A peer that refuses,
+    drops or dies fails the handles of its sends, never hangs them.
   - a failed connection is forgotten: the next send to that peer connects anew.
   - probe() looks at the oldest arrived message whose tag matches (tag & mask) without taking it; receive()
     takes exactly that message into a buffer of at least its length. Into a shorter buffer, receive() still
@@ -81,8 +82,9 @@ class Transport(Protocol):
         """Receives the probed message into buffer[:probe.length] (a shorter buffer: drained, the handle
         fails)."""
 
-    def forget_peer(self, peer: str) -> None:
-        """Closes the connection to peer (failing its sends still running); the next send reconnects."""
+    def forget_peer(self, peer: str, handle: Handle | None = None) -> None:
+        """Closes the connection to peer (failing its sends still running); the next send reconnects. handle: a
+        failed send to peer; then only the connection it went over is closed, if it is still the current one."""
 
     def close(self) -> None:
         """Stops the transport; idempotent."""

@@ -19,6 +19,7 @@ import os
 import re
 import socket
 import threading
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,18 +27,30 @@ import numpy as np
 from tandem.kv_transfer.transport import Completed, Probe, TransportError
 
 
+ABANDONED_GRACE_S = 5.0  # how long a send on a closed connection may stay incomplete before it counts as done
+
+
 @dataclass
 class _Handle:
     request: object
-    buffer: object  # referenced until the handle goes: UCX reads or writes it until the request completes
-    abandoned: str | None = None  # set when its endpoint was closed: ucxx may never complete such a request
+    buffer: object  # referenced until UCX completes the request: it reads or writes it until then
+    endpoint: object = None  # the connection a send went over (None: a receive)
+    abandoned: str | None = None  # set when its endpoint was closed
+    abandoned_at: float = 0.0
 
     def done(self) -> bool:
-        return self.abandoned is not None or bool(self.request.completed)
+        """Whether UCX is finished with the buffer. Closing an endpoint does not stop UCX at once: a send still
+        queued on a connection being set up is flushed out after the close, reading its buffer then (a buffer
+        reused earlier went out garbled and failed its MAC at the peer: issue 48). A request that never
+        completes after its endpoint closed counts as done after ABANDONED_GRACE_S (the transport keeps its
+        buffer regardless)."""
+        if self.request.completed:
+            return True
+        return self.abandoned is not None and time.monotonic() - self.abandoned_at > ABANDONED_GRACE_S
 
     def error(self) -> str | None:
         if self.abandoned is not None:
-            return self.abandoned
+            return self.abandoned if self.done() else None
         if not self.request.completed:
             return None
         try:
@@ -161,6 +174,7 @@ class UCXTransport:
         self._endpoints: dict[str, object] = {}
         self._inbound: list[object] = []  # endpoints peers opened to us; held so they stay alive
         self._in_flight: dict[str, list[_Handle]] = {}  # peer -> sends held (with their buffers) until done
+        self._abandoned: list[_Handle] = []  # sends of closed connections, held until UCX completes them
         self._closed = False
         try:
             self._context = ucx.UCXContext(feature_flags=(ucx.Feature.TAG, ucx.Feature.WAKEUP))
@@ -213,8 +227,9 @@ class UCXTransport:
                 ep = self._endpoint(peer)
                 if not ep.alive:  # UCX spins forever in a send on an endpoint that has already failed
                     raise ConnectionError("the connection failed")
-                handle = _Handle(ep.tag_send(_ucx_array(buffer), self._ucx.UCXXTag(tag)), buffer)
+                handle = _Handle(ep.tag_send(_ucx_array(buffer), self._ucx.UCXXTag(tag)), buffer, ep)
                 self._in_flight[peer] = [h for h in self._in_flight.get(peer, ()) if not h.done()] + [handle]
+                self._abandoned = [h for h in self._abandoned if not h.request.completed]
             return handle
         except TransportError:
             raise
@@ -237,14 +252,22 @@ class UCXTransport:
                 return Completed(f"message with tag {probe.tag:#x} vanished between probe and receive")
             return _Handle(self._worker.tag_recv_with_handle(_ucx_array(buffer[:taken.length]), taken), buffer)
 
-    def forget_peer(self, peer: str) -> None:
+    def forget_peer(self, peer: str, handle: object = None) -> None:
+        """handle: one of this transport's sends to peer that failed; then only the connection it went over is
+        closed, and nothing if that one is gone already (a newer one may carry what was sent since, such as the
+        ABORT telling peer about that failure)."""
         with self._ucx_lock:
-            ep = self._endpoints.pop(peer, None)
+            ep = self._endpoints.get(peer)
+            if handle is not None and getattr(handle, "endpoint", None) is not ep:
+                return
+            self._endpoints.pop(peer, None)
             if ep is not None:
                 _close(ep)
-            for handle in self._in_flight.pop(peer, ()):
-                if not handle.done():
-                    handle.abandoned = f"the connection to {peer} was closed"
+            now = time.monotonic()
+            for sent in self._in_flight.pop(peer, ()):
+                if not sent.request.completed:
+                    sent.abandoned, sent.abandoned_at = f"the connection to {peer} was closed", now
+                    self._abandoned.append(sent)
 
     def close(self) -> None:
         with self._ucx_lock:
@@ -260,5 +283,5 @@ class UCXTransport:
             # Kept until the process exits: destroying a UCX listener while a peer's connection request to it
             # is in flight crashes UCX's async thread (UCX 1.21, seen in tests that start and stop transports
             # in one process). A rank closes its transport only when its process ends anyway.
-            _KEPT.append((self._listener, self._worker, self._context, endpoints))
+            _KEPT.append((self._listener, self._worker, self._context, endpoints, self._abandoned))
         self._listener = None

@@ -88,8 +88,8 @@ class FaultyTransport:
     def receive(self, probe, buffer):
         return self.inner.receive(probe, buffer)
 
-    def forget_peer(self, peer):
-        self.inner.forget_peer(peer)
+    def forget_peer(self, peer, handle=None):
+        self.inner.forget_peer(peer, handle)
 
     def close(self):
         self.inner.close()

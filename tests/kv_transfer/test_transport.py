@@ -8,7 +8,7 @@ import torch
 
 from tandem.kv_transfer.fake_transport import Fabric
 from tandem.kv_transfer.transport import Probe
-from tandem.kv_transfer.wire import KIND_MASK, Kind, make_tag
+from tandem.kv_transfer.wire import KEY_SHIFT, KIND_MASK, Kind, make_tag
 from tests.kv_transfer.kv_helpers import TRANSPORTS, make_transport, nowhere, wait_until
 
 
@@ -110,6 +110,46 @@ def test_a_forgotten_connection_reconnects_on_the_next_send(pair):
         wait_until(handle.done, what="the send")
         assert handle.error() is None
         a.forget_peer(b.address)
+
+
+def test_forgetting_a_failed_send_closes_only_its_own_connection(pair):
+    """forget_peer(peer, handle) for a send of a connection already replaced leaves the newer one alone: what went
+    out on it since (an agent's ABORT about that failure) arrives."""
+    _, _, a, b = pair
+    old = a.send(b.address, make_tag(1, Kind.ACK, 0), np.full(8, 1, dtype=np.uint8))
+    assert receive(b, make_tag(0, Kind.ACK, 0), KIND_MASK)[1] == b"\x01" * 8
+    wait_until(old.done, what="the first send")
+    a.forget_peer(b.address)  # the first connection failed
+    abort = a.send(b.address, make_tag(2, Kind.ABORT, 0), np.full(48, 2, dtype=np.uint8))  # over a new one
+    a.forget_peer(b.address, old)  # the failure of a send of the first connection, booked late
+    assert receive(b, make_tag(0, Kind.ABORT, 0), KIND_MASK) == (make_tag(2, Kind.ABORT, 0), b"\x02" * 48)
+    wait_until(abort.done, what="the ABORT's send")
+    assert abort.error() is None
+
+
+def test_a_send_cut_by_forget_peer_keeps_its_buffer_until_the_transport_is_done_with_it(pair):
+    """A send queued on a fresh connection, which forget_peer closes at once: whatever the peer receives is what
+    was sent, however soon the sender reuses the buffer once the handle is done (a staging slot goes back to its
+    pool then). Repeated: the race between UCX flushing the send and the reuse is short."""
+    _, _, a, b = pair
+    originals = []
+    for i in range(40):
+        payload = np.full(48, i + 1, dtype=np.uint8)
+        handle = a.send(b.address, make_tag(i + 1, Kind.ABORT, 0), payload)
+        a.forget_peer(b.address)
+        wait_until(handle.done, timeout_s=30, what="the cut send")
+        payload[:] = 0xEE  # reused at once
+        originals.append(bytes([i + 1]) * 48)
+    sentinel = a.send(b.address, make_tag(99, Kind.ACK, 0), np.full(8, 9, dtype=np.uint8))
+    assert receive(b, make_tag(0, Kind.ACK, 0), KIND_MASK)[1] == b"\x09" * 8
+    wait_until(sentinel.done, what="the last send")
+    while (probe := b.probe(make_tag(0, Kind.ABORT, 0), KIND_MASK)) is not None:
+        buffer = np.zeros(probe.length, dtype=np.uint8)
+        got = b.receive(probe, buffer)
+        wait_until(got.done, what="a cut send's receive")
+        if got.error() is None:
+            index = (probe.tag >> KEY_SHIFT) - 1
+            assert bytes(buffer) == originals[index], (probe.tag, bytes(buffer[:8]))
 
 
 def test_torch_host_tensors_are_sent_and_received_as_their_bytes(pair):
