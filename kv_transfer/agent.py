@@ -97,6 +97,8 @@ class AgentStats:
     shared_memory: str = "off"  # "on", or "off (why)": same-host messages by reference (kv_transfer/shm.py)
     by_reference: int = 0  # DATA messages sent by reference since the agent started
     from_store: int = 0  # of those, the ones whose ref points into the KV store itself (no copy on this side)
+    bytes_sent: int = 0  # KV payload bytes of the DATA messages sent since the agent started
+    bytes_received: int = 0  # and of the authentic DATA messages received and written into blocks
 
 
 class KVTransferAgent:
@@ -260,7 +262,8 @@ class KVTransferAgent:
         with ctx.lock:
             return AgentStats(len(self.receiver.inbound), len(sender.outbound), ctx.staging.num_in_use,
                               ctx.staging.free_bytes, sender.one_off_buffers, str(self.copier.device), self.path,
-                              ctx.drops.snapshot(), self.shared_memory, sender.by_reference, sender.from_store)
+                              ctx.drops.snapshot(), self.shared_memory, sender.by_reference, sender.from_store,
+                              sender.bytes_sent, self.receiver.bytes_received)
 
     def check_integrity(self) -> None:
         """Raises ValueError if a staging slot is held with nothing in flight."""

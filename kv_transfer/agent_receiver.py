@@ -24,6 +24,7 @@ class AgentReceiver:
         self.ctx = ctx
         self.inbound: dict[int, Inbound] = {}
         self.peer_segments = PeerSegments()
+        self.bytes_received = 0  # KV payload bytes of the authentic DATA messages written into blocks
 
     def expect(self, transfer_id: str, block_ids: Sequence[int], deadline: float, senders: Sequence[str]) -> None:
         """Registers destination blocks (see KVTransferAgent.expect; the agent checks the id is free on both
@@ -126,6 +127,7 @@ class AgentReceiver:
             inbound.state = TransferState.TRANSFERRING
         inbound.arrived.add(index)
         inbound.nbytes += header.payload_bytes
+        self.bytes_received += header.payload_bytes
         inbound.expected = header.msgs_for_dst
         if len(inbound.arrived) == inbound.expected:
             inbound.state = TransferState.DONE

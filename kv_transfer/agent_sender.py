@@ -46,6 +46,7 @@ class AgentSender:
         self.outbound: dict[int, Outbound] = {}
         self.one_off_buffers = 0  # sends that found the staging pool full
         self.by_reference = self.from_store = 0
+        self.bytes_sent = 0  # KV payload bytes of the DATA messages sent (by reference or not)
         # Released transfers whose refs into the KV store some destination ranks may still read: key -> (those
         # ranks, released at). A rank's ACK (any status) says it is done with them: it reads nothing after it.
         self.store_readers: dict[int, tuple[set[int], float]] = {}
@@ -162,6 +163,7 @@ class AgentSender:
                     out.held.setdefault(m.dst_rank, []).append(slot)
                 self.by_reference += 1
             out.nbytes += nbytes
+            self.bytes_sent += nbytes
             if out.state is TransferState.RESERVED:
                 out.state = TransferState.TRANSFERRING
         return True

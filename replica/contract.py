@@ -84,6 +84,8 @@ class ReplicaStats:
     num_steps: int
     kv_messages_dropped: MessageDrops = MessageDrops()
     kv_messages_by_reference: int = 0
+    kv_bytes_sent: int = 0  # KV payload bytes its ranks' agents sent, summed over ranks
+    kv_bytes_received: int = 0  # and received (authentic DATA written into blocks)
     stream_frames: int = 0
     ranks_alive: tuple[bool, ...] = ()  # whether each rank's process runs, in rank order
     speculation: SpeculationStats | None = None  # its speculative decoding's counters; None: it does not speculate

@@ -19,6 +19,7 @@ import asyncio
 import logging
 import os
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, AsyncIterator, Callable, ClassVar, Sequence
 
 from tandem.engine.core.output_processor import RequestOutput
@@ -40,6 +41,17 @@ if TYPE_CHECKING:
 
 ABORT_MEMORY_S = 120.0
 _log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class KVCounts:
+    """What a replica's KV agents counted, summed over its ranks: messages dropped by reason, DATA messages sent by
+    reference, KV payload bytes sent and received."""
+
+    drops: MessageDrops = MessageDrops()
+    by_reference: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
 
 
 def _ray_if_running():
@@ -108,8 +120,8 @@ class ReplicaShell:
         self.server = AsyncEngine(self.engine, tick=self._tick if self._loops else None)
         self.server.start()
         self._aborted: dict[str, float] = {}
-        # the agents' drop counts and messages sent by reference, as last read (what a failed engine reports)
-        self._kv_counts: tuple[MessageDrops, int] = (MessageDrops(), 0)
+        # the agents' counters as last read (what a failed engine reports)
+        self._kv_counts = KVCounts()
         self._speculation: SpeculationStats | None = None  # as of the last stats() (a failed engine keeps them)
         self._channel = ChannelServer()
         if settle_heap:
@@ -151,8 +163,10 @@ class ReplicaShell:
                             kv_blocks_total=s.num_blocks_total, kv_blocks_in_use=s.num_blocks_in_use,
                             kv_blocks_cached=s.num_blocks_cached, kv_usage=s.kv_usage,
                             prefix_hit_rate=s.prefix_hit_rate, num_preemptions=s.num_preemptions,
-                            num_steps=s.num_steps, kv_messages_dropped=self._kv_counts[0],
-                            kv_messages_by_reference=self._kv_counts[1],
+                            num_steps=s.num_steps, kv_messages_dropped=self._kv_counts.drops,
+                            kv_messages_by_reference=self._kv_counts.by_reference,
+                            kv_bytes_sent=self._kv_counts.bytes_sent,
+                            kv_bytes_received=self._kv_counts.bytes_received,
                             stream_frames=self._channel.frames_sent,
                             ranks_alive=tuple(self.engine.ranks_alive()), speculation=self._speculation,
                             kv_tiers=s.tiers, kv_tier_hit_costs=s.tier_hit_costs)
@@ -165,13 +179,13 @@ class ReplicaShell:
         dead = self.engine.dead_ranks()
         return f"{', '.join(dead)} died" if dead else None
 
-    def _read_kv_counts(self) -> tuple[MessageDrops, int]:
-        """Engine thread: the ranks' agents' drop counts and messages sent by reference, summed (none without
-        agents)."""
+    def _read_kv_counts(self) -> KVCounts:
+        """Engine thread: the ranks' agents' counters, summed (zeros without agents)."""
         if self.connector is None:
-            return MessageDrops(), 0
+            return KVCounts()
         ranks = self.connector.agents.stats().values()
-        return sum((s.drops for s in ranks), MessageDrops()), sum(s.by_reference for s in ranks)
+        return KVCounts(sum((s.drops for s in ranks), MessageDrops()), sum(s.by_reference for s in ranks),
+                        sum(s.bytes_sent for s in ranks), sum(s.bytes_received for s in ranks))
 
     async def kv_events(self, epoch: str | None, since: int) -> KVEventsReply:
         """The KV events from `since` on in the log of `epoch`, or a snapshot of the prefix cache and the KV

@@ -38,6 +38,8 @@ class Accounting:
         self.completion_tokens = 0
         self.prompt_tokens = self.cached_tokens = 0
         self.queue_s = self.prefill_s = self.transfer_s = self.admission_s = 0.0
+        self.prefill_route = ""  # where the prompt was prefilled (Progress.prefill_route), once known
+        self.cut_by_length = False  # an output ended by max_tokens (or the model's length)
 
     def observe(self, progress: Progress, now: float) -> list[float]:
         """Takes one progress; returns the inter-token gaps it shows (seconds per token since the previous
@@ -45,6 +47,7 @@ class Accounting:
         if progress.prefill_route:  # the first progress of a request carries how long it queued and prefilled
             self.queue_s, self.prefill_s = progress.queue_s, progress.prefill_s
             self.transfer_s, self.admission_s = progress.transfer_s, progress.admission_s
+            self.prefill_route = progress.prefill_route
         if progress.num_cached_tokens is not None:  # disaggregated: the prefill replica's cache hits
             self.cached_tokens = progress.num_cached_tokens
         count = 0
@@ -52,6 +55,7 @@ class Accounting:
             if progress.num_cached_tokens is None:
                 self.cached_tokens = max(self.cached_tokens, output.num_cached_tokens)
             self.prompt_tokens = output.num_prompt_tokens
+            self.cut_by_length |= output.finish_reason == "length"
             count += len(output.token_ids)
         if not count:
             return []

@@ -29,6 +29,7 @@ from tandem.router.accounting import Accounting, Timings
 from tandem.router.admission import AdmissionController
 from tandem.router.lifecycle import RequestDriver
 from tandem.router.pool_signals import PoolScaling
+from tandem.router.routing import PREFILL_POOL
 
 _log = logging.getLogger(__name__)
 
@@ -54,6 +55,24 @@ class RouterMetrics:
                              buckets=LATENCY_BUCKETS, registry=r)
         self.queue = Histogram("tandem_request_queue_seconds", "Waiting for a decode replica with room",
                                buckets=LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("tandem_time_per_output_token_seconds", "Per request: its first token to its last, "
+                              "over the tokens after the first", buckets=LATENCY_BUCKETS, registry=r)
+        self.prefill_time = Histogram("tandem_request_prefill_time_seconds", "The prefill call to the first token, "
+                                      "by the pool that prefilled (prefill: KV transfer tail and decode admission "
+                                      "included)", ["pool"], buckets=LATENCY_BUCKETS, registry=r)
+        self.decode_time = Histogram("tandem_request_decode_time_seconds", "First token to last",
+                                     buckets=LATENCY_BUCKETS, registry=r)
+        self.transfer_time = Histogram("tandem_kv_transfer_seconds", "The KV transfer's tail after the prefill "
+                                       "replica sampled the first token (the rest overlaps prefill compute)",
+                                       buckets=LATENCY_BUCKETS, registry=r)
+        self.prefix_queries = Counter("tandem_prefix_cache_queries", "Prompt tokens of finished requests, by the "
+                                      "pool that prefilled them", ["pool"], registry=r)
+        self.prefix_hits = Counter("tandem_prefix_cache_hits", "Of those, the tokens found in a prefix cache",
+                                   ["pool"], registry=r)
+        self.structured = Counter("tandem_structured_output_requests", "Requests with a structured-output "
+                                  "constraint, by outcome (ok; incomplete: max_tokens ended the output before the "
+                                  "constraint was satisfied; invalid: refused, the schema, regex or grammar does "
+                                  "not compile; failed: any other error)", ["outcome"], registry=r)
         self.decision = Histogram("tandem_routing_decision_seconds", "Routing one request (hashing included)",
                                   buckets=DECISION_BUCKETS, registry=r)
         self.prompt_tokens = Counter("tandem_prompt_tokens", "Prompt tokens of finished requests", registry=r)
@@ -94,9 +113,14 @@ class RouterMetrics:
         for gap in gaps:
             self.itl.observe(gap)
 
-    def finished(self, api: str, code: str, account: Accounting | None, timings: Timings | None) -> None:
-        """One request ended with status `code` ("OK" or a gRPC status name)."""
+    def finished(self, api: str, code: str, account: Accounting | None, timings: Timings | None, *,
+                 structured: bool = False) -> None:
+        """One request ended with status `code` ("OK" or a gRPC status name). account and timings: a request
+        that ran and succeeded (None otherwise). structured: it had a structured-output constraint."""
         self.requests.labels(api, code).inc()
+        if structured:
+            self.structured.labels("failed" if code != "OK" else
+                                   "incomplete" if account is not None and account.cut_by_length else "ok").inc()
         if account is None or timings is None:
             return
         usage = account.usage()
@@ -105,8 +129,18 @@ class RouterMetrics:
         self.completion_tokens.inc(usage.completion_tokens)
         if usage.completion_tokens:
             self.ttft.observe(timings.ttft_s)
+            self.decode_time.observe(max(0.0, timings.e2e_s - timings.ttft_s))
+        if usage.completion_tokens > 1:
+            self.tpot.observe(timings.mean_itl_s)
         self.e2e.observe(timings.e2e_s)
         self.queue.observe(timings.queue_s)
+        if account.prefill_route:
+            pool = "prefill" if account.prefill_route == PREFILL_POOL else "decode"
+            self.prefill_time.labels(pool).observe(timings.prefill_s)
+            self.prefix_queries.labels(pool).inc(usage.prompt_tokens)
+            self.prefix_hits.labels(pool).inc(usage.cached_tokens)
+            if pool == "prefill":
+                self.transfer_time.observe(timings.transfer_s)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
@@ -124,6 +158,7 @@ class ReplicaCounters:
         self.by_reference: dict[tuple[str, str], int] = {}
         self.speculation: dict[tuple[str, str], SpeculationStats] = {}
         self.kv_tiers: dict[tuple[str, str], TierStats] = {}
+        self.stats: dict[tuple[str, str], ReplicaStats] = {}  # each replica's last stats() in full
         self._refreshing: asyncio.Task | None = None
 
     async def refresh(self) -> None:
@@ -131,10 +166,11 @@ class ReplicaCounters:
         replicas = self.driver.replicas()
         answers = await asyncio.gather(*(asyncio.wait_for(r.api.stats(), self.timeout_s) for r in replicas),
                                        return_exceptions=True)
-        counts, by_reference, speculation, tiers = {}, {}, {}, {}
+        counts, by_reference, speculation, tiers, stats = {}, {}, {}, {}, {}
         for replica, answer in zip(replicas, answers):
             key = (replica.pool, replica.name)
             if isinstance(answer, ReplicaStats):
+                stats[key] = answer
                 counts[key], by_reference[key] = answer.kv_messages_dropped, answer.kv_messages_by_reference
                 if answer.speculation is not None:
                     speculation[key] = answer.speculation
@@ -148,7 +184,10 @@ class ReplicaCounters:
                     speculation[key] = self.speculation[key]
                 if key in self.kv_tiers:
                     tiers[key] = self.kv_tiers[key]
+                if key in self.stats:
+                    stats[key] = self.stats[key]
         self.counts, self.by_reference, self.speculation, self.kv_tiers = counts, by_reference, speculation, tiers
+        self.stats = stats
 
     def start_refresh(self) -> None:
         """Starts refresh() on the running event loop unless one is still running (no running loop: nothing)."""
@@ -187,6 +226,7 @@ class _DriverCollector:
         for (pool, name), count in sorted(self.replica_counters.by_reference.items()):
             by_reference.add_metric([pool, name], count)
         yield by_reference
+        yield from _replica_stats_metrics(self.replica_counters.stats)
         yield from _speculation_metrics(self.replica_counters.speculation)
         yield from _kv_tier_metrics(self.replica_counters.kv_tiers,
                                     {(r.pool, r.name): r.load.tier_hit_costs for r in d.prefill + d.decode})
@@ -295,6 +335,22 @@ class _AdmissionCollector:
                      state.waiting)
         yield _gauge("tandem_start_rate", "First tokens per second while requests waited (0: not measured yet)",
                      state.start_rate or 0.0)
+
+
+def _replica_stats_metrics(by_replica: dict[tuple[str, str], ReplicaStats]):
+    """Each replica's engine and KV transfer counters from its last stats() (as of the previous scrape)."""
+    preemptions = CounterMetricFamily("tandem_num_preemptions", "Requests a replica's scheduler preempted (their "
+                                      "KV blocks freed, recomputed later)", labels=["pool", "replica"])
+    kv_bytes = CounterMetricFamily("tandem_kv_transfer_bytes", "KV payload bytes a replica's agents sent or "
+                                   "received (written into blocks)", labels=["pool", "replica", "direction"])
+    hit_rate = GaugeMetricFamily("tandem_replica_prefix_hit_rate", "The fraction of prompt tokens a replica found "
+                                 "in its prefix cache", labels=["pool", "replica"])
+    for (pool, name), stats in sorted(by_replica.items()):
+        preemptions.add_metric([pool, name], stats.num_preemptions)
+        kv_bytes.add_metric([pool, name, "sent"], stats.kv_bytes_sent)
+        kv_bytes.add_metric([pool, name, "received"], stats.kv_bytes_received)
+        hit_rate.add_metric([pool, name], stats.prefix_hit_rate)
+    yield from (preemptions, kv_bytes, hit_rate)
 
 
 def _speculation_metrics(by_replica: dict[tuple[str, str], SpeculationStats]):

@@ -31,11 +31,13 @@ _OPTIONAL = tuple(f.name for f in pb.SamplingParams.DESCRIPTOR.fields if f.has_p
 
 
 class InvalidRequest(ValueError):
-    """code: the gRPC status name (INVALID_ARGUMENT, NOT_FOUND, ...)."""
+    """code: the gRPC status name (INVALID_ARGUMENT, NOT_FOUND, ...). structured_output: the request's
+    structured-output constraint is what was refused (counted in tandem_structured_output_requests)."""
 
-    def __init__(self, message: str, code: str = "INVALID_ARGUMENT"):
+    def __init__(self, message: str, code: str = "INVALID_ARGUMENT", *, structured_output: bool = False):
         super().__init__(message)
         self.code = code
+        self.structured_output = structured_output
 
 
 @dataclass(frozen=True)
@@ -225,7 +227,7 @@ def _structured(s: pb.SamplingParams, model: ModelFacts) -> StructuredOutput | N
         if spec is not None and model.grammars is not None:
             model.grammars.compile(spec)
     except InvalidStructuredOutput as e:
-        raise InvalidRequest(f"structured output: {e}") from None
+        raise InvalidRequest(f"structured output: {e}", structured_output=True) from None
     return spec
 
 

@@ -174,6 +174,8 @@ class Serving:
             parsed = await self.off_loop(parse_request, request, self.model, self.limits.limits)
         except InvalidRequest as e:
             self.refused(api, e.code)
+            if e.structured_output:
+                self.metrics.structured.labels("invalid").inc()
             raise
         session = f"{tenant}/{parsed.session_id}" if tenant is not None and parsed.session_id else parsed.session_id
         priority = self.limits.tenant(tenant).priority.clamp(parsed.priority)
@@ -260,7 +262,8 @@ class Serving:
             else:
                 self.num_failed += 1
             ok = code == "OK"
-            self.metrics.finished(api, code, account if ok else None, account.timings(time.monotonic()) if ok else None)
+            self.metrics.finished(api, code, account if ok else None, account.timings(time.monotonic()) if ok else None,
+                                  structured=parsed.params.structured is not None)
 
     def _cancel(self, key: RequestKey, why: str) -> bool:
         task = self.active.get(key)

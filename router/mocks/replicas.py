@@ -109,6 +109,8 @@ class _MockReplica:
         self.running = 0
         self.kv_messages_dropped = MessageDrops()  # what stats() reports its KV agents dropped (settable)
         self.kv_messages_by_reference = 0  # and sent by reference (settable)
+        self.kv_bytes_sent = self.kv_bytes_received = 0  # and KV payload bytes moved (settable)
+        self.num_preemptions = 0  # what stats() reports its scheduler preempted (settable)
         self.speculation = None  # what stats() reports its speculative decoding did (settable: SpeculationStats)
         self.pulls_in: dict[str, tuple[tuple[int, ...], str | None]] = {}  # prefix pulls reserved here
         self.pulls_out: list[str] = []  # prefix pulls sent from here
@@ -138,9 +140,11 @@ class _MockReplica:
         return ReplicaStats(name=self.name, pool=self.pool, state="ready", running=self.running, waiting=0,
                             waiting_for_kv=0, kv_blocks_total=self.cache.capacity, kv_blocks_in_use=in_use,
                             kv_blocks_cached=len(self.cache.blocks), kv_usage=in_use / self.cache.capacity,
-                            prefix_hit_rate=0.0, num_preemptions=0, num_steps=0,
+                            prefix_hit_rate=0.0, num_preemptions=self.num_preemptions, num_steps=0,
                             kv_messages_dropped=self.kv_messages_dropped,
-                            kv_messages_by_reference=self.kv_messages_by_reference, speculation=self.speculation)
+                            kv_messages_by_reference=self.kv_messages_by_reference,
+                            kv_bytes_sent=self.kv_bytes_sent, kv_bytes_received=self.kv_bytes_received,
+                            speculation=self.speculation)
 
     async def health(self) -> str | None:
         return "it died" if getattr(self, "dead", False) else None

@@ -8,6 +8,8 @@ Nothing leaks: every replica is idle and consistent afterwards."""
 
 from __future__ import annotations
 
+import time
+
 import grpc
 import httpx
 import openai
@@ -167,3 +169,10 @@ def test_metrics_show_requests_and_routing(cluster, client):
     assert float(frozen.split()[1]) > 10_000, frozen
     assert 'tandem_gc_pause_seconds_count{generation="0"}' in text
     assert "tandem_event_loop_lag_seconds_count" in text
+    # the replicas' counters come from their stats(), which a scrape asks for: the KV earlier requests moved
+    sent = 'tandem_kv_transfer_bytes_total{direction="sent",pool="prefill",'
+    deadline = time.monotonic() + 10
+    while not any(line.startswith(sent) and float(line.split()[-1]) > 0 for line in text.splitlines()):
+        assert time.monotonic() < deadline, [line for line in text.splitlines() if "kv_transfer_bytes" in line]
+        time.sleep(0.2)
+        text = httpx.get(f"http://{cluster.http_endpoint}/metrics").text

@@ -58,6 +58,9 @@ def test_every_destination_rank_gets_exactly_its_share(pair, kind, shared):
         moved = sum(s.nbytes for s in dst.states("req-1/0"))
         assert moved == shape["num_layers"] * shape["num_kv_heads"] * 5 * 2 * 16 * 64 * 4 * _replicas(dst.layout)
         assert (sum(a.stats().by_reference for a in src.agents) > 0) == shared
+        sent, received = (sum(a.stats().bytes_sent for a in src.agents),
+                          sum(a.stats().bytes_received for a in dst.agents))
+        assert sent == received == moved, (sent, received, moved)
         for agent in src.agents + dst.agents:
             agent.release("req-1/0")
             agent.check_integrity()

@@ -38,12 +38,13 @@ def test_a_replica_without_info_is_reserved_with_no_senders():
     assert decode.senders == [()]
 
 
-def test_metrics_export_the_replicas_dropped_kv_messages_by_reason():
+def test_metrics_export_the_replicas_dropped_kv_messages_bytes_preemptions_and_speculation():
     prefill, decode = MockPrefill("prefill-0"), MockDecode("decode-0")
     decode.kv_messages_dropped = MessageDrops(forged=3, oversized=1)
     decode.speculation = SpeculationStats("suffix", proposed=40, accepted=25, acceptance_counts=(3, 1, 0, 2, 4),
                                           declined_steps=7)
     prefill.kv_messages_by_reference = 30
+    prefill.kv_bytes_sent, decode.kv_bytes_received, decode.num_preemptions = 4096, 4096, 2
     metrics = RouterMetrics(driver_with_info(prefill, decode), lambda: 0)
 
     async def scrape_twice() -> tuple[str, str]:
@@ -60,6 +61,10 @@ def test_metrics_export_the_replicas_dropped_kv_messages_by_reason():
     assert 'tandem_kv_messages_dropped_total{pool="prefill",reason="forged",replica="prefill-0"} 0.0' in second
     assert 'tandem_kv_messages_by_reference_total{pool="prefill",replica="prefill-0"} 30.0' in second
     assert 'tandem_kv_messages_by_reference_total{pool="decode",replica="decode-0"} 0.0' in second
+    assert 'tandem_kv_transfer_bytes_total{direction="sent",pool="prefill",replica="prefill-0"} 4096.0' in second
+    assert 'tandem_kv_transfer_bytes_total{direction="received",pool="decode",replica="decode-0"} 4096.0' in second
+    assert 'tandem_num_preemptions_total{pool="decode",replica="decode-0"} 2.0' in second
+    assert 'tandem_replica_prefix_hit_rate{pool="prefill",replica="prefill-0"} 0.0' in second
     labels = 'pool="decode",proposer="suffix",replica="decode-0"'
     assert f"tandem_speculative_proposed_tokens_total{{{labels}}} 40.0" in second
     assert f"tandem_speculative_accepted_tokens_total{{{labels}}} 25.0" in second

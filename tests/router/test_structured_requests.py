@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import openai
 import pytest
 
@@ -117,3 +118,10 @@ def test_the_openai_client_gets_a_400_with_the_compilers_message(server):
                                   extra_body={"structured_outputs": {"regex": "(a"}})
     # and the server keeps serving
     assert client.completions.create(model="SmolLM2-135M-Instruct", prompt="hi", max_tokens=2).choices[0].text
+    # a constrained request cut by max_tokens (the mock replica does not constrain: its output ends by length)
+    cut = client.completions.create(model="SmolLM2-135M-Instruct", prompt="hi", max_tokens=2,
+                                    extra_body={"structured_outputs": {"regex": "[a-z ]+"}})
+    assert cut.choices[0].finish_reason == "length"
+    text = httpx.get(f"{server.url}/metrics").text
+    assert 'tandem_structured_output_requests_total{outcome="invalid"} 2.0' in text
+    assert 'tandem_structured_output_requests_total{outcome="incomplete"} 1.0' in text
