@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.tandem-installed
 PROMPT ?= Explain in two sentences why the sky is blue.
 
-.PHONY: soak setup run test test-all test-avx2 test-gpu bench-peers lock wheelhouse install-offline image clean
+.PHONY: docs soak setup run test test-all test-avx2 test-gpu bench-peers lock wheelhouse install-offline image clean
 
 setup: $(STAMP)
 
@@ -74,6 +74,10 @@ test: setup
 
 test-all: setup
 	$(PY) -m pytest
+
+# The docs/ pages as a site in site/ (MkDocs, offline, strict: broken links fail; the home page is README.md).
+docs: setup
+	$(PY) -m mkdocs build --strict
 
 # A soak under chaos (bench/soak.py): 10 minutes of open-loop load on the local disaggregated cluster while a
 # rank, the KV connections, the router or a stalled replica fails every 20-40 s; prints the verdict as JSON (its
