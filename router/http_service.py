@@ -412,7 +412,9 @@ async def start_http_server(app: FastAPI, address: str, *, tls: TLSConfig | None
     ssl_options = {} if tls is None else uvicorn_ssl_options(tls)
     host, _, port = address.rpartition(":")
     host = host.strip("[]")
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    # proto IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on accepted sockets that say they are TCP. Without it
+    # a reply on a kept-alive connection waited ~40 ms for the client's delayed ACK (Nagle's algorithm).
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, int(port)))

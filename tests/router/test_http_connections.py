@@ -117,3 +117,31 @@ def test_connections_past_the_cap_per_address_get_429_and_the_cap_frees_as_they_
     while (reply := completion(server)).status_code == 429 and time.monotonic() < deadline:
         time.sleep(0.05)  # the server sees the closes a moment later
     assert reply.status_code == 200
+
+
+def test_replies_go_out_at_once_without_waiting_for_the_clients_ack():
+    """Every accepted connection has TCP_NODELAY: without it (a listening socket made with proto 0, which asyncio
+    does not take for TCP) Nagle's algorithm held each reply on a kept-alive connection for the client's delayed
+    ACK, about 40 ms a request."""
+    loop = BackgroundLoop()
+
+    async def boot():
+        driver = RequestDriver([], [Replica("decode-0", "decode", MockDecode("decode-0"))],
+                               DriverSettings(mode="colocated"))
+        return await start_http_server(build_app(Serving(driver, model_facts(), "colocated")), "127.0.0.1:0")
+
+    http, port = loop.run(boot())
+    try:
+        with httpx.Client(timeout=10) as client:
+            for _ in range(3):
+                assert client.get(f"http://127.0.0.1:{port}/health").status_code == 200
+
+            async def nodelay() -> list[int]:
+                return [c.transport.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+                        for c in http.server.server_state.connections]
+
+            flags = loop.run(nodelay())
+        assert flags and all(flags), flags
+    finally:
+        loop.run(http.stop())
+        loop.stop()
