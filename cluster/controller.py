@@ -238,7 +238,7 @@ class Controller:
                                                   self.manifest.auth.resolve() or None,
                                                   limits=serving_limits(self.manifest),
                                                   tls=None if tls is None else tls.router_config(),
-                                                  settle_heap=True)
+                                                  tracing=self.manifest.observability.tracing(), settle_heap=True)
         except ray.exceptions.RayError as e:
             ray.kill(router)
             raise RuntimeError(f"the router failed to start: {cause(e)}") from None

@@ -46,6 +46,7 @@ YAML.
       default_tenant: {priority: {min: 0, max: 0}, max_requests: null}
     tls: {cert_file: server.pem, key_file: server.key, client_ca_file: null,   # absent: plaintext
           ca_file: null}            # what `tandem up --ask` trusts (default: cert_file, for a self-signed one)
+    observability: {otlp_endpoint: null, service_name: tandem}   # a trace per request to an OpenTelemetry collector
 Structural checks (types, unknown keys, ranges) are pydantic's, in the models below; manifest_yaml.py reads the
 file and reports each error with its YAML path, line and a hint; check_manifest() (manifest_checks.py) adds the
 checks that need the world outside the file (the model's shape, free ports).
@@ -62,6 +63,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from tandem.cluster.autoscaling import ScalingSettings
 from tandem.cluster.engine_settings import EngineSettings
 from tandem.cluster.lora_settings import LoRASettings
+from tandem.cluster.observability_settings import ObservabilitySettings
 from tandem.engine.hardware.cpu_affinity import format_cpus, parse_cpu_list
 from tandem.engine.hardware.device import default_dtype, planned_device
 from tandem.router.limits import RequestLimits, TenantLimits, parse_bytes
@@ -409,6 +411,7 @@ class Manifest(_Strict):
     tls: TLSSettings | None = None
     slo: SLOSettings = SLOSettings()
     lora: LoRASettings | None = None  # LoRA adapters (None: the base model only)
+    observability: ObservabilitySettings = ObservabilitySettings()
 
     @model_validator(mode="after")
     def _pools_for_mode(self) -> Manifest:

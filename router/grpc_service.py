@@ -81,7 +81,8 @@ class TandemServicer(pb_grpc.TandemServicer):
         failure = None
         try:
             first = True
-            async for step in self.serving.run(parsed, arrival, "grpc", deadline=deadline):
+            trace_parent = dict(context.invocation_metadata() or ()).get("traceparent")
+            async for step in self.serving.run(parsed, arrival, "grpc", deadline=deadline, trace_parent=trace_parent):
                 for output in step.progress.outputs:
                     response = _response(parsed.request_id, output)
                     if first:

@@ -73,8 +73,10 @@ class _Merged:
     (so an Abort or a gone client cancels exactly that request), merged in arrival order."""
 
     def __init__(self, serving: Serving, parsed: list[ParsedRequest], arrival: float, deadline: float,
-                 admission: Admission):
-        """admission: one unit per prompt, given back as each prompt's request ends."""
+                 admission: Admission, trace_parent: str | None = None):
+        """admission: one unit per prompt, given back as each prompt's request ends. trace_parent: the client's
+        W3C traceparent header."""
+        self.trace_parent = trace_parent
         self.queue: asyncio.Queue = asyncio.Queue()
         self.left = len(parsed)
         self.admission = admission
@@ -85,7 +87,7 @@ class _Merged:
         """Queues each step, then _DONE, the error, or a RequestCancelled when cancel() stopped it."""
         end: object = _DONE
         try:
-            async for step in serving.run(parsed, arrival, "http", deadline=deadline):
+            async for step in serving.run(parsed, arrival, "http", deadline=deadline, trace_parent=self.trace_parent):
                 self.queue.put_nowait((i, step))
         except asyncio.CancelledError:
             end = RequestCancelled(f"request {parsed.request_id!r} was cancelled: the client went away")
@@ -304,7 +306,7 @@ class OpenAIRoutes:
         builder = ResponseBuilder(kind, response_id, model, int(time.time()), self.token_text, n=n * len(parsed),
                                   logprobs=parsed[0].params.logprobs is not None, include_usage=body.include_usage,
                                   tool_mode=getattr(body, "tool_mode", None))
-        merged = _Merged(serving, parsed, arrival, deadline, admission)
+        merged = _Merged(serving, parsed, arrival, deadline, admission, request.headers.get("traceparent"))
         # Until the response starts, a client that disconnects cancels its request (a stream notices by itself).
         watcher = asyncio.create_task(_cancel_on_disconnect(request, merged))
         try:

@@ -22,6 +22,7 @@ from tandem.router.pool_signals import PoolLoad, PoolScaling
 from tandem.router.replicas import Replica
 from tandem.router.request_parsing import ModelFacts
 from tandem.router.tls import TLSConfig
+from tandem.router.tracing import RequestTracer, TracingConfig
 
 _log = logging.getLogger(__name__)
 DRAIN_POLL_S = 0.1
@@ -75,10 +76,12 @@ class RouterActor:
 
     async def start(self, replicas: list[ReadyReplica], grpc_address: str, http_address: str | None = None,
                     api_keys: dict[str, str] | None = None, *, limits: ServingLimits | None = None,
-                    tls: TLSConfig | None = None, settle_heap: bool = False) -> dict[str, str | None]:
+                    tls: TLSConfig | None = None, tracing: TracingConfig | None = None,
+                    settle_heap: bool = False) -> dict[str, str | None]:
         """replicas: every ready replica of both pools. api_keys: key -> tenant (None: no auth). limits: what
         requests and tenants may ask for (None: the defaults). tls: serve both APIs over TLS only (None:
-        plaintext). settle_heap: this process serves until it ends (the control plane's router actor): once
+        plaintext). tracing: send each request's trace to a collector (router/tracing.py; None: no traces, no
+        tracer). settle_heap: this process serves until it ends (the control plane's router actor): once
         serving, freeze what it holds so that garbage collections stop scanning it (engine/heap.py); never in a
         process that goes on to do other work (a test's). Starts serving; returns {"grpc": HOST:PORT, "http":
         HOST:PORT or None}."""
@@ -94,7 +97,9 @@ class RouterActor:
         facts = ModelFacts(model_id_for(self.model_path), self.tokenizer, self.config.vocab_size, limit)
         driver = RequestDriver(prefill, decode, self.settings)
         limits = limits or ServingLimits()
-        self.serving = Serving(driver, facts, self.settings.mode, auth=Authenticator(api_keys), limits=limits)
+        tracer = RequestTracer(tracing) if tracing is not None and tracing.otlp_endpoint else None
+        self.serving = Serving(driver, facts, self.settings.mode, auth=Authenticator(api_keys), limits=limits,
+                               tracer=tracer)
         loop = asyncio.get_running_loop()
         self._feed_task = loop.create_task(driver.feed.run(driver.replicas, self.settings.kv_events_interval_s))
         self._lag_task = loop.create_task(self.serving.metrics.watch_loop())
@@ -208,3 +213,6 @@ class RouterActor:
         if self.grpc_server is not None:
             await self.grpc_server.stop(grace_s)
             self.grpc_server = None
+        if self.serving is not None and self.serving.tracer is not None:
+            tracer, self.serving.tracer = self.serving.tracer, None
+            await asyncio.to_thread(tracer.shutdown)  # sends the last traces (it may wait on the network)

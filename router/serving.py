@@ -27,6 +27,7 @@ from tandem.router.replicas import NoCapacityError, NoReplicaError, ReplicaLostE
 from tandem.router.request_parsing import InvalidRequest, ModelFacts, ParsedRequest, parse_request
 from tandem.router.run_key import RunKey
 from tandem.router.tenant_gate import Admission, TenantGate, TooManyRequests
+from tandem.router.tracing import RequestTrace, RequestTracer
 
 _log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -95,7 +96,8 @@ class Step:
 
 class Serving:
     def __init__(self, driver: RequestDriver, model: ModelFacts, mode: str, *, auth: Authenticator | None = None,
-                 limits: ServingLimits | None = None):
+                 limits: ServingLimits | None = None, tracer: RequestTracer | None = None):
+        """tracer: writes each request's trace when it ends (router/tracing.py); None: no traces."""
         self.driver = driver
         self.limits = limits or ServingLimits()
         self.model = model if model.lora is not None else replace(model, lora=driver.pools.adapters)
@@ -115,6 +117,7 @@ class Serving:
         self.metrics = RouterMetrics(driver, lambda: len(self.active))
         self.signals = PoolSignals()  # what the autoscaler reads of each pool (router/pool_signals.py)
         self.metrics.watch_admission(self.admission)
+        self.tracer = tracer
 
     def authenticate(self, authorization: str | None, api: str) -> str | None:
         """The caller's tenant (None: authentication is off). Raises Unauthenticated."""
@@ -195,15 +198,15 @@ class Serving:
         limit = self.limits.request_timeout_s
         return arrival + (limit if timeout_s is None else min(limit, timeout_s))
 
-    async def run(self, parsed: ParsedRequest, arrival: float, api: str, *,
-                  deadline: float | None = None) -> AsyncIterator[Step]:
+    async def run(self, parsed: ParsedRequest, arrival: float, api: str, *, deadline: float | None = None,
+                  trace_parent: str | None = None) -> AsyncIterator[Step]:
         """Drives one request, yielding each progress, until its deadline (monotonic; None: the manifest's
         request_timeout_s from arrival). Raises InvalidRequest (ALREADY_EXISTS for an id the tenant has in use),
         Draining once drain() began, AtCapacity (before any replica is called) when the cluster cannot start it in
         time, RequestCancelled
         after an Abort call, DeadlineExceeded, the driver's errors, or CancelledError when the caller went away;
         in every case but success the request is aborted on every replica (the driver does). Metrics and counters
-        are updated however it ends."""
+        are updated, and its trace written (trace_parent: the client's W3C traceparent), however it ends."""
         key = RequestKey(parsed.tenant, parsed.request_id)
         self._refuse_if_draining(api)
         if key in self.active:
@@ -222,9 +225,10 @@ class Serving:
         timer = asyncio.get_running_loop().call_later(max(0.0, deadline - time.monotonic()), self._cancel, key,
                                                       "deadline")
         account = Accounting(arrival)
+        started = time.monotonic()
         asked = parsed.params.max_tokens * parsed.params.n
         self.signals.arrived(len(parsed.prompt_token_ids), asked, arrival)
-        decode_replica = ""
+        decode_replica = prefill_replica = ""
         code = "OK"
         try:
             # Replicas know it by run_key's id, unique across tenants and runs; the outputs carry the client's own.
@@ -233,6 +237,7 @@ class Serving:
                 now = time.monotonic()
                 gaps = account.observe(progress, now)
                 decode_replica = progress.decode_replica or decode_replica
+                prefill_replica = progress.prefill_replica or prefill_replica
                 self.metrics.observe_gaps(gaps)
                 self.signals.observe(progress, arrival, gaps, now, decode_replica)
                 yield Step(progress, account, now)
@@ -264,6 +269,12 @@ class Serving:
             ok = code == "OK"
             self.metrics.finished(api, code, account if ok else None, account.timings(time.monotonic()) if ok else None,
                                   structured=parsed.params.structured is not None)
+            if self.tracer is not None:
+                self.tracer.record(RequestTrace(
+                    parsed.request_id, api, code, trace_parent, arrival, started, time.monotonic(), account.first,
+                    account.last, account.queue_s, account.prefill_s, account.transfer_s, account.admission_s,
+                    account.prefill_route, prefill_replica, decode_replica, account.prompt_tokens,
+                    account.cached_tokens, account.completion_tokens))
 
     def _cancel(self, key: RequestKey, why: str) -> bool:
         task = self.active.get(key)

@@ -8,6 +8,7 @@ Nothing leaks: every replica is idle and consistent afterwards."""
 
 from __future__ import annotations
 
+import secrets
 import time
 
 import grpc
@@ -16,7 +17,9 @@ import openai
 import pytest
 
 from tandem.cluster.manifest import ApiKey, AuthSettings
+from tandem.cluster.observability_settings import ObservabilitySettings
 from tandem.router.client import TandemClient
+from tests.cluster.otlp_collector import OTLPCollector
 from tests.cluster.ray_cluster import (QUESTIONS, chat, check_integrity, manifest_for_test, running,
                                       simulated_cluster, wait_idle)
 
@@ -29,9 +32,18 @@ SYSTEM = ("You are a careful assistant for a library. You answer questions about
 
 
 @pytest.fixture(scope="module")
-def cluster():
+def collector():
+    c = OTLPCollector()
+    yield c
+    c.close()
+
+
+@pytest.fixture(scope="module")
+def cluster(collector):
     auth = AuthSettings(api_keys=[ApiKey(tenant="acme", key=ACME), ApiKey(tenant="beta", key=BETA)])
-    manifest = manifest_for_test("local-parallel.yaml", auth=auth)
+    # every request's trace goes to the test's own OTLP collector
+    manifest = manifest_for_test("local-parallel.yaml", auth=auth,
+                                 observability=ObservabilitySettings(otlp_endpoint=collector.endpoint))
     # Conditional disaggregation on: a prompt with fewer than 48 uncached tokens on its decode replica is
     # prefilled there (a follow-up turn, a repeated prompt).
     manifest = manifest.model_copy(update={"router": manifest.router.model_copy(
@@ -176,3 +188,37 @@ def test_metrics_show_requests_and_routing(cluster, client):
         assert time.monotonic() < deadline, [line for line in text.splitlines() if "kv_transfer_bytes" in line]
         time.sleep(0.2)
         text = httpx.get(f"http://{cluster.http_endpoint}/metrics").text
+
+
+def test_a_request_is_one_trace_in_the_collector_under_the_clients_traceparent(cluster, collector):
+    """The router sends each request's trace to the manifest's collector over OTLP/gRPC: one tree under the
+    client's W3C traceparent, its phases (the prefill split into the prefill replica's part, the KV transfer and
+    the decode replica's admission) tiling the request, which lasts the client's latency within 5%."""
+    trace_id, span_id = secrets.token_hex(16), secrets.token_hex(8)
+    # A prompt no cache holds, longer than LOCAL_BELOW: prefilled on the prefill pool, its KV transferred.
+    body = {"model": MODEL, "messages": [{"role": "user", "content": f"{trace_id} {SYSTEM} When do you open?"}],
+            "max_tokens": 48, "ignore_eos": True}
+    with httpx.Client(timeout=120, headers={"Authorization": f"Bearer {ACME}"}) as http:
+        warm = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
+        assert http.post(f"http://{cluster.http_endpoint}/v1/chat/completions", json=warm).status_code == 200
+        sent = time.monotonic()
+        reply = http.post(f"http://{cluster.http_endpoint}/v1/chat/completions", json=body,
+                          headers={"traceparent": f"00-{trace_id}-{span_id}-01"})
+        latency = time.monotonic() - sent
+    assert reply.status_code == 200, reply.text
+    spans = collector.trace(trace_id)
+    by_id = {span.span_id: span for span in spans}
+    [root] = [span for span in spans if span.name == "tandem.request"]
+    assert root.parent_span_id.hex() == span_id
+    for span in spans:
+        assert span is root or span.parent_span_id in by_id, span.name
+    phases = sorted((s for s in spans if s.parent_span_id == root.span_id), key=lambda s: s.start_time_unix_nano)
+    assert [s.name for s in phases] == ["parse", "route", "queue", "prefill", "decode"]
+    assert sum(s.end_time_unix_nano - s.start_time_unix_nano for s in phases) == \
+        root.end_time_unix_nano - root.start_time_unix_nano
+    prefill = next(s for s in phases if s.name == "prefill")
+    assert {a.key: a.value.string_value for a in prefill.attributes}["tandem.pool"] == "prefill"
+    assert sorted(s.name for s in spans if s.parent_span_id == prefill.span_id) == \
+        ["decode.admission", "kv_transfer", "prefill.compute"]
+    duration = (root.end_time_unix_nano - root.start_time_unix_nano) / 1e9
+    assert abs(duration - latency) <= 0.05 * latency, (duration, latency)

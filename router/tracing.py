@@ -1,0 +1,144 @@
+"""Request traces (OpenTelemetry), off unless the manifest names a collector (`observability.otlp_endpoint`): with
+it off the router creates no tracer, no span and no exporter.
+
+Each request becomes one trace, written by the router when the request ends from what it measured along the way,
+with the client's W3C `traceparent` (an HTTP header or gRPC metadata) as its parent when one came:
+
+    tandem.request                  arrival at the router to the last byte (status, tokens, replicas, route)
+      parse                         arrival to the router's run of it: the body read, parsed, authenticated
+      route                         choosing the replicas (and waiting for a prefill replica with room)
+      queue                         waiting for a decode replica with room for the prompt's KV
+      prefill                       the prefill call to the first token at the router (pool: where it ran)
+        prefill.compute             the prefill replica's queue and compute up to its first token
+        kv_transfer                 the KV transfer's tail after that first token (disaggregated)
+        decode.admission            the decode replica admitting the transferred request
+      decode                        the first token to the last
+    (event first_token on tandem.request)
+
+The children tile the request's time in order, so their durations add up to the request's. The replicas' own
+steps are not in the trace yet: the prefill replica's queue and compute are one span, measured at the router.
+
+Exported in batches over OTLP/gRPC to the collector (`otlp_endpoint`, plaintext unless `https://`); tests hand in
+an in-memory exporter instead."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from tandem.router.routing import PREFILL_POOL
+
+EXPORT_DELAY_MS = 1000  # how long finished spans wait before a batch goes to the collector
+
+
+@dataclass(frozen=True)
+class TracingConfig:
+    """otlp_endpoint: the OpenTelemetry collector's OTLP/gRPC address ("http://host:4317"); None: no traces.
+    service_name: the traces' service.name."""
+
+    otlp_endpoint: str | None = None
+    service_name: str = "tandem"
+
+
+@dataclass(frozen=True)
+class RequestTrace:
+    """What the router measured of one request, on the monotonic clock (seconds). first/last: its first and last
+    token (None: none came). queue_s, prefill_s, transfer_s, admission_s: as Timings has them."""
+
+    request_id: str
+    api: str
+    code: str
+    trace_parent: str | None
+    arrival: float
+    started: float
+    end: float
+    first: float | None = None
+    last: float | None = None
+    queue_s: float = 0.0
+    prefill_s: float = 0.0
+    transfer_s: float = 0.0
+    admission_s: float = 0.0
+    prefill_route: str = ""
+    prefill_replica: str = ""
+    decode_replica: str = ""
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+
+
+class RequestTracer:
+    def __init__(self, config: TracingConfig, *, exporter: Any = None):
+        """exporter: an OpenTelemetry SpanExporter that gets each span as it ends (tests); None: the collector at
+        config.otlp_endpoint, in batches."""
+        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
+        from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+        self.provider = TracerProvider(resource=Resource.create({"service.name": config.service_name}))
+        if exporter is None:
+            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+            endpoint = config.otlp_endpoint or ""
+            exporter = OTLPSpanExporter(endpoint=endpoint, insecure=not endpoint.startswith("https://"))
+            self.provider.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=EXPORT_DELAY_MS))
+        else:
+            self.provider.add_span_processor(SimpleSpanProcessor(exporter))
+        self.tracer = self.provider.get_tracer("tandem.router")
+        self._propagator = TraceContextTextMapPropagator()
+
+    def record(self, t: RequestTrace) -> None:
+        """Writes the request's spans (see the module docstring)."""
+        from opentelemetry.trace import SpanKind, Status, StatusCode, set_span_in_context
+
+        offset = time.time_ns() - time.monotonic_ns()
+
+        def ns(at: float) -> int:
+            return int(at * 1e9) + offset
+
+        parent = self._propagator.extract({"traceparent": t.trace_parent}) if t.trace_parent else None
+        root = self.tracer.start_span("tandem.request", context=parent, kind=SpanKind.SERVER, start_time=ns(t.arrival),
+                                      attributes=_request_attributes(t))
+        if t.code != "OK":
+            root.set_status(Status(StatusCode.ERROR, t.code))
+        inside = set_span_in_context(root)
+
+        def child(name: str, start: float, end: float, context=inside, **attributes) -> Any:
+            span = self.tracer.start_span(name, context=context, start_time=ns(start), attributes=attributes or None)
+            span.end(end_time=ns(max(start, end)))
+            return span
+
+        child("parse", t.arrival, t.started)
+        if t.first is None:
+            child("route", t.started, t.end)
+        else:
+            prefill_start = max(t.started, t.first - t.prefill_s)
+            queue_start = max(t.started, prefill_start - t.queue_s)
+            child("route", t.started, queue_start)
+            child("queue", queue_start, prefill_start)
+            pool = "prefill" if t.prefill_route == PREFILL_POOL else "decode"
+            prefill = self.tracer.start_span("prefill", context=inside, start_time=ns(prefill_start),
+                                             attributes={"tandem.pool": pool, "tandem.route": t.prefill_route})
+            if pool == "prefill":
+                within = set_span_in_context(prefill)
+                admission_start = max(prefill_start, t.first - t.admission_s)
+                transfer_start = max(prefill_start, admission_start - t.transfer_s)
+                child("prefill.compute", prefill_start, transfer_start, within, **{"tandem.replica": t.prefill_replica})
+                child("kv_transfer", transfer_start, admission_start, within)
+                child("decode.admission", admission_start, t.first, within, **{"tandem.replica": t.decode_replica})
+            prefill.end(end_time=ns(t.first))
+            root.add_event("first_token", timestamp=ns(t.first))
+            child("decode", t.first, t.end, **{"tandem.replica": t.decode_replica})
+        root.end(end_time=ns(t.end))
+
+    def shutdown(self) -> None:
+        """Sends what is still buffered and stops the exporter."""
+        self.provider.shutdown()
+
+
+def _request_attributes(t: RequestTrace) -> dict[str, Any]:
+    return {"tandem.request_id": t.request_id, "tandem.api": t.api, "tandem.status": t.code,
+            "tandem.prefill_replica": t.prefill_replica, "tandem.decode_replica": t.decode_replica,
+            "gen_ai.usage.input_tokens": t.prompt_tokens, "gen_ai.usage.output_tokens": t.completion_tokens,
+            "tandem.cached_tokens": t.cached_tokens}
