@@ -48,6 +48,7 @@ from typing import AsyncIterator, Awaitable, Callable, TypeVar
 from tandem.engine.core.output_processor import RequestOutput
 from tandem.kv_transfer.descriptor import TransferDescriptor, TransferFailedError
 from tandem.replica.contract import DecodeReplicaAPI, PrefillReplicaAPI
+from tandem.router.aborts import Aborts, abort_everywhere
 from tandem.router.driver_settings import DriverSettings
 from tandem.router.kv_feed import KVFeed
 from tandem.router.migration import MIGRATION, PREFILL_DIED, Replay, seeded
@@ -96,6 +97,7 @@ class RequestDriver:
         self.feed = KVFeed(self.routing.indexes)
         self.pulls = PrefixPulls(block_size, settings.routing.pull_min_blocks, self.routing.indexes, self.pools)
         self.num_queued = 0  # requests waiting for decode room (step 1)
+        self.aborts = Aborts()  # the aborts of requests that ended, some still going on
         self.waiting_room = PrefillWaitingRoom(settings.prefill_queue_tokens)
 
     @property
@@ -193,7 +195,7 @@ class RequestDriver:
             for replica, _ in touched:
                 replica.load.in_flight -= 1
                 self.feed.nudge(replica.name)
-            await asyncio.shield(self._abort_everywhere(key.replica_id(), touched))
+            await self.aborts.abort(key.replica_id(), touched)  # waits at most ABORT_WAIT_S (router/aborts.py)
 
     async def _wait_for_prefill_room(self, request: ParsedRequest, plan: RoutePlan, local: str | None) -> RoutePlan:
         """Late binding (step 0, with prefill_queue_tokens set): prefill_waiting_room.py's wait, planning the
@@ -241,13 +243,6 @@ class RequestDriver:
             _log.error("replica %s died; no longer routing to it: %s", replica.name, error)
         raise ReplicaLostError(f"replica {replica.name} died while serving the request") from None
 
-    async def _abort_everywhere(self, request_id: str, touched: list[tuple[Replica, str]]) -> None:
-        """Tells every replica the request touched to drop it, by the id it runs there (no-op where it finished)."""
-        results = await asyncio.gather(*(replica.api.abort(rid) for replica, rid in touched), return_exceptions=True)
-        for (replica, _), result in zip(touched, results):
-            if isinstance(result, BaseException):  # a dead replica holds nothing any more
-                _log.warning("abort of %s on %s failed: %r", request_id, replica.name, result)
-
     @staticmethod
     def _use(replica: Replica, request_id: str, touched: list[tuple[Replica, str]]) -> None:
         """Counts the request in flight on replica, where it runs as request_id (a RunKey.replica_id())."""
@@ -260,7 +255,7 @@ class RequestDriver:
         touched.remove((replica, request_id))
         replica.load.in_flight -= 1
         self.feed.nudge(replica.name)
-        await asyncio.shield(self._abort_everywhere(request_id, [(replica, request_id)]))
+        await asyncio.shield(abort_everywhere(request_id, [(replica, request_id)]))
 
     async def _reserve(self, request: ParsedRequest, key: RunKey, plan: RoutePlan,
                        touched: list[tuple[Replica, str]]

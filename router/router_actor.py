@@ -26,6 +26,7 @@ from tandem.router.tracing import RequestTracer, TracingConfig
 
 _log = logging.getLogger(__name__)
 DRAIN_POLL_S = 0.1
+ABORT_SETTLE_S = 5.0  # how long stop() waits for aborts still going on
 
 
 def model_id_for(model_path: str | None) -> str:
@@ -213,6 +214,8 @@ class RouterActor:
         if self.grpc_server is not None:
             await self.grpc_server.stop(grace_s)
             self.grpc_server = None
+        if self.serving is not None:  # replicas still being told to drop ended requests (router/aborts.py)
+            await self.serving.driver.aborts.settle(ABORT_SETTLE_S)
         if self.serving is not None and self.serving.tracer is not None:
             tracer, self.serving.tracer = self.serving.tracer, None
             await asyncio.to_thread(tracer.shutdown)  # sends the last traces (it may wait on the network)
