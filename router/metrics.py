@@ -22,7 +22,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 
 from tandem.engine.core.kv_tiers import TierHitCosts, TierStats
 from tandem.engine.decoding.speculation import SpeculationStats
-from tandem.engine.heap import PAUSE_BUCKETS, gc_pauses
+from tandem.engine.heap import PAUSE_BUCKETS, GCPauses, gc_pauses
 from tandem.kv_transfer.drops import MessageDrops
 from tandem.replica.contract import ReplicaStats
 from tandem.router.accounting import Accounting, Timings
@@ -92,7 +92,7 @@ class RouterMetrics:
         self.loop_lag = Histogram("tandem_event_loop_lag_seconds", "How late the router's event loop ran a callback "
                                   f"due every {LOOP_TICK_S:g} s (a garbage collection or a blocking call stalls "
                                   "every request of the router)", buckets=PAUSE_BUCKETS, registry=r)
-        r.register(_HeapCollector())
+        r.register(_HeapCollector(gc_pauses()))  # the clock runs from now on, not from the first scrape
         self.loop_lag_longest = 0.0  # seconds: the longest lag watch_loop() has seen
 
     async def watch_loop(self, tick_s: float = LOOP_TICK_S) -> None:
@@ -313,11 +313,14 @@ class _HeapCollector:
     """The router process's garbage collector (engine/heap.py): its pauses per generation, and the objects frozen
     at the router's start, which no collection scans."""
 
+    def __init__(self, clock: GCPauses):
+        self.clock = clock
+
     def collect(self):
         pauses = HistogramMetricFamily("tandem_gc_pause_seconds", "Garbage collection pauses of the router's "
                                        "process by generation (2: full); each holds every thread",
                                        labels=["generation"])
-        for generation, p in sorted(gc_pauses().pauses().items()):
+        for generation, p in sorted(self.clock.pauses().items()):
             buckets = [(f"{bound:g}", n) for bound, n in zip(PAUSE_BUCKETS, p.buckets)] + [("+Inf", p.count)]
             pauses.add_metric([str(generation)], buckets, p.seconds)
         yield pauses
