@@ -103,16 +103,23 @@ def cpu_per_token(client, tokens: int) -> dict[str, float]:
 
 
 def bench_cluster(name: str, requests: int, tokens: int, *, token_channel: bool = True,
-                  profile_tokens: int = 0) -> dict:
+                  profile_tokens: int = 0, traced: bool = False) -> dict:
+    """traced: every request traced (observability.otlp_endpoint: an OTLP collector in this process); the result
+    then counts the spans it received."""
     import ray
 
+    from tandem.bench.otlp_collector import OTLPCollector
     from tandem.cluster import launcher
     from tandem.cluster.manifest_yaml import load_manifest
+    from tandem.cluster.observability_settings import ObservabilitySettings
     from tandem.router.client import TandemClient
 
     manifest = load_manifest(MANIFESTS / name)
+    collector = OTLPCollector() if traced else None
+    observability = ObservabilitySettings(otlp_endpoint=collector.endpoint) if collector else manifest.observability
     manifest = manifest.model_copy(update={"listen": manifest.listen.model_copy(update={"grpc": "127.0.0.1:0"}),
-                                           "router": manifest.router.model_copy(update={"token_channel": token_channel})})
+                                           "router": manifest.router.model_copy(update={"token_channel": token_channel}),
+                                           "observability": observability})
     cluster = launcher.up(manifest, out=sys.stderr)
     try:
         if not cluster.started_ray:
@@ -132,11 +139,15 @@ def bench_cluster(name: str, requests: int, tokens: int, *, token_channel: bool 
             wall = time.perf_counter() - start
             profile = cpu_per_token(client, profile_tokens) if profile_tokens else None
     finally:
-        cluster.shutdown()
+        cluster.shutdown()  # the router and the replicas send their last spans as they stop
         ray.shutdown()
+        if collector is not None:
+            collector.close()
     result = summarize(sequential, concurrent, tokens, wall)
     if profile is not None:
         result["cpu_ms_per_token"] = profile
+    if collector is not None:
+        result["spans_received"] = len(collector.spans)
     return result
 
 
@@ -189,13 +200,15 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--modes", default="disaggregated,colocated,in_process",
                         help="also: parallel (local-parallel.yaml: prefill tp=2, decode pp=2), colocated_ray_streams "
-                             "(local-colocated.yaml streaming over Ray calls, router.token_channel: false)")
+                             "(local-colocated.yaml streaming over Ray calls, router.token_channel: false), "
+                             "disaggregated_traced (local.yaml with every request traced to a collector here)")
     parser.add_argument("--profile-tokens", type=int, default=0,
                         help="colocated modes: after the timed requests, one request of this many tokens with the "
                              "CPU per token of every cluster process (cpu_ms_per_token)")
     args = parser.parse_args()
     results = {"requests": args.requests, "tokens": args.tokens}
     runs = {"disaggregated": lambda: bench_cluster("local.yaml", args.requests, args.tokens),
+            "disaggregated_traced": lambda: bench_cluster("local.yaml", args.requests, args.tokens, traced=True),
             "colocated": lambda: bench_cluster("local-colocated.yaml", args.requests, args.tokens,
                                                profile_tokens=args.profile_tokens),
             "colocated_ray_streams": lambda: bench_cluster("local-colocated.yaml", args.requests, args.tokens,
@@ -223,6 +236,10 @@ def main() -> None:
         d, c = results["disaggregated"], results["colocated"]
         results["ratios_disaggregated_to_colocated"] = {
             key: d[key] / c[key] for key in ("ttft_ms_p50", "itl_ms_mean", "concurrent_tokens_per_s")}
+    if "disaggregated" in results and "disaggregated_traced" in results:
+        d, t = results["disaggregated"], results["disaggregated_traced"]
+        results["ratios_traced_to_untraced"] = {
+            key: t[key] / d[key] for key in ("ttft_ms_p50", "itl_ms_mean", "concurrent_tokens_per_s")}
     if "colocated" in results and "in_process" in results:
         floor = [results[m]["itl_ms_mean"] for m in ("in_process", "in_process_after") if m in results]
         results["serving_path_ms_per_token"] = results["colocated"]["itl_ms_mean"] - statistics.mean(floor)

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, field_validator
 
-from tandem.router.tracing import TracingConfig
+from tandem.replica.tracing import TracingConfig
 
 
 class ObservabilitySettings(BaseModel):
     """otlp_endpoint: an OpenTelemetry collector's OTLP/gRPC address ("http://collector:4317"; "https://" for TLS)
-    that gets one trace per request (router/tracing.py); null: no traces, and no tracer is created.
+    that gets one trace per request (router/tracing.py, replica/tracing.py); null: no traces, and no tracer is
+    created.
     service_name: the traces' service.name."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -25,5 +26,5 @@ class ObservabilitySettings(BaseModel):
         return endpoint
 
     def tracing(self) -> TracingConfig | None:
-        """The router's tracing configuration; None when traces are off."""
+        """The router's and the replicas' tracing configuration; None when traces are off."""
         return TracingConfig(self.otlp_endpoint, self.service_name) if self.otlp_endpoint else None

@@ -150,7 +150,7 @@ class ReplicaSet:
         actor = ray.remote(cls).options(
             name=f"{self.manifest.name}-{plan.name}", namespace=self.manifest.ray.namespace, num_cpus=0,
             num_gpus=plan.bundle.get("GPU", 0), max_concurrency=1000, scheduling_strategy=strategy,
-        ).remote(plan.name, plan.spec, self.transfer, settle_heap=True)
+        ).remote(plan.name, plan.spec, self.transfer, settle_heap=True, tracing=self.manifest.observability.tracing())
         entry.actor, entry.api = actor, remote_replica(plan.pool, actor,
                                                        token_channel=self.manifest.router.token_channel)
         try:

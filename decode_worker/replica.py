@@ -27,9 +27,12 @@ from tandem.kv_transfer.descriptor import TransferDescriptor, TransferFailedErro
 from tandem.replica.contract import STREAM_CALLS
 from tandem.replica.shell import ReplicaShell
 from tandem.replica.spec import ReplicaSpec
+from tandem.replica.tracing import CallTrace, TracingConfig, Untraced, status_of, traced_stream
 
 if TYPE_CHECKING:  # the runtime is imported when the replica is built (replica/shell.py says why)
     from tandem.kv_transfer.connector import DecodeConnector
+
+LOCAL_PHASES = ("queue", "prefill")  # a request prefilled here: its phases up to its first output (then decode)
 
 
 class DecodeReplica(ReplicaShell):
@@ -37,12 +40,13 @@ class DecodeReplica(ReplicaShell):
     streams = STREAM_CALLS
     connector: DecodeConnector | None
 
-    def __init__(self, name: str, spec: ReplicaSpec, transfer: TransferConfig | None, *, settle_heap: bool = False):
+    def __init__(self, name: str, spec: ReplicaSpec, transfer: TransferConfig | None, *, settle_heap: bool = False,
+                 tracing: TracingConfig | None = None):
         """transfer None: a colocated replica (no KV agents; reserve/decode are refused). transfer.host "": this
-        node's address. settle_heap: ReplicaShell's."""
+        node's address. settle_heap, tracing: ReplicaShell's."""
         from tandem.kv_transfer.connector import DecodeConnector
 
-        super().__init__(name, spec, transfer, DecodeConnector, settle_heap=settle_heap)
+        super().__init__(name, spec, transfer, DecodeConnector, settle_heap=settle_heap, tracing=tracing)
 
     async def reserve(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *,
                       priority: int = 0, cache_salt: str | None = None,
@@ -58,15 +62,20 @@ class DecodeReplica(ReplicaShell):
             lambda _e: self.connector.reserve(request_id, prompt_token_ids, params, priority=priority,
                                               cache_salt=cache_salt, senders=tuple(senders)))
 
-    async def decode(self, request_id: str, first_token: SampledToken) -> AsyncIterator[list[RequestOutput]]:
+    async def decode(self, request_id: str, first_token: SampledToken, *,
+                     trace: str | None = None) -> AsyncIterator[list[RequestOutput]]:
         """Waits for the reserved request's KV, admits it with first_token and streams its outputs (the first
-        one carries first_token). Raises TransferFailedError if the transfer ended badly (blocks are free)."""
+        one carries first_token). trace: the router's traceparent (a span decode_replica with phases kv_wait,
+        admission and decode: replica/tracing.py). Raises TransferFailedError if the transfer ended badly (blocks
+        are free)."""
         if self.connector is None:
             raise ValueError(f"decode replica {self.name} is colocated: it takes no KV transfers")
         self._check_not_aborted(request_id)
+        call = self._trace(trace, "decode_replica", request_id)
         stream = self.server.open_stream(request_id)
         try:
             event = await self.transfers.wait(self.server, request_id)
+            call.mark("kv_wait")
             if event.state is not TransferState.DONE:
                 raise TransferFailedError(request_id, event.state, event.error)
 
@@ -75,30 +84,44 @@ class DecodeReplica(ReplicaShell):
                     self.server.deliver(request_id, output, final=output.finished)
 
             await self.server.call(admit)
-        except BaseException:
+            call.mark("admission")
+        except BaseException as e:
             self.server.close_stream(request_id)
             await self.abort(request_id)
+            call.end(status_of(e))
             raise
-        async for batch in self.server.batches(request_id, stream):
+        async for batch in traced_stream(call, self.server.batches(request_id, stream)):
             yield batch
 
     async def generate(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *,
-                       priority: int = 0, cache_salt: str | None = None) -> AsyncIterator[list[RequestOutput]]:
-        """Prefills and decodes the request here; streams its outputs."""
+                       priority: int = 0, cache_salt: str | None = None,
+                       trace: str | None = None) -> AsyncIterator[list[RequestOutput]]:
+        """Prefills and decodes the request here; streams its outputs. trace: the router's traceparent (a span
+        decode_replica with phases queue, prefill and decode: replica/tracing.py)."""
         self._check_not_aborted(request_id)
-        stream = self.server.add_request(request_id, prompt_token_ids, params, priority=priority,
-                                         cache_salt=cache_salt)
-        async for batch in self.server.batches(request_id, stream):
+        call = self._trace(trace, "decode_replica", request_id)
+        stream = self._add(call, request_id, prompt_token_ids, params, priority=priority, cache_salt=cache_salt)
+        async for batch in traced_stream(call, self.server.batches(request_id, stream), first_phases=LOCAL_PHASES):
             yield batch
 
     async def resume(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
-                     resume: ResumeState, *, priority: int = 0,
-                     cache_salt: str | None = None) -> AsyncIterator[list[RequestOutput]]:
+                     resume: ResumeState, *, priority: int = 0, cache_salt: str | None = None,
+                     trace: str | None = None) -> AsyncIterator[list[RequestOutput]]:
         """Continues a request another decode replica was serving (colocated replicas too): the engine prefills
         the prompt plus resume.output_token_ids and streams only what comes after them (LLMEngine.add_request's
-        resume). Raises ValueError for a request that cannot be resumed."""
+        resume). trace: as generate's. Raises ValueError for a request that cannot be resumed."""
         self._check_not_aborted(request_id)
-        stream = self.server.add_request(request_id, prompt_token_ids, params, priority=priority,
-                                         cache_salt=cache_salt, resume=resume)
-        async for batch in self.server.batches(request_id, stream):
+        call = self._trace(trace, "decode_replica", request_id)
+        call.set("tandem.resumed_tokens", len(resume.output_token_ids))
+        stream = self._add(call, request_id, prompt_token_ids, params, priority=priority, cache_salt=cache_salt,
+                           resume=resume)
+        async for batch in traced_stream(call, self.server.batches(request_id, stream), first_phases=LOCAL_PHASES):
             yield batch
+
+    def _add(self, call: CallTrace | Untraced, request_id: str, *args, **kwargs):
+        """AsyncEngine.add_request, the call's span written (with the error) when the engine refuses it."""
+        try:
+            return self.server.add_request(request_id, *args, **kwargs)
+        except Exception as e:
+            call.end(status_of(e))
+            raise

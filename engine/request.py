@@ -67,6 +67,7 @@ class Sequence:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0
         self.num_preemptions = 0
+        self.scheduled_at: float | None = None  # time.monotonic() at its first scheduling (set by the engine)
         self.block_hashes: list[int] = []
         self._tokens: list[int] = list(self.prompt_token_ids)
         self.hash_salt = kv_salt(self.cache_salt, self.params.lora)  # what the block hashes include

@@ -7,6 +7,9 @@ calls them through replica/remote.py, which puts a Ray actor handle behind the s
 bench/routing.py through the mock replicas of router/mocks/replicas.py. A method that streams yields lists of
 RequestOutput: everything the engine produced since the last item, so one message per engine step at most.
 ResumeState (engine/core/resume.py, torch-free) crosses this line too: what a migrated request had delivered.
+The calls that serve a request take `trace`: the W3C traceparent of the router's span for the request when the
+router traces it (router/tracing.py), under which the replica writes its own spans (replica/tracing.py); None:
+not traced.
 """
 
 from __future__ import annotations
@@ -174,8 +177,8 @@ class ReplicaAPI(Protocol):
 
 class PrefillReplicaAPI(ReplicaAPI, Protocol):
     async def prefill(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
-                      descriptor: TransferDescriptor, *, priority: int = 0,
-                      cache_salt: str | None = None) -> PrefillResult:
+                      descriptor: TransferDescriptor, *, priority: int = 0, cache_salt: str | None = None,
+                      trace: str | None = None) -> PrefillResult:
         """Computes the prompt (reusing this replica's prefix cache; cache_salt: the tenant's salt), pushes its
         KV layer by layer into the decode replica's reservation and returns once every destination rank has
         acknowledged it. Raises ValueError for a request it cannot serve, TransferFailedError if the KV did not
@@ -192,18 +195,20 @@ class DecodeReplicaAPI(ReplicaAPI, Protocol):
         prefill replica then learns it from its lease). Raises ValueError for a request it cannot serve or on a
         colocated replica (it takes no transfers)."""
 
-    def decode(self, request_id: str, first_token: SampledToken) -> AsyncIterator[list[RequestOutput]]:
+    def decode(self, request_id: str, first_token: SampledToken, *,
+               trace: str | None = None) -> AsyncIterator[list[RequestOutput]]:
         """Waits for the reserved request's KV, continues it from first_token and streams its outputs (the
         first carries first_token). Raises TransferFailedError if the transfer ended badly (blocks are free)."""
 
     def generate(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *,
-                 priority: int = 0, cache_salt: str | None = None) -> AsyncIterator[list[RequestOutput]]:
+                 priority: int = 0, cache_salt: str | None = None,
+                 trace: str | None = None) -> AsyncIterator[list[RequestOutput]]:
         """Prefills and decodes the request here (colocated mode, n > 1, conditional disaggregation, or after a
         failed transfer) and streams its outputs."""
 
     def resume(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
-               resume: ResumeState, *, priority: int = 0,
-               cache_salt: str | None = None) -> AsyncIterator[list[RequestOutput]]:
+               resume: ResumeState, *, priority: int = 0, cache_salt: str | None = None,
+               trace: str | None = None) -> AsyncIterator[list[RequestOutput]]:
         """Continues here a request (n == 1) another decode replica was serving when it died (the router's
         migration by token replay): prefills the prompt plus resume.output_token_ids (the tokens the client was
         already sent), draws with resume.seed from the step after them, and streams only what comes after them,
@@ -219,9 +224,10 @@ class DecodeCall:
 
     request_id: str
     first_token: SampledToken
+    trace: str | None = None
 
     def open(self, replica: DecodeReplicaAPI) -> AsyncIterator[list[RequestOutput]]:
-        return replica.decode(self.request_id, self.first_token)
+        return replica.decode(self.request_id, self.first_token, trace=self.trace)
 
 
 @dataclass(frozen=True)
@@ -233,10 +239,11 @@ class GenerateCall:
     params: SamplingParams
     priority: int = 0
     cache_salt: str | None = None
+    trace: str | None = None
 
     def open(self, replica: DecodeReplicaAPI) -> AsyncIterator[list[RequestOutput]]:
         return replica.generate(self.request_id, self.prompt_token_ids, self.params, priority=self.priority,
-                                cache_salt=self.cache_salt)
+                                cache_salt=self.cache_salt, trace=self.trace)
 
 
 @dataclass(frozen=True)
@@ -249,10 +256,11 @@ class ResumeCall:
     resume: ResumeState
     priority: int = 0
     cache_salt: str | None = None
+    trace: str | None = None
 
     def open(self, replica: DecodeReplicaAPI) -> AsyncIterator[list[RequestOutput]]:
         return replica.resume(self.request_id, self.prompt_token_ids, self.params, self.resume,
-                              priority=self.priority, cache_salt=self.cache_salt)
+                              priority=self.priority, cache_salt=self.cache_salt, trace=self.trace)
 
 
 StreamCall = Union[DecodeCall, GenerateCall, ResumeCall]

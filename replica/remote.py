@@ -140,10 +140,10 @@ class RemotePrefillReplica(RemoteReplica):
     """PrefillReplicaAPI over a PrefillReplica actor."""
 
     async def prefill(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
-                      descriptor: TransferDescriptor, *, priority: int = 0,
-                      cache_salt: str | None = None) -> PrefillResult:
+                      descriptor: TransferDescriptor, *, priority: int = 0, cache_salt: str | None = None,
+                      trace: str | None = None) -> PrefillResult:
         return await self.actor.prefill.remote(request_id, prompt_token_ids, params, descriptor, priority=priority,
-                                               cache_salt=cache_salt)
+                                               cache_salt=cache_salt, trace=trace)
 
 
 class RemoteDecodeReplica(RemoteReplica):
@@ -201,17 +201,19 @@ class RemoteDecodeReplica(RemoteReplica):
         return await self.actor.reserve.remote(request_id, prompt_token_ids, params, priority=priority,
                                                cache_salt=cache_salt, senders=senders)
 
-    def decode(self, request_id: str, first_token: SampledToken) -> AsyncIterator[list[RequestOutput]]:
-        return self._streamed(DecodeCall(request_id, first_token))
+    def decode(self, request_id: str, first_token: SampledToken, *,
+               trace: str | None = None) -> AsyncIterator[list[RequestOutput]]:
+        return self._streamed(DecodeCall(request_id, first_token, trace))
 
     def generate(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *,
-                 priority: int = 0, cache_salt: str | None = None) -> AsyncIterator[list[RequestOutput]]:
-        return self._streamed(GenerateCall(request_id, prompt_token_ids, params, priority, cache_salt))
+                 priority: int = 0, cache_salt: str | None = None,
+                 trace: str | None = None) -> AsyncIterator[list[RequestOutput]]:
+        return self._streamed(GenerateCall(request_id, prompt_token_ids, params, priority, cache_salt, trace))
 
     def resume(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
-               resume: ResumeState, *, priority: int = 0,
-               cache_salt: str | None = None) -> AsyncIterator[list[RequestOutput]]:
-        return self._streamed(ResumeCall(request_id, prompt_token_ids, params, resume, priority, cache_salt))
+               resume: ResumeState, *, priority: int = 0, cache_salt: str | None = None,
+               trace: str | None = None) -> AsyncIterator[list[RequestOutput]]:
+        return self._streamed(ResumeCall(request_id, prompt_token_ids, params, resume, priority, cache_salt, trace))
 
 
 def remote_replica(pool: str, actor: Any, *, token_channel: bool = True) -> RemotePrefillReplica | RemoteDecodeReplica:

@@ -33,6 +33,7 @@ from tandem.kv_transfer.drops import MessageDrops
 from tandem.replica.contract import KVEventsReply, ReplicaInfo, ReplicaStats, RequestAbortedError, StreamCall
 from tandem.replica.spec import ReplicaSpec
 from tandem.replica.token_channel import ChannelEnd, ChannelEndpoint, ChannelServer
+from tandem.replica.tracing import UNTRACED, CallTrace, ReplicaTracer, TracingConfig, Untraced
 
 if TYPE_CHECKING:
     from tandem.engine.core.llm_engine import LLMEngine
@@ -86,10 +87,12 @@ class ReplicaShell:
     streams: ClassVar[tuple[type, ...]] = ()  # the stream calls (replica/contract.py StreamCall) it answers
 
     def __init__(self, name: str, spec: ReplicaSpec, transfer: TransferConfig | None, connect: Connect, *,
-                 clock: Callable[[], float] = time.monotonic, settle_heap: bool = False):
+                 clock: Callable[[], float] = time.monotonic, settle_heap: bool = False,
+                 tracing: TracingConfig | None = None):
         """transfer None: no KV agents and no connector (a colocated decode replica). transfer.host "": this
         node's address. connect(engine, transfer): the role's connector, built once before the engine thread
-        starts. settle_heap: this process serves until it ends (a replica actor the control plane started): once
+        starts. tracing: write spans of the calls the router traces (replica/tracing.py; None or no endpoint: no
+        tracer). settle_heap: this process serves until it ends (a replica actor the control plane started): once
         built, freeze what it holds so that garbage collections, which pause the engine's step loop, stop scanning
         it (engine/heap.py). Raises ModelLoadError / ValueError / ReplicaFailedError if the engine cannot
         start."""
@@ -124,6 +127,7 @@ class ReplicaShell:
         self._kv_counts = KVCounts()
         self._speculation: SpeculationStats | None = None  # as of the last stats() (a failed engine keeps them)
         self._channel = ChannelServer()
+        self.tracer = ReplicaTracer(tracing, name, self.pool) if tracing is not None and tracing.otlp_endpoint else None
         if settle_heap:
             _log.info("replica %s: %d objects frozen at its start", name, settle())
 
@@ -312,8 +316,15 @@ class ReplicaShell:
         await self._channel.close()
         await self.server.stop()
         await asyncio.to_thread(self.engine.shutdown)
+        if self.tracer is not None:
+            await asyncio.to_thread(self.tracer.shutdown)  # sends the last spans (it may wait on the network)
 
     # -- for the roles -----------------------------------------------------------------------------------
+
+    def _trace(self, trace: str | None, name: str, request_id: str) -> CallTrace | Untraced:
+        """The recorder of a call the router traces (trace: its traceparent), writing span `name` when it ends;
+        one that records nothing when the call is not traced or this replica has no tracer."""
+        return UNTRACED if self.tracer is None else self.tracer.call(trace, name, request_id)
 
     def _mark_aborted(self, request_id: str) -> None:
         now = self.clock()

@@ -31,7 +31,7 @@ The KV feed (kv_feed.py) polls every replica's KV events and load beside all thi
 Each step is one call on a replica's contract (replica/contract.py): step 1 DecodeReplicaAPI.reserve, step 2
 PrefillReplicaAPI.prefill, step 3 DecodeReplicaAPI.decode, step L DecodeReplicaAPI.generate, step M
 DecodeReplicaAPI.resume, step 4 ReplicaAPI.abort. In a cluster replica/remote.py makes each a Ray call; in tests
-router/mocks/replicas.py answers.
+router/mocks/replicas.py answers. Steps 2, 3, L and M carry the request's traceparent when it is traced.
 
 Names. The request keeps the client's id throughout; each attempt (a retry, a migration, step L's fallback) runs
 on replicas as its RunKey.replica_id() (run_key.py); outputs reach the client under its id (Replay.forward)."""
@@ -321,7 +321,7 @@ class RequestDriver:
             await self.pulls.before_prefill(plan, prefill, f"{rid}/pull", request)
             result = await self._call(prefill, prefill.api.prefill(
                 rid, request.prompt_token_ids, request.params, descriptor,
-                priority=request.priority, cache_salt=request.cache_salt))
+                priority=request.priority, cache_salt=request.cache_salt, trace=request.trace))
         except TransferFailedError as e:
             failure = e
         except ReplicaLostError as e:
@@ -345,7 +345,7 @@ class RequestDriver:
                                 prefill_s=now - start, queue_s=queue_s, transfer_s=result.transfer_s,
                                 admission_s=now - answered)
 
-            stream = decode.api.decode(rid, result.first_token)
+            stream = decode.api.decode(rid, result.first_token, trace=request.trace)
             try:
                 async for progress in self._follow(request, decode, stream, first, touched, replay):
                     yield progress
@@ -394,8 +394,8 @@ class RequestDriver:
         rid = key.replica_id()
         start = time.monotonic()
         self._use(replica, rid, touched)
-        stream = replica.api.generate(
-            rid, request.prompt_token_ids, request.params, priority=request.priority, cache_salt=request.cache_salt)
+        stream = replica.api.generate(rid, request.prompt_token_ids, request.params, priority=request.priority,
+                                      cache_salt=request.cache_salt, trace=request.trace)
 
         def first(outputs: list[RequestOutput], at: Replica) -> Progress:
             return Progress(outputs, decode_replica=at.name, prefill_route=reason, prefill_s=time.monotonic() - start)
@@ -442,4 +442,4 @@ class RequestDriver:
         self._use(replica, rid, touched)
         return replica, replica.api.resume(rid, request.prompt_token_ids, request.params,
                                            replay.resume_state(request.params.seed), priority=request.priority,
-                                           cache_salt=request.cache_salt)
+                                           cache_salt=request.cache_salt, trace=request.trace)

@@ -49,6 +49,7 @@ class ParsedRequest:
     session_id: str = ""
     cache_salt: str | None = None  # the tenant's prefix-cache salt (set by the server after authentication)
     tenant: str | None = None  # who sent it (None: authentication is off); ids are scoped by it
+    trace: str | None = None  # the W3C traceparent of the router's span for it (router/tracing.py); None: untraced
 
     @property
     def hash_salt(self) -> str | None:

@@ -226,6 +226,10 @@ class Serving:
                                                       "deadline")
         account = Accounting(arrival)
         started = time.monotonic()
+        tracer = self.tracer
+        opened = tracer.begin(trace_parent, arrival) if tracer is not None else None
+        if opened is not None:  # the replicas write their spans under the request's
+            parsed = replace(parsed, trace=opened.traceparent)
         asked = parsed.params.max_tokens * parsed.params.n
         self.signals.arrived(len(parsed.prompt_token_ids), asked, arrival)
         decode_replica = prefill_replica = ""
@@ -269,10 +273,10 @@ class Serving:
             ok = code == "OK"
             self.metrics.finished(api, code, account if ok else None, account.timings(time.monotonic()) if ok else None,
                                   structured=parsed.params.structured is not None)
-            if self.tracer is not None:
-                self.tracer.record(RequestTrace(
-                    parsed.request_id, api, code, trace_parent, arrival, started, time.monotonic(), account.first,
-                    account.last, account.queue_s, account.prefill_s, account.transfer_s, account.admission_s,
+            if opened is not None:
+                tracer.record(opened, RequestTrace(
+                    parsed.request_id, api, code, started, time.monotonic(), account.first, account.last,
+                    account.queue_s, account.prefill_s, account.transfer_s, account.admission_s,
                     account.prefill_route, prefill_replica, decode_replica, account.prompt_tokens,
                     account.cached_tokens, account.completion_tokens))
 

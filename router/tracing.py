@@ -15,30 +15,34 @@ with the client's W3C `traceparent` (an HTTP header or gRPC metadata) as its par
       decode                        the first token to the last
     (event first_token on tandem.request)
 
-The children tile the request's time in order, so their durations add up to the request's. The replicas' own
-steps are not in the trace yet: the prefill replica's queue and compute are one span, measured at the router.
+The children tile the request's time in order, so their durations add up to the request's. The root is opened
+when the router starts running the request (begin()), and its traceparent goes with every call on a replica
+(replica/contract.py's `trace`), whose own spans (prefill_replica, decode_replica: replica/tracing.py) are its
+children beside these; the rest is written when the request ends (record()).
 
 Exported in batches over OTLP/gRPC to the collector (`otlp_endpoint`, plaintext unless `https://`); tests hand in
 an in-memory exporter instead."""
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Any
 
+from tandem.replica.tracing import TracingConfig, clock_offset_ns, tracer_provider
 from tandem.router.routing import PREFILL_POOL
 
-EXPORT_DELAY_MS = 1000  # how long finished spans wait before a batch goes to the collector
+__all__ = ["OpenTrace", "RequestTrace", "RequestTracer", "TracingConfig"]
 
 
 @dataclass(frozen=True)
-class TracingConfig:
-    """otlp_endpoint: the OpenTelemetry collector's OTLP/gRPC address ("http://host:4317"); None: no traces.
-    service_name: the traces' service.name."""
+class OpenTrace:
+    """A request's root span while the request runs (RequestTracer.begin): traceparent is its W3C traceparent,
+    what each call on a replica carries; offset_ns turns the router's monotonic clock into the spans' (read once,
+    so that the phases tile the root exactly)."""
 
-    otlp_endpoint: str | None = None
-    service_name: str = "tandem"
+    span: Any
+    traceparent: str
+    offset_ns: int
 
 
 @dataclass(frozen=True)
@@ -49,9 +53,7 @@ class RequestTrace:
     request_id: str
     api: str
     code: str
-    trace_parent: str | None
-    arrival: float
-    started: float
+    started: float  # when the router began running it (after parsing)
     end: float
     first: float | None = None
     last: float | None = None
@@ -71,45 +73,45 @@ class RequestTracer:
     def __init__(self, config: TracingConfig, *, exporter: Any = None):
         """exporter: an OpenTelemetry SpanExporter that gets each span as it ends (tests); None: the collector at
         config.otlp_endpoint, in batches."""
-        from opentelemetry.sdk.resources import Resource
-        from opentelemetry.sdk.trace import TracerProvider
-        from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
         from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-        self.provider = TracerProvider(resource=Resource.create({"service.name": config.service_name}))
-        if exporter is None:
-            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-
-            endpoint = config.otlp_endpoint or ""
-            exporter = OTLPSpanExporter(endpoint=endpoint, insecure=not endpoint.startswith("https://"))
-            self.provider.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=EXPORT_DELAY_MS))
-        else:
-            self.provider.add_span_processor(SimpleSpanProcessor(exporter))
+        self.provider = tracer_provider(config, "router", exporter=exporter)
         self.tracer = self.provider.get_tracer("tandem.router")
         self._propagator = TraceContextTextMapPropagator()
 
-    def record(self, t: RequestTrace) -> None:
-        """Writes the request's spans (see the module docstring)."""
-        from opentelemetry.trace import SpanKind, Status, StatusCode, set_span_in_context
+    def begin(self, trace_parent: str | None, arrival: float) -> OpenTrace:
+        """Opens a request's root span from its arrival (monotonic), under the client's traceparent when one
+        came (trace_parent; a malformed one is ignored: the trace then starts here)."""
+        from opentelemetry.trace import SpanKind, set_span_in_context
 
-        offset = time.time_ns() - time.monotonic_ns()
+        offset = clock_offset_ns()
+        parent = self._propagator.extract({"traceparent": trace_parent}) if trace_parent else None
+        root = self.tracer.start_span("tandem.request", context=parent, kind=SpanKind.SERVER,
+                                      start_time=int(arrival * 1e9) + offset)
+        carrier: dict[str, str] = {}
+        self._propagator.inject(carrier, context=set_span_in_context(root))
+        return OpenTrace(root, carrier["traceparent"], offset)
+
+    def record(self, opened: OpenTrace, t: RequestTrace) -> None:
+        """Writes the request's phases under its root and ends it (see the module docstring)."""
+        from opentelemetry.trace import Status, StatusCode, set_span_in_context
 
         def ns(at: float) -> int:
-            return int(at * 1e9) + offset
+            return int(at * 1e9) + opened.offset_ns
 
-        parent = self._propagator.extract({"traceparent": t.trace_parent}) if t.trace_parent else None
-        root = self.tracer.start_span("tandem.request", context=parent, kind=SpanKind.SERVER, start_time=ns(t.arrival),
-                                      attributes=_request_attributes(t))
+        root = opened.span
+        root.set_attributes(_request_attributes(t))
         if t.code != "OK":
             root.set_status(Status(StatusCode.ERROR, t.code))
         inside = set_span_in_context(root)
+        arrival = (root.start_time - opened.offset_ns) / 1e9
 
         def child(name: str, start: float, end: float, context=inside, **attributes) -> Any:
             span = self.tracer.start_span(name, context=context, start_time=ns(start), attributes=attributes or None)
             span.end(end_time=ns(max(start, end)))
             return span
 
-        child("parse", t.arrival, t.started)
+        child("parse", arrival, t.started)
         if t.first is None:
             child("route", t.started, t.end)
         else:

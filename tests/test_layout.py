@@ -65,6 +65,7 @@ LAYERS = {
 LOADGEN_MAY_IMPORT = ("tandem.bench.loadgen", "tandem.router.client", "tandem.proto.", "tandem.engine.loader.model_info")
 # What the router takes from the layers below it: types and the torch-free loader, never a runtime module.
 ROUTER_MAY_IMPORT = ("tandem.replica.contract", "tandem.replica.remote", "tandem.kv_transfer.descriptor",
+                     "tandem.replica.tracing",  # the trace settings and span clock both sides share (torch-free)
                      "tandem.kv_transfer.drops",  # MessageDrops: a plain value in ReplicaStats
                      "tandem.engine.", "tandem.proto.")
 

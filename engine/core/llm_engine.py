@@ -306,6 +306,9 @@ class LLMEngine:
         sample that got tokens (a speculating sample may get several in one output)."""
         start = time.perf_counter()
         schedule = self.scheduler.schedule()
+        for new in schedule.new_seqs:  # when each sequence was first scheduled (for request traces)
+            if (seq := self.scheduler.seqs.get(new.seq_id)) is not None and seq.scheduled_at is None:
+                seq.scheduled_at = time.monotonic()
         if changes := self.lora.take_changes():
             schedule = dataclasses.replace(schedule, lora_changes=changes)
         executed = time.perf_counter()

@@ -48,13 +48,17 @@ class RequestOutput:
     num_prompt_tokens: int
     num_cached_tokens: int
     finished: bool
+    # On the output carrying the sample's first token: when it was first scheduled (the engine process's
+    # time.monotonic(); request traces split the queue from the prefill with it). None on the others.
+    scheduled_at: float | None = None
 
     def followed_by(self, later: RequestOutput) -> RequestOutput:
         """This output and the same sample's next one as one (a step that emitted several tokens)."""
         logprobs = None if self.logprobs is None and later.logprobs is None else \
             (*(self.logprobs or ()), *(later.logprobs or ()))
         return replace(later, token_ids=self.token_ids + later.token_ids, text=self.text + later.text,
-                       logprobs=logprobs)
+                       logprobs=logprobs, scheduled_at=later.scheduled_at if self.scheduled_at is None else
+                       self.scheduled_at)
 
 
 class SampleStream:
@@ -124,6 +128,7 @@ class OutputProcessor:
                 self._samples_left.pop(seq.request_id, None)
             else:
                 self._samples_left[seq.request_id] = left
+        first = bool(token_ids) and len(seq.output_token_ids) == len(token_ids)
         return RequestOutput(seq.request_id, seq.index, token_ids, text, logprobs,
                              status.finish_reason if status else None, seq.num_prompt_tokens,
-                             seq.num_cached_tokens, finished)
+                             seq.num_cached_tokens, finished, seq.scheduled_at if first else None)

@@ -258,7 +258,8 @@ class BatchedDecode(_BatchedReplica):
                                   tuple(range(-(-len(prompt) // BLOCK_SIZE))), len(prompt), _KV,
                                   time.time() + LEASE_S)
 
-    async def decode(self, request_id: str, first_token: SampledToken) -> AsyncIterator[list[RequestOutput]]:
+    async def decode(self, request_id: str, first_token: SampledToken, *,
+                     trace: str | None = None) -> AsyncIterator[list[RequestOutput]]:
         self._check(request_id)
         seq = self.reservations.pop(request_id, None)
         if seq is None:
@@ -277,7 +278,8 @@ class BatchedDecode(_BatchedReplica):
             yield batch
 
     async def generate(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *,
-                       priority: int = 0, cache_salt: str | None = None) -> AsyncIterator[list[RequestOutput]]:
+                       priority: int = 0, cache_salt: str | None = None,
+                       trace: str | None = None) -> AsyncIterator[list[RequestOutput]]:
         self._check(request_id)
         seq = _Seq(request_id, tuple(prompt_token_ids), params, cache_salt, outputs=asyncio.Queue())
         self.served.append(request_id)
@@ -286,8 +288,8 @@ class BatchedDecode(_BatchedReplica):
             yield batch
 
     async def resume(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
-                     resume: ResumeState, *, priority: int = 0,
-                     cache_salt: str | None = None) -> AsyncIterator[list[RequestOutput]]:
+                     resume: ResumeState, *, priority: int = 0, cache_salt: str | None = None,
+                     trace: str | None = None) -> AsyncIterator[list[RequestOutput]]:
         """Like generate(), with the delivered tokens computed beside the prompt and the stream starting at the
         token after them (a migrated request)."""
         self._check(request_id)
@@ -344,8 +346,8 @@ class BatchedPrefill(_BatchedReplica):
         return False
 
     async def prefill(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
-                      descriptor: TransferDescriptor, *, priority: int = 0,
-                      cache_salt: str | None = None) -> PrefillResult:
+                      descriptor: TransferDescriptor, *, priority: int = 0, cache_salt: str | None = None,
+                      trace: str | None = None) -> PrefillResult:
         self._check(request_id)
         seq = _Seq(request_id, tuple(prompt_token_ids), params, cache_salt,
                    done=asyncio.get_running_loop().create_future())

@@ -111,6 +111,7 @@ class _MockReplica:
         self.kv_messages_by_reference = 0  # and sent by reference (settable)
         self.kv_bytes_sent = self.kv_bytes_received = 0  # and KV payload bytes moved (settable)
         self.num_preemptions = 0  # what stats() reports its scheduler preempted (settable)
+        self.traces: list[str | None] = []  # the traceparent each serving call carried (None: not traced)
         self.speculation = None  # what stats() reports its speculative decoding did (settable: SpeculationStats)
         self.pulls_in: dict[str, tuple[tuple[int, ...], str | None]] = {}  # prefix pulls reserved here
         self.pulls_out: list[str] = []  # prefix pulls sent from here
@@ -220,7 +221,9 @@ class MockDecode(_MockReplica):
         return TransferDescriptor(f"{request_id}/0", _LAYOUT, ("mock://" + self.name,), blocks, len(prompt), _KV,
                                   time.time() + LEASE_S)
 
-    async def decode(self, request_id: str, first_token: SampledToken) -> AsyncIterator[list[RequestOutput]]:
+    async def decode(self, request_id: str, first_token: SampledToken, *,
+                     trace: str | None = None) -> AsyncIterator[list[RequestOutput]]:
+        self.traces.append(trace)
         first = first_token
         prompt, params, salt = self.reservations.pop(request_id)
         self.cache.store(prompt, salt)  # the transferred blocks enter this replica's prefix cache
@@ -229,7 +232,9 @@ class MockDecode(_MockReplica):
             yield batch
 
     async def generate(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *,
-                       priority: int = 0, cache_salt: str | None = None) -> AsyncIterator[list[RequestOutput]]:
+                       priority: int = 0, cache_salt: str | None = None,
+                       trace: str | None = None) -> AsyncIterator[list[RequestOutput]]:
+        self.traces.append(trace)
         prompt = tuple(prompt_token_ids)
         self.served.append(request_id)
         self.salts.append(cache_salt)
@@ -241,10 +246,11 @@ class MockDecode(_MockReplica):
             yield batch
 
     async def resume(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
-                     resume: ResumeState, *, priority: int = 0,
-                     cache_salt: str | None = None) -> AsyncIterator[list[RequestOutput]]:
+                     resume: ResumeState, *, priority: int = 0, cache_salt: str | None = None,
+                     trace: str | None = None) -> AsyncIterator[list[RequestOutput]]:
         """The mock model's completion from token len(resume.output_token_ids) on (it depends only on the
         prompt, so it continues any replica's). Raises ValueError as the engine does for what cannot resume."""
+        self.traces.append(trace)
         prompt = tuple(prompt_token_ids)
         delivered = len(resume.output_token_ids)
         if params.n != 1 or delivered >= params.max_tokens:
@@ -288,8 +294,9 @@ class MockPrefill(_MockReplica):
         self._compute = asyncio.Lock()  # one prompt at a time, like one accelerator
 
     async def prefill(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
-                      descriptor: TransferDescriptor, *, priority: int = 0,
-                      cache_salt: str | None = None) -> PrefillResult:
+                      descriptor: TransferDescriptor, *, priority: int = 0, cache_salt: str | None = None,
+                      trace: str | None = None) -> PrefillResult:
+        self.traces.append(trace)
         prompt = tuple(prompt_token_ids)
         async with self._compute:
             _, hit = self.cache.lookup(tuple(prompt), cache_salt)
@@ -350,8 +357,9 @@ class DyingPrefill(MockPrefill):
         self.dead = False
 
     async def prefill(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
-                      descriptor: TransferDescriptor, *, priority: int = 0,
-                      cache_salt: str | None = None) -> PrefillResult:
+                      descriptor: TransferDescriptor, *, priority: int = 0, cache_salt: str | None = None,
+                      trace: str | None = None) -> PrefillResult:
+        self.traces.append(trace)
         from ray.exceptions import RayActorError
 
         await asyncio.sleep(self.step_s)

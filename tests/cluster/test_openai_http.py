@@ -19,7 +19,7 @@ import pytest
 from tandem.cluster.manifest import ApiKey, AuthSettings
 from tandem.cluster.observability_settings import ObservabilitySettings
 from tandem.router.client import TandemClient
-from tests.cluster.otlp_collector import OTLPCollector
+from tandem.bench.otlp_collector import OTLPCollector
 from tests.cluster.ray_cluster import (QUESTIONS, chat, check_integrity, manifest_for_test, running,
                                       simulated_cluster, wait_idle)
 
@@ -191,9 +191,10 @@ def test_metrics_show_requests_and_routing(cluster, client):
 
 
 def test_a_request_is_one_trace_in_the_collector_under_the_clients_traceparent(cluster, collector):
-    """The router sends each request's trace to the manifest's collector over OTLP/gRPC: one tree under the
-    client's W3C traceparent, its phases (the prefill split into the prefill replica's part, the KV transfer and
-    the decode replica's admission) tiling the request, which lasts the client's latency within 5%."""
+    """The router and the replicas send each request's trace to the manifest's collector over OTLP/gRPC: one tree
+    under the client's W3C traceparent, the router's phases (the prefill split into the prefill replica's part,
+    the KV transfer and the decode replica's admission) tiling the request, which lasts the client's latency
+    within 5%, and beside them the prefill and the decode replica's spans of their calls, with their phases."""
     trace_id, span_id = secrets.token_hex(16), secrets.token_hex(8)
     # A prompt no cache holds, longer than LOCAL_BELOW: prefilled on the prefill pool, its KV transferred.
     body = {"model": MODEL, "messages": [{"role": "user", "content": f"{trace_id} {SYSTEM} When do you open?"}],
@@ -206,13 +207,26 @@ def test_a_request_is_one_trace_in_the_collector_under_the_clients_traceparent(c
                           headers={"traceparent": f"00-{trace_id}-{span_id}-01"})
         latency = time.monotonic() - sent
     assert reply.status_code == 200, reply.text
-    spans = collector.trace(trace_id)
+    spans = collector.trace(trace_id, names=("tandem.request", "prefill_replica", "decode_replica"))
     by_id = {span.span_id: span for span in spans}
     [root] = [span for span in spans if span.name == "tandem.request"]
     assert root.parent_span_id.hex() == span_id
     for span in spans:
         assert span is root or span.parent_span_id in by_id, span.name
-    phases = sorted((s for s in spans if s.parent_span_id == root.span_id), key=lambda s: s.start_time_unix_nano)
+    # the replicas' spans (their own processes) hang under the root beside the router's phases
+    calls = {s.name: s for s in spans if s.parent_span_id == root.span_id and s.name.endswith("_replica")}
+    assert sorted(calls) == ["decode_replica", "prefill_replica"]
+    components = {span.name: service for service, span in collector.spans_of(trace_id)}
+    assert components["prefill_replica"] == "prefill" and components["decode_replica"] == "decode"
+    for name, phases in (("prefill_replica", ["queue", "compute", "kv_send"]),
+                         ("decode_replica", ["kv_wait", "admission", "decode"])):
+        call = calls[name]
+        inside = sorted((s for s in spans if s.parent_span_id == call.span_id), key=lambda s: s.start_time_unix_nano)
+        assert [s.name for s in inside] == phases, name
+        assert root.start_time_unix_nano <= call.start_time_unix_nano <= call.end_time_unix_nano <= \
+            root.end_time_unix_nano + 5_000_000, name  # one host's clock; the router's end follows the decode's
+    phases = sorted((s for s in spans if s.parent_span_id == root.span_id and s.name not in calls),
+                    key=lambda s: s.start_time_unix_nano)
     assert [s.name for s in phases] == ["parse", "route", "queue", "prefill", "decode"]
     assert sum(s.end_time_unix_nano - s.start_time_unix_nano for s in phases) == \
         root.end_time_unix_nano - root.start_time_unix_nano

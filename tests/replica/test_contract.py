@@ -127,11 +127,12 @@ def test_each_stream_call_opens_the_method_it_stands_for_with_every_field():
 
     params, token = SamplingParams(max_tokens=3), SampledToken(7, None, ())
     resume = ResumeState(output_token_ids=(1, 2), seed=3)
-    calls = [(contract.DecodeCall("a", token), ("decode", ("a", token), {})),
-             (contract.GenerateCall("b", [1], params, 2, "salt"),
-              ("generate", ("b", [1], params), {"priority": 2, "cache_salt": "salt"})),
+    trace = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    calls = [(contract.DecodeCall("a", token, trace), ("decode", ("a", token), {"trace": trace})),
+             (contract.GenerateCall("b", [1], params, 2, "salt", trace),
+              ("generate", ("b", [1], params), {"priority": 2, "cache_salt": "salt", "trace": trace})),
              (contract.ResumeCall("c", [1], params, resume, -1, None),
-              ("resume", ("c", [1], params, resume), {"priority": -1, "cache_salt": None}))]
+              ("resume", ("c", [1], params, resume), {"priority": -1, "cache_salt": None, "trace": None}))]
     assert set(contract.STREAM_CALLS) == {type(call) for call, _ in calls}
     assert set(_protocol_methods(contract.DecodeReplicaAPI)) >= {name for _, (name, _, _) in calls}
 

@@ -46,9 +46,10 @@ class PriorityDecode(MockDecode):
         self.priorities: dict[str, int] = {}
         self.holding: set[str] = set()
 
-    def generate(self, request_id, prompt_token_ids, params, *, priority=0, cache_salt=None):
+    def generate(self, request_id, prompt_token_ids, params, *, priority=0, cache_salt=None, trace=None):
         self.priorities[request_id] = priority
-        return super().generate(request_id, prompt_token_ids, params, priority=priority, cache_salt=cache_salt)
+        return super().generate(request_id, prompt_token_ids, params, priority=priority, cache_salt=cache_salt,
+                                trace=trace)
 
     async def _stream(self, request_id, *args, **kwargs):
         while request_id.partition("/")[0] in self.holding:

@@ -38,7 +38,7 @@ class TracedRouter(BackgroundLoop):
         self.spans = InMemorySpanExporter()
 
         async def boot():
-            replicas = [MockPrefill("prefill-0", step_s=0.01), MockDecode("decode-0", step_s=0.02)]
+            self.replicas = replicas = [MockPrefill("prefill-0", step_s=0.01), MockDecode("decode-0", step_s=0.02)]
             ready = [ReadyReplica(r.name, r.pool, r, await r.ready()) for r in replicas]
             self.actor = router_actor.RouterActor(None, DriverSettings())
             endpoints = await self.actor.start(ready, "127.0.0.1:0", "127.0.0.1:0")
@@ -115,6 +115,9 @@ def test_an_http_request_is_one_trace_under_the_clients_traceparent(router):
     assert attributes["tandem.status"] == "OK" and attributes["gen_ai.usage.output_tokens"] == TOKENS
     assert (attributes["tandem.prefill_replica"], attributes["tandem.decode_replica"]) == ("prefill-0", "decode-0")
     assert named["prefill"].attributes["tandem.pool"] == "prefill"
+    # the prefill and the decode call carried the root's context: the replicas' spans go under it
+    prefill, decode = router.replicas
+    assert prefill.traces[-1] == decode.traces[-1] == f"00-{trace_id}-{root.context.span_id:016x}-01"
 
 
 def test_a_grpc_request_takes_its_traceparent_from_the_metadata(router):
@@ -146,5 +149,6 @@ def test_with_tracing_off_the_router_has_no_tracer(monkeypatch):
         assert httpx.post(f"http://{r.http}/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2},
                           timeout=30).status_code == 200
         assert r.actor.serving.tracer is None
+        assert [trace for replica in r.replicas for trace in replica.traces] == [None, None]  # prefill, decode
     finally:
         r.close()

@@ -142,3 +142,25 @@ def test_kv_agent_is_called_by_reference_in_one_process(embedded):
     with LLMEngine(embedded, EngineConfig(num_kv_blocks=16, max_model_len=1024)) as plain:
         with pytest.raises(ValueError, match="without a KV transfer agent"):
             plain.call_kv_agents(ProbeAgent.where, {0: ("tag",)})
+
+
+def test_each_samples_first_output_says_when_it_was_first_scheduled(tiny_llama):
+    """What request traces split a replica's queue from its prefill with: the output carrying a sample's first
+    token holds the engine's time of its first scheduling (a chunked prompt: its first chunk's step), the other
+    outputs None; a request waiting behind another is scheduled later."""
+    engine = engine_for(tiny_llama, max_num_seqs=1, max_num_batched_tokens=16, max_model_len=256)
+    engine.add_request("a", list(range(40)), greedy(3))  # three prefill chunks
+    engine.add_request("b", list(range(50, 60)), greedy(2))  # waits for "a" (one sequence at a time)
+    added = time.monotonic()
+    outputs: dict[str, list] = defaultdict(list)
+    first_chunk_done = None
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            outputs[output.request_id].append((output, time.monotonic()))
+        first_chunk_done = first_chunk_done or time.monotonic()
+    for rid, count in (("a", 3), ("b", 2)):
+        (first, seen), *rest = outputs[rid]
+        assert len(outputs[rid]) == count and all(o.scheduled_at is None for o, _ in rest)
+        assert added <= first.scheduled_at <= seen
+    assert outputs["a"][0][0].scheduled_at <= first_chunk_done  # the first chunk, not the last
+    assert outputs["b"][0][0].scheduled_at >= outputs["a"][-1][1]
