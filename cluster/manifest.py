@@ -42,7 +42,8 @@ YAML.
       api_keys:
         - {tenant: acme, key_env: ACME_API_KEY}    # or key: "...", or key_file: path/to/file
       tenants:                      # per tenant (router/limits.py TenantLimits); others get default_tenant
-        acme: {priority: {min: -5, max: 5}, max_requests: 64}
+        acme: {priority: {min: -5, max: 5}, max_requests: 64, requests_per_minute: 600,
+               tokens_per_minute: 200000, weight: 2}   # rate limits (null: none); weight: its `fair` share
       default_tenant: {priority: {min: 0, max: 0}, max_requests: null}
     tls: {cert_file: server.pem, key_file: server.key, client_ca_file: null,   # absent: plaintext
           ca_file: null}            # what `tandem up --ask` trusts (default: cert_file, for a self-signed one)
@@ -328,8 +329,8 @@ class ApiKey(_Strict):
 class AuthSettings(_Strict):
     """API keys for both the gRPC and the HTTP API (`authorization: Bearer KEY`). No keys: no authentication.
     A key's tenant also salts the prefix cache, so tenants never share cached KV blocks, and scopes request and
-    session ids. tenants: each tenant's priority range and request cap; default_tenant: everyone else's (and
-    every request's when authentication is off)."""
+    session ids. tenants: each tenant's priority range, request cap, rate limits and fair-share weight;
+    default_tenant: everyone else's (and every request's when authentication is off)."""
 
     api_keys: list[ApiKey] = Field(default_factory=list)
     tenants: dict[str, TenantLimits] = Field(default_factory=dict)

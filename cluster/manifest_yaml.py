@@ -10,7 +10,7 @@ from __future__ import annotations
 import difflib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, get_origin
 
 import yaml
 from pydantic import ValidationError
@@ -66,12 +66,18 @@ def line_map(text: str) -> dict[tuple, int]:
 def _model_fields(loc: tuple) -> list[str]:
     """Field names allowed at the mapping that holds loc[-1], for 'did you mean' hints."""
     model: Any = Manifest
+    keyed = False  # the key before was a mapping of names to models (auth.tenants): this key is a name
     for key in loc[:-1]:
+        if keyed:
+            keyed = False
+            continue
         field = getattr(model, "model_fields", {}).get(key)
         if field is None:
             return []
         annotation = field.annotation
-        candidates = [a for a in getattr(annotation, "__args__", (annotation,)) if hasattr(a, "model_fields")]
+        keyed = get_origin(annotation) is dict
+        args = getattr(annotation, "__args__", (annotation,))[1 if keyed else 0:]
+        candidates = [a for a in args if hasattr(a, "model_fields")]
         if not candidates:
             return []
         model = candidates[0]

@@ -5,8 +5,9 @@
 RequestLimits bounds everything a client controls the size of: the body, the prompt (characters before it is
 tokenized, tokens after), n, max_tokens, stop strings, logprobs, a completions prompt list, chat messages and
 the nesting depth of the JSON. A value left null follows the model (max_model_len). TenantLimits clamps a
-tenant's priority and caps its requests in flight and queued. AdmissionSettings says when the cluster as a
-whole is too busy to start a new request in time (router/admission.py).
+tenant's priority, caps its requests in flight and queued, limits its rates and weighs its fair share.
+AdmissionSettings says when the cluster as a whole is too busy to start a new request in time
+(router/admission.py).
 """
 
 from __future__ import annotations
@@ -106,11 +107,17 @@ class PriorityRange(_Strict):
 
 class TenantLimits(_Strict):
     """priority: the range the tenant's requests may ask for. max_requests: its requests in flight and queued
-    at once (null: no cap); past it a request is refused with HTTP 429 + Retry-After / RESOURCE_EXHAUSTED."""
+    at once (null: no cap); past it a request is refused with HTTP 429 + Retry-After / RESOURCE_EXHAUSTED.
+    requests_per_minute, tokens_per_minute (prompt and generated tokens): its rate limits (null: none;
+    router/rate_limits.py), refused the same way. weight: its share against other tenants where a pool
+    schedules `fair` (a tenant of weight 2 gets twice the tokens of one of weight 1 while both wait)."""
 
     priority: PriorityRange = PriorityRange()
     max_requests: int | None = Field(None, ge=1)
     retry_after_s: int = Field(1, ge=1, le=3600)
+    requests_per_minute: int | None = Field(None, ge=1)
+    tokens_per_minute: int | None = Field(None, ge=1)
+    weight: float = Field(1.0, gt=0, le=1e6)
 
 
 class AdmissionSettings(_Strict):

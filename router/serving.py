@@ -26,6 +26,7 @@ from tandem.router.pool_signals import PoolSignals
 from tandem.router.replicas import NoCapacityError, NoReplicaError, ReplicaLostError, is_replica_death
 from tandem.router.request_parsing import InvalidRequest, ModelFacts, ParsedRequest, parse_request
 from tandem.router.run_key import RunKey
+from tandem.router.rate_limits import RateCharge, RateLimited, TenantRates
 from tandem.router.tenant_gate import Admission, TenantGate, TooManyRequests
 from tandem.router.tracing import RequestTrace, RequestTracer
 
@@ -117,6 +118,7 @@ class Serving:
         self.metrics = RouterMetrics(driver, lambda: len(self.active))
         self.signals = PoolSignals()  # what the autoscaler reads of each pool (router/pool_signals.py)
         self.metrics.watch_admission(self.admission)
+        self.rates = TenantRates(self.limits, self.metrics.registry)  # each tenant's requests and tokens a minute
         self.tracer = tracer
 
     def authenticate(self, authorization: str | None, api: str) -> str | None:
@@ -132,6 +134,15 @@ class Serving:
         try:
             return self.gate.admit(tenant, count)
         except TooManyRequests as e:
+            self.refused(api, e.code)
+            raise
+
+    def _charge(self, parsed: ParsedRequest, api: str) -> RateCharge:
+        """Takes the request from its tenant's rate limits (router/rate_limits.py). Raises RateLimited (counted)."""
+        try:
+            return self.rates.charge(parsed.tenant, len(parsed.prompt_token_ids),
+                                     parsed.params.max_tokens * parsed.params.n)
+        except RateLimited as e:
             self.refused(api, e.code)
             raise
 
@@ -202,9 +213,8 @@ class Serving:
                   trace_parent: str | None = None) -> AsyncIterator[Step]:
         """Drives one request, yielding each progress, until its deadline (monotonic; None: the manifest's
         request_timeout_s from arrival). Raises InvalidRequest (ALREADY_EXISTS for an id the tenant has in use),
-        Draining once drain() began, AtCapacity (before any replica is called) when the cluster cannot start it in
-        time, RequestCancelled
-        after an Abort call, DeadlineExceeded, the driver's errors, or CancelledError when the caller went away;
+        Draining once drain() began, RateLimited past its tenant's requests or tokens a minute, AtCapacity (before
+        any replica is called) when the cluster cannot start it in time, RequestCancelled after an Abort call, DeadlineExceeded, the driver's errors, or CancelledError when the caller went away;
         in every case but success the request is aborted on every replica (the driver does). Metrics and counters
         are updated, and its trace written (trace_parent: the client's W3C traceparent), however it ends."""
         key = RequestKey(parsed.tenant, parsed.request_id)
@@ -212,9 +222,11 @@ class Serving:
         if key in self.active:
             self.metrics.finished(api, "ALREADY_EXISTS", None, None)
             raise InvalidRequest(f"request id {parsed.request_id!r} is in use", "ALREADY_EXISTS")
+        charge = self._charge(parsed, api)  # settled in the finally below with the tokens it generated
         try:
             ticket = self.admission.admit()  # closed in the finally below, however the request ends
         except AtCapacity as e:
+            charge.refund()
             self._at_capacity(api, e)
             raise
         task = asyncio.current_task()
@@ -262,6 +274,7 @@ class Serving:
             raise
         finally:
             ticket.close()
+            charge.settle(account.completion_tokens)
             timer.cancel()
             self.active.pop(key, None)
             self._ended_by.pop(key, None)

@@ -206,6 +206,21 @@ def test_router_admission_defaults_to_the_queue_timeout_and_slo_mode_needs_a_ttf
     assert (admission.mode, admission.ttft_slo_s) == ("slo", 0.5)
 
 
+def test_tenant_rate_limits_and_weights_are_checked_and_reach_the_router(tmp_path):
+    from tandem.cluster.controller import serving_limits
+
+    head = "pools:\n  prefill: {}\n  decode: {}\nauth:\n  api_keys: [{tenant: acme, key: sk-acme-0123456789}]\n"
+    errors = {e.path: e for e in manifest_errors(write_manifest(tmp_path, head + (
+        "  tenants:\n    acme: {requests_per_minute: 0, tokens_per_minute: -3, weight: 0, tokens_per_minut: 5}\n")))}
+    assert {"auth.tenants.acme.requests_per_minute", "auth.tenants.acme.tokens_per_minute",
+            "auth.tenants.acme.weight", "auth.tenants.acme.tokens_per_minut"} <= set(errors)
+    assert "tokens_per_minute" in errors["auth.tenants.acme.tokens_per_minut"].hint  # did you mean
+    manifest = validate_file(write_manifest(tmp_path, head + (
+        "  tenants:\n    acme: {requests_per_minute: 60, tokens_per_minute: 5000, weight: 2.5}\n")), check_ports=False)
+    acme = serving_limits(manifest).tenant("acme")  # what the router is started with
+    assert (acme.requests_per_minute, acme.tokens_per_minute, acme.weight) == (60, 5000, 2.5)
+
+
 # --- the CLI -----------------------------------------------------------------------------------------------------
 
 
