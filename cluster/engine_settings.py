@@ -20,7 +20,7 @@ from typing import Any, Literal, get_type_hints
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 
-from tandem.engine.engine_config import EngineConfig, KVTiersConfig, LoadFormat, SpeculativeConfig
+from tandem.engine.engine_config import EngineConfig, KVTiersConfig, LoadFormat, SchedulingConfig, SpeculativeConfig
 from tandem.replica.spec import ReplicaSpec
 from tandem.router.limits import parse_bytes
 
@@ -92,8 +92,26 @@ class KVTiersSettings(_Strict):
         return KVTiersConfig(self.host_bytes, self.disk_path, self.disk_bytes)
 
 
-# the engine's, but taken differently here (see the module doc); lora from the manifest's own section, for every pool
-_OWN_KEYS = ("kv_cache_bytes", "speculative", "kv_tiers", "lora")
+_TENANT_KEYS = ("tenant_weights", "default_weight")  # from auth.tenants.<name>.weight and auth.default_tenant
+
+
+class SchedulerSettings(_section_of(SchedulingConfig, skip=_TENANT_KEYS)):
+    """A pool's `scheduler:` section: the order its replicas serve sequences in and priority preemption
+    (engine/core/scheduling_policy.py). The fair policy's weights are the tenants' (auth.tenants.<name>.weight)."""
+
+    @model_validator(mode="after")
+    def _checked_by_the_engine(self) -> SchedulerSettings:
+        self.config()
+        return self
+
+    def config(self, tenant_weights: tuple[tuple[str, float], ...] = (), default_weight: float = 1.0
+               ) -> SchedulingConfig:
+        return SchedulingConfig(self.policy, self.preempt_after_s, self.sjf_aging_s, tenant_weights, default_weight)
+
+
+# the engine's, but taken differently here (see the module doc); lora from the manifest's own section, for every
+# pool; scheduling from the pool's scheduler section
+_OWN_KEYS = ("kv_cache_bytes", "speculative", "kv_tiers", "lora", "scheduling")
 ENGINE_KEYS = tuple(_fields_of(EngineConfig, skip=_OWN_KEYS))  # taken as the engine defines them
 _REPLICA = {f.name: f.default for f in dataclasses.fields(ReplicaSpec)}
 

@@ -16,6 +16,7 @@ YAML.
                  speculative: null,           # or {proposer: suffix, max_tokens: 4} (ngram, suffix or draft)
                  kv_tiers: null}              # or {host_bytes: 8GiB, disk_path: /var/tmp/tandem, disk_bytes: 64GiB}
                                     # every key of engine/engine_config.py EngineConfig (cluster/engine_settings.py)
+        scheduler: {policy: priority, preempt_after_s: null, sjf_aging_s: 30}   # or fcfs, sjf, fair (tenant weights)
         cpu_affinity: null          # or host CPUs, [0, 1] or "0-3,8": rank r pins to the r-th equal share
         autoscaling: {interval_s: 1, up_window_s: 10, down_window_s: 60, target_utilization: 0.8,
                       down_utilization: 0.5, panic_window_s: 3, panic_pressure: 2, kv_high: 0.8,
@@ -62,7 +63,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from tandem.cluster.autoscaling import ScalingSettings
-from tandem.cluster.engine_settings import EngineSettings
+from tandem.cluster.engine_settings import EngineSettings, SchedulerSettings
 from tandem.cluster.lora_settings import LoRASettings
 from tandem.cluster.observability_settings import ObservabilitySettings
 from tandem.engine.hardware.cpu_affinity import format_cpus, parse_cpu_list
@@ -167,6 +168,7 @@ class Pool(_Strict):
     resources: Resources = Resources()
     replicas: Replicas = Replicas()
     engine: EngineSettings = EngineSettings()
+    scheduler: SchedulerSettings = SchedulerSettings()
     cpu_affinity: tuple[int, ...] | None = None  # after parallelism: its check reads the world size
     autoscaling: AutoscalingSettings = AutoscalingSettings()
 

@@ -44,7 +44,10 @@ def replica_spec(manifest: Manifest, pool: Pool) -> ReplicaSpec:
     if speculative is not None and speculative.draft != "self":  # a draft model's path, as every node reads it
         speculative = dataclasses.replace(speculative, draft=str(Path(speculative.draft).expanduser().resolve()))
     lora = manifest.lora
-    engine = e.config(compile=compile_step, speculative=speculative, lora=lora.config() if lora else None)
+    auth = manifest.auth
+    weights = tuple((tenant, limits.weight) for tenant, limits in auth.tenants.items())
+    engine = e.config(compile=compile_step, speculative=speculative, lora=lora.config() if lora else None,
+                      scheduling=pool.scheduler.config(weights, auth.default_tenant.weight))
     adapters = tuple((name, str(Path(path).expanduser().resolve()))  # as every node reads them
                      for name, path in (lora.adapters if lora else {}).items())
     p = pool.parallelism

@@ -49,8 +49,8 @@ class DecodeReplica(ReplicaShell):
         super().__init__(name, spec, transfer, DecodeConnector, settle_heap=settle_heap, tracing=tracing)
 
     async def reserve(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *,
-                      priority: int = 0, cache_salt: str | None = None,
-                      senders: tuple[str, ...] = ()) -> TransferDescriptor | None:
+                      priority: int = 0, cache_salt: str | None = None, senders: tuple[str, ...] = (),
+                      tenant: str | None = None) -> TransferDescriptor | None:
         """Holds blocks for the prompt's KV (cache_salt: the tenant's prefix-cache salt); None when there is no
         room now. senders: the prefill replica's agent addresses by rank, the only peers told how the transfer
         went (empty: nobody). Raises ValueError / RequestRejectedError for a request this replica cannot
@@ -60,7 +60,7 @@ class DecodeReplica(ReplicaShell):
         self._check_not_aborted(request_id)
         return await self.server.call(
             lambda _e: self.connector.reserve(request_id, prompt_token_ids, params, priority=priority,
-                                              cache_salt=cache_salt, senders=tuple(senders)))
+                                              cache_salt=cache_salt, senders=tuple(senders), tenant=tenant))
 
     async def decode(self, request_id: str, first_token: SampledToken, *,
                      trace: str | None = None) -> AsyncIterator[list[RequestOutput]]:
@@ -94,19 +94,20 @@ class DecodeReplica(ReplicaShell):
             yield batch
 
     async def generate(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *,
-                       priority: int = 0, cache_salt: str | None = None,
+                       priority: int = 0, cache_salt: str | None = None, tenant: str | None = None,
                        trace: str | None = None) -> AsyncIterator[list[RequestOutput]]:
         """Prefills and decodes the request here; streams its outputs. trace: the router's traceparent (a span
         decode_replica with phases queue, prefill and decode: replica/tracing.py)."""
         self._check_not_aborted(request_id)
         call = self._trace(trace, "decode_replica", request_id)
-        stream = self._add(call, request_id, prompt_token_ids, params, priority=priority, cache_salt=cache_salt)
+        stream = self._add(call, request_id, prompt_token_ids, params, priority=priority, cache_salt=cache_salt,
+                           tenant=tenant)
         async for batch in traced_stream(call, self.server.batches(request_id, stream), first_phases=LOCAL_PHASES):
             yield batch
 
     async def resume(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
                      resume: ResumeState, *, priority: int = 0, cache_salt: str | None = None,
-                     trace: str | None = None) -> AsyncIterator[list[RequestOutput]]:
+                     tenant: str | None = None, trace: str | None = None) -> AsyncIterator[list[RequestOutput]]:
         """Continues a request another decode replica was serving (colocated replicas too): the engine prefills
         the prompt plus resume.output_token_ids and streams only what comes after them (LLMEngine.add_request's
         resume). trace: as generate's. Raises ValueError for a request that cannot be resumed."""
@@ -114,7 +115,7 @@ class DecodeReplica(ReplicaShell):
         call = self._trace(trace, "decode_replica", request_id)
         call.set("tandem.resumed_tokens", len(resume.output_token_ids))
         stream = self._add(call, request_id, prompt_token_ids, params, priority=priority, cache_salt=cache_salt,
-                           resume=resume)
+                           resume=resume, tenant=tenant)
         async for batch in traced_stream(call, self.server.batches(request_id, stream), first_phases=LOCAL_PHASES):
             yield batch
 

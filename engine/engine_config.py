@@ -102,6 +102,64 @@ class KVTiersConfig:
             raise ValueError(f"kv_tiers disk_bytes must be positive, got {self.disk_bytes}")
 
 
+SchedulingPolicy = Literal["fcfs", "priority", "sjf", "fair"]  # engine/core/scheduling_policy.py
+SCHEDULING_POLICIES = get_args(SchedulingPolicy)
+
+
+@dataclass(frozen=True)
+class SchedulingConfig:
+    """The order in which a replica's scheduler serves its sequences (engine/core/scheduling_policy.py). policy:
+    fcfs (arrival), priority (priority, then arrival), sjf (shortest prompt first; one that waited sjf_aging_s
+    goes before every one that has not), fair (the step's tokens shared between tenants by weight: start-time fair
+    queueing over tokens). preempt_after_s: a waiting sequence of higher priority that could not start for this
+    long preempts running ones of lower priority (None: never; preemption then only makes room for running ones).
+    tenant_weights: (tenant, weight) pairs for fair; others weigh default_weight. Raises ValueError for values out
+    of range."""
+
+    policy: SchedulingPolicy = "priority"
+    preempt_after_s: Annotated[float, Ge(0)] | None = None
+    sjf_aging_s: Annotated[float, Gt(0)] = 30.0
+    tenant_weights: tuple[tuple[str, float], ...] = ()
+    default_weight: Annotated[float, Gt(0)] = 1.0
+
+    def __post_init__(self) -> None:
+        if self.policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduler policy must be one of {', '.join(SCHEDULING_POLICIES)}, got {self.policy!r}")
+        if self.preempt_after_s is not None and self.preempt_after_s < 0:
+            raise ValueError(f"preempt_after_s must be >= 0, got {self.preempt_after_s}")
+        if self.policy == "fcfs" and self.preempt_after_s is not None:
+            raise ValueError("preempt_after_s preempts by priority, which policy fcfs ignores: use priority, sjf or "
+                             "fair, or drop preempt_after_s")
+        if not self.sjf_aging_s > 0:
+            raise ValueError(f"sjf_aging_s must be positive, got {self.sjf_aging_s}")
+        if not self.default_weight > 0 or any(not w > 0 for _, w in self.tenant_weights):
+            raise ValueError("tenant weights must be positive")
+
+    def weight(self, tenant: str | None) -> float:
+        return dict(self.tenant_weights).get(tenant, self.default_weight) if tenant is not None else \
+            self.default_weight
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Limits of one step. Tokens are counted over the whole batch (prefill chunks + decodes)."""
+
+    max_model_len: int
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 128
+    enable_chunked_prefill: bool = True
+    max_loras: int = 0  # LoRA adapters that may run at once (the runner's pool: engine/models/lora.py)
+    scheduling: SchedulingConfig = SchedulingConfig()  # the order, and priority preemption
+
+    def __post_init__(self) -> None:
+        for name in ("max_model_len", "max_num_batched_tokens", "max_num_seqs"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(f"without chunked prefill max_num_batched_tokens ({self.max_num_batched_tokens}) "
+                             f"must be at least max_model_len ({self.max_model_len}) to fit a whole prompt")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """KV budget: exactly one of num_kv_blocks, kv_cache_bytes, kv_cache_fraction may be set; with none, the
@@ -131,6 +189,8 @@ class EngineConfig:
     kv_tiers: KVTiersConfig | None = None
     # LoRA adapters (engine/models/lora.py): None serves the base model only.
     lora: LoRAConfig | None = None
+    # The order the scheduler serves sequences in, and when a higher priority preempts (a pool's `scheduler:`).
+    scheduling: SchedulingConfig = SchedulingConfig()
 
     def __post_init__(self) -> None:
         if self.kv_tiers is not None and not self.enable_prefix_caching:

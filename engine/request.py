@@ -60,6 +60,7 @@ class Sequence:
     block_size: int
     hasher: BlockHasher = hash_block_tokens
     fork_seeds: tuple[int, ...] = ()
+    tenant: str | None = None  # who sent it (None: unknown): whose share it takes where the policy is fair
 
     def __post_init__(self) -> None:
         self.output_token_ids: list[int] = []
@@ -68,6 +69,8 @@ class Sequence:
         self.num_cached_tokens = 0
         self.num_preemptions = 0
         self.scheduled_at: float | None = None  # time.monotonic() at its first scheduling (set by the engine)
+        self.queued_at = 0.0  # when it last entered the waiting queue (the scheduler's clock)
+        self.order: tuple = ()  # its scheduling key, lower first (engine/core/scheduling_policy.py); () until queued
         self.block_hashes: list[int] = []
         self._tokens: list[int] = list(self.prompt_token_ids)
         self.hash_salt = kv_salt(self.cache_salt, self.params.lora)  # what the block hashes include
@@ -85,11 +88,6 @@ class Sequence:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
-
-    @property
-    def sort_key(self) -> tuple[int, int, int]:
-        """Scheduling order: lower priority value first, then earlier arrival, then sample index."""
-        return (self.priority, self.arrival, self.index)
 
     @property
     def is_prefilling(self) -> bool:

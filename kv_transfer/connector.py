@@ -164,13 +164,13 @@ class DecodeConnector(_Connector):
 
     def reserve(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *,
                 priority: int = 0, cache_salt: str | None = None, lease_s: float | None = None,
-                senders: Sequence[str] = ()) -> TransferDescriptor | None:
+                senders: Sequence[str] = (), tenant: str | None = None) -> TransferDescriptor | None:
         """Holds blocks for the prompt and returns the descriptor the prefill side pushes into; None when the
         engine has no room now (nothing held). senders: the prefill replica's agent addresses by rank (its
         PrefillConnector.addresses), the only peers told how the transfer went (empty: nobody; they learn it
         from their leases). Raises ValueError / RequestRejectedError for a request the engine cannot serve."""
         blocks = self.engine.reserve_for_transfer(request_id, prompt_token_ids, params, priority=priority,
-                                                  cache_salt=cache_salt)
+                                                  cache_salt=cache_salt, tenant=tenant)
         if blocks is None:
             return None
         return self._expect(request_id, blocks, len(prompt_token_ids), lease_s, senders, params.lora)
@@ -263,7 +263,8 @@ class PrefillConnector(_Connector):
             self._holds_due.append((entry.deadline + HOLD_GRACE_S, entry.transfer_id))
 
     def submit(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
-               descriptor: TransferDescriptor, *, priority: int = 0, cache_salt: str | None = None) -> None:
+               descriptor: TransferDescriptor, *, priority: int = 0, cache_salt: str | None = None,
+               tenant: str | None = None) -> None:
         """Queues the prompt (one output token: the first) and arms the ranks to push its KV into descriptor
         as it is computed. Raises ValueError (bad request, KV formats differ, layouts of different models)."""
         if len(prompt_token_ids) != descriptor.num_tokens:
@@ -276,7 +277,7 @@ class PrefillConnector(_Connector):
             self.engine.hold_blocks_after(request_id, descriptor.transfer_id)
         try:
             self.engine.add_request(request_id, prompt_token_ids, dataclasses.replace(params, max_tokens=1),
-                                    priority=priority, cache_salt=cache_salt)
+                                    priority=priority, cache_salt=cache_salt, tenant=tenant)
         except BaseException:
             self.agents.release(descriptor.transfer_id)
             if self.holds:

@@ -44,15 +44,16 @@ class PrefillReplica(ReplicaShell):
 
     async def prefill(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
                       descriptor: TransferDescriptor, *, priority: int = 0, cache_salt: str | None = None,
-                      trace: str | None = None) -> PrefillResult:
-        """cache_salt: the tenant's prefix-cache salt (None: none). trace: the router's traceparent (a span
-        prefill_replica with phases queue, compute and kv_send: replica/tracing.py). Raises ValueError for a
-        request this replica cannot serve, TransferFailedError if the KV did not reach the decode replica (nothing
-        is held here then)."""
+                      tenant: str | None = None, trace: str | None = None) -> PrefillResult:
+        """cache_salt: the tenant's prefix-cache salt (None: none); tenant: who sent it. trace: the router's
+        traceparent (a span prefill_replica with phases queue, compute and kv_send: replica/tracing.py). Raises
+        ValueError for a request this replica cannot serve, TransferFailedError if the KV did not reach the decode
+        replica (nothing is held here then)."""
         call = self._trace(trace, "prefill_replica", request_id)
         status = "OK"
         try:
-            return await self._prefill(request_id, prompt_token_ids, params, descriptor, priority, cache_salt, call)
+            return await self._prefill(request_id, prompt_token_ids, params, descriptor, priority, cache_salt, tenant,
+                                       call)
         except BaseException as e:
             status = status_of(e)
             raise
@@ -60,7 +61,7 @@ class PrefillReplica(ReplicaShell):
             call.end(status)
 
     async def _prefill(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
-                       descriptor: TransferDescriptor, priority: int, cache_salt: str | None,
+                       descriptor: TransferDescriptor, priority: int, cache_salt: str | None, tenant: str | None,
                        call: CallTrace | Untraced) -> PrefillResult:
         from tandem.kv_transfer.connector import first_token_of
 
@@ -68,7 +69,8 @@ class PrefillReplica(ReplicaShell):
         stream = self.server.open_stream(request_id)
         try:
             await self.server.call(lambda _e: self.connector.submit(request_id, prompt_token_ids, params, descriptor,
-                                                                    priority=priority, cache_salt=cache_salt))
+                                                                    priority=priority, cache_salt=cache_salt,
+                                                                    tenant=tenant))
         except BaseException:
             self.server.close_stream(request_id)
             raise

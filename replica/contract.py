@@ -7,7 +7,8 @@ calls them through replica/remote.py, which puts a Ray actor handle behind the s
 bench/routing.py through the mock replicas of router/mocks/replicas.py. A method that streams yields lists of
 RequestOutput: everything the engine produced since the last item, so one message per engine step at most.
 ResumeState (engine/core/resume.py, torch-free) crosses this line too: what a migrated request had delivered.
-The calls that serve a request take `trace`: the W3C traceparent of the router's span for the request when the
+The calls that serve a request take `tenant`, who sent it (None: authentication is off), whose share it takes
+where a pool's scheduler is fair, and `trace`: the W3C traceparent of the router's span for the request when the
 router traces it (router/tracing.py), under which the replica writes its own spans (replica/tracing.py); None:
 not traced.
 """
@@ -178,7 +179,7 @@ class ReplicaAPI(Protocol):
 class PrefillReplicaAPI(ReplicaAPI, Protocol):
     async def prefill(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
                       descriptor: TransferDescriptor, *, priority: int = 0, cache_salt: str | None = None,
-                      trace: str | None = None) -> PrefillResult:
+                      tenant: str | None = None, trace: str | None = None) -> PrefillResult:
         """Computes the prompt (reusing this replica's prefix cache; cache_salt: the tenant's salt), pushes its
         KV layer by layer into the decode replica's reservation and returns once every destination rank has
         acknowledged it. Raises ValueError for a request it cannot serve, TransferFailedError if the KV did not
@@ -187,8 +188,8 @@ class PrefillReplicaAPI(ReplicaAPI, Protocol):
 
 class DecodeReplicaAPI(ReplicaAPI, Protocol):
     async def reserve(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *,
-                      priority: int = 0, cache_salt: str | None = None,
-                      senders: tuple[str, ...] = ()) -> TransferDescriptor | None:
+                      priority: int = 0, cache_salt: str | None = None, senders: tuple[str, ...] = (),
+                      tenant: str | None = None) -> TransferDescriptor | None:
         """Holds KV blocks for the prompt and returns where the prefill replica pushes it; None when there is
         no room now (nothing held: try another replica or later). senders: the prefill replica's kv_addresses
         (ReplicaInfo), the only peers this replica's agents tell how the transfer went (empty: nobody; the
@@ -201,14 +202,14 @@ class DecodeReplicaAPI(ReplicaAPI, Protocol):
         first carries first_token). Raises TransferFailedError if the transfer ended badly (blocks are free)."""
 
     def generate(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *,
-                 priority: int = 0, cache_salt: str | None = None,
+                 priority: int = 0, cache_salt: str | None = None, tenant: str | None = None,
                  trace: str | None = None) -> AsyncIterator[list[RequestOutput]]:
         """Prefills and decodes the request here (colocated mode, n > 1, conditional disaggregation, or after a
         failed transfer) and streams its outputs."""
 
     def resume(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
                resume: ResumeState, *, priority: int = 0, cache_salt: str | None = None,
-               trace: str | None = None) -> AsyncIterator[list[RequestOutput]]:
+               tenant: str | None = None, trace: str | None = None) -> AsyncIterator[list[RequestOutput]]:
         """Continues here a request (n == 1) another decode replica was serving when it died (the router's
         migration by token replay): prefills the prompt plus resume.output_token_ids (the tokens the client was
         already sent), draws with resume.seed from the step after them, and streams only what comes after them,
@@ -240,10 +241,11 @@ class GenerateCall:
     priority: int = 0
     cache_salt: str | None = None
     trace: str | None = None
+    tenant: str | None = None
 
     def open(self, replica: DecodeReplicaAPI) -> AsyncIterator[list[RequestOutput]]:
         return replica.generate(self.request_id, self.prompt_token_ids, self.params, priority=self.priority,
-                                cache_salt=self.cache_salt, trace=self.trace)
+                                cache_salt=self.cache_salt, tenant=self.tenant, trace=self.trace)
 
 
 @dataclass(frozen=True)
@@ -257,10 +259,12 @@ class ResumeCall:
     priority: int = 0
     cache_salt: str | None = None
     trace: str | None = None
+    tenant: str | None = None
 
     def open(self, replica: DecodeReplicaAPI) -> AsyncIterator[list[RequestOutput]]:
         return replica.resume(self.request_id, self.prompt_token_ids, self.params, self.resume,
-                              priority=self.priority, cache_salt=self.cache_salt, trace=self.trace)
+                              priority=self.priority, cache_salt=self.cache_salt, tenant=self.tenant,
+                              trace=self.trace)
 
 
 StreamCall = Union[DecodeCall, GenerateCall, ResumeCall]

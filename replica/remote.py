@@ -141,9 +141,9 @@ class RemotePrefillReplica(RemoteReplica):
 
     async def prefill(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
                       descriptor: TransferDescriptor, *, priority: int = 0, cache_salt: str | None = None,
-                      trace: str | None = None) -> PrefillResult:
+                      tenant: str | None = None, trace: str | None = None) -> PrefillResult:
         return await self.actor.prefill.remote(request_id, prompt_token_ids, params, descriptor, priority=priority,
-                                               cache_salt=cache_salt, trace=trace)
+                                               cache_salt=cache_salt, tenant=tenant, trace=trace)
 
 
 class RemoteDecodeReplica(RemoteReplica):
@@ -196,24 +196,25 @@ class RemoteDecodeReplica(RemoteReplica):
             yield batch
 
     async def reserve(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *,
-                      priority: int = 0, cache_salt: str | None = None,
-                      senders: tuple[str, ...] = ()) -> TransferDescriptor | None:
+                      priority: int = 0, cache_salt: str | None = None, senders: tuple[str, ...] = (),
+                      tenant: str | None = None) -> TransferDescriptor | None:
         return await self.actor.reserve.remote(request_id, prompt_token_ids, params, priority=priority,
-                                               cache_salt=cache_salt, senders=senders)
+                                               cache_salt=cache_salt, senders=senders, tenant=tenant)
 
     def decode(self, request_id: str, first_token: SampledToken, *,
                trace: str | None = None) -> AsyncIterator[list[RequestOutput]]:
         return self._streamed(DecodeCall(request_id, first_token, trace))
 
     def generate(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *,
-                 priority: int = 0, cache_salt: str | None = None,
+                 priority: int = 0, cache_salt: str | None = None, tenant: str | None = None,
                  trace: str | None = None) -> AsyncIterator[list[RequestOutput]]:
-        return self._streamed(GenerateCall(request_id, prompt_token_ids, params, priority, cache_salt, trace))
+        return self._streamed(GenerateCall(request_id, prompt_token_ids, params, priority, cache_salt, trace, tenant))
 
     def resume(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
                resume: ResumeState, *, priority: int = 0, cache_salt: str | None = None,
-               trace: str | None = None) -> AsyncIterator[list[RequestOutput]]:
-        return self._streamed(ResumeCall(request_id, prompt_token_ids, params, resume, priority, cache_salt, trace))
+               tenant: str | None = None, trace: str | None = None) -> AsyncIterator[list[RequestOutput]]:
+        return self._streamed(ResumeCall(request_id, prompt_token_ids, params, resume, priority, cache_salt, trace,
+                                         tenant))
 
 
 def remote_replica(pool: str, actor: Any, *, token_channel: bool = True) -> RemotePrefillReplica | RemoteDecodeReplica:

@@ -272,7 +272,7 @@ class RequestDriver:
                     try:
                         descriptor = await self._call(replica, replica.api.reserve(
                             rid, request.prompt_token_ids, request.params, priority=request.priority,
-                            cache_salt=request.cache_salt,  # senders: the planned prefill replica's KV agents
+                            cache_salt=request.cache_salt, tenant=request.tenant,  # senders: the prefill's agents
                             senders=info.kv_addresses if (info := self._prefill(plan.prefill).info) else ()))
                     except ReplicaLostError as e:  # found dead before it held anything: try the next one
                         if not self.decode:
@@ -321,7 +321,7 @@ class RequestDriver:
             await self.pulls.before_prefill(plan, prefill, f"{rid}/pull", request)
             result = await self._call(prefill, prefill.api.prefill(
                 rid, request.prompt_token_ids, request.params, descriptor,
-                priority=request.priority, cache_salt=request.cache_salt, trace=request.trace))
+                priority=request.priority, cache_salt=request.cache_salt, tenant=request.tenant, trace=request.trace))
         except TransferFailedError as e:
             failure = e
         except ReplicaLostError as e:
@@ -395,7 +395,7 @@ class RequestDriver:
         start = time.monotonic()
         self._use(replica, rid, touched)
         stream = replica.api.generate(rid, request.prompt_token_ids, request.params, priority=request.priority,
-                                      cache_salt=request.cache_salt, trace=request.trace)
+                                      cache_salt=request.cache_salt, tenant=request.tenant, trace=request.trace)
 
         def first(outputs: list[RequestOutput], at: Replica) -> Progress:
             return Progress(outputs, decode_replica=at.name, prefill_route=reason, prefill_s=time.monotonic() - start)
@@ -442,4 +442,4 @@ class RequestDriver:
         self._use(replica, rid, touched)
         return replica, replica.api.resume(rid, request.prompt_token_ids, request.params,
                                            replay.resume_state(request.params.seed), priority=request.priority,
-                                           cache_salt=request.cache_salt, trace=request.trace)
+                                           cache_salt=request.cache_salt, tenant=request.tenant, trace=request.trace)

@@ -214,9 +214,11 @@ class Serving:
         """Drives one request, yielding each progress, until its deadline (monotonic; None: the manifest's
         request_timeout_s from arrival). Raises InvalidRequest (ALREADY_EXISTS for an id the tenant has in use),
         Draining once drain() began, RateLimited past its tenant's requests or tokens a minute, AtCapacity (before
-        any replica is called) when the cluster cannot start it in time, RequestCancelled after an Abort call, DeadlineExceeded, the driver's errors, or CancelledError when the caller went away;
-        in every case but success the request is aborted on every replica (the driver does). Metrics and counters
-        are updated, and its trace written (trace_parent: the client's W3C traceparent), however it ends."""
+        any replica is called) when the cluster cannot start it in time, RequestCancelled after an Abort call,
+        DeadlineExceeded, the driver's errors, or CancelledError when the caller went away; in every case but
+        success the request is aborted on every replica (the driver does). Metrics and counters are updated, its
+        tokens counted against its tenant's rate limit, and its trace written (trace_parent: the client's W3C
+        traceparent), however it ends."""
         key = RequestKey(parsed.tenant, parsed.request_id)
         self._refuse_if_draining(api)
         if key in self.active:

@@ -122,7 +122,8 @@ class AsyncEngine:
                 await self.abort(request_id)
 
     def add_request(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams, *,
-                    priority: int = 0, cache_salt: str | None = None, resume: ResumeState | None = None) -> _Stream:
+                    priority: int = 0, cache_salt: str | None = None, resume: ResumeState | None = None,
+                    tenant: str | None = None) -> _Stream:
         """Validates and queues a request (resume: a migrated request's delivered tokens and seed, as in
         LLMEngine.add_request); returns the stream its outputs arrive on (see generate())."""
         self._check_alive()
@@ -134,7 +135,7 @@ class AsyncEngine:
         def add() -> None:
             try:
                 self.engine.add_request(request_id, prompt_token_ids, params, priority=priority,
-                                        cache_salt=cache_salt, resume=resume)
+                                        cache_salt=cache_salt, resume=resume, tenant=tenant)
             except Exception as e:  # validated already; a race (e.g. duplicate id) still reaches the caller
                 self._deliver(request_id, e, final=True)
 

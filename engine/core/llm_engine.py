@@ -121,7 +121,8 @@ class LLMEngine:
         self.scheduler = Scheduler(
             SchedulerConfig(max_model_len=max_len, max_num_batched_tokens=config.max_num_batched_tokens,
                             max_num_seqs=config.max_num_seqs, enable_chunked_prefill=config.enable_chunked_prefill,
-                            max_loras=config.lora.max_loaded if config.lora is not None else 0),
+                            max_loras=config.lora.max_loaded if config.lora is not None else 0,
+                            scheduling=config.scheduling),
             self.kv_manager, frozenset(self.tokenizer.eos_token_ids),
             Speculator(config.speculative, built.proposer) if config.speculative is not None else None)
         self.outputs = OutputProcessor(self.tokenizer)
@@ -158,10 +159,12 @@ class LLMEngine:
         self.scheduler.check_admissible(len(prompt_token_ids), params.max_tokens, params.n)
 
     def add_request(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams, *,
-                    priority: int = 0, cache_salt: str | None = None, resume: ResumeState | None = None) -> None:
-        """Queues a request. Raises ValueError (bad input, duplicate id) or RequestRejectedError (can never
-        fit); nothing is queued then. A request without a seed gets a random one, so its output still does
-        not depend on the batch it lands in or on preemption.
+                    priority: int = 0, cache_salt: str | None = None, resume: ResumeState | None = None,
+                    tenant: str | None = None) -> None:
+        """Queues a request (tenant: who sent it, whose share it takes under the fair policy). Raises ValueError
+        (bad input, duplicate id) or RequestRejectedError (can never fit); nothing is queued then. A request
+        without a seed gets a random one, so its output still does not depend on the batch it lands in or on
+        preemption.
 
         resume: the request continues a run another replica started (a migrated request, engine/core/resume.py):
         its sequence starts with resume.output_token_ids as outputs (prefilled with the prompt; they count for
@@ -169,14 +172,14 @@ class LLMEngine:
         outputs start with the token after them, the text delta included (the output processor is primed);
         num_prompt_tokens stays the prompt's. Raises ValueError also for n > 1 and for delivered tokens that
         already end the request (max_tokens, a stop token or stop string)."""
-        seq = self._sequence(request_id, prompt_token_ids, params, priority, cache_salt, resume)
+        seq = self._sequence(request_id, prompt_token_ids, params, priority, cache_salt, resume, tenant)
         primed = {seq.seq_id: self.outputs.primed(seq)} if resume is not None else None
         self.scheduler.add(seq)
         self._arrivals += 1
         self.outputs.add_request(request_id, params.n, primed=primed)
 
     def _sequence(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams, priority: int,
-                  cache_salt: str | None, resume: ResumeState | None = None) -> Sequence:
+                  cache_salt: str | None, resume: ResumeState | None = None, tenant: str | None = None) -> Sequence:
         self.validate(prompt_token_ids, params, resume)
         if resume is not None and resume.seed is not None:
             seeds = [resume.seed]  # n == 1 (validated)
@@ -186,7 +189,7 @@ class LLMEngine:
             seeds = [secrets.randbits(63) for _ in range(params.n)]
         seq = Sequence(f"{request_id}#0", request_id, 0, tuple(int(t) for t in prompt_token_ids), params,
                        seeds[0], priority, self._arrivals, cache_salt, self.config.block_size,
-                       fork_seeds=tuple(seeds[1:]))
+                       fork_seeds=tuple(seeds[1:]), tenant=tenant)
         if resume is not None and resume.output_token_ids:
             seq.resume(resume.output_token_ids)
             if token_stop_status(seq, self.scheduler.eos_token_ids, self.max_model_len) is not None:
@@ -195,14 +198,16 @@ class LLMEngine:
         return seq
 
     def reserve_for_transfer(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams, *,
-                             priority: int = 0, cache_salt: str | None = None) -> tuple[int, ...] | None:
+                             priority: int = 0, cache_salt: str | None = None,
+                             tenant: str | None = None) -> tuple[int, ...] | None:
         """Holds KV blocks for the prompt of a request whose prompt KV another replica computes (decode side of
         disaggregation). Returns the block ids (the same on every rank, in token order), or None when there is
         no room now (nothing is held; retry later or on another replica). The request then waits, never
         scheduled, until admit_transferred() or abort_request(). Raises like add_request, and ValueError for
         n > 1. params.seed must be the one the prefill replica sampled the first token with for the output to
         match a colocated run."""
-        blocks = self.scheduler.reserve(self._sequence(request_id, prompt_token_ids, params, priority, cache_salt))
+        blocks = self.scheduler.reserve(self._sequence(request_id, prompt_token_ids, params, priority, cache_salt,
+                                                       tenant=tenant))
         if blocks is not None:
             self._arrivals += 1
             self.outputs.add_request(request_id, params.n)

@@ -1,13 +1,15 @@
 """Iteration-level scheduler: every step, one batch under a token budget and a sequence cap.
 
-Order within a step:
+Order within a step, each group in the policy's order (engine/core/scheduling_policy.py; by default priority,
+lower value first, then arrival):
   1. running sequences that are decoding (one token each), then running sequences still prefilling (a chunk
-     each, as much as the budget leaves), each group by priority (lower value first), then arrival;
-  2. if nobody had to be preempted in (1), waiting sequences in the same order, each with its prefix-cache
-     hit taken first, while blocks, budget and the sequence cap allow. The head of the queue blocks the rest,
-     so a large high-priority prompt is not starved by small later ones.
-When a running sequence cannot get a block, the running sequence with the worst (priority, arrival) gives all
-its blocks back (preemption by recompute) and waits again; it may be the one asking.
+     each, as much as the budget leaves);
+  2. an urgent waiting sequence (priority preemption, when configured) preempting running ones of lower priority;
+  3. if nobody had to be preempted in (1), waiting sequences, each with its prefix-cache hit taken first, while
+     blocks, budget and the sequence cap allow. The head of the queue blocks the rest, so a large prompt first
+     in order is not starved by small later ones.
+When a running sequence cannot get a block, the running sequence last in order gives all its blocks back
+(preemption by recompute) and waits again; it may be the one asking.
 
 With a Speculator (engine/decoding/speculation.py), decoding sequences may also compute proposed tokens: the speculator
 picks them before (1), each such sequence is scheduled for 1 + its proposals (proposals are dropped first when
@@ -27,12 +29,14 @@ ends it with its blocks cached. At most max_loras LoRA adapters run or wait for 
 
 from __future__ import annotations
 
-import bisect
+import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from tandem.engine.core.kv_cache_manager import NO_MATCH, Allocation, KVCacheManager
-from tandem.engine.core.scheduler_stats import SchedulerStats, collect_stats
+from tandem.engine.core.scheduler_stats import SchedulerStats, check_state, collect_stats
+from tandem.engine.core.scheduling_policy import SchedulingPolicy, WaitingQueue
+from tandem.engine.engine_config import SchedulerConfig
 from tandem.engine.errors import TandemError
 from tandem.engine.request import RequestStatus, Sequence, token_stop_status
 from tandem.engine.sampled_token import SampledToken
@@ -48,25 +52,6 @@ class RequestRejectedError(TandemError, ValueError):
 
 
 @dataclass(frozen=True)
-class SchedulerConfig:
-    """Limits of one step. Tokens are counted over the whole batch (prefill chunks + decodes)."""
-
-    max_model_len: int
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 128
-    enable_chunked_prefill: bool = True
-    max_loras: int = 0  # LoRA adapters that may run at once (the runner's pool: engine/models/lora.py)
-
-    def __post_init__(self) -> None:
-        for name in ("max_model_len", "max_num_batched_tokens", "max_num_seqs"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
-            raise ValueError(f"without chunked prefill max_num_batched_tokens ({self.max_num_batched_tokens}) "
-                             f"must be at least max_model_len ({self.max_model_len}) to fit a whole prompt")
-
-
-@dataclass(frozen=True)
 class SeqUpdate:
     """One sequence's new token after a step; status is its finished status when this token ended it."""
 
@@ -77,17 +62,20 @@ class SeqUpdate:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, eos_token_ids: frozenset[int] = frozenset(),
-                 speculator: Speculator | None = None):
+                 speculator: Speculator | None = None, *, clock: Callable[[], float] = time.monotonic):
+        """clock: what the policy measures waiting with (seconds). Raises ValueError for a policy setting that
+        contradicts itself."""
         self.config = config
         self.speculator = speculator
         self.kv = kv
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.waiting: list[Sequence] = []  # sorted by sort_key
+        self.policy = SchedulingPolicy(config.scheduling, clock)
+        self.waiting = WaitingQueue()  # in the policy's order
         self.running: list[Sequence] = []
         self.reserved: dict[str, Sequence] = {}  # WAITING_FOR_KV, by seq id
         # WAITING_FOR_TIER between a step's schedule() and update(): (seq, first tier block, tier blocks, status)
         self.loading: dict[str, tuple[Sequence, int, int, RequestStatus]] = {}
-        self._loaded: set[str] = set()  # waiting sequences holding blocks copied up from a tier
+        self.loaded: set[str] = set()  # waiting sequences holding blocks copied up from a tier
         self.hold_after: dict[str, str] = {}  # request id -> the key its blocks are held under when freed
         self.seqs: dict[str, Sequence] = {}
         self._by_request: dict[str, list[str]] = {}
@@ -122,7 +110,7 @@ class Scheduler:
         when it can never fit, ValueError for a request id in use; nothing is queued then."""
         self._check_new(seq)
         self._track(seq)
-        bisect.insort(self.waiting, seq, key=lambda s: s.sort_key)
+        self.policy.enqueue(seq, self.waiting)
 
     def _check_new(self, seq: Sequence) -> None:
         if seq.request_id in self._by_request:
@@ -146,6 +134,7 @@ class Scheduler:
                                                           match) is None:
             return None
         seq.status = RequestStatus.WAITING_FOR_KV
+        self.policy.assign(seq)
         self._track(seq)
         self.reserved[seq.seq_id] = seq
         return tuple(self.kv.block_table(seq.seq_id))
@@ -195,7 +184,7 @@ class Scheduler:
             del self.reserved[seq.seq_id]
         elif seq.status is RequestStatus.WAITING_FOR_TIER:
             del self.loading[seq.seq_id]
-        self._loaded.discard(seq.seq_id)
+        self.loaded.discard(seq.seq_id)
         self._free(seq)
         seq.status = status
         if self.speculator is not None:
@@ -225,8 +214,9 @@ class Scheduler:
         allocations: dict[str, Allocation] = {}
         preempted = False
         self.kv.save_parked()
-        spec = self._propose()
-        for seq in sorted(self.running, key=lambda s: (s.is_prefilling, s.sort_key)):
+        self.policy.age(self.waiting)
+        spec = self.speculator.propose(self.running, self.config.max_model_len) if self.speculator else {}
+        for seq in sorted(self.running, key=lambda s: (s.is_prefilling, s.order)):
             if budget == 0:
                 break
             if seq.status is not RequestStatus.RUNNING:
@@ -242,7 +232,7 @@ class Scheduler:
                     budget -= count + extra
                     continue
             while (allocation := self.kv.allocate(seq, count)) is None:
-                victim = max(self.running, key=lambda s: s.sort_key)
+                victim = max(self.running, key=lambda s: s.order)
                 self._preempt(victim)
                 preempted = True
                 if victim.seq_id in scheduled:
@@ -254,17 +244,11 @@ class Scheduler:
                 continue
             scheduled[seq.seq_id], allocations[seq.seq_id] = count, allocation
             budget -= count
+        if (urgent := self.policy.urgent(self.waiting, self.running)) is not None:
+            budget = self._start_urgent(urgent, budget, scheduled, allocations)
         if not preempted:
             budget = self._admit_waiting(budget, scheduled, allocations)
         return self._build_output(scheduled, allocations, {i: t for i, t in spec.items() if i in scheduled})
-
-    def _propose(self) -> dict[str, tuple[int, ...]]:
-        """This step's proposals for the decoding sequences that may speculate (seq id -> tokens)."""
-        if self.speculator is None:
-            return {}
-        decoding = [s for s in self.running if s.num_tokens - s.num_computed_tokens == 1]
-        limits = [(s, k) for s in decoding if (k := self.speculator.limit(s, self.config.max_model_len)) > 0]
-        return self.speculator.plan(limits, len(decoding)) if limits else {}
 
     def _chunk(self, seq: Sequence, remaining: int, budget: int) -> int:
         """Tokens of seq to compute this step: all that remain, or a budget-sized chunk if chunking is on."""
@@ -275,16 +259,16 @@ class Scheduler:
     def _admit_waiting(self, budget: int, scheduled: dict[str, int], allocations: dict[str, Allocation]) -> int:
         # Sequences whose prefix came up from a tier go first, wherever they wait: they hold their blocks, their
         # first chunk's included (taken as they loaded), so they never wait for anyone's and never block anyone.
-        for seq in [s for s in self.waiting if s.seq_id in self._loaded]:
+        for seq in [s for s in self.waiting if s.seq_id in self.loaded]:
             if budget == 0 or not self._fits(seq):
                 break
             room = len(self.kv.block_table(seq.seq_id)) * self.kv.block_size - seq.num_computed_tokens
             count = min(self._chunk(seq, seq.num_tokens - seq.num_computed_tokens, budget), room)
             if count and (allocation := self.kv.allocate(seq, count)) is not None:
                 self.waiting.remove(seq)
-                self._loaded.discard(seq.seq_id)
+                self.loaded.discard(seq.seq_id)
                 budget -= self._start(seq, count, allocation, scheduled, allocations)
-        while self.waiting and budget > 0 and self.waiting[0].seq_id not in self._loaded:
+        while self.waiting and budget > 0 and self.waiting[0].seq_id not in self.loaded:
             seq = self.waiting[0]
             if not self._fits(seq):
                 break
@@ -302,14 +286,37 @@ class Scheduler:
             count = self._chunk(seq, seq.num_tokens - match.num_cached_tokens, budget)
             if not count or (allocation := self.kv.allocate(seq, count, match)) is None:
                 break
-            self.waiting.pop(0)
-            if seq.status is RequestStatus.WAITING:  # (a resumed one's cached outputs are not prompt tokens)
-                seq.num_cached_tokens = min(match.num_cached_tokens, seq.num_prompt_tokens)
-                self.num_prompt_tokens_queried += seq.num_prompt_tokens
-                self.num_prompt_tokens_cached += seq.num_cached_tokens
-            seq.num_computed_tokens = match.num_cached_tokens
-            budget -= self._start(seq, count, allocation, scheduled, allocations)
+            budget -= self._admit(seq, count, match.num_cached_tokens, allocation, scheduled, allocations)
         return budget
+
+    def _start_urgent(self, seq: Sequence, budget: int, scheduled: dict[str, int],
+                      allocations: dict[str, Allocation]) -> int:
+        """Priority preemption (scheduling_policy.py): preempts seq's victims one by one until seq can start,
+        and starts it; returns the budget left (a victim scheduled this step gives its tokens back)."""
+        victims = self.policy.victims(self.running, seq)
+        while True:
+            match = self.kv.match_prefix(seq)
+            count = self._chunk(seq, seq.num_tokens - match.num_cached_tokens, budget)
+            if count and self._fits(seq) and (allocation := self.kv.allocate(seq, count, match)) is not None:
+                return budget - self._admit(seq, count, match.num_cached_tokens, allocation, scheduled, allocations)
+            if not victims:
+                return budget
+            victim = victims.pop(0)
+            self._preempt(victim)
+            if victim.seq_id in scheduled:
+                budget += scheduled.pop(victim.seq_id)
+                allocations.pop(victim.seq_id)
+
+    def _admit(self, seq: Sequence, count: int, cached: int, allocation: Allocation, scheduled: dict[str, int],
+               allocations: dict[str, Allocation]) -> int:
+        """Starts a waiting sequence with its first `cached` tokens from the prefix cache; returns count."""
+        self.waiting.remove(seq)
+        if seq.status is RequestStatus.WAITING:  # (a resumed one's cached outputs are not prompt tokens)
+            seq.num_cached_tokens = min(cached, seq.num_prompt_tokens)
+            self.num_prompt_tokens_queried += seq.num_prompt_tokens
+            self.num_prompt_tokens_cached += seq.num_cached_tokens
+        seq.num_computed_tokens = cached
+        return self._start(seq, count, allocation, scheduled, allocations)
 
     def _fits(self, seq: Sequence, count_seqs: bool = True) -> bool:
         """Whether seq (and its forks) may start now: the sequence cap, and max_loras adapters running or reserved."""
@@ -321,6 +328,7 @@ class Scheduler:
     def _start(self, seq: Sequence, count: int, allocation: Allocation, scheduled: dict[str, int],
                allocations: dict[str, Allocation]) -> int:
         """Makes a waiting sequence running with count tokens scheduled; returns count."""
+        self.policy.started(seq)
         seq.status = RequestStatus.RUNNING
         self.running.append(seq)
         scheduled[seq.seq_id], allocations[seq.seq_id] = count, allocation
@@ -341,7 +349,7 @@ class Scheduler:
         self.num_preemptions += 1
         self._dropped.add(seq.seq_id)
         self._resend.add(seq.seq_id)
-        bisect.insort(self.waiting, seq, key=lambda s: s.sort_key)
+        self.policy.enqueue(seq, self.waiting)
 
     def _build_output(self, scheduled: dict[str, int], allocations: dict[str, Allocation],
                       spec: dict[str, tuple[int, ...]]) -> SchedulerOutput:
@@ -381,8 +389,8 @@ class Scheduler:
                 self.num_prompt_tokens_from_tiers += seq.num_cached_tokens - min(first * self.kv.block_size,
                                                                                  seq.num_prompt_tokens)
             seq.status = status
-            self._loaded.add(seq.seq_id)
-            bisect.insort(self.waiting, seq, key=lambda s: s.sort_key)
+            self.loaded.add(seq.seq_id)
+            self.waiting.push(seq)  # back where it was (its wait goes on)
         self.loading.clear()
 
     def update(self, output: SchedulerOutput, result: RunnerOutput) -> list[SeqUpdate]:
@@ -434,17 +442,4 @@ class Scheduler:
 
     def check_integrity(self) -> None:
         """Raises ValueError if KV ownership is inconsistent or a sequence is in the wrong place."""
-        self.kv.check_integrity()
-        for seq in self.running:
-            if seq.status is not RequestStatus.RUNNING or seq.seq_id not in self.seqs:
-                raise ValueError(f"running sequence {seq.seq_id} has status {seq.status}")
-        for seq in self.waiting:
-            if self.kv.block_table(seq.seq_id) and seq.seq_id not in self._loaded:
-                raise ValueError(f"waiting sequence {seq.seq_id} holds blocks")
-        for seq in self.reserved.values():
-            if seq.status is not RequestStatus.WAITING_FOR_KV or len(self.kv.block_table(seq.seq_id)) < \
-                    self.kv.blocks_for(seq.num_prompt_tokens):
-                raise ValueError(f"reserved sequence {seq.seq_id} has status {seq.status} or too few blocks")
-        if self.loading or len(self.running) + len(self.waiting) + len(self.reserved) != len(self.seqs):
-            raise ValueError("a sequence is in more than one of running, waiting and reserved, or in none (or loading "
-                             "from a KV tier between steps)")
+        check_state(self)

@@ -169,6 +169,12 @@ class Speculator:
         # k proposals emit up to k + 1 tokens: within max_tokens and the context.
         return max(0, min(k, p.max_tokens - len(seq.output_token_ids) - 1, max_model_len - seq.num_tokens - 1))
 
+    def propose(self, running: Sequence[Seq], max_model_len: int) -> dict[str, tuple[int, ...]]:
+        """This step's proposals for the running sequences that decode and may speculate (seq id -> tokens)."""
+        decoding = [s for s in running if s.num_tokens - s.num_computed_tokens == 1]
+        limits = [(s, k) for s in decoding if (k := self.limit(s, max_model_len)) > 0]
+        return self.plan(limits, len(decoding)) if limits else {}
+
     def plan(self, seqs: Sequence[tuple[Seq, int]], num_decoding: int) -> dict[str, tuple[int, ...]]:
         """Proposals for this step: seq id -> tokens, for (sequence, limit) pairs; num_decoding: the step's
         decoding sequences (speculating or not), the batch the cost model prices."""

@@ -245,8 +245,8 @@ class BatchedDecode(_BatchedReplica):
         return not seq.emit()
 
     async def reserve(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *,
-                      priority: int = 0, cache_salt: str | None = None,
-                      senders: tuple[str, ...] = ()) -> TransferDescriptor | None:
+                      priority: int = 0, cache_salt: str | None = None, senders: tuple[str, ...] = (),
+                      tenant: str | None = None) -> TransferDescriptor | None:
         """None (no room) while max_num_seqs requests are held here, waiting, reserved or running."""
         self._check(request_id)
         if len(self._held()) + len(self.loop.waiting) >= self.costs.max_num_seqs:
@@ -278,7 +278,7 @@ class BatchedDecode(_BatchedReplica):
             yield batch
 
     async def generate(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *,
-                       priority: int = 0, cache_salt: str | None = None,
+                       priority: int = 0, cache_salt: str | None = None, tenant: str | None = None,
                        trace: str | None = None) -> AsyncIterator[list[RequestOutput]]:
         self._check(request_id)
         seq = _Seq(request_id, tuple(prompt_token_ids), params, cache_salt, outputs=asyncio.Queue())
@@ -289,7 +289,7 @@ class BatchedDecode(_BatchedReplica):
 
     async def resume(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
                      resume: ResumeState, *, priority: int = 0, cache_salt: str | None = None,
-                     trace: str | None = None) -> AsyncIterator[list[RequestOutput]]:
+                     tenant: str | None = None, trace: str | None = None) -> AsyncIterator[list[RequestOutput]]:
         """Like generate(), with the delivered tokens computed beside the prompt and the stream starting at the
         token after them (a migrated request)."""
         self._check(request_id)
@@ -347,7 +347,7 @@ class BatchedPrefill(_BatchedReplica):
 
     async def prefill(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
                       descriptor: TransferDescriptor, *, priority: int = 0, cache_salt: str | None = None,
-                      trace: str | None = None) -> PrefillResult:
+                      tenant: str | None = None, trace: str | None = None) -> PrefillResult:
         self._check(request_id)
         seq = _Seq(request_id, tuple(prompt_token_ids), params, cache_salt,
                    done=asyncio.get_running_loop().create_future())

@@ -208,8 +208,8 @@ class MockDecode(_MockReplica):
         return min(self.cache.capacity, self.running * 4 + reserved)
 
     async def reserve(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *,
-                      priority: int = 0, cache_salt: str | None = None,
-                      senders: tuple[str, ...] = ()) -> TransferDescriptor | None:
+                      priority: int = 0, cache_salt: str | None = None, senders: tuple[str, ...] = (),
+                      tenant: str | None = None) -> TransferDescriptor | None:
         prompt = tuple(prompt_token_ids)
         if self.room and not self.room.pop(0):
             return None
@@ -232,7 +232,7 @@ class MockDecode(_MockReplica):
             yield batch
 
     async def generate(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *,
-                       priority: int = 0, cache_salt: str | None = None,
+                       priority: int = 0, cache_salt: str | None = None, tenant: str | None = None,
                        trace: str | None = None) -> AsyncIterator[list[RequestOutput]]:
         self.traces.append(trace)
         prompt = tuple(prompt_token_ids)
@@ -247,7 +247,7 @@ class MockDecode(_MockReplica):
 
     async def resume(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
                      resume: ResumeState, *, priority: int = 0, cache_salt: str | None = None,
-                     trace: str | None = None) -> AsyncIterator[list[RequestOutput]]:
+                     tenant: str | None = None, trace: str | None = None) -> AsyncIterator[list[RequestOutput]]:
         """The mock model's completion from token len(resume.output_token_ids) on (it depends only on the
         prompt, so it continues any replica's). Raises ValueError as the engine does for what cannot resume."""
         self.traces.append(trace)
@@ -295,7 +295,7 @@ class MockPrefill(_MockReplica):
 
     async def prefill(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
                       descriptor: TransferDescriptor, *, priority: int = 0, cache_salt: str | None = None,
-                      trace: str | None = None) -> PrefillResult:
+                      tenant: str | None = None, trace: str | None = None) -> PrefillResult:
         self.traces.append(trace)
         prompt = tuple(prompt_token_ids)
         async with self._compute:
@@ -330,8 +330,8 @@ class DyingDecode(MockDecode):
             yield batch
 
     async def reserve(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *,
-                      priority: int = 0, cache_salt: str | None = None,
-                      senders: tuple[str, ...] = ()) -> TransferDescriptor | None:
+                      priority: int = 0, cache_salt: str | None = None, senders: tuple[str, ...] = (),
+                      tenant: str | None = None) -> TransferDescriptor | None:
         prompt = tuple(prompt_token_ids)
         if self.after < 0:
             from ray.exceptions import RayActorError
@@ -358,7 +358,7 @@ class DyingPrefill(MockPrefill):
 
     async def prefill(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
                       descriptor: TransferDescriptor, *, priority: int = 0, cache_salt: str | None = None,
-                      trace: str | None = None) -> PrefillResult:
+                      tenant: str | None = None, trace: str | None = None) -> PrefillResult:
         self.traces.append(trace)
         from ray.exceptions import RayActorError
 

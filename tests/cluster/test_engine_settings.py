@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from tandem.cluster.engine_settings import EngineSettings, SpeculativeSettings
+from tandem.cluster.engine_settings import EngineSettings, SchedulerSettings, SpeculativeSettings
 from tandem.cluster.manifest_yaml import ManifestInvalid, parse_manifest
 from tandem.cluster.replica_plans import replica_plans
 from tandem.engine.engine_config import EngineConfig
-from tandem.engine.engine_config import SpeculativeConfig
+from tandem.engine.engine_config import SchedulingConfig, SpeculativeConfig
 from tandem.replica.spec import ReplicaSpec
 
 MANIFESTS = Path(__file__).resolve().parents[2] / "deploy" / "manifests"
@@ -27,13 +27,18 @@ def test_every_engine_setting_is_a_key_with_the_engines_default():
     engine, replica = _defaults(EngineConfig), _defaults(ReplicaSpec)
     stated = {name: field.default for name, field in EngineSettings.model_fields.items()}
     # a new EngineConfig field is a manifest key without a line here; lora is the manifest's own section, for
-    # every pool (cluster/lora_settings.py)
-    assert set(engine) - {"lora"} <= set(stated)
+    # every pool (cluster/lora_settings.py), scheduling the pool's scheduler section (below)
+    assert set(engine) - {"lora", "scheduling"} <= set(stated)
     assert set(stated) - set(engine) == {"device", "dtype", "weights", "load_format"}  # the replica's, beside the engine's
     for name, default in stated.items():
         assert default == (engine[name] if name in engine else replica[name]), name
     assert stated["max_num_seqs"] == EngineConfig().max_num_seqs == 128  # was 64 in the manifest, 128 in the engine
     assert EngineSettings().config() == EngineConfig()
+
+    scheduler = {name: field.default for name, field in SchedulerSettings.model_fields.items()}
+    assert scheduler == {k: v for k, v in _defaults(SchedulingConfig).items() if k not in ("tenant_weights",
+                                                                                           "default_weight")}
+    assert SchedulerSettings().config() == SchedulingConfig()
 
     speculative = {name: field.default for name, field in SpeculativeSettings.model_fields.items()}
     assert speculative == _defaults(SpeculativeConfig)
@@ -84,3 +89,23 @@ def test_what_the_engine_refuses_the_manifest_refuses_at_its_key(keys, path, nee
         parse_manifest(_local(keys))
     errors = {e.path: e.message for e in caught.value.errors}
     assert path in errors and needle in errors[path], errors
+
+
+def test_a_pools_scheduler_section_reaches_its_replicas_with_the_tenants_weights(tmp_path):
+    from tandem.cluster.manifest_checks import validate_file
+    from tandem.cluster.replica_plans import replica_plan
+    from tests.cluster.manifest_files import manifest_errors, write_manifest
+
+    head = ("pools:\n  prefill: {}\n  decode:\n    scheduler: {policy: fair, preempt_after_s: 2}\n"
+            "auth:\n  api_keys: [{tenant: acme, key: sk-acme-0123456789}]\n  tenants: {acme: {weight: 3}}\n"
+            "  default_tenant: {weight: 0.5}\n")
+    manifest = validate_file(write_manifest(tmp_path, head), check_ports=False)
+    decode = replica_plan(manifest, "decode", 0).spec.engine.scheduling
+    assert decode == SchedulingConfig("fair", 2.0, 30.0, (("acme", 3.0),), 0.5)
+    assert (decode.weight("acme"), decode.weight("someone"), decode.weight(None)) == (3.0, 0.5, 0.5)
+    assert replica_plan(manifest, "prefill", 0).spec.engine.scheduling.policy == "priority"  # the default
+    errors = {e.path: e for e in manifest_errors(write_manifest(tmp_path, (
+        "pools:\n  prefill:\n    scheduler: {policy: lottery}\n  decode:\n"
+        "    scheduler: {policy: fcfs, preempt_after_s: 1}\n")))}
+    assert "'fcfs', 'priority', 'sjf' or 'fair'" in errors["pools.prefill.scheduler.policy"].message
+    assert "fcfs ignores" in errors["pools.decode.scheduler"].message

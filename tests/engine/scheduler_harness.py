@@ -14,12 +14,25 @@ from tandem.engine.scheduler_output import SchedulerOutput
 from tests.engine.fake_runner import FakeRunner
 
 
+class ManualClock:
+    """The scheduler's clock in a harness: seconds that pass only when a test says so."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 class Harness:
     def __init__(self, num_blocks: int = 64, block_size: int = 4, *, max_model_len: int = 256,
                  eos: frozenset[int] = frozenset(), **config):
+        """config: SchedulerConfig's fields (scheduling among them: the policy)."""
         self.events = KVEventRecorder()
         self.kv = KVCacheManager(num_blocks, block_size, event_sink=self.events)
-        self.scheduler = Scheduler(SchedulerConfig(max_model_len=max_model_len, **config), self.kv, eos)
+        self.clock = ManualClock()
+        self.scheduler = Scheduler(SchedulerConfig(max_model_len=max_model_len, **config), self.kv, eos,
+                                   clock=self.clock)
         self.runner = FakeRunner(num_blocks, block_size)
         self.block_size = block_size
         self.tokens: dict[str, list[int]] = defaultdict(list)  # seq id -> generated tokens
@@ -28,10 +41,10 @@ class Harness:
         self._arrival = 0
 
     def add(self, request_id: str, prompt, max_tokens: int, *, priority: int = 0, n: int = 1, seed: int = 0,
-            salt: str | None = None, **params) -> Sequence:
+            salt: str | None = None, tenant: str | None = None, **params) -> Sequence:
         sampling = SamplingParams(max_tokens=max_tokens, n=n, temperature=0, **params)
         seq = Sequence(f"{request_id}#0", request_id, 0, tuple(prompt), sampling, seed, priority, self._arrival,
-                       salt, self.block_size, fork_seeds=tuple(seed + i for i in range(1, n)))
+                       salt, self.block_size, fork_seeds=tuple(seed + i for i in range(1, n)), tenant=tenant)
         self._arrival += 1
         self.scheduler.add(seq)
         return seq

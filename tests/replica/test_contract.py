@@ -129,10 +129,12 @@ def test_each_stream_call_opens_the_method_it_stands_for_with_every_field():
     resume = ResumeState(output_token_ids=(1, 2), seed=3)
     trace = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
     calls = [(contract.DecodeCall("a", token, trace), ("decode", ("a", token), {"trace": trace})),
-             (contract.GenerateCall("b", [1], params, 2, "salt", trace),
-              ("generate", ("b", [1], params), {"priority": 2, "cache_salt": "salt", "trace": trace})),
+             (contract.GenerateCall("b", [1], params, 2, "salt", trace, "acme"),
+              ("generate", ("b", [1], params), {"priority": 2, "cache_salt": "salt", "tenant": "acme",
+                                                "trace": trace})),
              (contract.ResumeCall("c", [1], params, resume, -1, None),
-              ("resume", ("c", [1], params, resume), {"priority": -1, "cache_salt": None, "trace": None}))]
+              ("resume", ("c", [1], params, resume), {"priority": -1, "cache_salt": None, "tenant": None,
+                                                      "trace": None}))]
     assert set(contract.STREAM_CALLS) == {type(call) for call, _ in calls}
     assert set(_protocol_methods(contract.DecodeReplicaAPI)) >= {name for _, (name, _, _) in calls}
 

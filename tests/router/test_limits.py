@@ -37,19 +37,22 @@ LIMITS = RequestLimits(max_body_bytes=64 << 10, max_prompt_chars=20_000, max_n=4
 
 
 class PriorityDecode(MockDecode):
-    """A mock decode replica that records the priority each request reached it with, and keeps the streams of
-    the tenants in `holding` at their first token until the test empties it (a cap test's holders stay admitted
-    for as long as the test needs, however slow the machine)."""
+    """A mock decode replica that records the priority and tenant each request reached it with, and keeps the
+    streams of the tenants in `holding` at their first token until the test empties it (a cap test's holders stay
+    admitted for as long as the test needs, however slow the machine)."""
 
     def __init__(self, name: str, **kwargs):
         super().__init__(name, **kwargs)
         self.priorities: dict[str, int] = {}
+        self.tenants: dict[str, str | None] = {}
         self.holding: set[str] = set()
 
-    def generate(self, request_id, prompt_token_ids, params, *, priority=0, cache_salt=None, trace=None):
+    def generate(self, request_id, prompt_token_ids, params, *, priority=0, cache_salt=None, tenant=None,
+                 trace=None):
         self.priorities[request_id] = priority
+        self.tenants[request_id] = tenant
         return super().generate(request_id, prompt_token_ids, params, priority=priority, cache_salt=cache_salt,
-                                trace=trace)
+                                tenant=tenant, trace=trace)
 
     async def _stream(self, request_id, *args, **kwargs):
         while request_id.partition("/")[0] in self.holding:
@@ -305,6 +308,8 @@ def test_priorities_are_clamped_to_the_tenants_range(front):
         tenant = "acme" if metadata is ACME else "beta"
         seen = {k.rpartition("/")[0]: v for k, v in front.decode.priorities.items()}
         assert seen[f"{tenant}/{rid}"] == expected
+        # and the tenant reaches the replica, whose scheduler shares by it (a pool's scheduler.policy: fair)
+        assert {k.rpartition("/")[0]: v for k, v in front.decode.tenants.items()}[f"{tenant}/{rid}"] == tenant
 
 
 def test_a_tenant_past_its_cap_gets_429_with_retry_after_and_others_are_not_slowed(front):

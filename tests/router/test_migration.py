@@ -287,11 +287,12 @@ class Killed:
     def __getattr__(self, name):
         return getattr(self.replica, name)
 
-    async def generate(self, request_id, prompt_token_ids, params, *, priority=0, cache_salt=None, trace=None):
+    async def generate(self, request_id, prompt_token_ids, params, *, priority=0, cache_salt=None, tenant=None,
+                       trace=None):
         from ray.exceptions import RayActorError
 
         stream = self.replica.generate(request_id, prompt_token_ids, params, priority=priority,
-                                       cache_salt=cache_salt, trace=trace)
+                                       cache_salt=cache_salt, tenant=tenant, trace=trace)
         i = 0
         async for batch in stream:
             if i == self.after:

@@ -164,3 +164,25 @@ def test_each_samples_first_output_says_when_it_was_first_scheduled(tiny_llama):
         assert added <= first.scheduled_at <= seen
     assert outputs["a"][0][0].scheduled_at <= first_chunk_done  # the first chunk, not the last
     assert outputs["b"][0][0].scheduled_at >= outputs["a"][-1][1]
+
+
+def test_a_request_preempted_by_a_higher_priority_gives_the_same_tokens(tiny_llama):
+    """Priority preemption (scheduling preempt_after_s) on the model: the low-priority request, preempted
+    mid-decode for a high-priority one, recomputes and ends with the tokens it gives alone."""
+    from tandem.engine.engine_config import SchedulingConfig
+
+    low_prompt, high_prompt = list(range(3, 40)), list(range(60, 75))
+    scheduling = SchedulingConfig(policy="priority", preempt_after_s=0.0)
+    engine = engine_for(tiny_llama, max_num_seqs=1, max_model_len=256, scheduling=scheduling)
+    engine.add_request("low", low_prompt, greedy(24, seed=1), priority=5)
+    done = defaultdict(Completion)
+    for _ in range(4):
+        collect(engine.step(), done)
+    engine.add_request("high", high_prompt, greedy(6, seed=2), priority=0)
+    for key, completion in run_all(engine).items():
+        done[key].token_ids += completion.token_ids
+    assert engine.stats().num_preemptions == 1
+    for rid, ids, params in (("low", low_prompt, greedy(24, seed=1)), ("high", high_prompt, greedy(6, seed=2))):
+        alone_engine = engine_for(tiny_llama, max_model_len=256)
+        alone_engine.add_request(rid, ids, params)
+        assert done[(rid, 0)].token_ids == run_all(alone_engine)[(rid, 0)].token_ids, rid

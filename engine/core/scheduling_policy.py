@@ -1,0 +1,114 @@
+"""The order a scheduler serves its sequences in (SchedulingConfig.policy, a pool's `scheduler.policy`), and which
+running sequences a waiting one of higher priority may preempt. Plain Python, clock injected.
+
+Every sequence gets an ordering key (Sequence.order) when it first enters the waiting queue; lower goes first,
+for the waiting queue, for the running sequences' prefill chunks and, reversed, for choosing whom to preempt
+when blocks run out:
+
+  fcfs      (arrival, sample index)
+  priority  (priority, arrival, sample index)                     lower priority values first
+  sjf       (1, prompt tokens, max_tokens, arrival, sample index) shortest first; once a sequence has waited
+            (0, arrival, sample index)                            sjf_aging_s it goes before every one that has
+                                                                  not (aged, in arrival order): nothing starves
+  fair      (start tag, arrival, sample index)                    start-time fair queueing over tokens
+
+fair: each tenant's requests get start tags S = max(V, the finish tag of the tenant's previous request) and
+finish tags F = S + cost / weight, cost being the tokens the request may compute (its prompt and max_tokens for
+each sample) and weight its tenant's (SchedulingConfig.weight); V, the virtual time, is the largest start tag
+among the sequences started so far. A tenant that sends many or long requests pushes its own later requests
+back, one that was idle comes in at V without credit for the idle time, and while tenants contend each gets
+tokens in proportion to its weight. A preempted sequence keeps its key.
+
+Priority preemption (preempt_after_s set, any policy but fcfs): a waiting sequence that has waited that long
+(since it last entered the queue) and has running sequences of lower priority (a larger value) is urgent; the
+scheduler preempts those, the ones that lose the least computed work first, until it can start
+(Scheduler._start_urgent). Preemption recomputes: the victims' output does not change.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+from tandem.engine.engine_config import SchedulingConfig
+from tandem.engine.request import Sequence
+
+
+class WaitingQueue(list):
+    """The scheduler's waiting sequences, kept in order of their keys (Sequence.order)."""
+
+    def push(self, seq: Sequence) -> None:
+        """Inserts seq after every sequence of a key not larger than its own."""
+        lo, hi = 0, len(self)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if self[mid].order <= seq.order:
+                lo = mid + 1
+            else:
+                hi = mid
+        self.insert(lo, seq)
+
+
+class SchedulingPolicy:
+    def __init__(self, config: SchedulingConfig, clock: Callable[[], float] = time.monotonic):
+        self.config, self.clock = config, clock
+        self.virtual_time = 0.0  # fair: the largest start tag among the sequences started
+        self._finish: dict[str | None, float] = {}  # fair: each tenant's last finish tag
+
+    def enqueue(self, seq: Sequence, queue: WaitingQueue) -> None:
+        """Puts seq into the waiting queue, keyed (the first time) by the policy: see the module docstring."""
+        seq.queued_at = self.clock()
+        self.assign(seq)
+        queue.push(seq)
+
+    def assign(self, seq: Sequence) -> None:
+        """Gives seq its key if it has none yet (a sequence that runs without waiting: its KV arrives by transfer)."""
+        if not seq.order:
+            seq.order = self._key(seq)
+
+    def _key(self, seq: Sequence) -> tuple:
+        policy = self.config.policy
+        if policy == "fcfs":
+            return (seq.arrival, seq.index)
+        if policy == "priority":
+            return (seq.priority, seq.arrival, seq.index)
+        if policy == "sjf":
+            return (1, seq.num_prompt_tokens, seq.params.max_tokens, seq.arrival, seq.index)
+        start = max(self.virtual_time, self._finish.get(seq.tenant, 0.0))
+        cost = seq.num_prompt_tokens + seq.params.max_tokens * (1 + len(seq.fork_seeds))
+        self._finish[seq.tenant] = start + cost / self.config.weight(seq.tenant)
+        return (start, seq.arrival, seq.index)
+
+    def started(self, seq: Sequence) -> None:
+        """A waiting sequence started running (fair: the virtual time moves to its start tag)."""
+        if self.config.policy == "fair" and seq.order:
+            self.virtual_time = max(self.virtual_time, seq.order[0])
+
+    def age(self, queue: WaitingQueue) -> None:
+        """sjf: sequences that have waited sjf_aging_s move ahead of every one that has not."""
+        if self.config.policy != "sjf":
+            return
+        deadline = self.clock() - self.config.sjf_aging_s
+        aged = [seq for seq in queue if seq.order[0] == 1 and seq.queued_at <= deadline]
+        for seq in aged:
+            seq.order = (0, seq.arrival, seq.index)
+        if aged:
+            queue.sort(key=lambda s: s.order)
+
+    def urgent(self, queue: WaitingQueue, running: list[Sequence]) -> Sequence | None:
+        """The waiting sequence that may preempt now (see the module docstring), the best (priority, arrival) of
+        those that qualify; None when preemption by priority is off or none qualifies."""
+        after = self.config.preempt_after_s
+        if after is None or not running or not queue:
+            return None
+        worst = max(seq.priority for seq in running)
+        due = self.clock() - after
+        waited = [seq for seq in queue if seq.priority < worst and seq.queued_at <= due]
+        return min(waited, key=lambda s: (s.priority, s.arrival, s.index)) if waited else None
+
+    @staticmethod
+    def victims(running: list[Sequence], urgent: Sequence) -> list[Sequence]:
+        """The running sequences urgent may preempt, in the order to preempt them: lower priority only, the least
+        computed work lost first (then the latest arrival)."""
+        lower = [seq for seq in running if seq.priority > urgent.priority]
+        return sorted(lower, key=lambda s: (s.num_computed_tokens, -s.arrival))

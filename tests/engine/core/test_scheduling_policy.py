@@ -1,0 +1,120 @@
+"""The scheduler's policies (engine/core/scheduling_policy.py) on the scheduler harness: fcfs ignores priorities,
+sjf runs short prompts first and lets nothing wait past its aging bound, fair shares the steps between tenants
+by weight and keeps a heavy tenant's backlog from delaying a light one, and priority preemption takes running
+sequences of lower priority, the least work first, once a higher one has waited preempt_after_s, with every
+output unchanged."""
+
+from __future__ import annotations
+
+import pytest
+
+from tandem.engine.engine_config import SchedulingConfig
+from tandem.engine.request import RequestStatus
+
+from tests.engine.fake_runner import expected_output
+from tests.engine.scheduler_harness import Harness
+
+
+def prompt(n: int, start: int = 10) -> list[int]:
+    return [start + i % 80 for i in range(n)]
+
+
+def starts(h: Harness) -> list[str]:
+    """Request ids in the order they were first scheduled (the steps before included), running the harness to
+    the end."""
+    h.run()
+    order: list[str] = []
+    for out in h.outputs:
+        order += [rid for seq_id in out.num_scheduled_tokens if (rid := seq_id.partition("#")[0]) not in order]
+    return order
+
+
+def policy(name: str, **kwargs) -> SchedulingConfig:
+    return SchedulingConfig(policy=name, **kwargs)
+
+
+def test_fcfs_serves_in_arrival_order_whatever_the_priority():
+    h = Harness(max_num_seqs=1, scheduling=policy("fcfs"))
+    for rid, priority in (("a", 5), ("b", 1), ("c", -3)):
+        h.add(rid, prompt(4), 1, priority=priority)
+    assert starts(h) == ["a", "b", "c"]
+
+
+def test_sjf_runs_the_shortest_prompt_first_and_an_aged_one_before_all():
+    h = Harness(max_num_seqs=1, scheduling=policy("sjf", sjf_aging_s=10.0))
+    h.add("long", prompt(40), 2)
+    h.add("mid", prompt(12), 2)
+    h.add("short", prompt(4), 2)
+    h.add("short-more-tokens", prompt(4), 3)
+    assert starts(h) == ["short", "short-more-tokens", "mid", "long"]
+    h = Harness(max_num_seqs=1, scheduling=policy("sjf", sjf_aging_s=10.0))
+    h.add("long", prompt(40), 2)
+    h.add("short", prompt(4), 2)
+    h.step()  # "short" runs; "long" waits
+    h.clock.now = 10.0  # "long" has waited its aging bound
+    for i in range(3):
+        h.add(f"later-short-{i}", prompt(4, 30 + i), 2)
+    assert starts(h)[:2] == ["short", "long"]  # "long" before the shorter ones that arrived later
+
+
+def test_fair_keeps_a_heavy_tenants_backlog_from_delaying_a_light_one():
+    for name, light_starts in (("fcfs", 6), ("fair", 1)):  # after every heavy request / after the running one
+        h = Harness(max_num_seqs=1, scheduling=policy(name))
+        for i in range(6):
+            h.add(f"heavy-{i}", prompt(40, i), 4, tenant="batch")
+        h.step()  # the first heavy one runs
+        h.add("light", prompt(8, 90), 4, tenant="chat")
+        assert starts(h).index("light") == light_starts, name
+
+
+def test_fair_shares_the_tokens_by_weight_while_both_tenants_wait():
+    scheduling = policy("fair", tenant_weights=(("gold", 2.0), ("bronze", 1.0)))
+    h = Harness(num_blocks=512, max_num_seqs=1, scheduling=scheduling)
+    for i in range(12):
+        h.add(f"gold-{i}", prompt(20, i), 1, tenant="gold")
+        h.add(f"bronze-{i}", prompt(20, 40 + i), 1, tenant="bronze")
+    first = starts(h)[:12]  # while both still have requests waiting
+    gold = sum(rid.startswith("gold") for rid in first)
+    assert gold == 8, first  # 2:1
+
+
+def test_a_higher_priority_preempts_after_waiting_and_the_victims_output_is_unchanged():
+    h = Harness(num_blocks=64, max_num_seqs=2, scheduling=policy("priority", preempt_after_s=1.0))
+    h.add("low-long", prompt(12, 1), 30, priority=5, seed=1)
+    h.add("low-short", prompt(4, 2), 30, priority=5, seed=2)
+    for _ in range(3):
+        h.step()
+    h.add("high", prompt(6, 3), 4, priority=0, seed=3)
+    h.step()  # the sequence cap is full: "high" waits, nobody is preempted yet
+    assert h.scheduler.num_preemptions == 0 and "high#0" not in h.outputs[-1].num_scheduled_tokens
+    h.clock.now = 1.0
+    out = h.step()
+    assert "high#0" in out.num_scheduled_tokens and h.scheduler.num_preemptions == 1
+    [victim] = [s for s in h.scheduler.waiting if s.status is RequestStatus.PREEMPTED]
+    assert victim.request_id == "low-short"  # fewer computed tokens lost than "low-long"
+    h.run()
+    for rid, p, seed, n in (("low-long", prompt(12, 1), 1, 30), ("low-short", prompt(4, 2), 2, 30),
+                            ("high", prompt(6, 3), 3, 4)):
+        assert h.tokens[f"{rid}#0"] == expected_output(p, seed, n), rid
+    assert h.kv.pool.num_in_use == 0
+
+
+def test_priority_preemption_never_takes_an_equal_or_higher_priority_and_frees_blocks_for_the_urgent_one():
+    # 10 blocks of 4 tokens: two running sequences hold them all; the urgent one needs blocks, not a seat
+    h = Harness(num_blocks=10, max_num_seqs=4, scheduling=policy("priority", preempt_after_s=0.0))
+    h.add("peer", prompt(16, 1), 4, priority=0, seed=1)
+    h.add("low", prompt(16, 2), 4, priority=3, seed=2)
+    h.step()
+    h.add("high", prompt(12, 3), 2, priority=0, seed=3)
+    out = h.step()
+    assert "high#0" in out.num_scheduled_tokens
+    assert [s.request_id for s in h.scheduler.waiting] == ["low"]  # "peer" has the same priority: kept
+    h.run()
+    assert h.tokens["low#0"] == expected_output(prompt(16, 2), 2, 4)
+
+
+def test_preempting_by_priority_under_fcfs_is_refused():
+    with pytest.raises(ValueError, match="fcfs ignores"):
+        policy("fcfs", preempt_after_s=1.0)
+    with pytest.raises(ValueError, match="policy must be one of"):
+        SchedulingConfig(policy="lottery")
