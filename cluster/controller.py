@@ -34,7 +34,7 @@ from tandem.cluster.autoscaling import PoolPolicy
 from tandem.cluster.manifest import Manifest
 from tandem.cluster.pool_pressure import SLO, PoolGauge
 from tandem.cluster.pool_scaler import PoolScaler
-from tandem.cluster.replica_plans import absolute_model
+from tandem.cluster.replica_plans import absolute_model, scheduling_config
 from tandem.cluster.replica_set import HEARTBEAT_S, HEARTBEAT_TIMEOUT_S, STATS_TIMEOUT_S, ReplicaSet, cause
 from tandem.router.driver_settings import DriverSettings
 from tandem.router.limits import ServingLimits
@@ -62,6 +62,7 @@ def driver_settings(manifest: Manifest) -> DriverSettings:
                           queue_timeout_s=r.queue_timeout_s, routing=routing,
                           kv_events_interval_s=r.kv_events_interval_s, max_migrations=r.max_migrations,
                           prefill_queue_tokens=r.prefill_queue_tokens,
+                          waiting_room=scheduling_config(manifest, manifest.pools.prefill or manifest.pools.decode),
                           lora_runtime_loading=bool(manifest.lora and manifest.lora.runtime_loading),
                           lora_admin_tenants=tuple(manifest.lora.admin_tenants) if manifest.lora else ())
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tandem.cluster.manifest import Manifest, Pool
+from tandem.engine.engine_config import SchedulingConfig
 from tandem.engine.parallel.layout import ParallelConfig
 from tandem.kv_transfer.config import DEFAULT_UCX_ENV, TransferConfig
 from tandem.replica.spec import ReplicaSpec
@@ -44,10 +45,8 @@ def replica_spec(manifest: Manifest, pool: Pool) -> ReplicaSpec:
     if speculative is not None and speculative.draft != "self":  # a draft model's path, as every node reads it
         speculative = dataclasses.replace(speculative, draft=str(Path(speculative.draft).expanduser().resolve()))
     lora = manifest.lora
-    auth = manifest.auth
-    weights = tuple((tenant, limits.weight) for tenant, limits in auth.tenants.items())
     engine = e.config(compile=compile_step, speculative=speculative, lora=lora.config() if lora else None,
-                      scheduling=pool.scheduler.config(weights, auth.default_tenant.weight))
+                      scheduling=scheduling_config(manifest, pool))
     adapters = tuple((name, str(Path(path).expanduser().resolve()))  # as every node reads them
                      for name, path in (lora.adapters if lora else {}).items())
     p = pool.parallelism
@@ -56,6 +55,13 @@ def replica_spec(manifest: Manifest, pool: Pool) -> ReplicaSpec:
                        else e.dtype, weights=e.weights, load_format=e.load_format, engine=engine,
                        parallel=ParallelConfig(tp=p.tp, pp=p.pp, ep=p.ep), threads=threads,
                        cpu_affinity=pool.cpu_affinity, lora_adapters=adapters)
+
+
+def scheduling_config(manifest: Manifest, pool: Pool) -> SchedulingConfig:
+    """The pool's scheduler section with the tenants' weights (auth.tenants.<name>.weight, default_tenant's)."""
+    auth = manifest.auth
+    weights = tuple((tenant, limits.weight) for tenant, limits in auth.tenants.items())
+    return pool.scheduler.config(weights, auth.default_tenant.weight)
 
 
 def replica_plan(manifest: Manifest, pool_name: str, index: int) -> ReplicaPlan:

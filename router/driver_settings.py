@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tandem.engine.engine_config import SchedulingConfig
 from tandem.router.routing import RoutingSettings
 
 
@@ -20,6 +21,7 @@ class DriverSettings:
     kv_events_interval_s: float = 0.05  # how often the router polls every replica's KV events and load
     max_migrations: int = 3
     prefill_queue_tokens: int = 0  # late binding: prefill_waiting_room.py (0: off)
+    waiting_room: SchedulingConfig = SchedulingConfig()  # the order it wakes requests in: the prefill pool's policy
     # LoRA adapters loaded and unloaded over HTTP while serving (lora_routes.py), by these tenants when keys are on
     lora_runtime_loading: bool = False
     lora_admin_tenants: tuple[str, ...] = ()

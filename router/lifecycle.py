@@ -98,7 +98,7 @@ class RequestDriver:
         self.pulls = PrefixPulls(block_size, settings.routing.pull_min_blocks, self.routing.indexes, self.pools)
         self.num_queued = 0  # requests waiting for decode room (step 1)
         self.aborts = Aborts()  # the aborts of requests that ended, some still going on
-        self.waiting_room = PrefillWaitingRoom(settings.prefill_queue_tokens)
+        self.waiting_room = PrefillWaitingRoom(settings.prefill_queue_tokens, settings.waiting_room)
 
     @property
     def prefill(self) -> list[Replica[PrefillReplicaAPI]]:
@@ -207,7 +207,8 @@ class RequestDriver:
 
         return await self.waiting_room.wait(plan, replan, queued=lambda: self.num_queued,
                                             max_queued=self.settings.max_queued_requests,
-                                            timeout_s=self.settings.queue_timeout_s)
+                                            timeout_s=self.settings.queue_timeout_s, tenant=request.tenant,
+                                            priority=request.priority)
 
     def _plan(self, request: ParsedRequest, local: str | None = None) -> RoutePlan:
         prefill, decode = self.pools.loads(request.params.lora)  # those that serve its LoRA adapter, if any do

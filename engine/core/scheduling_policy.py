@@ -49,11 +49,29 @@ class WaitingQueue(list):
         self.insert(lo, seq)
 
 
+class FairShare:
+    """Start-time fair queueing's tags (the module docstring's fair): what the scheduler and the router's prefill
+    waiting room order by under the fair policy."""
+
+    def __init__(self, config: SchedulingConfig):
+        self.config = config
+        self.virtual_time = 0.0  # the largest start tag among those started
+        self._finish: dict[str | None, float] = {}  # each tenant's last finish tag
+
+    def tag(self, tenant: str | None, cost: float) -> float:
+        """The start tag of tenant's next piece of work of `cost` tokens (which moves the tenant's finish tag)."""
+        start = max(self.virtual_time, self._finish.get(tenant, 0.0))
+        self._finish[tenant] = start + cost / self.config.weight(tenant)
+        return start
+
+    def started(self, tag: float) -> None:
+        self.virtual_time = max(self.virtual_time, tag)
+
+
 class SchedulingPolicy:
     def __init__(self, config: SchedulingConfig, clock: Callable[[], float] = time.monotonic):
         self.config, self.clock = config, clock
-        self.virtual_time = 0.0  # fair: the largest start tag among the sequences started
-        self._finish: dict[str | None, float] = {}  # fair: each tenant's last finish tag
+        self.fair = FairShare(config)
 
     def enqueue(self, seq: Sequence, queue: WaitingQueue) -> None:
         """Puts seq into the waiting queue, keyed (the first time) by the policy: see the module docstring."""
@@ -74,15 +92,13 @@ class SchedulingPolicy:
             return (seq.priority, seq.arrival, seq.index)
         if policy == "sjf":
             return (1, seq.num_prompt_tokens, seq.params.max_tokens, seq.arrival, seq.index)
-        start = max(self.virtual_time, self._finish.get(seq.tenant, 0.0))
         cost = seq.num_prompt_tokens + seq.params.max_tokens * (1 + len(seq.fork_seeds))
-        self._finish[seq.tenant] = start + cost / self.config.weight(seq.tenant)
-        return (start, seq.arrival, seq.index)
+        return (self.fair.tag(seq.tenant, cost), seq.arrival, seq.index)
 
     def started(self, seq: Sequence) -> None:
         """A waiting sequence started running (fair: the virtual time moves to its start tag)."""
         if self.config.policy == "fair" and seq.order:
-            self.virtual_time = max(self.virtual_time, seq.order[0])
+            self.fair.started(seq.order[0])
 
     def age(self, queue: WaitingQueue) -> None:
         """sjf: sequences that have waited sjf_aging_s move ahead of every one that has not."""

@@ -248,6 +248,31 @@ def test_late_binding_waits_within_the_queue_timeout_and_the_queue_limit():
     assert (d.num_waiting_prefill, d.prefill_waiting_tokens) == (0, 0)
 
 
+@pytest.mark.parametrize("policy,chat_position", [("fcfs", 5), ("fair", 2)])
+def test_the_waiting_room_wakes_in_the_prefill_pools_order(policy, chat_position):
+    """One tenant's backlog waits in the room (its first request was sent at once); a second tenant's request
+    comes after it. fcfs wakes it last; fair after the backlog's first waiting request only (both have start tag
+    0, the virtual time; the backlog's later ones have 80, 160, 240: its tokens so far)."""
+    from tandem.engine.engine_config import SchedulingConfig
+
+    prefill = MockPrefill("prefill-0", step_s=0.03)
+    d = driver([prefill], [MockDecode("decode-0")], prefill_queue_tokens=50,
+               waiting_room=SchedulingConfig(policy=policy))
+
+    def tenant_request(i: int, tenant: str) -> ParsedRequest:
+        return ParsedRequest(f"{tenant}-{i}", long_prompt(i), SamplingParams(max_tokens=2, temperature=0), 0,
+                             tenant=tenant)
+
+    async def main():
+        tasks = [asyncio.create_task(collect(d, tenant_request(i, "batch"))) for i in range(5)]
+        await asyncio.sleep(0.01)  # the first is sent, four wait
+        tasks.append(asyncio.create_task(collect(d, tenant_request(9, "chat"))))
+        await asyncio.gather(*tasks)
+
+    asyncio.run(main())
+    assert [rid.partition("/")[0] for rid in prefill.prefilled].index("chat") == chat_position
+
+
 def test_driver_settings_refuse_a_negative_prefill_queue():
     with pytest.raises(ValueError, match="prefill_queue_tokens"):
         DriverSettings(prefill_queue_tokens=-1)
