@@ -1,13 +1,12 @@
 """Iteration-level scheduler: every step, one batch under a token budget and a sequence cap.
 
 Order within a step, each group in the policy's order (engine/core/scheduling_policy.py; by default priority,
-lower value first, then arrival):
+lower value first, then arrival; fair also caps each tenant's prompt tokens in the step at its share):
   1. running sequences that are decoding (one token each), then running sequences still prefilling (a chunk
      each, as much as the budget leaves);
   2. an urgent waiting sequence (priority preemption, when configured) preempting running ones of lower priority;
   3. if nobody had to be preempted in (1), waiting sequences, each with its prefix-cache hit taken first, while
-     blocks, budget and the sequence cap allow. The head of the queue blocks the rest, so a large prompt first
-     in order is not starved by small later ones.
+     blocks, budget and the sequence cap allow. The first one that cannot start blocks the rest.
 When a running sequence cannot get a block, the running sequence last in order gives all its blocks back
 (preemption by recompute) and waits again; it may be the one asking.
 
@@ -35,7 +34,7 @@ from typing import TYPE_CHECKING, Callable
 
 from tandem.engine.core.kv_cache_manager import NO_MATCH, Allocation, KVCacheManager
 from tandem.engine.core.scheduler_stats import SchedulerStats, check_state, collect_stats
-from tandem.engine.core.scheduling_policy import SchedulingPolicy, WaitingQueue
+from tandem.engine.core.scheduling_policy import NO_SHARES, SchedulingPolicy, WaitingQueue
 from tandem.engine.engine_config import SchedulerConfig
 from tandem.engine.errors import TandemError
 from tandem.engine.request import RequestStatus, Sequence, token_stop_status
@@ -70,6 +69,7 @@ class Scheduler:
         self.kv = kv
         self.eos_token_ids = frozenset(eos_token_ids)
         self.policy = SchedulingPolicy(config.scheduling, clock)
+        self._shares = NO_SHARES  # this step's prompt tokens per tenant (fair)
         self.waiting = WaitingQueue()  # in the policy's order
         self.running: list[Sequence] = []
         self.reserved: dict[str, Sequence] = {}  # WAITING_FOR_KV, by seq id
@@ -215,6 +215,7 @@ class Scheduler:
         preempted = False
         self.kv.save_parked()
         self.policy.age(self.waiting)
+        self._shares = self.policy.shares(budget, self.running, self.waiting)
         spec = self.speculator.propose(self.running, self.config.max_model_len) if self.speculator else {}
         for seq in sorted(self.running, key=lambda s: (s.is_prefilling, s.order)):
             if budget == 0:
@@ -243,6 +244,7 @@ class Scheduler:
             if allocation is None:
                 continue
             scheduled[seq.seq_id], allocations[seq.seq_id] = count, allocation
+            self._shares.take(seq, count)
             budget -= count
         if (urgent := self.policy.urgent(self.waiting, self.running)) is not None:
             budget = self._start_urgent(urgent, budget, scheduled, allocations)
@@ -251,10 +253,10 @@ class Scheduler:
         return self._build_output(scheduled, allocations, {i: t for i, t in spec.items() if i in scheduled})
 
     def _chunk(self, seq: Sequence, remaining: int, budget: int) -> int:
-        """Tokens of seq to compute this step: all that remain, or a budget-sized chunk if chunking is on."""
-        if remaining <= budget:
-            return remaining
-        return budget if self.config.enable_chunked_prefill else 0
+        """Tokens of seq to compute this step: all that remain, or a budget-sized chunk if chunking is on; a
+        prompt's within its tenant's share of the step (fair: scheduling_policy.StepShares)."""
+        budget = self._shares.allow(seq.tenant, budget) if remaining > 1 else budget
+        return remaining if remaining <= budget else budget if self.config.enable_chunked_prefill else 0
 
     def _admit_waiting(self, budget: int, scheduled: dict[str, int], allocations: dict[str, Allocation]) -> int:
         # Sequences whose prefix came up from a tier go first, wherever they wait: they hold their blocks, their
@@ -268,10 +270,11 @@ class Scheduler:
                 self.waiting.remove(seq)
                 self.loaded.discard(seq.seq_id)
                 budget -= self._start(seq, count, allocation, scheduled, allocations)
-        while self.waiting and budget > 0 and self.waiting[0].seq_id not in self.loaded:
-            seq = self.waiting[0]
-            if not self._fits(seq):
+        for seq in [s for s in self.waiting if s.seq_id not in self.loaded]:
+            if budget == 0 or not self._fits(seq):
                 break
+            if not self._shares.allow(seq.tenant, budget):
+                continue  # fair: its tenant's share of this step is spent; another tenant's request may go
             match = self.kv.match_prefix(seq)
             if tier_blocks := self.kv.match_tiers(seq, match):
                 rest = seq.num_tokens - (len(match.blocks) + tier_blocks) * self.kv.block_size
@@ -279,7 +282,7 @@ class Scheduler:
                 if self.kv.allocate(seq, tier_blocks * self.kv.block_size + first_chunk, match) is None:
                     break
                 self.kv.load_from_tiers(seq, len(match.blocks), tier_blocks)
-                self.waiting.pop(0)
+                self.waiting.remove(seq)
                 self.loading[seq.seq_id] = (seq, len(match.blocks), tier_blocks, seq.status)
                 seq.status = RequestStatus.WAITING_FOR_TIER
                 continue
@@ -329,6 +332,7 @@ class Scheduler:
                allocations: dict[str, Allocation]) -> int:
         """Makes a waiting sequence running with count tokens scheduled; returns count."""
         self.policy.started(seq)
+        self._shares.take(seq, count)
         seq.status = RequestStatus.RUNNING
         self.running.append(seq)
         scheduled[seq.seq_id], allocations[seq.seq_id] = count, allocation

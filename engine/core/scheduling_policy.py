@@ -12,7 +12,10 @@ when blocks run out:
                                                                   not (aged, in arrival order): nothing starves
   fair      (start tag, arrival, sample index)                    start-time fair queueing over tokens
 
-fair: each tenant's requests get start tags S = max(V, the finish tag of the tenant's previous request) and
+fair: requests are ordered by start-time fair queueing, and each step's prompt tokens are shared between the
+tenants with prompt tokens to compute (running prefills and waiting requests) by weighted max-min fairness
+(StepShares): a tenant gets at most its weight's share of the budget the decodes leave, more while others need
+less. Each tenant's requests get start tags S = max(V, the finish tag of the tenant's previous request) and
 finish tags F = S + cost / weight, cost being the tokens the request may compute (its prompt and max_tokens for
 each sample) and weight its tenant's (SchedulingConfig.weight); V, the virtual time, is the largest start tag
 among the sequences started so far. A tenant that sends many or long requests pushes its own later requests
@@ -31,7 +34,7 @@ import time
 from typing import Callable
 
 from tandem.engine.engine_config import SchedulingConfig
-from tandem.engine.request import Sequence
+from tandem.engine.request import RequestStatus, Sequence
 
 
 class WaitingQueue(list):
@@ -47,6 +50,43 @@ class WaitingQueue(list):
             else:
                 hi = mid
         self.insert(lo, seq)
+
+
+class StepShares:
+    """How many prompt tokens each tenant may still compute this step (None: no limit)."""
+
+    def __init__(self, left: dict[str | None, int] | None = None):
+        self.left = left
+
+    def allow(self, tenant: str | None, budget: int) -> int:
+        """What a prompt chunk of tenant may take of budget."""
+        return budget if self.left is None else max(0, min(budget, self.left.get(tenant, budget)))
+
+    def take(self, seq: Sequence, count: int) -> None:
+        """seq was scheduled count tokens: a prompt chunk's count against its tenant's share."""
+        if self.left is not None and seq.is_prefilling and seq.tenant in self.left:
+            self.left[seq.tenant] -= count
+
+
+NO_SHARES = StepShares()
+
+
+def weighted_max_min(total: int, demand: dict, weight: Callable[[object], float]) -> dict:
+    """total split between demand's keys: each gets at most its demand, and what one does not need goes to the
+    others in proportion to their weights (floored to whole tokens)."""
+    shares, left, remaining = {}, dict(demand), float(total)
+    while left and remaining >= 1:
+        weights = sum(weight(k) for k in left)
+        fair = {k: remaining * weight(k) / weights for k in left}
+        satisfied = [k for k in left if left[k] <= fair[k]]
+        if not satisfied:
+            shares.update({k: int(fair[k]) for k in left})
+            return shares
+        for k in satisfied:
+            shares[k] = left.pop(k)
+            remaining -= shares[k]
+    shares.update({k: 0 for k in left})
+    return shares
 
 
 class FairShare:
@@ -110,6 +150,22 @@ class SchedulingPolicy:
             seq.order = (0, seq.arrival, seq.index)
         if aged:
             queue.sort(key=lambda s: s.order)
+
+    def shares(self, budget: int, running: list[Sequence], queue: WaitingQueue) -> StepShares:
+        """fair, with two or more tenants having prompt tokens to compute: each one's share of the step's budget
+        after the decodes (weighted max-min over what each needs); else no limit."""
+        if self.config.policy != "fair":
+            return NO_SHARES
+        demand: dict[str | None, int] = {}
+        decoding = 0
+        for seq in (*running, *queue):
+            if (left := seq.num_tokens - seq.num_computed_tokens) > 1 or seq.status is not RequestStatus.RUNNING:
+                demand[seq.tenant] = demand.get(seq.tenant, 0) + left
+            else:
+                decoding += 1
+        if len(demand) < 2:
+            return NO_SHARES
+        return StepShares(weighted_max_min(max(0, budget - decoding), demand, self.config.weight))
 
     def urgent(self, queue: WaitingQueue, running: list[Sequence]) -> Sequence | None:
         """The waiting sequence that may preempt now (see the module docstring), the best (priority, arrival) of
