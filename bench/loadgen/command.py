@@ -3,6 +3,8 @@ lists several rates), a summary on stderr, the results folder, and the summary J
 
     tandem bench --target 127.0.0.1:50051 --rate 2 --num-requests 200 --workload long-mix --slo ttft=2s,itl_p99=200ms
     tandem bench --openai http://127.0.0.1:8000/v1 --rate 1,2,4,8 --duration 60 --arrival gamma --burstiness 0.5
+    tandem bench --target 127.0.0.1:50051 --rate 0.2 --duration 120 \
+        --tenant chat,key_env=CHAT_KEY,input=lognormal:96,0.3 --tenant batch,share=5,key_env=BATCH_KEY,input=fixed:800
 """
 
 from __future__ import annotations
@@ -29,6 +31,15 @@ def _rates(text: str) -> list[float]:
     if not rates or any(r <= 0 for r in rates):
         raise argparse.ArgumentTypeError("every --rate must be positive")
     return rates
+
+
+def _tenant(text: str):
+    from tandem.bench.loadgen.tenants import parse_tenant
+
+    try:
+        return parse_tenant(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -80,6 +91,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                                "requests meeting every one")
     p.add_argument("--attainment", type=float, default=0.9, help="for a sweep: the SLO attainment that the "
                    "highest sustainable rate must reach (DistServe's goodput; default 0.9)")
+    p.add_argument("--tenant", action="append", type=_tenant, default=None, metavar="NAME,FIELD=VALUE,...",
+                   help="load as several tenants at once (repeat it): fields share (its rate: --rate x share), key "
+                        "or key_env (its API key), input, output; each tenant's latencies are in by_class")
     p.add_argument("--out", default=None, metavar="DIR", help="results folder (default bench-results/<time>)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
@@ -94,13 +108,14 @@ def _workload(args):
                           think_time_s=args.think_time, seed=args.seed)
 
 
-def _backend(args, tokenizer):
+def _backend(args, tokenizer, api_key: str | None = None):
+    """api_key: this backend's (a tenant's); None: --api-key or the environment's."""
     from tandem.bench.loadgen.backends import GrpcBackend, OpenAIBackend
 
     if args.target:
-        return GrpcBackend(args.target, api_key=args.api_key or os.environ.get("TANDEM_API_KEY"),
+        return GrpcBackend(args.target, api_key=api_key or args.api_key or os.environ.get("TANDEM_API_KEY"),
                            tls_ca=args.tls_ca, timeout_s=args.timeout)
-    key = args.api_key or os.environ.get("OPENAI_API_KEY") or os.environ.get("TANDEM_API_KEY")
+    key = api_key or args.api_key or os.environ.get("OPENAI_API_KEY") or os.environ.get("TANDEM_API_KEY")
     return OpenAIBackend(args.openai, model=args.model, api_key=key, timeout_s=args.timeout,
                          detokenize=tokenizer.decode, token_prompts=args.token_prompts)
 
@@ -117,6 +132,9 @@ def _check(args) -> None:
         raise ValueError("say how to send: --rate R (open loop) or --concurrency N (closed loop)")
     if args.workload != "trace" and args.num_requests is None and args.duration is None:
         raise ValueError("say how long to run: --num-requests N and/or --duration S")
+    if args.tenant and (not args.rate or len(args.rate) > 1 or args.duration is None or args.workload == "trace"):
+        raise ValueError("--tenant runs one open loop per tenant: give one --rate and --duration (no sweep, trace or "
+                         "--concurrency)")
     if args.tls_ca and not args.target:
         raise ValueError("--tls-ca is for --target (gRPC); an https:// --openai URL uses the system's CAs")
 
@@ -148,10 +166,33 @@ def run(args: argparse.Namespace) -> int:
             count=args.num_requests, duration_s=args.duration, seed=seed)
         return build(replace(workload, seed=seed), maker, offsets)
 
+    async def tenants(workload, maker, info):
+        """--tenant: one open loop per tenant, all at once, on one clock."""
+        from tandem.bench.loadgen import runner
+        from tandem.bench.loadgen.arrivals import RealClock
+        from tandem.bench.loadgen.tenants import run_tenants
+
+        clock = RealClock()
+
+        async def load(tenant, place: int):
+            seed = args.seed + 1000 * (place + 1)  # each tenant its own arrivals and prompts
+            offsets = ArrivalProcess(args.rate[0] * tenant.share, args.arrival, args.burstiness).offsets(
+                count=args.num_requests, duration_s=args.duration, seed=seed)
+            mine = replace(workload, seed=seed, input=tenant.input or workload.input,
+                           output=tenant.output or workload.output)
+            backend = _backend(args, info.tokenizer, tenant.key)
+            try:
+                return await runner.open_loop(build(mine, maker, offsets), backend, clock=clock, label=tenant.name,
+                                              quiet=args.quiet)
+            finally:
+                await backend.aclose()
+
+        return await run_tenants(args.tenant, load)
+
     async def main():
         from tandem.bench.loadgen import runner
 
-        backend = _backend(args, info.tokenizer)
+        backend = _backend(args, info.tokenizer, args.tenant[0].key if args.tenant else None)  # the warm-up's
         try:
             first = conversations(args.rate[0] if args.rate else None)
             # Warm-up prompts come from another seed, so that they leave nothing in the prefix caches that the
@@ -162,6 +203,8 @@ def run(args: argparse.Namespace) -> int:
             if failed:
                 raise RuntimeError(f"the warm-up request failed ({failed[0].error}: {failed[0].error_message}); "
                                    f"is the server at {backend.name} serving?")
+            if args.tenant:
+                return [(args.rate[0], await tenants(workload, maker, info))]
             if args.concurrency:
                 return [(None, await runner.closed_loop(first, backend, args.concurrency, duration_s=args.duration,
                                                         quiet=args.quiet))]

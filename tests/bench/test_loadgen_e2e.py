@@ -104,3 +104,28 @@ def test_bad_flags_and_an_unreachable_server_are_clear_errors(capsys, tmp_path):
     assert "--num-requests N and/or --duration S" in capsys.readouterr().err
     assert main(["bench", "--target", "127.0.0.1:1", "--rate", "1", "--duration", "1", "--input", "zipf:3"]) == 2
     assert "bad length distribution 'zipf:3'" in capsys.readouterr().err
+
+
+def test_several_tenants_load_at_once_each_at_its_share_with_its_own_lengths(cluster, capsys, tmp_path):
+    summary = bench(capsys, "--target", cluster.target, "--rate", "10", "--duration", "3", "--output", "fixed:4",
+                    "--tenant", "chat,key=sk-chat-0123456789,input=lognormal:24,0.2",
+                    "--tenant", "batch,share=3,key=sk-batch-0123456789,input=uniform:100,120,output=fixed:6",
+                    "--out", str(tmp_path))
+    chat, batch = summary["by_class"]["chat"], summary["by_class"]["batch"]
+    assert chat["completed"] == chat["requests"] and batch["completed"] == batch["requests"]
+    assert 2 * chat["requests"] < batch["requests"] < 5 * chat["requests"]  # 3x the rate, Poisson over 3 s
+    records = read_records(tmp_path / "requests.jsonl")
+    assert [r.index for r in records] == list(range(len(records)))
+    assert all(100 <= r.prompt_tokens <= 120 and r.output_tokens == 6 for r in records if r.klass == "batch")
+    assert all(r.prompt_tokens < 60 and r.output_tokens == 4 for r in records if r.klass == "chat")
+
+
+def test_tenant_flags_are_checked(capsys):
+    assert main(["bench", "--target", "127.0.0.1:1", "--rate", "1", "--num-requests", "3", "--tenant", "a"]) == 2
+    assert "give one --rate and --duration" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["bench", "--target", "127.0.0.1:1", "--rate", "1", "--duration", "1", "--tenant", "a,weight=2"])
+    assert "unknown field 'weight'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["bench", "--target", "127.0.0.1:1", "--rate", "1", "--duration", "1", "--tenant", "a,key_env=NOPE_X"])
+    assert "NOPE_X is not set" in capsys.readouterr().err
