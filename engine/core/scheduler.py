@@ -252,10 +252,10 @@ class Scheduler:
             budget = self._admit_waiting(budget, scheduled, allocations)
         return self._build_output(scheduled, allocations, {i: t for i, t in spec.items() if i in scheduled})
 
-    def _chunk(self, seq: Sequence, remaining: int, budget: int) -> int:
+    def _chunk(self, seq: Sequence, remaining: int, budget: int, shared: bool = True) -> int:
         """Tokens of seq to compute this step: all that remain, or a budget-sized chunk if chunking is on; a
-        prompt's within its tenant's share of the step (fair: scheduling_policy.StepShares)."""
-        budget = self._shares.allow(seq.tenant, budget) if remaining > 1 else budget
+        prompt's within its tenant's share of the step (fair: scheduling_policy.StepShares) unless not shared."""
+        budget = self._shares.allow(seq.tenant, budget) if remaining > 1 and shared else budget
         return remaining if remaining <= budget else budget if self.config.enable_chunked_prefill else 0
 
     def _admit_waiting(self, budget: int, scheduled: dict[str, int], allocations: dict[str, Allocation]) -> int:
@@ -299,7 +299,7 @@ class Scheduler:
         victims = self.policy.victims(self.running, seq)
         while True:
             match = self.kv.match_prefix(seq)
-            count = self._chunk(seq, seq.num_tokens - match.num_cached_tokens, budget)
+            count = self._chunk(seq, seq.num_tokens - match.num_cached_tokens, budget, shared=False)  # priority first
             if count and self._fits(seq) and (allocation := self.kv.allocate(seq, count, match)) is not None:
                 return budget - self._admit(seq, count, match.num_cached_tokens, allocation, scheduled, allocations)
             if not victims:

@@ -116,3 +116,16 @@ def test_replicas_of_one_host_pass_kv_by_reference_only_when_the_manifest_says_s
     assert "transport:\n  kind: ucx\n" in text
     on = parse_manifest(text.replace("transport:\n  kind: ucx\n", "transport:\n  kind: ucx\n  shared_memory: true\n"))
     assert transfer_config(on, b"s" * 32).shared_memory is True
+
+
+def test_the_tenants_bench_manifest_shares_the_decode_pool_fairly_between_two_keyed_tenants(monkeypatch):
+    from tandem.cluster.replica_plans import replica_plans
+
+    monkeypatch.setenv("TANDEM_BENCH_CHAT_KEY", "sk-chat-0123456789")
+    monkeypatch.setenv("TANDEM_BENCH_BATCH_KEY", "sk-batch-0123456789")
+    manifest = validate_file(MANIFESTS / "bench-tenants.yaml", check_ports=False)
+    [plan] = replica_plans(manifest)
+    assert plan.spec.engine.scheduling.policy == "fair"
+    assert plan.spec.engine.scheduling.tenant_weights == (("chat", 1.0), ("batch", 1.0))
+    assert {k.tenant: k.key_env for k in manifest.auth.api_keys} == {"chat": "TANDEM_BENCH_CHAT_KEY",
+                                                                     "batch": "TANDEM_BENCH_BATCH_KEY"}

@@ -118,3 +118,17 @@ def test_preempting_by_priority_under_fcfs_is_refused():
         policy("fcfs", preempt_after_s=1.0)
     with pytest.raises(ValueError, match="policy must be one of"):
         SchedulingConfig(policy="lottery")
+
+
+def test_under_fair_an_urgent_request_starts_even_when_its_tenants_share_of_the_step_is_spent():
+    scheduling = policy("fair", preempt_after_s=0.0)
+    h = Harness(num_blocks=256, max_num_seqs=3, max_num_batched_tokens=32, scheduling=scheduling)
+    h.add("a-low", prompt(200, 1), 2, priority=5, tenant="a", seed=1)  # a long prefill of tenant a
+    h.add("b-low", prompt(200, 2), 2, priority=5, tenant="b", seed=2)  # tenant b has prompt tokens too
+    h.step()
+    h.add("a-high", prompt(8, 3), 2, priority=0, tenant="a", seed=3)
+    out = h.step()  # a's running prefill spent a's share of the step; the urgent one goes anyway
+    assert "a-high#0" in out.num_scheduled_tokens
+    h.run()
+    for rid, seed in (("a-low", 1), ("b-low", 2)):
+        assert h.tokens[f"{rid}#0"] == expected_output(prompt(200, seed), seed, 2)
