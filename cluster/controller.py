@@ -63,6 +63,7 @@ def driver_settings(manifest: Manifest) -> DriverSettings:
                           kv_events_interval_s=r.kv_events_interval_s, max_migrations=r.max_migrations,
                           prefill_queue_tokens=r.prefill_queue_tokens,
                           waiting_room=scheduling_config(manifest, manifest.pools.prefill or manifest.pools.decode),
+                          decode_room=scheduling_config(manifest, manifest.pools.decode),
                           lora_runtime_loading=bool(manifest.lora and manifest.lora.runtime_loading),
                           lora_admin_tenants=tuple(manifest.lora.admin_tenants) if manifest.lora else ())
 

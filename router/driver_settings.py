@@ -22,6 +22,7 @@ class DriverSettings:
     max_migrations: int = 3
     prefill_queue_tokens: int = 0  # late binding: prefill_waiting_room.py (0: off)
     waiting_room: SchedulingConfig = SchedulingConfig()  # the order it wakes requests in: the prefill pool's policy
+    decode_room: SchedulingConfig = SchedulingConfig()  # the order requests wait for decode room: the decode pool's
     # LoRA adapters loaded and unloaded over HTTP while serving (lora_routes.py), by these tenants when keys are on
     lora_runtime_loading: bool = False
     lora_admin_tenants: tuple[str, ...] = ()

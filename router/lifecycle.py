@@ -6,8 +6,8 @@
      (DriverSettings.prefill_queue_tokens) a request whose prefill replica has that many tokens queued waits
      here, holding nothing, and is planned again when a prefill queue shortens or the pool changes.
   1. Reserve. Decode replicas are asked in the plan's order until one holds blocks for the prompt and returns
-     a transfer descriptor. When none has room the request waits (polling, re-ranked each round) up to
-     queue_timeout_s, and at most max_queued_requests requests wait at once; past either, RESOURCE_EXHAUSTED.
+     a transfer descriptor. When none has room it waits in the decode pool's order (policy_queue.DecodeRoom: the
+     first polls, re-ranked each round) up to queue_timeout_s, max_queued_requests at once; else RESOURCE_EXHAUSTED.
   2. Prefill. The planned prefill replica computes the prompt, reusing its prefix cache (first pulled from a
      replica holding it, where that pays: prefix_pulls.py), and pushes each layer's KV into the descriptor as
      soon as it is written; it answers with the first token once every decode rank has acknowledged its data.
@@ -53,6 +53,7 @@ from tandem.router.driver_settings import DriverSettings
 from tandem.router.kv_feed import KVFeed
 from tandem.router.migration import MIGRATION, PREFILL_DIED, Replay, seeded
 from tandem.router.policy import ReplicaLoad
+from tandem.router.policy_queue import DecodeRoom
 from tandem.router.prefill_waiting_room import PrefillWaitingRoom
 from tandem.router.prefix_pulls import PrefixPulls
 from tandem.router.replicas import (NoCapacityError, NoReplicaError, Replica, ReplicaLostError, ReplicaPools,
@@ -96,9 +97,11 @@ class RequestDriver:
         self.routing = Routing(settings.routing, block_size)
         self.feed = KVFeed(self.routing.indexes)
         self.pulls = PrefixPulls(block_size, settings.routing.pull_min_blocks, self.routing.indexes, self.pools)
-        self.num_queued = 0  # requests waiting for decode room (step 1)
+        self.decode_room = DecodeRoom(settings.decode_room)  # requests waiting for decode room (step 1)
         self.aborts = Aborts()  # the aborts of requests that ended, some still going on
         self.waiting_room = PrefillWaitingRoom(settings.prefill_queue_tokens, settings.waiting_room)
+
+    num_queued = property(lambda self: len(self.decode_room), doc="requests waiting for decode room (step 1)")
 
     @property
     def prefill(self) -> list[Replica[PrefillReplicaAPI]]:
@@ -263,7 +266,7 @@ class RequestDriver:
                        ) -> tuple[Replica[DecodeReplicaAPI], TransferDescriptor, float]:
         rid = key.replica_id()
         start = time.monotonic()
-        queued = False
+        place = None  # its place in the decode room, once no replica had room
         order = plan.decode
         try:
             while True:
@@ -285,22 +288,23 @@ class RequestDriver:
                         self._use(replica, rid, touched)
                         return replica, descriptor, time.monotonic() - start
                     replica.load.refusals += 1
-                if not queued:
+                if place is None:
                     if self.num_queued >= self.settings.max_queued_requests:
                         raise NoCapacityError(f"no decode replica has room for the prompt and "
                                               f"{self.num_queued} requests are already queued")
-                    queued = True
-                    self.num_queued += 1
+                    place = self.decode_room.join(tenant=request.tenant, priority=request.priority,
+                                                  prompt_tokens=len(request.prompt_token_ids),
+                                                  max_tokens=request.params.max_tokens)
                 if time.monotonic() - start > self.settings.queue_timeout_s:
                     raise NoCapacityError(f"no decode replica had room for the prompt within "
                                           f"{self.settings.queue_timeout_s:g} s")
-                await asyncio.sleep(RETRY_INTERVAL_S)
+                await self.decode_room.next_try(place, RETRY_INTERVAL_S, start + self.settings.queue_timeout_s)
                 if not self.decode:
                     raise NoReplicaError("no ready replica in the decode pool")
                 order = self.routing.pickers["decode"].rank_decode([r.load for r in self.decode])
         finally:
-            if queued:
-                self.num_queued -= 1
+            if place is not None:
+                self.decode_room.leave(place)
 
     async def _disaggregated(self, request: ParsedRequest, key: RunKey, plan: RoutePlan,
                              touched: list[tuple[Replica, str]], replay: Replay) -> AsyncIterator[Progress]:

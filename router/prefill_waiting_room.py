@@ -1,35 +1,20 @@
 """Late binding's waiting room (step 0 of lifecycle.py, DriverSettings.prefill_queue_tokens > 0): requests whose
 planned prefill replica already has `limit` uncached tokens queued wait here, holding nothing, and are woken one
 at a time when a prefill replica's queue drops below the limit or the pool changes, in the order of the prefill
-pool's scheduler policy (DriverSettings.waiting_room: engine/core/scheduling_policy.py): fcfs by arrival,
-priority by priority then arrival, sjf by uncached tokens (arrival once one waited sjf_aging_s), fair by start
-tags over uncached tokens by tenant weight. Who waits and how many uncached tokens they bring (num_waiting,
+pool's scheduler policy (DriverSettings.waiting_room; router/policy_queue.py: sjf by uncached tokens, fair by
+start tags over them). Who waits and how many uncached tokens they bring (num_waiting,
 waiting_tokens) is the prefill pool's backlog the autoscaler reads. Mutated only on the router's event loop."""
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import time
-from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from tandem.engine.core.scheduling_policy import FairShare
 from tandem.engine.engine_config import SchedulingConfig
+from tandem.router.policy_queue import Place, PolicyQueue
 from tandem.router.replicas import NoCapacityError, Replica
 from tandem.router.routing import RoutePlan
-
-
-@dataclass(frozen=True, eq=False)
-class _Turn:
-    """One waiting request's place: woken when it is first in order. arrival: the room's count at its first turn."""
-
-    woken: asyncio.Future
-    arrival: int
-    since: float  # when it sat down (the room's clock)
-    tokens: int
-    priority: int
-    tag: float  # fair: its start tag
 
 
 class PrefillWaitingRoom:
@@ -37,24 +22,21 @@ class PrefillWaitingRoom:
                  clock: Callable[[], float] = time.monotonic):
         """limit: prefill_queue_tokens (0: late binding off, nobody waits). scheduling: the order it wakes in."""
         self.limit = limit
-        self.scheduling, self.clock = scheduling, clock
         self.num_waiting = 0
         self.waiting_tokens = 0
-        self._turns: list[_Turn] = []
-        self._arrivals = itertools.count()
-        self._fair = FairShare(scheduling)
+        self._turns = PolicyQueue(scheduling, clock=clock)
 
     async def wait(self, plan: RoutePlan, replan: Callable[[], RoutePlan], *, queued: Callable[[], int],
                    max_queued: int, timeout_s: float, tenant: str | None = None, priority: int = 0) -> RoutePlan:
         """While the planned prefill replica has `limit` or more uncached tokens queued, waits here holding
-        nothing (no decode reservation: a prefill backlog does not tie up decode room), in arrival order, and
-        asks replan() for a new plan each time it is woken. Returns the plan to go with. Waits count against
+        nothing (no decode reservation: a prefill backlog does not tie up decode room), in the policy's order,
+        and asks replan() for a new plan each time it is woken. Returns the plan to go with. Waits count against
         max_queued (with queued(): the requests waiting for decode room) and timeout_s like a wait for decode
         room: past either, NoCapacityError. replan's errors (no decode replica left) end the wait. tenant, priority:
-        the request's (its place in the order)."""
+        the request's (its place in the order, kept across turns)."""
         start = time.monotonic()
         seated = 0  # the tokens counted as waiting (0: not waiting yet)
-        place: tuple[int, float, float] | None = None  # (arrival, since, fair tag): its place, kept across turns
+        place: Place | None = None
         try:
             while plan.prefill is not None and plan.prefill.queued_prefill_tokens >= self.limit:
                 if not seated:
@@ -62,10 +44,8 @@ class PrefillWaitingRoom:
                         raise NoCapacityError(f"every prefill replica has {self.limit} or more tokens queued and "
                                               f"{queued() + self.num_waiting} requests are already waiting")
                     seated = self.sit(plan.uncached_tokens)
-                    tag = self._fair.tag(tenant, seated) if self.scheduling.policy == "fair" else 0.0
-                    place = (next(self._arrivals), self.clock(), tag)
-                if not await self.turn(timeout_s - (time.monotonic() - start), _Turn(
-                        asyncio.get_running_loop().create_future(), place[0], place[1], seated, priority, place[2])):
+                    place = self._turns.place(tenant=tenant, priority=priority, size=(seated,), cost=seated)
+                if not await self.turn(timeout_s - (time.monotonic() - start), place):
                     raise NoCapacityError(f"no prefill replica had fewer than {self.limit} tokens queued within "
                                           f"{timeout_s:g} s")
                 plan = replan()
@@ -85,13 +65,13 @@ class PrefillWaitingRoom:
         self.num_waiting -= 1
         self.waiting_tokens -= tokens
 
-    async def turn(self, timeout_s: float, place: _Turn | None = None) -> bool:
+    async def turn(self, timeout_s: float, place: Place | None = None) -> bool:
         """Waits until woken (True) or timeout_s passed (False; a wake-up that came as it timed out is passed
         on to the next in line). place: where it waits in the order (None: last, by arrival)."""
         if place is None:
-            place = _Turn(asyncio.get_running_loop().create_future(), next(self._arrivals), self.clock(), 1, 0, 0.0)
-        woken = place.woken
-        self._turns.append(place)
+            place = self._turns.place(tenant=None, priority=0, size=(1,), cost=1)
+        woken = place.woken = asyncio.get_running_loop().create_future()
+        self._turns.add(place)
         try:
             await asyncio.wait_for(woken, timeout_s)
             return True
@@ -101,38 +81,22 @@ class PrefillWaitingRoom:
             return False
         finally:
             if not woken.done() or woken.cancelled():
-                self._forget(woken)
+                self._turns.remove(place)
 
     def wake(self, prefill: Sequence[Replica]) -> None:
         """Wakes the first request in order if a prefill replica's queue is below the limit or the prefill pool
-        is empty (it plans again: it goes, or waits at the back). The one that goes calls this again, so a
-        replica with room for several takes several."""
-        if not self.limit or not self._turns:
+        is empty (it plans again: it goes, or waits again in its place). The one that goes calls this again, so
+        a replica with room for several takes several."""
+        if not self.limit or not len(self._turns):
             return
         if prefill and min(r.load.queued_prefill_tokens for r in prefill) >= self.limit:
             return
         self._pass_on()
 
     def _pass_on(self) -> None:
-        while self._turns:
-            first = min(self._turns, key=self._order)
+        while (first := self._turns.first()) is not None:
             self._turns.remove(first)
             if not first.woken.done():
-                if self.scheduling.policy == "fair":
-                    self._fair.started(first.tag)
+                self._turns.started(first)
                 first.woken.set_result(None)
                 return
-
-    def _order(self, turn: _Turn) -> tuple:
-        policy = self.scheduling.policy
-        if policy == "priority":
-            return (turn.priority, turn.arrival)
-        if policy == "sjf":
-            aged = self.clock() - turn.since >= self.scheduling.sjf_aging_s
-            return (0, 0, turn.arrival) if aged else (1, turn.tokens, turn.arrival)
-        if policy == "fair":
-            return (turn.tag, turn.arrival)
-        return (turn.arrival,)
-
-    def _forget(self, woken: asyncio.Future) -> None:
-        self._turns = [turn for turn in self._turns if turn.woken is not woken]

@@ -273,6 +273,26 @@ def test_the_waiting_room_wakes_in_the_prefill_pools_order(policy, chat_position
     assert [rid.partition("/")[0] for rid in prefill.prefilled].index("chat") == chat_position
 
 
+@pytest.mark.parametrize("policy,order", [("fcfs", ["long", "short", "mid"]), ("sjf", ["short", "mid", "long"])])
+def test_requests_waiting_for_decode_room_take_it_in_the_decode_pools_order(policy, order):
+    """No decode replica has room for the three (each one's first round is refused); they wait in the decode
+    pool's order, only the first asking again: fcfs by arrival, sjf by fewest max_tokens."""
+    from tandem.engine.engine_config import SchedulingConfig
+
+    decode = MockDecode("decode-0", room=[False, False, False])
+    d = driver([MockPrefill("prefill-0")], [decode], decode_room=SchedulingConfig(policy=policy))
+
+    def asking(rid: str, max_tokens: int) -> ParsedRequest:
+        return ParsedRequest(rid, long_prompt(len(rid)), SamplingParams(max_tokens=max_tokens, temperature=0), 0)
+
+    async def main():
+        await asyncio.gather(*(collect(d, asking(rid, n)) for rid, n in (("long", 30), ("short", 5), ("mid", 15))))
+
+    asyncio.run(main())
+    assert decode.served == order
+    assert d.num_queued == 0
+
+
 def test_driver_settings_refuse_a_negative_prefill_queue():
     with pytest.raises(ValueError, match="prefill_queue_tokens"):
         DriverSettings(prefill_queue_tokens=-1)
