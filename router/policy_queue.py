@@ -93,12 +93,20 @@ class DecodeRoom:
         return place
 
     async def next_try(self, place: Place, interval_s: float, deadline: float) -> None:
-        """Returns after interval_s once place is first in order, or once the monotonic deadline has passed."""
+        """Returns once place is first in order, after interval_s (at once when the one before it leaves: room it
+        found may be there for the next too), or once the monotonic deadline has passed."""
         while True:
-            await asyncio.sleep(interval_s)
+            place.woken = asyncio.Event()
+            try:
+                await asyncio.wait_for(place.woken.wait(), interval_s)
+            except asyncio.TimeoutError:
+                pass
             if self.queue.first() is place or time.monotonic() >= deadline:
                 return
 
     def leave(self, place: Place) -> None:
+        """place is done waiting (it has room, or gave up): the next in order asks at once."""
         self.queue.remove(place)
         self.queue.started(place)
+        if (first := self.queue.first()) is not None and first.woken is not None:
+            first.woken.set()
