@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from tandem.engine.core.scheduling_policy import FairShare
+from tandem.engine.core.scheduling_policy import FairShare, order_key
 from tandem.engine.engine_config import SchedulingConfig
 
 
@@ -63,15 +63,9 @@ class PolicyQueue:
             self._fair.started(place.tag)
 
     def _order(self, place: Place) -> tuple:
-        policy = self.scheduling.policy
-        if policy == "priority":
-            return (place.priority, place.arrival)
-        if policy == "sjf":
-            aged = self.clock() - place.since >= self.scheduling.sjf_aging_s
-            return (0, place.arrival) if aged else (1, *place.size, place.arrival)
-        if policy == "fair":
-            return (place.tag, place.arrival)
-        return (place.arrival,)
+        aged = self.clock() - place.since >= self.scheduling.sjf_aging_s
+        return order_key(self.scheduling.policy, arrival=(place.arrival,), priority=place.priority, size=place.size,
+                         tag=place.tag, aged=aged)
 
 
 class DecodeRoom:

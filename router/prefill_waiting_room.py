@@ -65,11 +65,9 @@ class PrefillWaitingRoom:
         self.num_waiting -= 1
         self.waiting_tokens -= tokens
 
-    async def turn(self, timeout_s: float, place: Place | None = None) -> bool:
-        """Waits until woken (True) or timeout_s passed (False; a wake-up that came as it timed out is passed
-        on to the next in line). place: where it waits in the order (None: last, by arrival)."""
-        if place is None:
-            place = self._turns.place(tenant=None, priority=0, size=(1,), cost=1)
+    async def turn(self, timeout_s: float, place: Place) -> bool:
+        """Waits in place until woken (True) or timeout_s passed (False; a wake-up that came as it timed out is
+        passed on to the next in line)."""
         woken = place.woken = asyncio.get_running_loop().create_future()
         self._turns.add(place)
         try:

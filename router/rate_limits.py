@@ -144,12 +144,12 @@ class TenantRates:
 
     def _bucket(self, buckets: dict[str | None, TokenBucket], tenant: str | None, per_minute: int | None,
                 now: float) -> TokenBucket | None:
+        """tenant's bucket (made full on its first request); None when the limit is off."""
         if per_minute is None:
             return None
-        bucket = buckets.get(tenant)
-        if bucket is None or bucket.capacity != per_minute:
-            bucket = buckets[tenant] = TokenBucket(per_minute, now)
-        return bucket
+        if tenant not in buckets:
+            buckets[tenant] = TokenBucket(per_minute, now)
+        return buckets[tenant]
 
     def _refuse(self, tenant: str | None, limit: str, why: str, wait_s: float) -> None:
         self.refusals.labels(_label(tenant), limit).inc()

@@ -43,6 +43,7 @@ class OpenTrace:
     span: Any
     traceparent: str
     offset_ns: int
+    arrival: float  # the request's arrival (monotonic seconds): the root's start
 
 
 @dataclass(frozen=True)
@@ -90,7 +91,7 @@ class RequestTracer:
                                       start_time=int(arrival * 1e9) + offset)
         carrier: dict[str, str] = {}
         self._propagator.inject(carrier, context=set_span_in_context(root))
-        return OpenTrace(root, carrier["traceparent"], offset)
+        return OpenTrace(root, carrier["traceparent"], offset, arrival)
 
     def record(self, opened: OpenTrace, t: RequestTrace) -> None:
         """Writes the request's phases under its root and ends it (see the module docstring)."""
@@ -104,14 +105,13 @@ class RequestTracer:
         if t.code != "OK":
             root.set_status(Status(StatusCode.ERROR, t.code))
         inside = set_span_in_context(root)
-        arrival = (root.start_time - opened.offset_ns) / 1e9
 
         def child(name: str, start: float, end: float, context=inside, **attributes) -> Any:
             span = self.tracer.start_span(name, context=context, start_time=ns(start), attributes=attributes or None)
             span.end(end_time=ns(max(start, end)))
             return span
 
-        child("parse", arrival, t.started)
+        child("parse", opened.arrival, t.started)
         if t.first is None:
             child("route", t.started, t.end)
         else:

@@ -30,6 +30,7 @@ scheduler preempts those, the ones that lose the least computed work first, unti
 
 from __future__ import annotations
 
+import bisect
 import time
 from typing import Callable
 
@@ -37,19 +38,26 @@ from tandem.engine.engine_config import SchedulingConfig
 from tandem.engine.request import RequestStatus, Sequence
 
 
+def order_key(policy: str, *, arrival: tuple[int, ...], priority: int, size: tuple[int, ...], tag: float,
+              aged: bool = False) -> tuple:
+    """A waiter's place in policy's order, lower first (the table above): arrival is (arrival, sample index) in
+    the engine, (arrival,) at the router (router/policy_queue.py); size: what sjf compares; tag: fair's start
+    tag; aged: sjf's waiter has waited its aging bound."""
+    if policy == "priority":
+        return (priority, *arrival)
+    if policy == "sjf":
+        return (0, *arrival) if aged else (1, *size, *arrival)
+    if policy == "fair":
+        return (tag, *arrival)
+    return arrival
+
+
 class WaitingQueue(list):
     """The scheduler's waiting sequences, kept in order of their keys (Sequence.order)."""
 
     def push(self, seq: Sequence) -> None:
         """Inserts seq after every sequence of a key not larger than its own."""
-        lo, hi = 0, len(self)
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if self[mid].order <= seq.order:
-                lo = mid + 1
-            else:
-                hi = mid
-        self.insert(lo, seq)
+        bisect.insort(self, seq, key=lambda s: s.order)
 
 
 class StepShares:
@@ -125,15 +133,11 @@ class SchedulingPolicy:
             seq.order = self._key(seq)
 
     def _key(self, seq: Sequence) -> tuple:
-        policy = self.config.policy
-        if policy == "fcfs":
-            return (seq.arrival, seq.index)
-        if policy == "priority":
-            return (seq.priority, seq.arrival, seq.index)
-        if policy == "sjf":
-            return (1, seq.num_prompt_tokens, seq.params.max_tokens, seq.arrival, seq.index)
-        cost = seq.num_prompt_tokens + seq.params.max_tokens * (1 + len(seq.fork_seeds))
-        return (self.fair.tag(seq.tenant, cost), seq.arrival, seq.index)
+        policy, tag = self.config.policy, 0.0
+        if policy == "fair":
+            tag = self.fair.tag(seq.tenant, seq.num_prompt_tokens + seq.params.max_tokens * (1 + len(seq.fork_seeds)))
+        return order_key(policy, arrival=(seq.arrival, seq.index), priority=seq.priority,
+                         size=(seq.num_prompt_tokens, seq.params.max_tokens), tag=tag)
 
     def started(self, seq: Sequence) -> None:
         """A waiting sequence started running (fair: the virtual time moves to its start tag)."""
@@ -147,7 +151,8 @@ class SchedulingPolicy:
         deadline = self.clock() - self.config.sjf_aging_s
         aged = [seq for seq in queue if seq.order[0] == 1 and seq.queued_at <= deadline]
         for seq in aged:
-            seq.order = (0, seq.arrival, seq.index)
+            seq.order = order_key("sjf", arrival=(seq.arrival, seq.index), priority=seq.priority, size=(), tag=0.0,
+                                  aged=True)
         if aged:
             queue.sort(key=lambda s: s.order)
 
