@@ -62,7 +62,6 @@ class Served:
     arrival: Arrival
     started: float | None = None  # first scheduled
     first: float | None = None  # first token
-    done: float | None = None
 
 
 @dataclass
@@ -76,7 +75,6 @@ class Clock:
 @dataclass
 class Run:
     served: dict[str, Served] = field(default_factory=dict)
-    preemptions: int = 0
 
 
 def simulate(arrivals: list[Arrival], scheduling: SchedulingConfig, costs: Costs, *, max_num_seqs: int = 32,
@@ -113,9 +111,6 @@ def simulate(arrivals: list[Arrival], scheduling: SchedulingConfig, costs: Costs
         for update in scheduler.update(out, RunnerOutput(sampled)):
             served = run.served[update.seq.request_id]
             served.first = clock.now if served.first is None else served.first
-            if update.status is not None:
-                served.done = clock.now
-    run.preemptions = scheduler.num_preemptions
     return run
 
 
