@@ -22,7 +22,8 @@ def _run(settle_heap: bool) -> dict:
 
 def test_a_full_collection_mid_burst_no_longer_stalls_a_settled_router():
     unsettled, settled = _run(False), _run(True)
-    assert unsettled["completed"] == settled["completed"] == STREAMS, (unsettled, settled)
+    for case in (unsettled, settled):
+        assert case["completed"] == STREAMS and not case["failures"], case
     # Without the freeze the collection scans 4 million objects (~0.8 s on a 2-core EPYC) on the router's loop,
     # and the loop's lag metric shows it; settled, it scans what the burst made (~2 ms).
     assert unsettled["full_collection_s"] > 0.2, unsettled
