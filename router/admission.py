@@ -16,6 +16,16 @@ wait. max_queued_requests bounds `waiting` in every mode. A request that finds n
 admitted: there is no backlog to refuse it for, and it is how a rate that was measured too low gets measured
 again.
 
+Under the fair policy (the decode pool's `scheduler.policy`, or the prefill pool's: the driver's rooms), requests
+start in fair order, not in arrival order, so the backlog ahead of a new request is its own tenant's: its expected
+time to start is
+
+    (its tenant's waiting + 1) / (start rate x its tenant's share)
+
+the share being its tenant's weight over the weights of the tenants with requests waiting (its own included), and
+a request whose tenant has nothing waiting is always admitted (it goes before every backlog). One tenant's backlog
+then gets no other tenant refused; max_queued_requests still bounds the total, and initial_waiting each tenant's.
+
 Each admitted request holds a Ticket: started() at its first token, close() however it ends (error, cancel,
 deadline); both are idempotent, so the count cannot leak. Plain Python on one event loop, clock injected.
 """
@@ -28,6 +38,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
+from tandem.engine.engine_config import SchedulingConfig
 from tandem.router.replicas import NoCapacityError
 from tandem.router.limits import AdmissionSettings
 
@@ -98,33 +109,38 @@ class AdmissionState:
 class Ticket:
     """One admitted request's place among those waiting to start."""
 
-    def __init__(self, controller: AdmissionController):
+    def __init__(self, controller: AdmissionController, tenant: str | None):
         self._controller = controller
+        self.tenant = tenant
         self.open = True
 
     def started(self) -> None:
         """Its first token arrived: it leaves the waiting requests and counts as a start. Idempotent."""
         if self.open:
             self.open = False
-            self._controller._leave(started=True)
+            self._controller._leave(self.tenant, started=True)
 
     def close(self) -> None:
         """It ended (any way) before or after starting: it leaves the waiting requests if still there."""
         if self.open:
             self.open = False
-            self._controller._leave(started=False)
+            self._controller._leave(self.tenant, started=False)
 
 
 class AdmissionController:
     def __init__(self, settings: AdmissionSettings, *, queue_timeout_s: float, max_queued_requests: int,
-                 clock: Callable[[], float] = time.monotonic):
-        """queue_timeout_s, max_queued_requests: the driver's (DriverSettings). clock: monotonic seconds."""
+                 fair: SchedulingConfig | None = None, clock: Callable[[], float] = time.monotonic):
+        """queue_timeout_s, max_queued_requests: the driver's (DriverSettings). fair: the scheduling config whose
+        tenant weights requests start by (the fair policy; None: they start in arrival order). clock: monotonic
+        seconds."""
         self.settings = settings
         self.limit_s = settings.ttft_slo_s if settings.mode == "slo" else queue_timeout_s
         self.max_waiting = max_queued_requests
+        self.fair = fair
         self.clock = clock
         self.rates = StartRate(settings.window_s)
         self.waiting = 0
+        self.waiting_by_tenant: dict[str | None, int] = {}  # those with requests waiting
         self.num_refused = 0
         self._since = clock()  # when `waiting` last changed
         self._rate: float | None = None  # the last measured rate: kept while the window holds too few starts
@@ -149,9 +165,9 @@ class AdmissionController:
     def state(self) -> AdmissionState:
         return AdmissionState(self.waiting, self.start_rate(), self.limit_s)
 
-    def check(self, count: int = 1) -> None:
-        """Raises AtCapacity if count more requests would not be admitted now; holds nothing (a front door's
-        early refusal, before it parses a request)."""
+    def check(self, count: int = 1, tenant: str | None = None) -> None:
+        """Raises AtCapacity if count more requests of tenant would not be admitted now; holds nothing (a front
+        door's early refusal, before it parses a request)."""
         rate = self.start_rate()
         waiting = self.waiting
         if waiting == 0:
@@ -161,33 +177,46 @@ class AdmissionController:
             retry = UNMEASURED_RETRY_AFTER_S if rate is None else _whole((waiting + count - self.max_waiting) / rate)
             self._refuse(f"{ahead} (at most {self.max_waiting} may, router.max_queued_requests)", retry,
                          "max_queued")
+        share = 1.0
+        if self.fair is not None:
+            if not (waiting := self.waiting_by_tenant.get(tenant, 0)):
+                return  # it starts before every other tenant's backlog
+            ahead = f"tenant {tenant!r} has {waiting} request{'' if waiting == 1 else 's'} waiting to start"
+            weight = self.fair.weight(tenant)
+            share = weight / (weight + sum(self.fair.weight(t) for t in self.waiting_by_tenant if t != tenant))
         if rate is None:
             if waiting + count > self.settings.initial_waiting:
                 self._refuse(f"{ahead} and no start rate has been measured yet (at most "
                              f"{self.settings.initial_waiting} may wait until one is)", UNMEASURED_RETRY_AFTER_S,
                              "unmeasured")
             return
-        expected = (waiting + count) / rate
+        expected = (waiting + count) / (rate * share)
         if expected > self.limit_s:
             limit = ("its TTFT SLO" if self.settings.mode == "slo" else "the queue timeout") + f" of {self.limit_s:g} s"
-            self._refuse(f"{ahead} and it starts about {rate:.1f} per second, so a new one would start in about "
+            starts = f"{rate:.1f} per second" + (f" ({share:.0%} of them its tenant's)" if share < 1 else "")
+            self._refuse(f"{ahead} and it starts about {starts}, so a new one would start in about "
                          f"{expected:.1f} s, past {limit}", _whole(expected - self.limit_s), self.settings.mode)
 
-    def admit(self) -> Ticket:
-        """Admits one request (it waits to start from now), or raises AtCapacity holding nothing."""
-        self.check(1)
+    def admit(self, tenant: str | None = None) -> Ticket:
+        """Admits one request of tenant (it waits to start from now), or raises AtCapacity holding nothing."""
+        self.check(1, tenant)
         self._advance(self.clock())
         self.waiting += 1
-        return Ticket(self)
+        self.waiting_by_tenant[tenant] = self.waiting_by_tenant.get(tenant, 0) + 1
+        return Ticket(self, tenant)
 
     def _refuse(self, why: str, retry_after_s: int, reason: str) -> None:
         self.num_refused += 1
         raise AtCapacity(f"the cluster is at capacity: {why}; retry in {retry_after_s} s", retry_after_s, reason)
 
-    def _leave(self, *, started: bool) -> None:
+    def _leave(self, tenant: str | None, *, started: bool) -> None:
         now = self.clock()
         self._advance(now)
         self.waiting -= 1
+        if (left := self.waiting_by_tenant[tenant] - 1) > 0:
+            self.waiting_by_tenant[tenant] = left
+        else:
+            del self.waiting_by_tenant[tenant]
         if started:
             self.rates.start(now)
             self._measure(now)

@@ -65,7 +65,7 @@ class TandemServicer(pb_grpc.TandemServicer):
         arrival = time.monotonic()
         try:
             tenant = self._tenant(context)
-            self.serving.check_capacity(1, "grpc")  # before tokenizing: a refusal costs little
+            self.serving.check_capacity(1, "grpc", tenant)  # before tokenizing: a refusal costs little
             admission = self.serving.admit(tenant, 1, "grpc")
         except (InvalidRequest, Unauthenticated, AtCapacity, Draining) as e:
             await self._refuse(context, e)

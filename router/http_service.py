@@ -282,7 +282,7 @@ class OpenAIRoutes:
         response_id = f"{id_prefix}-{secrets.token_hex(12)}"
         requests = to_requests(body, response_id)
         try:
-            self.serving.check_capacity(len(requests), "http")  # before tokenizing: a refusal costs little
+            self.serving.check_capacity(len(requests), "http", who)  # before tokenizing: a refusal costs little
             admission = self.serving.admit(who, len(requests), "http")
         except (InvalidRequest, AtCapacity, Draining) as e:
             raise openai_error(e) from None

@@ -105,8 +105,10 @@ class Serving:
         self.mode = mode
         self.auth = auth or Authenticator()
         self.gate = TenantGate(self.limits)
+        rooms = (driver.settings.decode_room, driver.settings.waiting_room)
         self.admission = AdmissionController(self.limits.admission, queue_timeout_s=driver.settings.queue_timeout_s,
-                                             max_queued_requests=driver.settings.max_queued_requests)
+                                             max_queued_requests=driver.settings.max_queued_requests,
+                                             fair=next((room for room in rooms if room.policy == "fair"), None))
         # Tokenizing and chat templates run here, never on the event loop: a huge prompt delays only itself.
         self._parser = ThreadPoolExecutor(self.limits.limits.parse_threads, thread_name_prefix="tandem-parse")
         self.active: dict[RequestKey, asyncio.Task] = {}
@@ -146,13 +148,13 @@ class Serving:
             self.refused(api, e.code)
             raise
 
-    def check_capacity(self, count: int, api: str) -> None:
-        """Refuses count requests at once (AtCapacity, counted) when the cluster could not start them in time;
-        holds nothing. The front doors call it before parsing, so a refusal costs no tokenizing; run() decides.
+    def check_capacity(self, count: int, api: str, tenant: str | None = None) -> None:
+        """Refuses count requests of tenant at once (AtCapacity, counted) when the cluster could not start them in
+        time; holds nothing. The front doors call it before parsing, so a refusal costs no tokenizing; run() decides.
         Raises Draining (counted) once drain() began."""
         self._refuse_if_draining(api)
         try:
-            self.admission.check(count)
+            self.admission.check(count, tenant)
         except AtCapacity as e:
             self._at_capacity(api, e, count)
             raise
@@ -226,7 +228,7 @@ class Serving:
             raise InvalidRequest(f"request id {parsed.request_id!r} is in use", "ALREADY_EXISTS")
         charge = self._charge(parsed, api)  # settled in the finally below with the tokens it generated
         try:
-            ticket = self.admission.admit()  # closed in the finally below, however the request ends
+            ticket = self.admission.admit(parsed.tenant)  # closed in the finally below, however the request ends
         except AtCapacity as e:
             charge.refund()
             self._at_capacity(api, e)
