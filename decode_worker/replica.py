@@ -50,17 +50,18 @@ class DecodeReplica(ReplicaShell):
 
     async def reserve(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *,
                       priority: int = 0, cache_salt: str | None = None, senders: tuple[str, ...] = (),
-                      tenant: str | None = None) -> TransferDescriptor | None:
+                      tenant: str | None = None, waited_s: float = 0.0) -> TransferDescriptor | None:
         """Holds blocks for the prompt's KV (cache_salt: the tenant's prefix-cache salt); None when there is no
         room now. senders: the prefill replica's agent addresses by rank, the only peers told how the transfer
-        went (empty: nobody). Raises ValueError / RequestRejectedError for a request this replica cannot
-        serve."""
+        went (empty: nobody). waited_s: how long it has waited for room (DecodeReplicaAPI.reserve). Raises
+        ValueError / RequestRejectedError for a request this replica cannot serve."""
         if self.connector is None:
             raise ValueError(f"decode replica {self.name} is colocated: it takes no KV transfers")
         self._check_not_aborted(request_id)
         return await self.server.call(
             lambda _e: self.connector.reserve(request_id, prompt_token_ids, params, priority=priority,
-                                              cache_salt=cache_salt, senders=tuple(senders), tenant=tenant))
+                                              cache_salt=cache_salt, senders=tuple(senders), tenant=tenant,
+                                              waited_s=waited_s))
 
     async def decode(self, request_id: str, first_token: SampledToken, *,
                      trace: str | None = None) -> AsyncIterator[list[RequestOutput]]:

@@ -164,13 +164,15 @@ class DecodeConnector(_Connector):
 
     def reserve(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *,
                 priority: int = 0, cache_salt: str | None = None, lease_s: float | None = None,
-                senders: Sequence[str] = (), tenant: str | None = None) -> TransferDescriptor | None:
+                senders: Sequence[str] = (), tenant: str | None = None,
+                waited_s: float = 0.0) -> TransferDescriptor | None:
         """Holds blocks for the prompt and returns the descriptor the prefill side pushes into; None when the
         engine has no room now (nothing held). senders: the prefill replica's agent addresses by rank (its
         PrefillConnector.addresses), the only peers told how the transfer went (empty: nobody; they learn it
-        from their leases). Raises ValueError / RequestRejectedError for a request the engine cannot serve."""
+        from their leases). waited_s: how long it has waited for room (LLMEngine.reserve_for_transfer). Raises
+        ValueError / RequestRejectedError for a request the engine cannot serve."""
         blocks = self.engine.reserve_for_transfer(request_id, prompt_token_ids, params, priority=priority,
-                                                  cache_salt=cache_salt, tenant=tenant)
+                                                  cache_salt=cache_salt, tenant=tenant, waited_s=waited_s)
         if blocks is None:
             return None
         return self._expect(request_id, blocks, len(prompt_token_ids), lease_s, senders, params.lora)

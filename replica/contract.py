@@ -189,12 +189,14 @@ class PrefillReplicaAPI(ReplicaAPI, Protocol):
 class DecodeReplicaAPI(ReplicaAPI, Protocol):
     async def reserve(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *,
                       priority: int = 0, cache_salt: str | None = None, senders: tuple[str, ...] = (),
-                      tenant: str | None = None) -> TransferDescriptor | None:
+                      tenant: str | None = None, waited_s: float = 0.0) -> TransferDescriptor | None:
         """Holds KV blocks for the prompt and returns where the prefill replica pushes it; None when there is
         no room now (nothing held: try another replica or later). senders: the prefill replica's kv_addresses
         (ReplicaInfo), the only peers this replica's agents tell how the transfer went (empty: nobody; the
-        prefill replica then learns it from its lease). Raises ValueError for a request it cannot serve or on a
-        colocated replica (it takes no transfers)."""
+        prefill replica then learns it from its lease). waited_s: how long the request has waited for room so
+        far (the router's decode room); past the pool's scheduler.preempt_after_s, a request of higher priority
+        than running ones preempts them for room (engine/core/scheduling_policy.py). Raises ValueError for a
+        request it cannot serve or on a colocated replica (it takes no transfers)."""
 
     def decode(self, request_id: str, first_token: SampledToken, *,
                trace: str | None = None) -> AsyncIterator[list[RequestOutput]]:

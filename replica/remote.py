@@ -197,9 +197,10 @@ class RemoteDecodeReplica(RemoteReplica):
 
     async def reserve(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *,
                       priority: int = 0, cache_salt: str | None = None, senders: tuple[str, ...] = (),
-                      tenant: str | None = None) -> TransferDescriptor | None:
+                      tenant: str | None = None, waited_s: float = 0.0) -> TransferDescriptor | None:
         return await self.actor.reserve.remote(request_id, prompt_token_ids, params, priority=priority,
-                                               cache_salt=cache_salt, senders=senders, tenant=tenant)
+                                               cache_salt=cache_salt, senders=senders, tenant=tenant,
+                                               waited_s=waited_s)
 
     def decode(self, request_id: str, first_token: SampledToken, *,
                trace: str | None = None) -> AsyncIterator[list[RequestOutput]]:

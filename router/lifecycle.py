@@ -7,7 +7,8 @@
      here, holding nothing, and is planned again when a prefill queue shortens or the pool changes.
   1. Reserve. Decode replicas are asked in the plan's order until one holds blocks for the prompt and returns
      a transfer descriptor. When none has room it waits in the decode pool's order (policy_queue.DecodeRoom: the
-     first polls, re-ranked each round) up to queue_timeout_s, max_queued_requests at once; else RESOURCE_EXHAUSTED.
+     first polls, re-ranked each round, telling the replicas how long it waited: past preempt_after_s it may
+     preempt lower priorities) up to queue_timeout_s, max_queued_requests at once; else RESOURCE_EXHAUSTED.
   2. Prefill. The planned prefill replica computes the prompt, reusing its prefix cache (first pulled from a
      replica holding it, where that pays: prefix_pulls.py), and pushes each layer's KV into the descriptor as
      soon as it is written; it answers with the first token once every decode rank has acknowledged its data.
@@ -111,10 +112,7 @@ class RequestDriver:
     def decode(self) -> list[Replica[DecodeReplicaAPI]]:
         return self.pools.decode
 
-    @property
-    def lost(self) -> list[str]:
-        """Replicas found dead, no longer routed to."""
-        return self.pools.lost
+    lost = property(lambda self: self.pools.lost, doc="replicas found dead, no longer routed to")
 
     @property
     def num_waiting_prefill(self) -> int:
@@ -277,7 +275,8 @@ class RequestDriver:
                         descriptor = await self._call(replica, replica.api.reserve(
                             rid, request.prompt_token_ids, request.params, priority=request.priority,
                             cache_salt=request.cache_salt, tenant=request.tenant,  # senders: the prefill's agents
-                            senders=info.kv_addresses if (info := self._prefill(plan.prefill).info) else ()))
+                            senders=info.kv_addresses if (info := self._prefill(plan.prefill).info) else (),
+                            waited_s=time.monotonic() - start))
                     except ReplicaLostError as e:  # found dead before it held anything: try the next one
                         if not self.decode:
                             raise

@@ -199,15 +199,17 @@ class LLMEngine:
 
     def reserve_for_transfer(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams, *,
                              priority: int = 0, cache_salt: str | None = None,
-                             tenant: str | None = None) -> tuple[int, ...] | None:
+                             tenant: str | None = None, waited_s: float = 0.0) -> tuple[int, ...] | None:
         """Holds KV blocks for the prompt of a request whose prompt KV another replica computes (decode side of
         disaggregation). Returns the block ids (the same on every rank, in token order), or None when there is
         no room now (nothing is held; retry later or on another replica). The request then waits, never
         scheduled, until admit_transferred() or abort_request(). Raises like add_request, and ValueError for
         n > 1. params.seed must be the one the prefill replica sampled the first token with for the output to
-        match a colocated run."""
+        match a colocated run. waited_s: how long the request has already waited for room (elsewhere: the
+        router's decode room); past scheduler.preempt_after_s it may preempt running requests of lower priority
+        (Scheduler.reserve)."""
         blocks = self.scheduler.reserve(self._sequence(request_id, prompt_token_ids, params, priority, cache_salt,
-                                                       tenant=tenant))
+                                                       tenant=tenant), waited_s=waited_s)
         if blocks is not None:
             self._arrivals += 1
             self.outputs.add_request(request_id, params.n)

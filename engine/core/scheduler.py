@@ -10,20 +10,20 @@ lower value first, then arrival; fair also caps each tenant's prompt tokens in t
 When a running sequence cannot get a block, the running sequence last in order gives all its blocks back
 (preemption by recompute) and waits again; it may be the one asking.
 
-With a Speculator (engine/decoding/speculation.py), decoding sequences may also compute proposed tokens: the speculator
-picks them before (1), each such sequence is scheduled for 1 + its proposals (proposals are dropped first when
-blocks or the budget run short), and update() advances it by the tokens accepted only (its computed count, its
-prefix-cache hashes and its tokens never see a rejected proposal) and gives back the blocks that held only
-rejected ones.
+With a Speculator (engine/decoding/speculation.py), decoding sequences may also compute proposed tokens picked
+before (1): 1 + its proposals each (proposals are dropped first when blocks or the budget run short); update()
+advances it by the tokens accepted only (its computed count, prefix-cache hashes and tokens never see a rejected
+proposal) and gives back the blocks that held only rejected ones.
 
 With KV tiers (engine/core/kv_tiers.py), a waiting sequence whose prefix goes on past the pool's blocks on a tier
 takes blocks for that run and its first chunk and is WAITING_FOR_TIER while the step copies it up; update() puts it
 back in the queue, holding them, with the run computed up to the first block a disk read failed for.
 
 A sequence whose prompt KV arrives by transfer skips the queue: reserve() gives it blocks for the whole prompt and
-parks it in WAITING_FOR_KV (never scheduled nor preempted); admit_transferred() makes it RUNNING with its prompt
-computed and its first token (sampled by the prefill replica) appended, or (a prefix pulled from another replica)
-ends it with its blocks cached. At most max_loras LoRA adapters run or wait for KV at once.
+parks it in WAITING_FOR_KV (never scheduled nor preempted; once it waited preempt_after_s for room elsewhere, it
+preempts running sequences of lower priority as an urgent one does); admit_transferred() makes it RUNNING with its
+prompt computed and its first token (sampled by the prefill replica) appended, or (a prefix pulled from another
+replica) ends it with its blocks cached. At most max_loras LoRA adapters run or wait for KV at once.
 """
 
 from __future__ import annotations
@@ -88,8 +88,6 @@ class Scheduler:
         self.num_tokens_computed = 0
         self.num_prompt_tokens_from_tiers = 0
 
-    # -- requests in and out ---------------------------------------------------------------------------
-
     def check_admissible(self, num_prompt_tokens: int, max_tokens: int, n: int = 1) -> None:
         """Raises RequestRejectedError if a request of this size (n samples) can never run, however idle the
         engine. Cheap: callers check before they build anything per sample."""
@@ -122,17 +120,23 @@ class Scheduler:
         self._by_request[seq.request_id] = [seq.seq_id]
         self._resend.add(seq.seq_id)
 
-    def reserve(self, seq: Sequence, cached: bool = False) -> tuple[int, ...] | None:
+    def reserve(self, seq: Sequence, cached: bool = False, waited_s: float = 0.0) -> tuple[int, ...] | None:
         """Takes blocks for seq's whole prompt (cached: its cached prefix's own, the rest new) and parks it in
         WAITING_FOR_KV (its KV will be written by a transfer). Returns its block table, or None when there is no
-        room now (nothing changes; try later or elsewhere). Raises like add(), and ValueError for n > 1."""
+        room now (nothing changes; try later or elsewhere). waited_s: its wait for room elsewhere (the module
+        doc). Raises like add(), and ValueError for n > 1."""
         self._check_new(seq)
         if seq.fork_seeds:
             raise ValueError("a request whose KV arrives by transfer must have n=1")
-        match = self.kv.match_prefix(seq) if cached else NO_MATCH
-        if not self._fits(seq, False) or self.kv.allocate(seq, seq.num_prompt_tokens - match.num_cached_tokens,
-                                                          match) is None:
-            return None
+        victims = self.policy.victims(self.running, seq) if self.policy.overdue(waited_s) else []
+        while True:
+            match = self.kv.match_prefix(seq) if cached else NO_MATCH
+            if self._fits(seq, False) and self.kv.allocate(seq, seq.num_prompt_tokens - match.num_cached_tokens,
+                                                           match) is not None:
+                break
+            if not victims:
+                return None
+            self._preempt(victims.pop(0))
         seq.status = RequestStatus.WAITING_FOR_KV
         self.policy.assign(seq)
         self._track(seq)
@@ -206,8 +210,6 @@ class Scheduler:
         """Whether schedule() has sequences to pick: waiting or running ones (WAITING_FOR_KV ones are parked)."""
         return bool(self.waiting or self.running or self.loading)
 
-    # -- one step --------------------------------------------------------------------------------------
-
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
         scheduled: dict[str, int] = {}
@@ -215,7 +217,7 @@ class Scheduler:
         preempted = False
         self.kv.save_parked()
         self.policy.age(self.waiting)
-        self._shares = self.policy.shares(budget, self.running, self.waiting)
+        self._shares = self.policy.shares(budget, self.running, self.waiting, self._fits)
         spec = self.speculator.propose(self.running, self.config.max_model_len) if self.speculator else {}
         for seq in sorted(self.running, key=lambda s: (s.is_prefilling, s.order)):
             if budget == 0:
@@ -234,11 +236,8 @@ class Scheduler:
                     continue
             while (allocation := self.kv.allocate(seq, count)) is None:
                 victim = max(self.running, key=lambda s: s.order)
-                self._preempt(victim)
+                budget += self._preempt(victim, scheduled, allocations)
                 preempted = True
-                if victim.seq_id in scheduled:
-                    budget += scheduled.pop(victim.seq_id)
-                    allocations.pop(victim.seq_id)
                 if victim is seq:
                     break
             if allocation is None:
@@ -255,7 +254,7 @@ class Scheduler:
     def _chunk(self, seq: Sequence, remaining: int, budget: int, shared: bool = True) -> int:
         """Tokens of seq to compute this step: all that remain, or a budget-sized chunk if chunking is on; a
         prompt's within its tenant's share of the step (fair: scheduling_policy.StepShares) unless not shared."""
-        budget = self._shares.allow(seq.tenant, budget) if remaining > 1 and shared else budget
+        budget = self._shares.allow(seq, budget) if remaining > 1 and shared else budget
         return remaining if remaining <= budget else budget if self.config.enable_chunked_prefill else 0
 
     def _admit_waiting(self, budget: int, scheduled: dict[str, int], allocations: dict[str, Allocation]) -> int:
@@ -273,7 +272,7 @@ class Scheduler:
         for seq in [s for s in self.waiting if s.seq_id not in self.loaded]:
             if budget == 0 or not self._fits(seq):
                 break
-            if not self._shares.allow(seq.tenant, budget):
+            if not self._shares.allow(seq, budget):
                 continue  # fair: its tenant's share of this step is spent; another tenant's request may go
             match = self.kv.match_prefix(seq)
             if tier_blocks := self.kv.match_tiers(seq, match):
@@ -304,11 +303,7 @@ class Scheduler:
                 return budget - self._admit(seq, count, match.num_cached_tokens, allocation, scheduled, allocations)
             if not victims:
                 return budget
-            victim = victims.pop(0)
-            self._preempt(victim)
-            if victim.seq_id in scheduled:
-                budget += scheduled.pop(victim.seq_id)
-                allocations.pop(victim.seq_id)
+            budget += self._preempt(victims.pop(0), scheduled, allocations)
 
     def _admit(self, seq: Sequence, count: int, cached: int, allocation: Allocation, scheduled: dict[str, int],
                allocations: dict[str, Allocation]) -> int:
@@ -344,7 +339,9 @@ class Scheduler:
             self.kv.hold(seq, key)
         self.kv.free(seq)
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _preempt(self, seq: Sequence, scheduled: dict[str, int] | None = None,
+                 allocations: dict[str, Allocation] | None = None) -> int:
+        """Preempts a running sequence by recompute; returns the step's tokens it had scheduled (now given back)."""
         self.running.remove(seq)
         self._free(seq)
         seq.status = RequestStatus.PREEMPTED
@@ -354,6 +351,10 @@ class Scheduler:
         self._dropped.add(seq.seq_id)
         self._resend.add(seq.seq_id)
         self.policy.enqueue(seq, self.waiting)
+        if scheduled is None or seq.seq_id not in scheduled:
+            return 0
+        allocations.pop(seq.seq_id)
+        return scheduled.pop(seq.seq_id)
 
     def _build_output(self, scheduled: dict[str, int], allocations: dict[str, Allocation],
                       spec: dict[str, tuple[int, ...]]) -> SchedulerOutput:

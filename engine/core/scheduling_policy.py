@@ -15,22 +15,27 @@ when blocks run out:
 fair: requests are ordered by start-time fair queueing, and each step's prompt tokens are shared between the
 tenants with prompt tokens to compute (running prefills and waiting requests) by weighted max-min fairness
 (StepShares): a tenant gets at most its weight's share of the budget the decodes leave, more while others need
-less. Each tenant's requests get start tags S = max(V, the finish tag of the tenant's previous request) and
-finish tags F = S + cost / weight, cost being the tokens the request may compute (its prompt and max_tokens for
-each sample) and weight its tenant's (SchedulingConfig.weight); V, the virtual time, is the largest start tag
-among the sequences started so far. A tenant that sends many or long requests pushes its own later requests
-back, one that was idle comes in at V without credit for the idle time, and while tenants contend each gets
-tokens in proportion to its weight. A preempted sequence keeps its key.
+less; the first waiting request in this order, when its prompt fits the step, gets the step's prompt tokens
+alone, in at most half of the steps (SchedulingPolicy.shares). Each tenant's requests get start tags S = max(V,
+the finish tag of the tenant's previous request) and finish tags F = S + cost / weight, cost being the tokens
+the request may compute (its prompt and max_tokens for each sample) and weight its tenant's
+(SchedulingConfig.weight); V, the virtual time, is the largest start tag among the sequences started so far.
+A tenant that sends many or long requests pushes its own later requests back, one that was idle comes in at V
+without credit for the idle time, and while tenants contend each gets tokens in proportion to its weight. A
+preempted sequence keeps its key.
 
 Priority preemption (preempt_after_s set, any policy but fcfs): a waiting sequence that has waited that long
 (since it last entered the queue) and has running sequences of lower priority (a larger value) is urgent; the
 scheduler preempts those, the ones that lose the least computed work first, until it can start
-(Scheduler._start_urgent). Preemption recomputes: the victims' output does not change.
+(Scheduler._start_urgent). A request whose KV arrives by transfer waits for room at the router, not here: once
+it has waited that long, its reservation preempts the same way (Scheduler.reserve, waited_s). Preemption
+recomputes: the victims' output does not change.
 """
 
 from __future__ import annotations
 
 import bisect
+from collections import deque
 import time
 from typing import Callable
 
@@ -52,6 +57,9 @@ def order_key(policy: str, *, arrival: tuple[int, ...], priority: int, size: tup
     return arrival
 
 
+ALONE_WINDOW, ALONE_STEPS = 8, 4  # of the last 8 steps, at most 4 compute one prompt alone (shares)
+
+
 class WaitingQueue(list):
     """The scheduler's waiting sequences, kept in order of their keys (Sequence.order)."""
 
@@ -61,14 +69,17 @@ class WaitingQueue(list):
 
 
 class StepShares:
-    """How many prompt tokens each tenant may still compute this step (None: no limit)."""
+    """How many prompt tokens each tenant may still compute this step (left; None: no limit), or the one sequence
+    whose prompt the step computes alone (alone: its seq_id; every other prompt waits a step)."""
 
-    def __init__(self, left: dict[str | None, int] | None = None):
-        self.left = left
+    def __init__(self, left: dict[str | None, int] | None = None, alone: str | None = None):
+        self.left, self.alone = left, alone
 
-    def allow(self, tenant: str | None, budget: int) -> int:
-        """What a prompt chunk of tenant may take of budget."""
-        return budget if self.left is None else max(0, min(budget, self.left.get(tenant, budget)))
+    def allow(self, seq: Sequence, budget: int) -> int:
+        """What a prompt chunk of seq may take of budget."""
+        if self.alone is not None:
+            return budget if seq.seq_id == self.alone else 0
+        return budget if self.left is None else max(0, min(budget, self.left.get(seq.tenant, budget)))
 
     def take(self, seq: Sequence, count: int) -> None:
         """seq was scheduled count tokens: a prompt chunk's count against its tenant's share."""
@@ -120,6 +131,7 @@ class SchedulingPolicy:
     def __init__(self, config: SchedulingConfig, clock: Callable[[], float] = time.monotonic):
         self.config, self.clock = config, clock
         self.fair = FairShare(config)
+        self._alone: deque[bool] = deque(maxlen=ALONE_WINDOW)  # whether each of the last steps computed one alone
 
     def enqueue(self, seq: Sequence, queue: WaitingQueue) -> None:
         """Puts seq into the waiting queue, keyed (the first time) by the policy: see the module docstring."""
@@ -156,11 +168,20 @@ class SchedulingPolicy:
         if aged:
             queue.sort(key=lambda s: s.order)
 
-    def shares(self, budget: int, running: list[Sequence], queue: WaitingQueue) -> StepShares:
+    def shares(self, budget: int, running: list[Sequence], queue: WaitingQueue,
+               can_start: Callable[[Sequence], bool] = lambda seq: True) -> StepShares:
         """fair, with two or more tenants having prompt tokens to compute: each one's share of the step's budget
-        after the decodes (weighted max-min over what each needs); else no limit."""
+        after the decodes (weighted max-min over what each needs); else no limit. But when the first waiting
+        sequence in fair order can start (can_start: a seat, its adapter) and its whole prompt fits in what the
+        decodes leave, the step computes its prompt alone: the request starts in one short step rather than in
+        one that other tenants' prompt chunks make long (a step's time grows with its prompt tokens on a CPU,
+        and a new request's TTFT is the step under way plus its own). At most ALONE_STEPS of the last
+        ALONE_WINDOW steps go to one prompt alone, so that a tenant sending a stream of short requests at
+        most halves the others' prompt tokens; the fair order decides whose request is first."""
         if self.config.policy != "fair":
             return NO_SHARES
+        alone_lately = sum(self._alone)
+        self._alone.append(False)
         demand: dict[str | None, int] = {}
         decoding = 0
         for seq in (*running, *queue):
@@ -170,7 +191,12 @@ class SchedulingPolicy:
                 decoding += 1
         if len(demand) < 2:
             return NO_SHARES
-        return StepShares(weighted_max_min(max(0, budget - decoding), demand, self.config.weight))
+        room = max(0, budget - decoding)
+        if alone_lately < ALONE_STEPS and queue and can_start(head := queue[0]) \
+                and head.num_tokens - head.num_computed_tokens <= room:
+            self._alone[-1] = True
+            return StepShares(alone=head.seq_id)
+        return StepShares(weighted_max_min(room, demand, self.config.weight))
 
     def urgent(self, queue: WaitingQueue, running: list[Sequence]) -> Sequence | None:
         """The waiting sequence that may preempt now (see the module docstring), the best (priority, arrival) of
@@ -182,6 +208,11 @@ class SchedulingPolicy:
         due = self.clock() - after
         waited = [seq for seq in queue if seq.priority < worst and seq.queued_at <= due]
         return min(waited, key=lambda s: (s.priority, s.arrival, s.index)) if waited else None
+
+    def overdue(self, waited_s: float) -> bool:
+        """Whether a request that has waited waited_s for room elsewhere (a reservation: in the router's decode
+        room) may preempt running requests of lower priority."""
+        return self.config.preempt_after_s is not None and waited_s >= self.config.preempt_after_s
 
     @staticmethod
     def victims(running: list[Sequence], urgent: Sequence) -> list[Sequence]:

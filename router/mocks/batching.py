@@ -246,7 +246,7 @@ class BatchedDecode(_BatchedReplica):
 
     async def reserve(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *,
                       priority: int = 0, cache_salt: str | None = None, senders: tuple[str, ...] = (),
-                      tenant: str | None = None) -> TransferDescriptor | None:
+                      tenant: str | None = None, waited_s: float = 0.0) -> TransferDescriptor | None:
         """None (no room) while max_num_seqs requests are held here, waiting, reserved or running."""
         self._check(request_id)
         if len(self._held()) + len(self.loop.waiting) >= self.costs.max_num_seqs:

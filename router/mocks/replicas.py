@@ -209,7 +209,7 @@ class MockDecode(_MockReplica):
 
     async def reserve(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *,
                       priority: int = 0, cache_salt: str | None = None, senders: tuple[str, ...] = (),
-                      tenant: str | None = None) -> TransferDescriptor | None:
+                      tenant: str | None = None, waited_s: float = 0.0) -> TransferDescriptor | None:
         prompt = tuple(prompt_token_ids)
         if self.room and not self.room.pop(0):
             return None
@@ -331,7 +331,7 @@ class DyingDecode(MockDecode):
 
     async def reserve(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *,
                       priority: int = 0, cache_salt: str | None = None, senders: tuple[str, ...] = (),
-                      tenant: str | None = None) -> TransferDescriptor | None:
+                      tenant: str | None = None, waited_s: float = 0.0) -> TransferDescriptor | None:
         prompt = tuple(prompt_token_ids)
         if self.after < 0:
             from ray.exceptions import RayActorError

@@ -21,6 +21,7 @@ from tandem.engine.core.generator import Generator
 from tandem.engine.loader.lora_adapter import write_random_adapter
 from tandem.engine.sampling_params import SamplingParams
 from tandem.router.client import TandemClient, build_request
+from tandem.router.limits import PriorityRange
 from tests.cluster.ray_cluster import (QUESTIONS, chat, check_integrity, manifest_for_test, one_process_lora,
                                       running, simulated_cluster, wait_idle)
 from tests.cluster.structured_checks import (greedy_reply_equals_one_process, sampled_replies_validate,
@@ -33,11 +34,22 @@ def forced_speculation(manifest):
     """local.yaml with its decode pool's speculation forced (adaptive: false): whether the cost model would let
     proposals pay depends on this machine's speed (an AVX2 CPU's steps priced them out), and the tests here check
     the speculated path against one process. The decision itself is tested in tests/engine/
-    test_speculative_engine.py."""
+    test_speculative_engine.py. The decode pool also preempts by priority (scheduler.preempt_after_s: 1 s)."""
     decode = manifest.pools.decode
     speculative = decode.engine.speculative.model_copy(update={"adaptive": False})
     engine = decode.engine.model_copy(update={"speculative": speculative})
-    return manifest.pools.model_copy(update={"decode": decode.model_copy(update={"engine": engine})})
+    scheduler = decode.scheduler.model_copy(update={"preempt_after_s": PREEMPT_AFTER_S})
+    return manifest.pools.model_copy(update={"decode": decode.model_copy(update={"engine": engine,
+                                                                                 "scheduler": scheduler})})
+
+
+PREEMPT_AFTER_S = 1.0
+
+
+def with_priorities(manifest):
+    """Requests without a key (the default tenant) may ask for priorities -5 to 5."""
+    tenant = manifest.auth.default_tenant.model_copy(update={"priority": PriorityRange(min=-5, max=5)})
+    return manifest.auth.model_copy(update={"default_tenant": tenant})
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +67,8 @@ def cluster(adapters):
     lora = LoRASettings(adapters={name: adapters[name] for name in ("terse", "poet")}, max_rank=16, max_loaded=2,
                         runtime_loading=True)
     with simulated_cluster() as (ray_cluster, node_ids):
-        with running(manifest.model_copy(update={"pools": forced_speculation(manifest), "lora": lora})) as tandem:
+        with running(manifest.model_copy(update={"pools": forced_speculation(manifest), "lora": lora,
+                                                 "auth": with_priorities(manifest)})) as tandem:
             tandem.node_ids = node_ids
             yield tandem
 
@@ -235,6 +248,44 @@ def test_abort_or_disconnect_while_queued_for_room(cluster, client, how):
         assert _status_of(cluster, "decode-0")["waiting_for_kv"] == len(held)  # nothing more was reserved
     finally:
         ray.get([decode.abort.remote(request_id) for request_id in held])
+    wait_idle(cluster)
+    check_integrity(cluster)
+
+
+def test_a_request_of_higher_priority_waiting_for_decode_room_preempts_a_lower_one(cluster, client, embedded):
+    """Issue 50 item 1 on the cluster: the decode replica's blocks are held (reservations nobody sends to) but for
+    a low-priority request decoding and a little room; a high-priority request whose prompt does not fit waits in
+    the router's decode room and, after the pool's preempt_after_s, its reservation preempts the low one. The high
+    one ends first; the low one resumes (recomputed on the decode replica) with one process's greedy tokens."""
+    import ray
+
+    decode = cluster.replica_handles()["decode-0"]
+    low_prompt, high_prompt = [100 + i % 500 for i in range(640)], [200 + i % 700 for i in range(720)]  # 40, 45 blocks
+    low_params = dict(max_tokens=150, temperature=0, ignore_eos=True)
+    before = _status_of(cluster, "decode-0")["num_preemptions"]
+    call = client.stub.Generate(build_request(token_ids=low_prompt, request_id="low", priority=5, **low_params))
+    received, ended = [], {}
+    reader = threading.Thread(target=lambda: (_drain(call, received), ended.setdefault("low", time.monotonic())),
+                              daemon=True)
+    reader.start()
+    _wait_for(lambda: len(received) >= 3)
+    room = "hold-room"  # 32 blocks (of 16 tokens) held first and let go once the rest is held: < 45
+    assert ray.get(decode.reserve.remote(room, [7] * 32 * 16, SamplingParams(max_tokens=1))) is not None
+    held = _fill_decode_kv(decode, "hold")
+    try:
+        ray.get(decode.abort.remote(room))
+        high = client.generate(token_ids=high_prompt, request_id="high", max_tokens=8, temperature=0, priority=-5)
+        ended["high"] = time.monotonic()
+        reader.join(120)
+        assert not reader.is_alive() and not isinstance(received[-1], grpc.RpcError), received[-1]
+    finally:
+        ray.get([decode.abort.remote(request_id) for request_id in held])
+    assert high.usage.completion_tokens == 8 and ended["high"] < ended["low"]
+    assert high.timings.queue_s >= PREEMPT_AFTER_S  # it waited for room, then took it
+    assert _status_of(cluster, "decode-0")["num_preemptions"] > before
+    with Generator(embedded) as reference:
+        want = reference.generate(low_prompt, SamplingParams(**low_params))
+    assert [t for m in received for t in m.token_ids] == want.token_ids
     wait_idle(cluster)
     check_integrity(cluster)
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 
 from tandem.engine.engine_config import SchedulingConfig
-from tandem.engine.request import RequestStatus
+from tandem.engine.request import RequestStatus, Sequence
+from tandem.engine.sampling_params import SamplingParams
 
 from tests.engine.fake_runner import expected_output
 from tests.engine.scheduler_harness import Harness
@@ -78,6 +79,35 @@ def test_fair_shares_the_tokens_by_weight_while_both_tenants_wait():
     assert gold == 8, first  # 2:1
 
 
+def test_under_fair_a_short_prompt_that_fits_the_step_is_computed_alone_and_nothing_changes_output():
+    scheduling = policy("fair")
+    h = Harness(num_blocks=256, max_num_seqs=4, max_num_batched_tokens=32, scheduling=scheduling)
+    h.add("long", prompt(200, 1), 2, tenant="batch", seed=1)  # chunked over several steps
+    h.step()
+    h.add("short", prompt(20, 2), 2, tenant="chat", seed=2)
+    out = h.step()  # the step computes the short prompt, all 20 tokens, and none of the long one's
+    assert out.num_scheduled_tokens == {"short#0": 20}, out.num_scheduled_tokens
+    h.add("too-long", prompt(40, 3), 2, tenant="chat", seed=3)  # 40 > 32 - one decode: it shares the step
+    out = h.step()
+    assert set(out.num_scheduled_tokens) == {"long#0", "short#0", "too-long#0"}, out.num_scheduled_tokens
+    h.run()
+    for rid, p, seed in (("long", prompt(200, 1), 1), ("short", prompt(20, 2), 2), ("too-long", prompt(40, 3), 3)):
+        assert h.tokens[f"{rid}#0"] == expected_output(p, seed, 2), rid
+    assert h.kv.pool.num_in_use == 0
+
+
+def test_a_stream_of_short_requests_takes_at_most_half_the_steps_from_another_tenants_prompt():
+    h = Harness(num_blocks=512, max_num_seqs=64, max_num_batched_tokens=16, scheduling=policy("fair"))
+    h.add("long", prompt(250, 1), 1, tenant="batch", seed=1)
+    for i in range(24):  # a new short request of another tenant before every step
+        h.add(f"short-{i}", prompt(8, 2 + i), 1, tenant="chat", seed=2 + i)
+        h.step()
+    with_long = ["long#0" in out.num_scheduled_tokens for out in h.outputs]
+    for end in range(8, len(with_long) + 1):
+        assert sum(with_long[end - 8:end]) >= 4, with_long  # the long prompt advances in 4 of any 8 steps
+    assert sum(with_long) < len(with_long)  # and short prompts were computed alone in the others
+
+
 def test_a_higher_priority_preempts_after_waiting_and_the_victims_output_is_unchanged():
     h = Harness(num_blocks=64, max_num_seqs=2, scheduling=policy("priority", preempt_after_s=1.0))
     h.add("low-long", prompt(12, 1), 30, priority=5, seed=1)
@@ -111,6 +141,27 @@ def test_priority_preemption_never_takes_an_equal_or_higher_priority_and_frees_b
     assert [s.request_id for s in h.scheduler.waiting] == ["low"]  # "peer" has the same priority: kept
     h.run()
     assert h.tokens["low#0"] == expected_output(prompt(16, 2), 2, 4)
+
+
+def test_a_reservation_that_waited_preempt_after_s_elsewhere_preempts_a_lower_priority_for_room():
+    # 10 blocks of 4 tokens: "low" and "peer" hold 9; a transferred prompt of 16 tokens needs 4
+    h = Harness(num_blocks=10, max_num_seqs=4, scheduling=policy("priority", preempt_after_s=1.0))
+    h.add("low", prompt(16, 1), 8, priority=5, seed=1)
+    h.add("peer", prompt(12, 2), 8, priority=0, seed=2)  # the reservation's own priority: never its victim
+    h.step(), h.step()
+    params = SamplingParams(max_tokens=2, temperature=0)
+    high = Sequence("high#0", "high", 0, tuple(prompt(16, 3)), params, 3, 0, 9, None, h.block_size)
+    assert h.scheduler.reserve(high, waited_s=0.5) is None  # not waited long enough: nothing changes
+    assert h.scheduler.num_preemptions == 0 and "high" not in h.scheduler._by_request
+    assert h.scheduler.reserve(high, waited_s=1.0) is not None
+    assert h.scheduler.num_preemptions == 1 and high.status is RequestStatus.WAITING_FOR_KV
+    assert [s.request_id for s in h.scheduler.waiting] == ["low"]
+    h.scheduler.check_integrity()
+    h.scheduler.abort_request("high")
+    h.run()
+    assert h.tokens["low#0"] == expected_output(prompt(16, 1), 1, 8)  # recomputed: the same output
+    assert h.tokens["peer#0"] == expected_output(prompt(12, 2), 2, 8)
+    assert h.kv.pool.num_in_use == 0
 
 
 def test_preempting_by_priority_under_fcfs_is_refused():
