@@ -5,7 +5,7 @@ under the decode pool's scheduler policy fcfs and then fair. Two clusters (one p
 this script starts and stops; the keys are generated here. The interactive tenant's TTFT p50/p99 in each run, and
 its p99 against alone. The last line of output is one JSON object with every number.
 
-    .venv/bin/python bench/tenant_cluster.py [--rate 0.15] [--batch-factor 5] [--duration 120]
+    .venv/bin/python bench/tenant_cluster.py [--rate 0.15] [--batch-factor 5] [--duration 120] [--budget 256]
 """
 
 from __future__ import annotations
@@ -56,17 +56,23 @@ def main() -> None:
     parser.add_argument("--chat-input", default="lognormal:96,0.3")
     parser.add_argument("--batch-input", default="uniform:600,900")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--budget", type=int, default=None,
+                        help="max_num_batched_tokens, a step's tokens (default: the manifest's)")
     parser.add_argument("--out", default="bench-results/tenant-cluster")
     args = parser.parse_args()
     os.environ["TANDEM_BENCH_CHAT_KEY"] = chat_key = "sk-chat-" + secrets.token_hex(12)
     os.environ["TANDEM_BENCH_BATCH_KEY"] = batch_key = "sk-batch-" + secrets.token_hex(12)
     chat = f"chat,key={chat_key},input={args.chat_input}"
     batch = f"batch,share={args.batch_factor:g},key={batch_key},input={args.batch_input}"
-    results: dict = {"rate": args.rate, "batch_factor": args.batch_factor, "duration_s": args.duration}
+    results: dict = {"rate": args.rate, "batch_factor": args.batch_factor, "duration_s": args.duration,
+                     "budget": args.budget or load_manifest(MANIFEST).pools.decode.engine.max_num_batched_tokens}
     for policy in ("fcfs", "fair"):
         manifest = load_manifest(MANIFEST)
         decode = manifest.pools.decode
-        decode = decode.model_copy(update={"scheduler": decode.scheduler.model_copy(update={"policy": policy})})
+        engine = decode.engine.model_copy(update={"max_num_batched_tokens": args.budget or
+                                                  decode.engine.max_num_batched_tokens})
+        decode = decode.model_copy(update={"scheduler": decode.scheduler.model_copy(update={"policy": policy}),
+                                           "engine": engine})
         manifest = manifest.model_copy(update={
             "pools": manifest.pools.model_copy(update={"decode": decode}),
             "listen": manifest.listen.model_copy(update={"grpc": "127.0.0.1:0"})})

@@ -15,8 +15,8 @@ when blocks run out:
 fair: requests are ordered by start-time fair queueing, and each step's prompt tokens are shared between the
 tenants with prompt tokens to compute (running prefills and waiting requests) by weighted max-min fairness
 (StepShares): a tenant gets at most its weight's share of the budget the decodes leave, more while others need
-less; the first waiting request in this order, when its prompt fits the step, gets the step's prompt tokens
-alone, in at most half of the steps (SchedulingPolicy.shares). Each tenant's requests get start tags S = max(V,
+less; the first waiting request in this order, when its tenant has the fewest prompt tokens to compute, gets the
+step's prompt tokens alone, in at most half of the steps (SchedulingPolicy.shares). Each tenant's requests get start tags S = max(V,
 the finish tag of the tenant's previous request) and finish tags F = S + cost / weight, cost being the tokens
 the request may compute (its prompt and max_tokens for each sample) and weight its tenant's
 (SchedulingConfig.weight); V, the virtual time, is the largest start tag among the sequences started so far.
@@ -172,12 +172,12 @@ class SchedulingPolicy:
                can_start: Callable[[Sequence], bool] = lambda seq: True) -> StepShares:
         """fair, with two or more tenants having prompt tokens to compute: each one's share of the step's budget
         after the decodes (weighted max-min over what each needs); else no limit. But when the first waiting
-        sequence in fair order can start (can_start: a seat, its adapter) and its whole prompt fits in what the
-        decodes leave, the step computes its prompt alone: the request starts in one short step rather than in
-        one that other tenants' prompt chunks make long (a step's time grows with its prompt tokens on a CPU,
-        and a new request's TTFT is the step under way plus its own). At most ALONE_STEPS of the last
-        ALONE_WINDOW steps go to one prompt alone, so that a tenant sending a stream of short requests at
-        most halves the others' prompt tokens; the fair order decides whose request is first."""
+        sequence in fair order can start (can_start: a seat, its adapter) and its tenant has fewer prompt tokens
+        to compute than each other tenant, the step computes its prompt alone, as much as the decodes leave room
+        for: the light tenant's request starts in short steps of its own rather than in steps that the heavy
+        tenant's prompt chunks make long (a step's time grows with its prompt tokens on a CPU, and a new
+        request's TTFT is the step under way plus its own). At most ALONE_STEPS of the last ALONE_WINDOW steps
+        go to one prompt alone, so that the heavy tenant's prompts advance in the others."""
         if self.config.policy != "fair":
             return NO_SHARES
         alone_lately = sum(self._alone)
@@ -191,12 +191,11 @@ class SchedulingPolicy:
                 decoding += 1
         if len(demand) < 2:
             return NO_SHARES
-        room = max(0, budget - decoding)
         if alone_lately < ALONE_STEPS and queue and can_start(head := queue[0]) \
-                and head.num_tokens - head.num_computed_tokens <= room:
+                and demand[head.tenant] < min(need for tenant, need in demand.items() if tenant != head.tenant):
             self._alone[-1] = True
             return StepShares(alone=head.seq_id)
-        return StepShares(weighted_max_min(room, demand, self.config.weight))
+        return StepShares(weighted_max_min(max(0, budget - decoding), demand, self.config.weight))
 
     def urgent(self, queue: WaitingQueue, running: list[Sequence]) -> Sequence | None:
         """The waiting sequence that may preempt now (see the module docstring), the best (priority, arrival) of

@@ -79,19 +79,22 @@ def test_fair_shares_the_tokens_by_weight_while_both_tenants_wait():
     assert gold == 8, first  # 2:1
 
 
-def test_under_fair_a_short_prompt_that_fits_the_step_is_computed_alone_and_nothing_changes_output():
-    scheduling = policy("fair")
-    h = Harness(num_blocks=256, max_num_seqs=4, max_num_batched_tokens=32, scheduling=scheduling)
+def test_under_fair_the_lighter_tenants_prompt_is_computed_alone_and_nothing_changes_output():
+    h = Harness(num_blocks=256, max_num_seqs=4, max_num_batched_tokens=32, scheduling=policy("fair"))
     h.add("long", prompt(200, 1), 2, tenant="batch", seed=1)  # chunked over several steps
     h.step()
     h.add("short", prompt(20, 2), 2, tenant="chat", seed=2)
-    out = h.step()  # the step computes the short prompt, all 20 tokens, and none of the long one's
+    out = h.step()  # chat has 20 prompt tokens to compute, batch 168: the step computes chat's alone
     assert out.num_scheduled_tokens == {"short#0": 20}, out.num_scheduled_tokens
-    h.add("too-long", prompt(40, 3), 2, tenant="chat", seed=3)  # 40 > 32 - one decode: it shares the step
-    out = h.step()
-    assert set(out.num_scheduled_tokens) == {"long#0", "short#0", "too-long#0"}, out.num_scheduled_tokens
+    h.add("longer", prompt(40, 3), 2, tenant="chat", seed=3)
+    out = h.step()  # alone again, as much as the room one decode leaves: 31 of its 40
+    assert out.num_scheduled_tokens == {"short#0": 1, "longer#0": 31}, out.num_scheduled_tokens
+    h.add("longest", prompt(200, 4), 2, tenant="chat", seed=4)
+    out = h.step()  # chat now has more to compute than batch: the step is shared
+    assert {"long#0", "longer#0"} <= set(out.num_scheduled_tokens), out.num_scheduled_tokens
     h.run()
-    for rid, p, seed in (("long", prompt(200, 1), 1), ("short", prompt(20, 2), 2), ("too-long", prompt(40, 3), 3)):
+    for rid, p, seed in (("long", prompt(200, 1), 1), ("short", prompt(20, 2), 2), ("longer", prompt(40, 3), 3),
+                         ("longest", prompt(200, 4), 4)):
         assert h.tokens[f"{rid}#0"] == expected_output(p, seed, 2), rid
     assert h.kv.pool.num_in_use == 0
 
