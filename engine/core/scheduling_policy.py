@@ -16,10 +16,10 @@ fair: requests are ordered by start-time fair queueing, and each step's prompt t
 tenants with prompt tokens to compute (running prefills and waiting requests) by weighted max-min fairness
 (StepShares): a tenant gets at most its weight's share of the budget the decodes leave, more while others need
 less; the first waiting request in this order, when its tenant has the fewest prompt tokens to compute, gets the
-step's prompt tokens alone, in at most half of the steps (SchedulingPolicy.shares). Each tenant's requests get start tags S = max(V,
-the finish tag of the tenant's previous request) and finish tags F = S + cost / weight, cost being the tokens
-the request may compute (its prompt and max_tokens for each sample) and weight its tenant's
-(SchedulingConfig.weight); V, the virtual time, is the largest start tag among the sequences started so far.
+step's prompt tokens alone, in at most half of the steps (SchedulingPolicy.shares). Each tenant's requests get
+start tags S = max(V, the finish tag of the tenant's previous request) and finish tags F = S + cost / weight,
+cost being the tokens the request may compute (its prompt and max_tokens for each sample) and weight its
+tenant's (SchedulingConfig.weight); V, the virtual time, is the largest start tag among the sequences started.
 A tenant that sends many or long requests pushes its own later requests back, one that was idle comes in at V
 without credit for the idle time, and while tenants contend each gets tokens in proportion to its weight. A
 preempted sequence keeps its key.
