@@ -177,20 +177,20 @@ class AdmissionController:
             retry = UNMEASURED_RETRY_AFTER_S if rate is None else _whole((waiting + count - self.max_waiting) / rate)
             self._refuse(f"{ahead} (at most {self.max_waiting} may, router.max_queued_requests)", retry,
                          "max_queued")
-        share = 1.0
+        backlog, share = waiting, 1.0  # the requests that start before it, and its part of the starts
         if self.fair is not None:
-            if not (waiting := self.waiting_by_tenant.get(tenant, 0)):
+            if not (backlog := self.waiting_by_tenant.get(tenant, 0)):
                 return  # it starts before every other tenant's backlog
-            ahead = f"tenant {tenant!r} has {waiting} request{'' if waiting == 1 else 's'} waiting to start"
+            ahead = f"tenant {tenant!r} has {backlog} request{'' if backlog == 1 else 's'} waiting to start"
             weight = self.fair.weight(tenant)
             share = weight / (weight + sum(self.fair.weight(t) for t in self.waiting_by_tenant if t != tenant))
         if rate is None:
-            if waiting + count > self.settings.initial_waiting:
+            if backlog + count > self.settings.initial_waiting:
                 self._refuse(f"{ahead} and no start rate has been measured yet (at most "
                              f"{self.settings.initial_waiting} may wait until one is)", UNMEASURED_RETRY_AFTER_S,
                              "unmeasured")
             return
-        expected = (waiting + count) / (rate * share)
+        expected = (backlog + count) / (rate * share)
         if expected > self.limit_s:
             limit = ("its TTFT SLO" if self.settings.mode == "slo" else "the queue timeout") + f" of {self.limit_s:g} s"
             starts = f"{rate:.1f} per second" + (f" ({share:.0%} of them its tenant's)" if share < 1 else "")

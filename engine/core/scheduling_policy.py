@@ -169,7 +169,7 @@ class SchedulingPolicy:
             queue.sort(key=lambda s: s.order)
 
     def shares(self, budget: int, running: list[Sequence], queue: WaitingQueue,
-               can_start: Callable[[Sequence], bool] = lambda seq: True) -> StepShares:
+               can_start: Callable[[Sequence], bool]) -> StepShares:
         """fair, with two or more tenants having prompt tokens to compute: each one's share of the step's budget
         after the decodes (weighted max-min over what each needs); else no limit. But when the first waiting
         sequence in fair order can start (can_start: a seat, its adapter) and its tenant has fewer prompt tokens
