@@ -66,6 +66,7 @@ class PrefillReplica(ReplicaShell):
         from tandem.kv_transfer.connector import first_token_of
 
         self._check_not_aborted(request_id)
+        called = time.monotonic()
         stream = self.server.open_stream(request_id)
         try:
             await self.server.call(lambda _e: self.connector.submit(request_id, prompt_token_ids, params, descriptor,
@@ -94,5 +95,6 @@ class PrefillReplica(ReplicaShell):
         call.mark("kv_send")
         if event.state is not TransferState.DONE:
             raise TransferFailedError(request_id, event.state, event.error)
+        queue_s = 0.0 if first.scheduled_at is None else max(0.0, first.scheduled_at - called)  # the same clock
         return PrefillResult(first_token_of(first), first.num_prompt_tokens, first.num_cached_tokens,
-                             transfer_s=time.monotonic() - sampled)
+                             transfer_s=time.monotonic() - sampled, queue_s=queue_s)

@@ -114,12 +114,14 @@ class KVEventsReply:
 class PrefillResult:
     """What a prefill replica answers once the decode replica holds the prompt's KV: the first token (for
     DecodeReplicaAPI.decode), how many prompt tokens came from its prefix cache, and the part of the transfer that
-    layer-wise sending did not hide behind the prefill (transfer_s)."""
+    layer-wise sending did not hide behind the prefill (transfer_s), and how long the prompt waited in the
+    replica's queue (queue_s)."""
 
     first_token: SampledToken
     num_prompt_tokens: int
     num_cached_tokens: int
     transfer_s: float = 0.0  # after the first token was sampled, how long the KV transfer still took (seconds)
+    queue_s: float = 0.0  # from the call to the engine's first scheduling of the prompt (seconds)
 
 
 class ReplicaAPI(Protocol):

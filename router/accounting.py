@@ -38,6 +38,7 @@ class Accounting:
         self.completion_tokens = 0
         self.prompt_tokens = self.cached_tokens = 0
         self.queue_s = self.prefill_s = self.transfer_s = self.admission_s = 0.0
+        self.prefill_queue_s = 0.0  # of prefill_s, the prefill replica's queue (disaggregated)
         self.prefill_route = ""  # where the prompt was prefilled (Progress.prefill_route), once known
         self.cut_by_length = False  # an output ended by max_tokens (or the model's length)
 
@@ -47,6 +48,7 @@ class Accounting:
         if progress.prefill_route:  # the first progress of a request carries how long it queued and prefilled
             self.queue_s, self.prefill_s = progress.queue_s, progress.prefill_s
             self.transfer_s, self.admission_s = progress.transfer_s, progress.admission_s
+            self.prefill_queue_s = progress.prefill_queue_s
             self.prefill_route = progress.prefill_route
         if progress.num_cached_tokens is not None:  # disaggregated: the prefill replica's cache hits
             self.cached_tokens = progress.num_cached_tokens

@@ -63,10 +63,10 @@ class TandemServicer(pb_grpc.TandemServicer):
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         arrival = time.monotonic()
+        trace_parent = dict(context.invocation_metadata() or ()).get("traceparent")
         try:
             tenant = self._tenant(context)
-            self.serving.check_capacity(1, "grpc", tenant)  # before tokenizing: a refusal costs little
-            admission = self.serving.admit(tenant, 1, "grpc")
+            admission = self.serving.let_in(1, "grpc", tenant, arrival, trace_parent)  # before tokenizing
         except (InvalidRequest, Unauthenticated, AtCapacity, Draining) as e:
             await self._refuse(context, e)
         try:
@@ -81,7 +81,6 @@ class TandemServicer(pb_grpc.TandemServicer):
         failure = None
         try:
             first = True
-            trace_parent = dict(context.invocation_metadata() or ()).get("traceparent")
             async for step in self.serving.run(parsed, arrival, "grpc", deadline=deadline, trace_parent=trace_parent):
                 for output in step.progress.outputs:
                     response = _response(parsed.request_id, output)

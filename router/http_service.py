@@ -281,9 +281,8 @@ class OpenAIRoutes:
                                    "not: ask for 'required', a named function, or 'none'", param="tool_choice")
         response_id = f"{id_prefix}-{secrets.token_hex(12)}"
         requests = to_requests(body, response_id)
-        try:
-            self.serving.check_capacity(len(requests), "http", who)  # before tokenizing: a refusal costs little
-            admission = self.serving.admit(who, len(requests), "http")
+        try:  # before tokenizing: a refusal costs little
+            admission = self.serving.let_in(len(requests), "http", who, arrival, request.headers.get("traceparent"))
         except (InvalidRequest, AtCapacity, Draining) as e:
             raise openai_error(e) from None
         try:

@@ -78,7 +78,8 @@ class Progress:
     prefill_route: str = ""  # routing.PREFILL_POOL or the reason the decode replica prefilled
     num_cached_tokens: int | None = None  # the prefill replica's cache hits (disaggregated)
     prefill_s: float = 0.0  # from the replica call to the first token (the parts below included)
-    queue_s: float = 0.0
+    queue_s: float = 0.0  # waiting at the router for a decode replica with room (disaggregated)
+    prefill_queue_s: float = 0.0  # of prefill_s, the prefill replica's queue (PrefillResult.queue_s)
     transfer_s: float = 0.0  # the KV transfer's tail after the prefill replica sampled (disaggregated)
     admission_s: float = 0.0  # the prefill replica's answer to the decode replica's first token (disaggregated)
 
@@ -346,8 +347,8 @@ class RequestDriver:
                 now = time.monotonic()
                 return Progress(outputs, prefill_replica=prefill.name, decode_replica=at.name,
                                 prefill_route=PREFILL_POOL, num_cached_tokens=result.num_cached_tokens,
-                                prefill_s=now - start, queue_s=queue_s, transfer_s=result.transfer_s,
-                                admission_s=now - answered)
+                                prefill_s=now - start, queue_s=queue_s, prefill_queue_s=result.queue_s,
+                                transfer_s=result.transfer_s, admission_s=now - answered)
 
             stream = decode.api.decode(rid, result.first_token, trace=request.trace)
             try:

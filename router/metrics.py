@@ -53,8 +53,10 @@ class RouterMetrics:
                              buckets=LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("tandem_e2e_request_latency_seconds", "Arrival to the last token",
                              buckets=LATENCY_BUCKETS, registry=r)
-        self.queue = Histogram("tandem_request_queue_seconds", "Waiting for a decode replica with room",
-                               buckets=LATENCY_BUCKETS, registry=r)
+        self.queue = Histogram("tandem_request_queue_seconds", "Waiting in a pool's queue, by pool (decode: at the "
+                               "router for a decode replica with room; prefill: in the prefill replica's queue "
+                               "before its first scheduling of the prompt)", ["pool"], buckets=LATENCY_BUCKETS,
+                               registry=r)
         self.tpot = Histogram("tandem_time_per_output_token_seconds", "Per request: its first token to its last, "
                               "over the tokens after the first", buckets=LATENCY_BUCKETS, registry=r)
         self.prefill_time = Histogram("tandem_request_prefill_time_seconds", "The prefill call to the first token, "
@@ -133,13 +135,14 @@ class RouterMetrics:
         if usage.completion_tokens > 1:
             self.tpot.observe(timings.mean_itl_s)
         self.e2e.observe(timings.e2e_s)
-        self.queue.observe(timings.queue_s)
+        self.queue.labels("decode").observe(timings.queue_s)
         if account.prefill_route:
             pool = "prefill" if account.prefill_route == PREFILL_POOL else "decode"
             self.prefill_time.labels(pool).observe(timings.prefill_s)
             self.prefix_queries.labels(pool).inc(usage.prompt_tokens)
             self.prefix_hits.labels(pool).inc(usage.cached_tokens)
             if pool == "prefill":
+                self.queue.labels("prefill").observe(account.prefill_queue_s)
                 self.transfer_time.observe(timings.transfer_s)
 
     def exposition(self) -> bytes:

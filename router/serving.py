@@ -28,7 +28,7 @@ from tandem.router.request_parsing import InvalidRequest, ModelFacts, ParsedRequ
 from tandem.router.run_key import RunKey
 from tandem.router.rate_limits import RateCharge, RateLimited, TenantRates
 from tandem.router.tenant_gate import Admission, TenantGate, TooManyRequests
-from tandem.router.tracing import RequestTrace, RequestTracer
+from tandem.router.tracing import RefusedTrace, RequestTrace, RequestTracer
 
 _log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -75,6 +75,20 @@ def error_code(error: BaseException) -> tuple[str, str]:
     if isinstance(error, ValueError):  # the engine's own validation (RequestRejectedError is one)
         return "INVALID_ARGUMENT", str(error).splitlines()[-1] if str(error) else repr(error)
     return "INTERNAL", f"internal error: {error!r}"
+
+
+def refusal_reason(error: Exception) -> str:
+    """Which check refused a request before it ran, for its trace: "rate_limit:<requests|tokens>",
+    "admission:<reason>" (AtCapacity's), "tenant_max_requests", "draining", or the error's status otherwise."""
+    if isinstance(error, RateLimited):
+        return f"rate_limit:{error.limit}"
+    if isinstance(error, AtCapacity):
+        return f"admission:{error.reason}"
+    if isinstance(error, TooManyRequests):
+        return "tenant_max_requests"
+    if isinstance(error, Draining):
+        return "draining"
+    return error_code(error)[0]
 
 
 @dataclass(frozen=True)
@@ -147,6 +161,26 @@ class Serving:
         except RateLimited as e:
             self.refused(api, e.code)
             raise
+
+    def let_in(self, count: int, api: str, tenant: str | None, arrival: float, trace_parent: str | None) -> Admission:
+        """The front doors' checks before parsing: check_capacity, then the tenant gate's admit. A refusal
+        (AtCapacity, Draining, TooManyRequests: counted) is raised after its trace is written (arrival: the
+        request's, monotonic; trace_parent: the client's W3C traceparent)."""
+        decided = time.monotonic()
+        try:
+            self.check_capacity(count, api, tenant)
+            return self.admit(tenant, count, api)
+        except (AtCapacity, Draining, TooManyRequests) as e:
+            self.trace_refusal(e, api, tenant, arrival, decided, trace_parent)
+            raise
+
+    def trace_refusal(self, error: Exception, api: str, tenant: str | None, arrival: float, decided: float,
+                      trace_parent: str | None, request_id: str = "") -> None:
+        """Writes the trace of a request refused before it ran (router/tracing.py's refused()), when tracing is
+        on. decided: when the refusing check began (monotonic)."""
+        if self.tracer is not None:
+            self.tracer.refused(trace_parent, RefusedTrace(api, error_code(error)[0], refusal_reason(error), tenant,
+                                                           arrival, decided, time.monotonic(), request_id))
 
     def check_capacity(self, count: int, api: str, tenant: str | None = None) -> None:
         """Refuses count requests of tenant at once (AtCapacity, counted) when the cluster could not start them in
@@ -222,16 +256,21 @@ class Serving:
         tokens counted against its tenant's rate limit, and its trace written (trace_parent: the client's W3C
         traceparent), however it ends."""
         key = RequestKey(parsed.tenant, parsed.request_id)
-        self._refuse_if_draining(api)
-        if key in self.active:
-            self.metrics.finished(api, "ALREADY_EXISTS", None, None)
-            raise InvalidRequest(f"request id {parsed.request_id!r} is in use", "ALREADY_EXISTS")
-        charge = self._charge(parsed, api)  # settled in the finally below with the tokens it generated
+        entered = time.monotonic()
         try:
-            ticket = self.admission.admit(parsed.tenant)  # closed in the finally below, however the request ends
-        except AtCapacity as e:
-            charge.refund()
-            self._at_capacity(api, e)
+            self._refuse_if_draining(api)
+            if key in self.active:
+                self.metrics.finished(api, "ALREADY_EXISTS", None, None)
+                raise InvalidRequest(f"request id {parsed.request_id!r} is in use", "ALREADY_EXISTS")
+            charge = self._charge(parsed, api)  # settled in the finally below with the tokens it generated
+            try:
+                ticket = self.admission.admit(parsed.tenant)  # closed in the finally below, however it ends
+            except AtCapacity as e:
+                charge.refund()
+                self._at_capacity(api, e)
+                raise
+        except (Draining, InvalidRequest, AtCapacity) as e:
+            self.trace_refusal(e, api, parsed.tenant, arrival, entered, trace_parent, parsed.request_id)
             raise
         task = asyncio.current_task()
         self.active[key] = task
@@ -292,10 +331,13 @@ class Serving:
                                   structured=parsed.params.structured is not None)
             if opened is not None:
                 tracer.record(opened, RequestTrace(
-                    parsed.request_id, api, code, started, time.monotonic(), account.first, account.last,
-                    account.queue_s, account.prefill_s, account.transfer_s, account.admission_s,
-                    account.prefill_route, prefill_replica, decode_replica, account.prompt_tokens,
-                    account.cached_tokens, account.completion_tokens))
+                    parsed.request_id, api, code, entered, started, time.monotonic(), account.first, account.last,
+                    queue_s=account.queue_s, prefill_s=account.prefill_s, prefill_queue_s=account.prefill_queue_s,
+                    transfer_s=account.transfer_s, admission_s=account.admission_s,
+                    prefill_route=account.prefill_route, prefill_replica=prefill_replica,
+                    decode_replica=decode_replica, prompt_tokens=account.prompt_tokens,
+                    cached_tokens=account.cached_tokens, completion_tokens=account.completion_tokens,
+                    tenant=parsed.tenant))
 
     def _cancel(self, key: RequestKey, why: str) -> bool:
         task = self.active.get(key)

@@ -4,21 +4,25 @@ it off the router creates no tracer, no span and no exporter.
 Each request becomes one trace, written by the router when the request ends from what it measured along the way,
 with the client's W3C `traceparent` (an HTTP header or gRPC metadata) as its parent when one came:
 
-    tandem.request                  arrival at the router to the last byte (status, tokens, replicas, route)
+    tandem.request                  arrival at the router to the last byte (status, tenant, tokens, replicas, route)
       parse                         arrival to the router's run of it: the body read, parsed, authenticated
+      admission                     the tenant's rate limits and admission control deciding to let it run
       route                         choosing the replicas (and waiting for a prefill replica with room)
       queue                         waiting for a decode replica with room for the prompt's KV
       prefill                       the prefill call to the first token at the router (pool: where it ran)
-        prefill.compute             the prefill replica's queue and compute up to its first token
+        prefill.queue               the prompt waiting in the prefill replica's queue (disaggregated)
+        prefill.compute             the prefill replica's compute up to its first token (disaggregated)
         kv_transfer                 the KV transfer's tail after that first token (disaggregated)
         decode.admission            the decode replica admitting the transferred request
       decode                        the first token to the last
     (event first_token on tandem.request)
 
 The children tile the request's time in order, so their durations add up to the request's. The root is opened
-when the router starts running the request (begin()), and its traceparent goes with every call on a replica
+once admission let the request run (begin()), and its traceparent goes with every call on a replica
 (replica/contract.py's `trace`), whose own spans (prefill_replica, decode_replica: replica/tracing.py) are its
-children beside these; the rest is written when the request ends (record()).
+children beside these; the rest is written when the request ends (record()). A request refused at admission (its
+tenant's limits, the admission controller, a draining router) is a trace too, of a root in error with its parse
+and admission (refused()).
 
 Exported in batches over OTLP/gRPC to the collector (`otlp_endpoint`, plaintext unless `https://`); tests hand in
 an in-memory exporter instead."""
@@ -31,7 +35,7 @@ from typing import Any
 from tandem.replica.tracing import TracingConfig, clock_offset_ns, tracer_provider
 from tandem.router.routing import PREFILL_POOL
 
-__all__ = ["OpenTrace", "RequestTrace", "RequestTracer", "TracingConfig"]
+__all__ = ["OpenTrace", "RefusedTrace", "RequestTrace", "RequestTracer", "TracingConfig"]
 
 
 @dataclass(frozen=True)
@@ -54,12 +58,14 @@ class RequestTrace:
     request_id: str
     api: str
     code: str
-    started: float  # when the router began running it (after parsing)
+    entered: float  # when the router took it to run (parsed): admission's start
+    started: float  # when admission let it run
     end: float
     first: float | None = None
     last: float | None = None
     queue_s: float = 0.0
     prefill_s: float = 0.0
+    prefill_queue_s: float = 0.0  # of prefill_s, the prefill replica's queue
     transfer_s: float = 0.0
     admission_s: float = 0.0
     prefill_route: str = ""
@@ -68,6 +74,23 @@ class RequestTrace:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
+    tenant: str | None = None
+
+
+@dataclass(frozen=True)
+class RefusedTrace:
+    """A request refused before it ran, on the monotonic clock (seconds): arrival, decided (when the refusing check
+    began: what came before was parsing), end. code: its status (RESOURCE_EXHAUSTED, UNAVAILABLE); reason: which
+    check refused it (router/serving.py's refusal_reason)."""
+
+    api: str
+    code: str
+    reason: str
+    tenant: str | None
+    arrival: float
+    decided: float
+    end: float
+    request_id: str = ""
 
 
 class RequestTracer:
@@ -111,7 +134,8 @@ class RequestTracer:
             span.end(end_time=ns(max(start, end)))
             return span
 
-        child("parse", opened.arrival, t.started)
+        child("parse", opened.arrival, t.entered)
+        child("admission", t.entered, t.started)
         if t.first is None:
             child("route", t.started, t.end)
         else:
@@ -126,13 +150,36 @@ class RequestTracer:
                 within = set_span_in_context(prefill)
                 admission_start = max(prefill_start, t.first - t.admission_s)
                 transfer_start = max(prefill_start, admission_start - t.transfer_s)
-                child("prefill.compute", prefill_start, transfer_start, within, **{"tandem.replica": t.prefill_replica})
+                compute_start = min(transfer_start, prefill_start + t.prefill_queue_s)
+                child("prefill.queue", prefill_start, compute_start, within, **{"tandem.replica": t.prefill_replica})
+                child("prefill.compute", compute_start, transfer_start, within, **{"tandem.replica": t.prefill_replica})
                 child("kv_transfer", transfer_start, admission_start, within)
                 child("decode.admission", admission_start, t.first, within, **{"tandem.replica": t.decode_replica})
             prefill.end(end_time=ns(t.first))
             root.add_event("first_token", timestamp=ns(t.first))
             child("decode", t.first, t.end, **{"tandem.replica": t.decode_replica})
         root.end(end_time=ns(t.end))
+
+    def refused(self, trace_parent: str | None, t: RefusedTrace) -> None:
+        """Writes the trace of a request refused before it ran: its root in error (under the client's traceparent
+        when one came), its parse and its admission, which carries the reason."""
+        from opentelemetry.trace import Status, StatusCode, set_span_in_context
+
+        opened = self.begin(trace_parent, t.arrival)
+
+        def ns(at: float) -> int:
+            return int(at * 1e9) + opened.offset_ns
+
+        root = opened.span
+        root.set_attributes({"tandem.request_id": t.request_id, "tandem.api": t.api, "tandem.status": t.code,
+                             "tandem.tenant": t.tenant or "", "tandem.refused": t.reason})
+        root.set_status(Status(StatusCode.ERROR, t.code))
+        inside = set_span_in_context(root)
+        for name, start, end, attributes in (("parse", t.arrival, t.decided, None),
+                                             ("admission", t.decided, t.end, {"tandem.refused": t.reason})):
+            span = self.tracer.start_span(name, context=inside, start_time=ns(start), attributes=attributes)
+            span.end(end_time=ns(max(start, end)))
+        root.end(end_time=ns(max(t.decided, t.end)))
 
     def shutdown(self) -> None:
         """Sends what is still buffered and stops the exporter."""
@@ -143,4 +190,4 @@ def _request_attributes(t: RequestTrace) -> dict[str, Any]:
     return {"tandem.request_id": t.request_id, "tandem.api": t.api, "tandem.status": t.code,
             "tandem.prefill_replica": t.prefill_replica, "tandem.decode_replica": t.decode_replica,
             "gen_ai.usage.input_tokens": t.prompt_tokens, "gen_ai.usage.output_tokens": t.completion_tokens,
-            "tandem.cached_tokens": t.cached_tokens}
+            "tandem.cached_tokens": t.cached_tokens, "tandem.tenant": t.tenant or ""}

@@ -82,7 +82,9 @@ def build() -> d.Dashboard:
         .with_panel(_quantiles("Inter-token latency", "tandem_inter_token_latency_seconds",
                                "Time between a request's tokens"))
         .with_panel(_quantiles("End to end", "tandem_e2e_request_latency_seconds", "Arrival to the last token"))
-        .with_panel(_quantiles("Queue", "tandem_request_queue_seconds", "Waiting for a decode replica with room"))
+        .with_panel(_quantiles("Queue by pool", "tandem_request_queue_seconds", "Waiting in a pool's queue (decode: at "
+                               "the router for a decode replica with room; prefill: in the prefill replica's queue)",
+                               by="pool"))
         .with_panel(_quantiles("Prefill by pool", "tandem_request_prefill_time_seconds",
                                "The prefill call to the first token, by the pool that prefilled", by="pool"))
         .with_panel(_quantiles("KV transfer tail", "tandem_kv_transfer_seconds",

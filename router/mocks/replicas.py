@@ -298,7 +298,9 @@ class MockPrefill(_MockReplica):
                       tenant: str | None = None, trace: str | None = None) -> PrefillResult:
         self.traces.append(trace)
         prompt = tuple(prompt_token_ids)
+        called = time.monotonic()
         async with self._compute:
+            queue_s = time.monotonic() - called  # waiting for the prompts before it
             _, hit = self.cache.lookup(tuple(prompt), cache_salt)
             await asyncio.sleep(self.step_s + self.per_token_s * (len(prompt) - hit * self.cache.block_size))
             cached = self.cache.store(tuple(prompt), cache_salt)
@@ -306,7 +308,8 @@ class MockPrefill(_MockReplica):
         self.cached_tokens[request_id] = cached
         if self.fail is not None:
             raise TransferFailedError(request_id, self.fail, "the peer went away")
-        return PrefillResult(SampledToken(token_for(tuple(prompt), 0), None, ()), len(prompt), cached)
+        return PrefillResult(SampledToken(token_for(tuple(prompt), 0), None, ()), len(prompt), cached,
+                             queue_s=queue_s)
 
 
 class DyingDecode(MockDecode):

@@ -227,12 +227,12 @@ def test_a_request_is_one_trace_in_the_collector_under_the_clients_traceparent(c
             root.end_time_unix_nano + 5_000_000, name  # one host's clock; the router's end follows the decode's
     phases = sorted((s for s in spans if s.parent_span_id == root.span_id and s.name not in calls),
                     key=lambda s: s.start_time_unix_nano)
-    assert [s.name for s in phases] == ["parse", "route", "queue", "prefill", "decode"]
+    assert [s.name for s in phases] == ["parse", "admission", "route", "queue", "prefill", "decode"]
     assert sum(s.end_time_unix_nano - s.start_time_unix_nano for s in phases) == \
         root.end_time_unix_nano - root.start_time_unix_nano
     prefill = next(s for s in phases if s.name == "prefill")
     assert {a.key: a.value.string_value for a in prefill.attributes}["tandem.pool"] == "prefill"
     assert sorted(s.name for s in spans if s.parent_span_id == prefill.span_id) == \
-        ["decode.admission", "kv_transfer", "prefill.compute"]
+        ["decode.admission", "kv_transfer", "prefill.compute", "prefill.queue"]
     duration = (root.end_time_unix_nano - root.start_time_unix_nano) / 1e9
     assert abs(duration - latency) <= 0.05 * latency, (duration, latency)

@@ -73,17 +73,21 @@ def test_a_disaggregated_request_writes_a_prefill_and_a_decode_span_under_the_ro
     header, trace_id, parent_id = traceparent()
     prompt = tiny_llama.tokenizer.encode("The quick brown fox jumps over the lazy dog " * 3)
 
-    async def run() -> list[int]:
+    async def run():
         info = await prefill.ready()
         descriptor = await decode.reserve("d1", prompt, PARAMS, senders=info.kv_addresses)
         result = await prefill.prefill("d1", prompt, PARAMS, descriptor, trace=header)
-        return [t async for batch in decode.decode("d1", result.first_token, trace=header)
-                for out in batch for t in out.token_ids]
+        return result, [t async for batch in decode.decode("d1", result.first_token, trace=header)
+                        for out in batch for t in out.token_ids]
 
-    assert len(asyncio.run(run())) == TOKENS
+    result, tokens = asyncio.run(run())
+    assert len(tokens) == TOKENS
     span, children = call_span(spans, "prefill_replica", trace_id)
     assert span.parent.span_id == parent_id and span.status.is_ok
     check_tiles(span, children, ["queue", "compute", "kv_send"])
+    # the queue the replica tells the router (its metrics' prefill queue) is the one its span shows
+    queue = (children[0].end_time - children[0].start_time) / 1e9
+    assert 0 < result.queue_s <= queue
     assert span.attributes["tandem.request_id"] == "d1" and span.attributes["tandem.replica"] == "prefill-0"
     assert span.attributes["gen_ai.usage.input_tokens"] == len(prompt)
     assert span.resource.attributes["tandem.component"] == "prefill"

@@ -254,9 +254,11 @@ def test_metrics_count_requests_routing_decisions_and_latencies(server):
     assert "tandem_routing_decision_seconds_count" in text and 'tandem_replicas{pool="decode"} 1.0' in text
     # where the time of the one that ran went, and its prompt's cache lookups, by the pool that prefilled it
     for family in ("tandem_time_per_output_token_seconds", "tandem_request_decode_time_seconds",
-                   "tandem_kv_transfer_seconds", "tandem_request_queue_seconds"):
+                   "tandem_kv_transfer_seconds"):
         assert f"{family}_count 1.0" in text, family
-    assert 'tandem_request_prefill_time_seconds_count{pool="prefill"} 1.0' in text
+    for family in ("tandem_request_prefill_time_seconds", "tandem_request_queue_seconds"):
+        assert f'{family}_count{{pool="prefill"}} 1.0' in text, family
+    assert 'tandem_request_queue_seconds_count{pool="decode"} 1.0' in text
     prompt = next(line for line in text.splitlines() if line.startswith("tandem_prompt_tokens_total "))
     assert f'tandem_prefix_cache_queries_total{{pool="prefill"}} {prompt.split()[1]}' in text
     assert 'tandem_prefix_cache_hits_total{pool="prefill"}' in text

@@ -1,7 +1,8 @@
 """Request traces (router/tracing.py) through the router actor's real front doors over mock replicas (disaggregated),
 into the OpenTelemetry SDK's in-memory exporter: one tree per request under the client's W3C traceparent (HTTP
 header or gRPC metadata), its phases tiling the request in order, the root's duration the client's latency within
-5%; and with tracing off, no tracer at all. tests/cluster/test_openai_http.py checks the same through a real
+5%; a request refused at admission is a trace in error saying which check refused it; and with tracing off, no
+tracer at all. tests/cluster/test_openai_http.py checks the same through a real
 cluster and an OTLP collector."""
 
 from __future__ import annotations
@@ -20,13 +21,15 @@ from tandem.replica.contract import ReadyReplica
 from tandem.router import router_actor
 from tandem.router.client import build_request
 from tandem.router.driver_settings import DriverSettings
+from tandem.router.limits import ServingLimits, TenantLimits
 from tandem.router.mocks.replicas import MockDecode, MockPrefill
+from tandem.router.rate_limits import TenantRates
 from tandem.router.tracing import RequestTracer, TracingConfig
 from tests.router.router_harness import BackgroundLoop
 from tests.router.test_http_api import MODEL, embedded
 
 TOKENS = 48
-PHASES = ["parse", "route", "queue", "prefill", "decode"]
+PHASES = ["parse", "admission", "route", "queue", "prefill", "decode"]
 
 
 class TracedRouter(BackgroundLoop):
@@ -89,7 +92,9 @@ def check_phases(root, named, children) -> None:
     for before, after in zip(phases, phases[1:]):
         assert before.end_time == after.start_time, (before.name, after.name)
     inside = sorted(children[named["prefill"].context.span_id], key=lambda s: s.start_time)
-    assert [s.name for s in inside] == ["prefill.compute", "kv_transfer", "decode.admission"]
+    assert [s.name for s in inside] == ["prefill.queue", "prefill.compute", "kv_transfer", "decode.admission"]
+    for before, after in zip(inside, inside[1:]):
+        assert before.end_time == after.start_time, (before.name, after.name)
     assert inside[0].start_time == named["prefill"].start_time and inside[-1].end_time == named["prefill"].end_time
     assert [e.name for e in root.events] == ["first_token"]
     assert root.events[0].timestamp == named["decode"].start_time
@@ -141,6 +146,52 @@ def test_without_a_traceparent_a_request_starts_its_own_trace(router):
     assert reply.status_code == 200
     root, _, _ = tree(router.spans.get_finished_spans())
     assert root.parent is None
+
+
+def refused_trace(router, trace_id: str):
+    spans = [s for s in router.spans.get_finished_spans() if f"{s.context.trace_id:032x}" == trace_id]
+    root, named, children = tree(spans)
+    assert [s.name for s in sorted(children[root.context.span_id], key=lambda s: s.start_time)] == \
+        ["parse", "admission"]
+    assert named["parse"].end_time == named["admission"].start_time and named["admission"].end_time == root.end_time
+    assert not root.status.is_ok
+    return root, named
+
+
+def test_a_request_refused_by_its_rate_limit_is_a_trace_saying_so(router):
+    from prometheus_client import CollectorRegistry
+
+    limits = ServingLimits(default_tenant=TenantLimits(requests_per_minute=1))
+    router.actor.serving.rates = TenantRates(limits, CollectorRegistry())
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 2}
+    with httpx.Client(timeout=30) as client:
+        assert client.post(f"http://{router.http}/v1/completions", json=body).status_code == 200
+        header, trace_id, span_id = traceparent()
+        refused = client.post(f"http://{router.http}/v1/completions", json=body, headers={"traceparent": header})
+    assert refused.status_code == 429
+    root, named = refused_trace(router, trace_id)
+    assert f"{root.parent.span_id:016x}" == span_id
+    assert root.attributes["tandem.status"] == "RESOURCE_EXHAUSTED"
+    assert named["admission"].attributes["tandem.refused"] == "rate_limit:requests"
+
+
+def test_a_grpc_request_refused_while_draining_is_a_trace_saying_so(router):
+    header, trace_id, _ = traceparent()
+    router.actor.serving.draining = True
+
+    async def call():
+        async with grpc.aio.insecure_channel(router.grpc) as channel:
+            stub = pb_grpc.TandemStub(channel)
+            request = build_request(prompt="Hello there", max_tokens=4)
+            return [r async for r in stub.Generate(request, metadata=(("traceparent", header),))]
+
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        asyncio.run(call())
+    assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+    root, named = refused_trace(router, trace_id)
+    assert root.attributes["tandem.api"] == "grpc" and root.attributes["tandem.status"] == "UNAVAILABLE"
+    assert named["admission"].attributes["tandem.refused"] == "draining"
+    router.actor.serving.draining = False
 
 
 def test_with_tracing_off_the_router_has_no_tracer(monkeypatch):
