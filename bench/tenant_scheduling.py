@@ -6,7 +6,8 @@ Two questions (issue 50), each answered by runs of the same arrivals under diffe
 
   tenants   a steady interactive tenant (--rate requests/s, short prompts) alone, then with a batch tenant at
             --batch-factor times its rate (long prompts), under fcfs and under fair: the interactive tenant's
-            TTFT p50/p99 in each, and its p99 against alone (the target: fair within 2x, fcfs not).
+            TTFT p50/p99 in each, and its p99 against alone (the target: fair within 2x, fcfs not); with
+            --fair-reserve-s, fair with that fair_reserve_s too.
   long-mix  one tenant, mostly short prompts and --long-share long ones, under fcfs and sjf (aging
             --aging-s): mean and p99 TTFT, and the longest any request waited to be first scheduled.
 
@@ -138,16 +139,19 @@ def tenants(args, costs: Costs) -> dict:
     batch = [Arrival(t, "batch", rng.randint(600, 1000), 64)
              for t in poisson(rng, args.rate * args.batch_factor, args.duration)]
     result = {}
-    for name, arrivals, policy in (("alone", chat, "fcfs"), ("fcfs", chat + batch, "fcfs"),
-                                   ("fair", chat + batch, "fair")):
-        run = simulate(arrivals, SchedulingConfig(policy=policy), costs, budget=args.budget)
+    runs = [("alone", chat, SchedulingConfig(policy="fcfs")), ("fcfs", chat + batch, SchedulingConfig(policy="fcfs")),
+            ("fair", chat + batch, SchedulingConfig(policy="fair"))]
+    if args.fair_reserve_s:
+        runs.append(("fair_reserve", chat + batch, SchedulingConfig(policy="fair", fair_reserve_s=args.fair_reserve_s)))
+    for name, arrivals, scheduling in runs:
+        run = simulate(arrivals, scheduling, costs, budget=args.budget)
         chat_ttft, batch_ttft = ttfts(run, "chat"), ttfts(run, "batch")
         result[name] = {"chat_ttft_p50_s": percentile(chat_ttft, 0.5), "chat_ttft_p99_s": percentile(chat_ttft, 0.99),
                         "batch_ttft_p50_s": percentile(batch_ttft, 0.5) if batch_ttft else None,
                         "batch_ttft_p99_s": percentile(batch_ttft, 0.99) if batch_ttft else None,
                         "requests": len(run.served)}
         print(f"tenants {name}: {json.dumps(result[name])}", file=sys.stderr, flush=True)
-    for name in ("fcfs", "fair"):
+    for name, _, _ in runs[1:]:
         result[f"{name}_chat_p99_vs_alone"] = result[name]["chat_ttft_p99_s"] / result["alone"]["chat_ttft_p99_s"]
     result["requests"] = {"chat": len(chat), "batch": len(batch)}
     return result
@@ -183,6 +187,8 @@ def main() -> None:
     parser.add_argument("--prefill-us-per-token", type=float, default=500.0)
     parser.add_argument("--decode-ms-per-seq", type=float, default=1.0)
     parser.add_argument("--budget", type=int, default=256, help="max_num_batched_tokens: a step's tokens")
+    parser.add_argument("--fair-reserve-s", type=float, default=0.0,
+                        help="tenants: also run fair with this fair_reserve_s (0: not)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--modes", default="tenants,long-mix")
     args = parser.parse_args()

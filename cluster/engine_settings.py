@@ -106,7 +106,8 @@ class SchedulerSettings(_section_of(SchedulingConfig, skip=_TENANT_KEYS)):
 
     def config(self, tenant_weights: tuple[tuple[str, float], ...] = (), default_weight: float = 1.0
                ) -> SchedulingConfig:
-        return SchedulingConfig(self.policy, self.preempt_after_s, self.sjf_aging_s, tenant_weights, default_weight)
+        return SchedulingConfig(self.policy, self.preempt_after_s, self.sjf_aging_s, self.fair_reserve_s,
+                                tenant_weights=tenant_weights, default_weight=default_weight)
 
 
 # the engine's, but taken differently here (see the module doc); lora from the manifest's own section, for every

@@ -16,7 +16,8 @@ YAML.
                  speculative: null,           # or {proposer: suffix, max_tokens: 4} (ngram, suffix or draft)
                  kv_tiers: null}              # or {host_bytes: 8GiB, disk_path: /var/tmp/tandem, disk_bytes: 64GiB}
                                     # every key of engine/engine_config.py EngineConfig (cluster/engine_settings.py)
-        scheduler: {policy: priority, preempt_after_s: null, sjf_aging_s: 30}   # or fcfs, sjf, fair (tenant weights)
+        scheduler: {policy: priority, preempt_after_s: null, sjf_aging_s: 30,   # or fcfs, sjf, fair (tenant weights)
+                    fair_reserve_s: 0}  # fair: seconds a tenant keeps its share of a step while it has no prompt
         cpu_affinity: null          # or host CPUs, [0, 1] or "0-3,8": rank r pins to the r-th equal share
         autoscaling: {interval_s: 1, up_window_s: 10, down_window_s: 60, target_utilization: 0.8,
                       down_utilization: 0.5, panic_window_s: 3, panic_pressure: 2, kv_high: 0.8,

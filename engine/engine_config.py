@@ -113,12 +113,16 @@ class SchedulingConfig:
     goes before every one that has not), fair (the step's tokens shared between tenants by weight: start-time fair
     queueing over tokens). preempt_after_s: a waiting sequence of higher priority that could not start for this
     long preempts running ones of lower priority (None: never; preemption then only makes room for running ones).
-    tenant_weights: (tenant, weight) pairs for fair; others weigh default_weight. Raises ValueError for values out
-    of range."""
+    fair_reserve_s: under fair, a tenant keeps its share of each step's prompt tokens this long after it last had
+    a sequence here (running or waiting), though it has no prompt to compute, so that its next request does not
+    wait behind a step another tenant's prompts filled (0: a step's prompt tokens go to the tenants with prompts
+    to compute). tenant_weights: (tenant, weight) pairs for fair; others weigh default_weight. Raises ValueError
+    for values out of range."""
 
     policy: SchedulingPolicy = "priority"
     preempt_after_s: Annotated[float, Ge(0)] | None = None
     sjf_aging_s: Annotated[float, Gt(0)] = 30.0
+    fair_reserve_s: Annotated[float, Ge(0)] = 0.0
     tenant_weights: tuple[tuple[str, float], ...] = ()
     default_weight: Annotated[float, Gt(0)] = 1.0
 
@@ -132,6 +136,11 @@ class SchedulingConfig:
                              "fair, or drop preempt_after_s")
         if not self.sjf_aging_s > 0:
             raise ValueError(f"sjf_aging_s must be positive, got {self.sjf_aging_s}")
+        if not self.fair_reserve_s >= 0:
+            raise ValueError(f"fair_reserve_s must be >= 0, got {self.fair_reserve_s}")
+        if self.fair_reserve_s and self.policy != "fair":
+            raise ValueError(f"fair_reserve_s keeps tenants' shares of the step under policy fair, not "
+                             f"{self.policy}: use policy fair, or drop fair_reserve_s")
         if not self.default_weight > 0 or any(not w > 0 for _, w in self.tenant_weights):
             raise ValueError("tenant weights must be positive")
 

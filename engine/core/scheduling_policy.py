@@ -16,7 +16,10 @@ fair: requests are ordered by start-time fair queueing, and each step's prompt t
 tenants with prompt tokens to compute (running prefills and waiting requests) by weighted max-min fairness
 (StepShares): a tenant gets at most its weight's share of the budget the decodes leave, more while others need
 less; the first waiting request in this order, when its tenant has the fewest prompt tokens to compute, gets the
-step's prompt tokens alone, in at most half of the steps (SchedulingPolicy.shares). Each tenant's requests get
+step's prompt tokens alone, in at most half of the steps (SchedulingPolicy.shares). With fair_reserve_s, a tenant
+that had a sequence here within that time keeps its share though it has no prompt to compute: the step is not
+filled with the others' prompts (not work-conserving), so a request of a tenant that just finished one, or is
+decoding, waits behind a shorter step. Each tenant's requests get
 start tags S = max(V, the finish tag of the tenant's previous request) and finish tags F = S + cost / weight,
 cost being the tokens the request may compute (its prompt and max_tokens for each sample) and weight its
 tenant's (SchedulingConfig.weight); V, the virtual time, is the largest start tag among the sequences started.
@@ -132,6 +135,7 @@ class SchedulingPolicy:
         self.config, self.clock = config, clock
         self.fair = FairShare(config)
         self._alone: deque[bool] = deque(maxlen=ALONE_WINDOW)  # whether each of the last steps computed one alone
+        self._seen: dict[str | None, float] = {}  # fair_reserve_s: when each tenant last had a sequence here
 
     def enqueue(self, seq: Sequence, queue: WaitingQueue) -> None:
         """Puts seq into the waiting queue, keyed (the first time) by the policy: see the module docstring."""
@@ -177,7 +181,8 @@ class SchedulingPolicy:
         for: the light tenant's request starts in short steps of its own rather than in steps that the heavy
         tenant's prompt chunks make long (a step's time grows with its prompt tokens on a CPU, and a new
         request's TTFT is the step under way plus its own). At most ALONE_STEPS of the last ALONE_WINDOW steps
-        go to one prompt alone, so that the heavy tenant's prompts advance in the others."""
+        go to one prompt alone, so that the heavy tenant's prompts advance in the others. With fair_reserve_s, the
+        tenants seen within it that have no prompt to compute keep their shares, unused."""
         if self.config.policy != "fair":
             return NO_SHARES
         alone_lately = sum(self._alone)
@@ -189,13 +194,28 @@ class SchedulingPolicy:
                 demand[seq.tenant] = demand.get(seq.tenant, 0) + left
             else:
                 decoding += 1
-        if len(demand) < 2:
+        reserved = self._reserved(running, queue, demand)
+        if len(demand) + len(reserved) < 2:
             return NO_SHARES
-        if alone_lately < ALONE_STEPS and queue and can_start(head := queue[0]) \
+        if len(demand) >= 2 and alone_lately < ALONE_STEPS and queue and can_start(head := queue[0]) \
                 and demand[head.tenant] < min(need for tenant, need in demand.items() if tenant != head.tenant):
             self._alone[-1] = True
             return StepShares(alone=head.seq_id)
-        return StepShares(weighted_max_min(max(0, budget - decoding), demand, self.config.weight))
+        room = max(0, budget - decoding)
+        shares = weighted_max_min(room, demand | dict.fromkeys(reserved, room), self.config.weight)
+        return StepShares({tenant: shares[tenant] for tenant in demand})
+
+    def _reserved(self, running: list[Sequence], queue: WaitingQueue, demand: dict) -> list:
+        """fair_reserve_s: the tenants without a prompt to compute that had a sequence here within it."""
+        reserve_s = self.config.fair_reserve_s
+        if not reserve_s:
+            return []
+        now = self.clock()
+        for seq in (*running, *queue):
+            self._seen[seq.tenant] = now
+        for tenant in [t for t, at in self._seen.items() if now - at > reserve_s]:
+            del self._seen[tenant]
+        return [tenant for tenant in self._seen if tenant not in demand]
 
     def urgent(self, queue: WaitingQueue, running: list[Sequence]) -> Sequence | None:
         """The waiting sequence that may preempt now (see the module docstring), the best (priority, arrival) of

@@ -101,7 +101,7 @@ def test_a_pools_scheduler_section_reaches_its_replicas_with_the_tenants_weights
             "  default_tenant: {weight: 0.5}\n")
     manifest = validate_file(write_manifest(tmp_path, head), check_ports=False)
     decode = replica_plan(manifest, "decode", 0).spec.engine.scheduling
-    assert decode == SchedulingConfig("fair", 2.0, 30.0, (("acme", 3.0),), 0.5)
+    assert decode == SchedulingConfig("fair", 2.0, 30.0, tenant_weights=(("acme", 3.0),), default_weight=0.5)
     assert (decode.weight("acme"), decode.weight("someone"), decode.weight(None)) == (3.0, 0.5, 0.5)
     assert replica_plan(manifest, "prefill", 0).spec.engine.scheduling.policy == "priority"  # the default
     errors = {e.path: e for e in manifest_errors(write_manifest(tmp_path, (

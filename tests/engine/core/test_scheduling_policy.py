@@ -111,6 +111,37 @@ def test_a_stream_of_short_requests_takes_at_most_half_the_steps_from_another_te
     assert sum(with_long) < len(with_long)  # and short prompts were computed alone in the others
 
 
+def test_fair_reserve_keeps_a_decoding_tenants_share_of_the_step_until_it_has_been_away_that_long():
+    def batch_chunk(reserve_s: float) -> tuple[Harness, list[int]]:
+        h = Harness(num_blocks=512, max_num_seqs=8, max_num_batched_tokens=32,
+                    scheduling=policy("fair", fair_reserve_s=reserve_s))
+        h.add("chat", prompt(8, 1), 6, tenant="chat", seed=1)
+        h.step()  # chat's prompt: now it only decodes
+        h.add("batch", prompt(200, 2), 2, tenant="batch", seed=2)
+        return h, [h.step().num_scheduled_tokens.get("batch#0", 0) for _ in range(3)]
+
+    _, chunks = batch_chunk(0.0)
+    assert chunks == [31, 31, 31]  # the room the one decode leaves, all of it to batch
+    h, chunks = batch_chunk(5.0)
+    assert chunks == [15, 15, 15]  # chat's half of that room is kept for it, unused
+    h.run()  # both finish (no time passes on the harness's clock)
+    h.add("batch-2", prompt(200, 3), 2, tenant="batch", seed=3)
+    assert h.step().num_scheduled_tokens["batch-2#0"] == 16  # chat, gone, is within its reserve: half of 32
+    h.clock.now = 5.1  # chat away longer than fair_reserve_s: the whole step is batch's again
+    assert h.step().num_scheduled_tokens["batch-2#0"] == 32
+    h.run()
+    for rid, p, seed in (("chat", prompt(8, 1), 1), ("batch", prompt(200, 2), 2), ("batch-2", prompt(200, 3), 3)):
+        assert h.tokens[f"{rid}#0"] == expected_output(p, seed, 6 if rid == "chat" else 2), rid
+    assert h.kv.pool.num_in_use == 0
+
+
+def test_fair_reserve_is_for_fair_only():
+    with pytest.raises(ValueError, match="fair_reserve_s keeps tenants' shares of the step under policy fair"):
+        policy("priority", fair_reserve_s=5.0)
+    with pytest.raises(ValueError, match="fair_reserve_s must be >= 0"):
+        policy("fair", fair_reserve_s=-1.0)
+
+
 def test_a_higher_priority_preempts_after_waiting_and_the_victims_output_is_unchanged():
     h = Harness(num_blocks=64, max_num_seqs=2, scheduling=policy("priority", preempt_after_s=1.0))
     h.add("low-long", prompt(12, 1), 30, priority=5, seed=1)
