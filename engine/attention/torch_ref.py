@@ -4,11 +4,13 @@ It is the correctness baseline (CPU, tests) that the Triton kernels are checked 
 [2, num_blocks, Hk, block_size, D] (K at 0, V at 1): head-major inside a block, so gathering a sequence's blocks
 head by head yields K and V already laid out [Hk, tokens, D], the layout attention products read fastest.
 
-Decode-only batches gather each sequence's K/V into a padded batch and run one of DECODE_KERNELS on it: "grouped"
-(each KV head's group of query heads as the query length: two batched products and a softmax) or "sdpa" (torch's
-scaled_dot_product_attention with the grouped heads). Which is faster depends on the CPU, the dtype and the batch
-size; `tuned_decode_plan` times both on this CPU (engine/hardware/kernel_tuning.py) and the backend runs the plan's
-choice by number of sequences.
+Decode-only batches run one of DECODE_KERNELS: "paged" (tandem's C++ kernel reading the blocks in place,
+engine/attention/cpu_decode.py, where the CPU probe ran it), or a gather of each sequence's K/V into a padded batch
+and "grouped" (each KV head's group of query heads as the query length: two batched products and a softmax) or
+"sdpa" (torch's scaled_dot_product_attention with the grouped heads). Which is fastest depends on the CPU, the dtype
+and the batch size; `tuned_decode_plan` times them on this CPU (engine/hardware/kernel_tuning.py) and the backend
+runs the plan's choice by number of sequences. A step the paged kernel does not take (a quantized cache, several
+new tokens a sequence) runs "grouped" where the plan says "paged".
 
 A quantized cache (int8 / fp8_e4m3 codes with a scale row per block, engine/attention/kv_quant.py) is written with
 its scales and read back through the same gathers, each gathered block turned into values by its own scale.
@@ -21,16 +23,26 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from tandem.engine.attention import cpu_decode
 from tandem.engine.attention.kv_quant import dequantize_rows, gatherable, is_quantized, write_quantized
 from tandem.engine.attention.metadata import AttentionMetadata
+from tandem.engine.hardware.cpu_features import CpuFeatures
+from tandem.engine.hardware.cpu_kernels import kernel_path
 from tandem.engine.hardware.kernel_tuning import BucketPlan, KernelTuner, copies_for, time_per_call
 
-DECODE_KERNELS = {
+GATHER_KERNELS = {
     "grouped": "two batched products and a softmax, the query-head group as the query length",
     "sdpa": "scaled_dot_product_attention",
 }
+DECODE_KERNELS = {"paged": "tandem's C++ kernel over the block tables, no gather", **GATHER_KERNELS}
 SHORT_QUERY_MAX = 17  # new tokens per sequence the batched decode kernel takes (a speculating step's 1 + k)
 FIXED_DECODE_PLAN = BucketPlan(((1, "grouped"),))  # measured about 2x SDPA's enable_gqa path (docs/BENCHMARKS.md)
+PAGED_DECODE_PLAN = BucketPlan(((1, "paged"),))
+
+
+def fixed_decode_plan(cpu: CpuFeatures | None) -> BucketPlan:
+    """The decode plan without timing: the paged kernel where the CPU probe ran it, else grouped."""
+    return PAGED_DECODE_PLAN if kernel_path(cpu) is not None else FIXED_DECODE_PLAN
 DECODE_BUCKETS = (1, 4, 16, 64)  # sequences timed when tuning
 DECODE_TUNING_CONTEXT = 512  # tokens of context per sequence when tuning
 
@@ -41,6 +53,7 @@ class TorchAttentionBackend:
 
     fused = None
     decode_plan: BucketPlan = FIXED_DECODE_PLAN  # which DECODE_KERNELS entry runs a decode batch, by its size
+    kernel_path = 0  # the paged kernel's path (engine/hardware/cpu_kernels.py PATHS; 0: the best here)
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor, meta: AttentionMetadata) -> None:
         """Stores new K/V ([T, Hk, D]) into one layer's cache kv at meta.slot_mapping: one indexed copy for both
@@ -56,6 +69,9 @@ class TorchAttentionBackend:
                 meta: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
         """q: [T, Hq, D]; k, v: [T, Hk, D] for the new tokens; kv: the layer's cache (see the module docstring).
         Writes k/v to the cache and returns the attention output [T, Hq * D]."""
+        if meta.is_decode_only and self.decode_plan.kernel_for(meta.num_seqs) == "paged" and not is_quantized(kv) \
+                and cpu_decode.supports(q, kv):
+            return cpu_decode.paged_decode(q, k, v, kv, meta, scale, window, self.kernel_path).reshape(q.shape[0], -1)
         self.write_kv(k, v, kv, meta)
         if meta.is_decode_only:
             out = self._decode(q, kv, meta, scale, window)
@@ -151,7 +167,7 @@ def decode_kernel(kernel: str, grouped: torch.Tensor, keys: torch.Tensor, values
     [B, Hk, G, D]."""
     if hidden is not None:
         hidden = hidden[:, None, None, :] if hidden.dim() == 2 else hidden[:, None]
-    if kernel == "grouped":
+    if kernel in ("grouped", "paged"):  # paged: a step the paged kernel does not take (see the module docstring)
         scores = torch.matmul(grouped, keys.transpose(-1, -2)).mul_(scale)  # [B, Hk, G, S]
         if hidden is not None:
             scores.masked_fill_(hidden, float("-inf"))
@@ -164,28 +180,52 @@ def decode_kernel(kernel: str, grouped: torch.Tensor, keys: torch.Tensor, values
 
 def tuned_decode_plan(tuner: KernelTuner, dtype: torch.dtype, num_kv_heads: int, group: int,
                       head_dim: int) -> BucketPlan:
-    """The decode kernel measured fastest on this CPU for each batch-size bucket (cached by the tuner), over
-    DECODE_TUNING_CONTEXT tokens of context per sequence (the last few hidden, as padding is)."""
+    """The decode kernel measured fastest on this CPU for each batch-size bucket (cached by the tuner): a whole
+    decode-only layer as the backend runs it (the new K/V written, the gather where the kernel needs one, the
+    kernel) over DECODE_TUNING_CONTEXT tokens of context per sequence, each timing cycling through enough caches
+    to read them from memory."""
+    path = kernel_path(tuner.cpu)
+    candidates = DECODE_KERNELS if path is not None else GATHER_KERNELS
+
     def measure() -> dict:
-        ms: dict[str, list[float]] = {name: [] for name in DECODE_KERNELS}
+        ms: dict[str, list[float]] = {name: [] for name in candidates}
         for b in DECODE_BUCKETS:
-            shape = (b, num_kv_heads, DECODE_TUNING_CONTEXT, head_dim)
-            element = torch.empty((), dtype=dtype).element_size()
-            kv = [(torch.rand(shape).to(dtype), torch.rand(shape).to(dtype))
-                  for _ in range(copies_for(2 * element * b * num_kv_heads * DECODE_TUNING_CONTEXT * head_dim))]
-            grouped = torch.rand(b, num_kv_heads, group, head_dim).to(dtype)
-            hidden = torch.zeros(b, DECODE_TUNING_CONTEXT, dtype=torch.bool)
-            hidden[:, -7:] = True
-            for name in DECODE_KERNELS:
-                calls = [lambda k=k, v=v: decode_kernel(name, grouped, k, v, hidden, head_dim ** -0.5) for k, v in kv]
-                ms[name].append(time_per_call(calls) * 1e3)
-        per_bucket = [min(DECODE_KERNELS, key=lambda n: ms[n][i]) for i in range(len(DECODE_BUCKETS))]
+            for name, seconds in _time_decode_layer(b, num_kv_heads, group, head_dim, dtype, candidates,
+                                                    path or 0).items():
+                ms[name].append(seconds * 1e3)
+        per_bucket = [min(candidates, key=lambda n: ms[n][i]) for i in range(len(DECODE_BUCKETS))]
         plan = BucketPlan.from_buckets(per_bucket, DECODE_BUCKETS)
         return {"kernels": plan.to_json(), "sequences": list(DECODE_BUCKETS),
                 "ms": {n: [round(t, 4) for t in v] for n, v in ms.items()}, "summary": plan.describe("sequence")}
 
-    entry = f"decode attention {str(dtype).removeprefix('torch.')} {num_kv_heads}x{group}x{head_dim}"
+    entry = f"decode layer {str(dtype).removeprefix('torch.')} {num_kv_heads}x{group}x{head_dim}"
     return BucketPlan.from_json(tuner.choose(entry, measure)["kernels"])
+
+
+def _time_decode_layer(b: int, num_kv_heads: int, group: int, head_dim: int, dtype: torch.dtype, kernels,
+                       path: int) -> dict[str, float]:
+    """Seconds per decode-only layer of b sequences of DECODE_TUNING_CONTEXT tokens for each kernel, through
+    TorchAttentionBackend.forward (a fresh step's metadata each call, as every step has)."""
+    block_size = 16
+    per_seq = -(-DECODE_TUNING_CONTEXT // block_size)
+    tables = [[s * per_seq + j for j in range(per_seq)] for s in range(b)]
+    element = torch.empty((), dtype=dtype).element_size()
+    copies = copies_for(2 * element * b * num_kv_heads * DECODE_TUNING_CONTEXT * head_dim)
+    caches = [torch.rand(2, b * per_seq, num_kv_heads, block_size, head_dim).to(dtype) for _ in range(copies)]
+    q = torch.rand(b, num_kv_heads * group, head_dim).to(dtype)
+    k = torch.rand(b, num_kv_heads, head_dim).to(dtype)
+    times = {}
+    for name in kernels:
+        backend = TorchAttentionBackend()
+        backend.decode_plan, backend.kernel_path = BucketPlan(((1, name),)), path
+
+        def layer(kv: torch.Tensor, backend=backend) -> None:
+            meta = AttentionMetadata.build([1] * b, [DECODE_TUNING_CONTEXT - 1] * b, tables, block_size,
+                                           torch.device("cpu"))
+            backend.forward(q, k, k, kv, meta, head_dim ** -0.5)
+
+        times[name] = time_per_call([lambda kv=kv: layer(kv) for kv in caches])
+    return times
 
 
 @dataclass(frozen=True)

@@ -52,6 +52,7 @@ def load_draft(target: LoadedModel, draft: str, device: torch.device) -> LoadedM
     ValueError when it cannot be loaded or cannot serve as this target's draft (SELF off the CPU, no packed layers,
     another vocabulary)."""
     from tandem.engine.loader import load_model
+    from tandem.engine.models.block_linear import BlockLinear
     from tandem.engine.models.int4 import Int4Linear
 
     if draft == SELF:
@@ -61,7 +62,7 @@ def load_draft(target: LoadedModel, draft: str, device: torch.device) -> LoadedM
                              "vocabulary as the draft (speculative.draft)")
         loaded = load_model(target.source, dtype=torch.bfloat16, device=device, weight_format="packed",
                             progress=False)
-        if not any(isinstance(p, Int4Linear) for p in loaded.model.projections()):
+        if not any(isinstance(p, (Int4Linear, BlockLinear)) for p in loaded.model.projections()):
             raise ValueError(f"{target.source} has no 4-bit (Q4_0/Q4_1) layers to run packed: the draft 'self' "
                              "needs them; name a smaller model of the same vocabulary as the draft instead")
     else:

@@ -26,6 +26,8 @@ FEATURES = {
     "onednn": "oneDNN float32 linear",
     "onednn_bf16": "oneDNN bfloat16 inner product",
     "int4": "torch's packed int4 CPU kernel",
+    "cpu_kernels": "tandem's C++ kernels (AVX2)",
+    "cpu_kernels_avx512": "tandem's C++ kernels (AVX-512 VNNI)",
 }
 # The CPU flags that decide which kernels a CPU has (x86 names from /proc/cpuinfo; other machines report none).
 _KERNEL_FLAGS = ("avx", "avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
@@ -38,7 +40,9 @@ _log = logging.getLogger(__name__)
 class CpuFeatures:
     """capability: torch's ATen CPU dispatch level (`torch.backends.cpu.get_cpu_capability()`: "AVX512", "AVX2",
     "DEFAULT", ...). flags: the kernel-relevant CPU flags. onednn / onednn_bf16 / int4: whether that kernel ran and
-    gave the right answer (False also when disabled). why_not: feature -> the reason it is off (the kernel's own
+    gave the right answer (False also when disabled). cpu_kernels / cpu_kernels_avx512: tandem's own kernels
+    (engine/hardware/cpu_kernels.py: the integer-dot products, the paged decode attention) on their AVX2 / AVX-512
+    paths (the latter counts only with the former). why_not: feature -> the reason it is off (the kernel's own
     error, or the setting that disabled it)."""
 
     capability: str
@@ -46,6 +50,8 @@ class CpuFeatures:
     onednn: bool
     onednn_bf16: bool
     int4: bool
+    cpu_kernels: bool = False
+    cpu_kernels_avx512: bool = False
     why_not: dict[str, str] = field(default_factory=dict, compare=False)
 
     def without(self, names: list[str] | tuple[str, ...], reason: str) -> CpuFeatures:
@@ -132,10 +138,53 @@ def _int4() -> bool:
     return _close(out, x.float() @ weight.t())
 
 
+def _cpu_kernels(path: str):
+    """tandem's C++ kernels on `path` (engine/hardware/cpu_kernels.py PATHS): the Q4_1 and Q8_0 integer-dot
+    products against float32 math on the weights their blocks hold, and the paged decode attention over two
+    sequences' blocks out of order against softmax attention."""
+    def run() -> bool:
+        from tandem.engine.hardware import int_dot
+        from tandem.engine.hardware.cpu_kernels import PATHS, library_error, supported_paths
+
+        if (error := library_error()) is not None:
+            raise RuntimeError(error)
+        if path not in supported_paths():
+            raise RuntimeError(f"this CPU has no {path} (the library's paths here: {', '.join(supported_paths())})")
+        number = PATHS[path]
+        g = torch.Generator().manual_seed(0)
+        codes = torch.randint(0, 16, (48, 96), dtype=torch.uint8, generator=g)
+        scale, offset = torch.rand(48, 3, generator=g) / 8 + 0.01, torch.rand(48, 3, generator=g) - 0.5
+        x = torch.randn(3, 96, generator=g)
+        weight = codes.float() * scale.half().float().repeat_interleave(32, 1) + \
+            offset.half().float().repeat_interleave(32, 1)
+        dense = torch.randn(40, 96, generator=g)
+        return (_close(int_dot.q4_1_linear(x, int_dot.q4_1_blocks(codes, scale, offset), 48, number), x @ weight.t())
+                and _close(int_dot.q8_0_linear(x, int_dot.q8_0_blocks(dense), 40, number), x @ dense.t())
+                and _decode_attention(number))
+    return run
+
+
+def _decode_attention(path: int) -> bool:
+    g = torch.Generator().manual_seed(0)
+    kv = torch.randn(2, 6, 2, 4, 16, generator=g)  # [K|V, blocks, KV heads, block size, D]
+    tables, lengths = torch.tensor([[4, 1, 0], [2, 5, 3]]), torch.tensor([7, 10])
+    q, k = torch.randn(2, 4, 16, generator=g), torch.randn(2, 2, 16, generator=g)
+    slots = torch.stack([tables[i, (n - 1) // 4] * 4 + (n - 1) % 4 for i, n in enumerate(lengths.tolist())])
+    out = torch.ops.tandem_cpu.paged_decode(q, k, k, kv, slots, tables, lengths, 0.25, 0, path)
+    expected = []
+    for i, n in enumerate(lengths.tolist()):
+        keys = kv[0][tables[i]].transpose(0, 1).reshape(2, -1, 16)[:, :n]  # [KV heads, n, D], the new one written
+        values = kv[1][tables[i]].transpose(0, 1).reshape(2, -1, 16)[:, :n]
+        weights = torch.softmax(q[i].view(2, 2, 16) @ keys.transpose(1, 2) * 0.25, dim=-1)
+        expected.append((weights @ values).reshape(4, 16))
+    return _close(out, torch.stack(expected))
+
+
 def probe() -> CpuFeatures:
     """Runs every kernel once on a tiny input (milliseconds). Uncached: use `cpu_features()`."""
     why = {"onednn": _try(_onednn_linear(torch.float32)), "onednn_bf16": _try(_onednn_linear(torch.bfloat16)),
-           "int4": _try(_int4)}
+           "int4": _try(_int4), "cpu_kernels": _try(_cpu_kernels("avx2")),
+           "cpu_kernels_avx512": _try(_cpu_kernels("avx512_vnni"))}
     return CpuFeatures(capability=torch.backends.cpu.get_cpu_capability(), flags=_cpu_flags(),
                        **{name: reason is None for name, reason in why.items()},
                        why_not={name: reason for name, reason in why.items() if reason is not None})

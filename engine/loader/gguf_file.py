@@ -126,5 +126,6 @@ def load_gguf(path: Path, *, progress: bool = True, packed: bool = False) -> Che
             weight = _unpack_q4(index.data(t), qtype, shape[0])
             tensors[hf] = weight if heads is None else _permute_rows(weight, heads)
         else:
-            tensors[hf] = LazyTensor(shape, t.name, _GGUFTensor(path, index, t, shape, heads))
+            stored = "Q8_0" if qtype == GGMLQuantizationType.Q8_0 else None  # an LM head may stay Q8_0
+            tensors[hf] = LazyTensor(shape, t.name, _GGUFTensor(path, index, t, shape, heads), stored)
     return Checkpoint(config=config, weights=tensors, tokenizer=info.tokenizer, source=path)

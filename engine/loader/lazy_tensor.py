@@ -31,11 +31,13 @@ def check_range(part: range | None, size: int, what: str, name: str) -> slice:
 @dataclass(frozen=True, eq=False)
 class LazyTensor:
     """shape: the whole tensor's shape ([out, in] for a projection), known without reading data. name: the
-    tensor's name in `fetch`'s file, for messages."""
+    tensor's name in `fetch`'s file, for messages. stored: the file's type of it where a kernel may read it as
+    stored ("Q8_0": a GGUF tensor of that type), else None."""
 
     shape: tuple[int, ...]
     name: str
     fetch: Fetch
+    stored: str | None = None
 
     def read(self, rows: range | None = None, columns: range | None = None, *, dtype: torch.dtype,
              device: torch.device | str) -> torch.Tensor:

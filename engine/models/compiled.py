@@ -11,7 +11,8 @@ kernel and the step is one call instead of a Python loop. What stays opaque, as 
   stay one compiled function with the attention calls inside.
 - `tandem::project`: each weight product, so that it keeps the kernel the tuner measured fastest for its shape
   and row count on this CPU (engine/models/linear.py) and its weight layout (oneDNN's blocked layout cannot be a
-  graph input).
+  graph input). A projection that is one torch op already (`traceable`: the integer-dot kernels' BlockLinear)
+  is traced as it is, its op called from the graph without the Python of `project` around it.
 
 Batch sizes come in two buckets, each compiled once at warm-up (engine start), never on a request: one sequence
 (static shapes) and 2..max_batch sequences (one graph with a symbolic batch size). After warm-up a call that would
@@ -137,6 +138,8 @@ class CompiledOps:
 
     @staticmethod
     def project(projection, x: torch.Tensor) -> torch.Tensor:
+        if getattr(projection, "traceable", False):
+            return projection(x)
         return torch.ops.tandem.project(x, projection.compile_handle)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

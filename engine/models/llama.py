@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from tandem.engine.attention import AttentionMetadata, TorchAttentionBackend
-from tandem.engine.attention.torch_ref import FIXED_DECODE_PLAN, tuned_decode_plan
+from tandem.engine.attention.torch_ref import fixed_decode_plan, tuned_decode_plan
+from tandem.engine.hardware.cpu_kernels import kernel_path
 from tandem.engine.errors import ModelLoadError
 from tandem.engine.hardware.cpu_features import CpuFeatures, cpu_features
 from tandem.engine.hardware.kernel_tuning import KernelTuner
@@ -218,7 +219,8 @@ class LlamaModel:
             self.layers.append(_Layer(
                 input_norm=take(p + "input_layernorm.weight"),
                 post_norm=take(p + "post_attention_layernorm.weight"),
-                qkv=linear([a + "q_proj", a + "k_proj", a + "v_proj"], None if tp == 1 else [q_rows, kv_rows, kv_rows]),
+                qkv=linear([a + "q_proj", a + "k_proj", a + "v_proj"], None if tp == 1 else [q_rows, kv_rows, kv_rows],
+                           normed_input=True),
                 o=linear([a + "o_proj"], columns=None if tp == 1 else q_rows),
                 mlp=ffn,
                 window=config.sliding_windows[n],
@@ -238,8 +240,11 @@ class LlamaModel:
                 self.embed = None
         positions = max_positions or config.max_position_embeddings
         self.rope = RotaryEmbedding(config.rope, config.head_dim, positions, dtype, self.device)
-        self.decode_plan = FIXED_DECODE_PLAN if self.tuner is None or not self.num_kv_heads else tuned_decode_plan(
-            self.tuner, dtype, self.num_kv_heads, self.num_heads // self.num_kv_heads, config.head_dim)
+        if self.tuner is None or not self.num_kv_heads:
+            self.decode_plan = fixed_decode_plan(self.cpu)
+        else:
+            self.decode_plan = tuned_decode_plan(self.tuner, dtype, self.num_kv_heads,
+                                                 self.num_heads // self.num_kv_heads, config.head_dim)
         self.attention = TorchAttentionBackend()
         self.lora: LoRASlots | None = None  # LoRA adapters (engine/models/lora.py): set by the runner's builder
         _log.info("%s projections on %s by kernel: %s; decode attention: %s", dtype, self.device,
@@ -251,8 +256,10 @@ class LlamaModel:
 
     @attention.setter
     def attention(self, backend: TorchAttentionBackend) -> None:
-        """A backend set later (the engine's select_backend) runs this model's decode plan too."""
+        """A backend set later (the engine's select_backend) runs this model's decode plan too (on the path of
+        tandem's CPU kernels the probe chose)."""
         backend.decode_plan = self.decode_plan
+        backend.kernel_path = kernel_path(self.cpu) or 0
         self._attention = backend
 
     def projections(self) -> Iterator[Linear | Int4Linear | Int8Linear]:

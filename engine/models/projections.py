@@ -3,8 +3,10 @@ applied as a rank's weights are read (ProjectionBuilder), and the reads themselv
 checkpoint tensor, only the rows and columns a rank holds, straight into its device and dtype).
 
 dense: each projection in the compute dtype, in the layout `Linear` picks for the device (the tuner's kernel on
-the CPU); packed: a GGUF file's Q4_0/Q4_1 projections kept 4-bit where the CPU runs torch's int4 kernel and the
-rank holds the whole projection (else expanded to bfloat16, with a warning); int8 / int4 / int4_g128: every
+the CPU); packed: a GGUF file's Q4_0/Q4_1 projections kept 4-bit where the rank holds the whole projection, as
+Q4_1 blocks on tandem's integer-dot kernels where the CPU probe says they run (engine/models/block_linear.py; an
+LM head the file stores as Q8_0 then stays Q8_0 too), else on torch's int4 kernel, else expanded to bfloat16 with a
+warning; int8 / int4 / int4_g128: every
 projection quantized from its float32 values as it is read, the LM head to int8 either way (int4 falls back to
 int8 where the CPU has no int4 kernel).
 """
@@ -19,6 +21,8 @@ import torch
 from tandem.engine.engine_config import QUANTIZED_ON_LOAD, WEIGHT_FORMATS
 from tandem.engine.hardware.cpu_features import FEATURES, CpuFeatures
 from tandem.engine.hardware.kernel_tuning import KernelTuner
+from tandem.engine.hardware.cpu_kernels import kernel_path
+from tandem.engine.models.block_linear import BlockLinear
 from tandem.engine.models.int4 import GROUPS as INT4_GROUPS
 from tandem.engine.models.int4 import Int4Linear, Int4Weight
 from tandem.engine.models.int8 import Int8Linear
@@ -36,6 +40,8 @@ class LazyWeight(Protocol):
 
     @property
     def shape(self) -> tuple[int, ...]: ...
+
+    stored: str | None  # the file's type where a kernel may read it as stored ("Q8_0"), else None
 
     def read(self, rows: range | None = None, columns: range | None = None, *, dtype: torch.dtype,
              device: torch.device | str) -> torch.Tensor: ...
@@ -70,7 +76,7 @@ def int4_group(weight_format: str, in_features: int) -> int:
     raise ValueError(f"int4 weights need in_features divisible by 32, got {in_features}")
 
 
-Projection = Linear | Int4Linear | Int8Linear
+Projection = Linear | Int4Linear | Int8Linear | BlockLinear
 
 
 class ProjectionBuilder:
@@ -104,28 +110,45 @@ class ProjectionBuilder:
             raise ValueError(f"packed 4-bit weights compute in bfloat16, but dtype {dtype} was asked for")
         if packed and cpu is None:
             raise ValueError("packed 4-bit weights run on the CPU only (torch's int4 CPU kernel)")
-        self.keep_packed = bool(packed) and cpu.int4
+        # Packed weights on the integer-dot kernels (None: on torch's int4 kernel); an LM head stored as Q8_0 blocks
+        # (a GGUF file's) stays Q8_0 on them too.
+        self.int_dot = kernel_path(cpu) if packed else None
+        self._q8_head = False
+        self.keep_packed = bool(packed) and (cpu.int4 or self.int_dot is not None)
         if packed and not self.keep_packed:
-            _log.warning("packed 4-bit weights: %s does not run here (%s); they are expanded to bfloat16, with "
-                         "4x the weight memory", FEATURES["int4"], cpu.why_not.get("int4", "?"))
+            _log.warning("packed 4-bit weights: %s does not run here (%s), nor do %s (%s); they are expanded to "
+                         "bfloat16, with 4x the weight memory", FEATURES["int4"], cpu.why_not.get("int4", "?"),
+                         FEATURES["cpu_kernels"], cpu.why_not.get("cpu_kernels", "?"))
 
     def take(self, name: str) -> torch.Tensor:
         """A plain tensor (a norm, a router), whole, in the compute dtype."""
         return read_weight(self.weights.pop(name), dtype=self.dtype, device=self.device)
 
     def embedding(self, name: str) -> torch.Tensor:
-        """The token embedding: float32 when the projections are quantized (a tied LM head is built from it),
-        else in the compute dtype."""
-        return read_weight(self.weights.pop(name), dtype=torch.float32 if self.quantize else self.dtype,
-                           device=self.device)
+        """The token embedding: float32 when the projections are quantized or the (tied) LM head stays Q8_0 (it is
+        built from this), else in the compute dtype."""
+        weight = self.weights.pop(name)
+        self._q8_head = self.int_dot is not None and getattr(weight, "stored", None) == "Q8_0"
+        return read_weight(weight, dtype=self._read_dtype(head=True), device=self.device)
+
+    def _read_dtype(self, head: bool) -> torch.dtype:
+        """The dtype a projection's weight is read in: float32 for what is quantized here (a Q8_0 head's blocks
+        then hold the file's own values), else the compute dtype."""
+        return torch.float32 if self.quantize or (head and self._q8_head) else self.dtype
 
     def linear(self, names: list[str], rows: list[range | None] | None = None, columns: range | None = None,
-               head: bool = False) -> Projection:
+               head: bool = False, normed_input: bool = False) -> Projection:
         """One projection from the concatenated [out, in] weights of `names`: of each, only the output rows
         in `rows` (column parallel) or the input columns in `columns` (row parallel: the bias, a term of the
-        sum, stays on TP rank 0 only) are read. head: the LM head (int8 when the weights are quantized)."""
+        sum, stays on TP rank 0 only) are read. head: the LM head (int8 when the weights are quantized).
+        normed_input: its input is a layer's normed residual stream (QKV), whose few very large channels leave
+        little of int8's range to the rest of their block: on the integer-dot kernels its activations are
+        quantized to int16 (measured on the embedded model: the KL from float32 over a 300-token prompt 0.035
+        with int8, 0.0024 with int16 for QKV alone, for about 3% of the step)."""
         rows = rows or [None] * len(names)
         parts = [self.weights.pop(f"{n}.weight") for n in names]
+        if head:
+            self._q8_head = self.int_dot is not None and getattr(parts[0], "stored", None) == "Q8_0"
         biases = [(self.weights.pop(f"{n}.bias"), r) for n, r in zip(names, rows) if f"{n}.bias" in self.weights]
         bias = None
         if biases and (columns is None or self.tp_index == 0):
@@ -133,13 +156,18 @@ class ProjectionBuilder:
         whole = all(r is None for r in rows) and columns is None
         if (self.keep_packed and whole and all(isinstance(p, Int4Weight) for p in parts)
                 and not (head and self.quantize)):
-            return Int4Linear(Int4Weight.cat(parts), bias, device=self.device)
-        weight = torch.cat([read_weight(p, r, columns, dtype=torch.float32 if self.quantize else self.dtype,
-                                        device=self.device) for p, r in zip(parts, rows)])
+            weight = Int4Weight.cat(parts)
+            if self.int_dot is not None and weight.group == BlockLinear.GROUP:
+                return BlockLinear.q4_1(weight, bias, path=self.int_dot, wide=normed_input)
+            return Int4Linear(weight, bias, device=self.device)
+        weight = torch.cat([read_weight(p, r, columns, dtype=self._read_dtype(head), device=self.device)
+                            for p, r in zip(parts, rows)])
         return self.dense(weight, bias, head)
 
     def dense(self, weight: torch.Tensor, bias: torch.Tensor | None, head: bool = False) -> Projection:
-        """weight: float32 when the projections are quantized, else in the compute dtype."""
+        """weight: in _read_dtype(head)."""
+        if head and self._q8_head and not self.quantize:
+            return BlockLinear.q8_0(weight, bias, path=self.int_dot)
         if self.quantize == "int8" or (self.quantize and head):
             return Int8Linear(weight, bias, dtype=self.dtype, device=self.device)
         if self.quantize:

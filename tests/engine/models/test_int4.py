@@ -55,12 +55,14 @@ def test_packed_checkpoint_holds_the_same_weights():
         torch.testing.assert_close(weight.dequantize(), dense[name].materialize(), rtol=0, atol=0, msg=name)
 
 
-# Each bfloat16 path a CPU may take: packed weights on the int4 kernel or expanded (no int4 kernel), dense ones
-# on oneDNN (AVX-512) or widened to float32 (AVX2). The features are forced, so every machine runs every path
-# its CPU can run at all.
+# Each bfloat16 path a CPU may take: packed weights on tandem's integer-dot kernels (AVX-512 VNNI or AVX2), on
+# torch's int4 kernel, or expanded (neither), dense ones on oneDNN (AVX-512) or widened to float32 (AVX2). The
+# features are forced, so every machine runs every path its CPU can run at all.
 PATHS = {
-    "bf16-packed-int4": (True, {"int4": True}),
-    "bf16-packed-expanded": (True, {"int4": False}),
+    "bf16-packed-int-dot-avx512": (True, {"cpu_kernels": True, "cpu_kernels_avx512": True}),
+    "bf16-packed-int-dot-avx2": (True, {"cpu_kernels": True, "cpu_kernels_avx512": False}),
+    "bf16-packed-int4": (True, {"int4": True, "cpu_kernels": False}),
+    "bf16-packed-expanded": (True, {"int4": False, "cpu_kernels": False}),
     "bf16-dense-onednn": (False, {"onednn_bf16": True}),
     "bf16-dense-widen": (False, {"onednn_bf16": False}),
 }
@@ -88,7 +90,11 @@ def test_bfloat16_models_stay_close_to_float32(embedded_generator, path):
                         cpu=features)
     generator = Generator(loaded, max_model_len=2048)
     kernels = loaded.model.kernel_counts()
-    if path == "bf16-packed-int4":
+    if path.startswith("bf16-packed-int-dot"):
+        assert kernels == {"int_dot": 30 * 4 + 1}  # QKV, O, gate/up and down of every layer, and the Q8_0 head
+        assert {p.path for p in loaded.model.projections()} == {3 if on["cpu_kernels_avx512"] else 2}
+        assert loaded.model.weight_bytes_per_token() < embedded_generator.loaded.model.weight_bytes_per_token() / 5
+    elif path == "bf16-packed-int4":
         assert kernels["int4"] == 30 * 4  # QKV, O, gate/up and down of every layer; the tied head is dense
         assert loaded.model.weight_bytes_per_token() < embedded_generator.loaded.model.weight_bytes_per_token() / 4
     else:
@@ -108,15 +114,16 @@ def test_bfloat16_models_stay_close_to_float32(embedded_generator, path):
     generator.block_pool.check_integrity()
 
 
-def test_packed_weights_are_expanded_where_the_int4_kernel_does_not_run(embedded, caplog):
-    """Without the int4 kernel a packed load still runs: every projection expanded to bfloat16, the very
-    products of a dense bfloat16 load, and a warning that says why it takes 4x the memory."""
+def test_packed_weights_are_expanded_where_no_4_bit_kernel_runs(embedded, caplog):
+    """Without the int4 kernel and tandem's own a packed load still runs: every projection expanded to
+    bfloat16, the very products of a dense bfloat16 load, and a warning that says why it takes 4x the memory."""
     from tandem.engine.core.generator import Generator
 
-    no_int4 = forced(int4=False)
+    no_int4 = forced(int4=False, cpu_kernels=False)
     with caplog.at_level(logging.WARNING, logger="tandem.engine.models.llama"):
         packed = load_model(progress=False, weight_format="packed", dtype=torch.bfloat16, cpu=no_int4)
-    assert "int4 CPU kernel does not run here" in caplog.text and "4x the weight memory" in caplog.text
+    assert "int4 CPU kernel does not run here" in caplog.text and "nor do tandem's C++ kernels" in caplog.text
+    assert "4x the weight memory" in caplog.text
     assert "int4" not in packed.model.kernel_counts()
     dense = load_model(progress=False, dtype=torch.bfloat16, cpu=no_int4)
     ids = embedded.tokenizer.encode("Packed weights that cannot stay packed are expanded.")

@@ -1,0 +1,31 @@
+"""Decode attention in one C++ call on the CPU (engine/hardware/csrc/decode_attention.cpp): for a decode-only step,
+each sequence's new K and V go into its slot and its one query attends to its keys read in place through its block
+table, without the gather of torch_ref.py's decode path (a copy of every visible key and value per layer) and with
+one op instead of a dozen. The kernel is `paged` in torch_ref.DECODE_KERNELS; the backend takes it where the CPU
+probe ran it (cpu_features: cpu_kernels) and the plan (fixed or tuned) chooses it for the batch's size.
+
+A quantized cache, or a query of another dtype than the cache's float32 / bfloat16, takes the gather path."""
+
+from __future__ import annotations
+
+import torch
+
+from tandem.engine.attention.metadata import AttentionMetadata
+from tandem.engine.hardware.cpu_kernels import library_error
+
+
+def supports(q: torch.Tensor, kv: torch.Tensor) -> bool:
+    """Whether the kernel takes queries like q over a cache like kv (the caller checks the cache is not quantized)."""
+    return library_error() is None and kv.is_contiguous() and kv.device.type == "cpu" and (
+        (kv.dtype, q.dtype) in ((torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                (torch.bfloat16, torch.float32)))
+
+
+def paged_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor, meta: AttentionMetadata,
+                 scale: float, window: int | None, path: int = 0) -> torch.Tensor:
+    """q [B, Hq, D], k and v [B, Hk, D] of a decode-only step's B sequences; kv one layer's cache [2, blocks, Hk,
+    block_size, D], into which k and v are written at meta.slot_mapping. path: the kernels' path
+    (engine/hardware/cpu_kernels.py PATHS; 0: the best here). Returns [B, Hq, D]."""
+    return torch.ops.tandem_cpu.paged_decode(q.contiguous(), k.contiguous().to(q.dtype), v.contiguous().to(q.dtype),
+                                             kv, meta.slot_mapping, meta.block_tables, meta.seq_lens_tensor, scale,
+                                             window or 0, path)
