@@ -7,8 +7,9 @@ Ray head this script starts and stops, the keys generated here, the same arrival
            fair (and fair with --fair-reserve-s as its fair_reserve_s, when given): the interactive tenant's TTFT
            p50/p99 in each run, and its p99 against alone.
   sjf      one tenant's long-mix (short chats with a --long-share of long prompts) at --rate under fcfs and then
-           sjf: mean and p99 TTFT, and the slowest TTFT against the pool's sjf aging bound (no request waited
-           longer to start than its slowest first token).
+           sjf: mean and p99 TTFT, and the longest any request waited in the replica's queue before its first
+           scheduling against the pool's sjf aging bound, read from the request traces (the cluster sends them to
+           an OTLP collector in this process: each decode_replica span's `queue` phase, replica/tracing.py).
 
 The last line of output is one JSON object with every number.
 
@@ -52,9 +53,10 @@ def ttft_numbers(mine: dict) -> dict:
 
 
 @contextlib.contextmanager
-def cluster_under(policy: str, budget: int | None, **scheduler):
+def cluster_under(policy: str, budget: int | None, otlp_endpoint: str | None = None, **scheduler):
     """The bench manifest's cluster with its decode pool's scheduler policy set (and its step budget, when given;
-    scheduler: more of the pool's scheduler settings), on a Ray head of its own; stopped on exit."""
+    scheduler: more of the pool's scheduler settings; otlp_endpoint: where its traces go, None: none), on a Ray
+    head of its own; stopped on exit."""
     import ray
 
     from tandem.cluster import launcher
@@ -69,7 +71,8 @@ def cluster_under(policy: str, budget: int | None, **scheduler):
                                        "engine": engine})
     manifest = manifest.model_copy(update={
         "pools": manifest.pools.model_copy(update={"decode": decode}),
-        "listen": manifest.listen.model_copy(update={"grpc": "127.0.0.1:0"})})
+        "listen": manifest.listen.model_copy(update={"grpc": "127.0.0.1:0"}),
+        "observability": manifest.observability.model_copy(update={"otlp_endpoint": otlp_endpoint})})
     cluster = launcher.up(manifest, out=sys.stderr)
     try:
         if not cluster.started_ray:
@@ -105,20 +108,41 @@ def compare_tenants(args, results: dict) -> None:
         results[f"{name}_chat_p99_vs_alone"] = chat_p99 / results["alone"]["ttft_p99_ms"]
 
 
+def longest_queue_s(collector) -> tuple[float, int]:
+    """The longest `queue` phase of the decode replica's call spans the collector holds, and how many it holds."""
+    with collector.lock:
+        spans = [span for _, span in collector.spans]
+    calls = {span.span_id for span in spans if span.name == "decode_replica"}
+    queues = [(span.end_time_unix_nano - span.start_time_unix_nano) / 1e9 for span in spans
+              if span.name == "queue" and span.parent_span_id in calls]
+    return max(queues, default=0.0), len(queues)
+
+
 def compare_sjf(args, results: dict) -> None:
+    import time
+
+    from tandem.bench.otlp_collector import OTLPCollector
+
     aging_s = results["sjf_aging_s"] = args.sjf_aging
     workload = ["--api-key", os.environ["TANDEM_BENCH_CHAT_KEY"], "--workload", "long-mix",
                 "--input", args.chat_input, "--long-share", str(args.long_share), "--long-input", args.long_input,
                 "--output", "fixed:48"]
     for policy in ("fcfs", "sjf"):
-        with cluster_under(policy, args.budget, sjf_aging_s=aging_s) as cluster:
-            print(f"== long-mix, {policy}", file=sys.stderr, flush=True)
-            summary = bench(cluster.endpoint, args, workload, Path(args.out) / policy)
-            results[policy] = ttft_numbers(summary)
-            results[policy]["by_class"] = {name: ttft_numbers(c) for name, c in summary["by_class"].items()}
-            print(f"{policy}: {json.dumps(results[policy])}", file=sys.stderr, flush=True)
+        collector = OTLPCollector()
+        try:
+            with cluster_under(policy, args.budget, collector.endpoint, sjf_aging_s=aging_s) as cluster:
+                print(f"== long-mix, {policy}", file=sys.stderr, flush=True)
+                summary = bench(cluster.endpoint, args, workload, Path(args.out) / policy)
+                time.sleep(3)  # the replica exports its spans about a second apart
+                longest, traced = longest_queue_s(collector)
+        finally:
+            collector.close()
+        results[policy] = ttft_numbers(summary)
+        results[policy]["by_class"] = {name: ttft_numbers(c) for name, c in summary["by_class"].items()}
+        results[policy] |= {"longest_queue_s": longest, "traced_calls": traced}
+        print(f"{policy}: {json.dumps(results[policy])}", file=sys.stderr, flush=True)
     results["sjf_mean_ttft_vs_fcfs"] = results["sjf"]["ttft_mean_ms"] / results["fcfs"]["ttft_mean_ms"]
-    results["sjf_slowest_ttft_within_aging_bound"] = results["sjf"]["ttft_max_ms"] <= aging_s * 1000
+    results["sjf_waited_within_aging_bound"] = results["sjf"]["longest_queue_s"] <= aging_s
 
 
 def main() -> None:

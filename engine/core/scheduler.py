@@ -219,12 +219,17 @@ class Scheduler:
         self.policy.age(self.waiting)
         self._shares = self.policy.shares(budget, self.running, self.waiting, self._fits)
         spec = self.speculator.propose(self.running, self.config.max_model_len) if self.speculator else {}
+        ahead = None  # sjf: prompt tokens of waiting sequences that go before the running prompts' chunks
         for seq in sorted(self.running, key=lambda s: (s.is_prefilling, s.order)):
             if budget == 0:
                 break
             if seq.status is not RequestStatus.RUNNING:
                 continue  # preempted for an earlier sequence of this loop
-            count = self._chunk(seq, seq.num_tokens - seq.num_computed_tokens, budget)
+            room = budget
+            if seq.is_prefilling:
+                ahead = self.policy.ahead_of(seq, self.waiting, budget, self._fits) if ahead is None else ahead
+                room = max(0, budget - ahead)
+            count = self._chunk(seq, seq.num_tokens - seq.num_computed_tokens, room)
             if not count:
                 continue
             if (proposed := spec.pop(seq.seq_id, ())) and (extra := min(len(proposed), budget - count)) > 0:

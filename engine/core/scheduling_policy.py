@@ -12,6 +12,10 @@ when blocks run out:
                                                                   not (aged, in arrival order): nothing starves
   fair      (start tag, arrival, sample index)                    start-time fair queueing over tokens
 
+sjf also lets a waiting prompt shorter than a running one go first: the step keeps room for the waiting sequences
+whose key is smaller than a running prompt's (and that can start), and the running prompt's next chunk takes what
+is left (SchedulingPolicy.ahead_of); a running prompt that first entered the queue sjf_aging_s ago keeps its room.
+
 fair: requests are ordered by start-time fair queueing, and each step's prompt tokens are shared between the
 tenants with prompt tokens to compute (running prefills and waiting requests) by weighted max-min fairness
 (StepShares): a tenant gets at most its weight's share of the budget the decodes leave, more while others need
@@ -171,6 +175,19 @@ class SchedulingPolicy:
                                   aged=True)
         if aged:
             queue.sort(key=lambda s: s.order)
+
+    def ahead_of(self, running: Sequence, queue: WaitingQueue, budget: int,
+                 can_start: Callable[[Sequence], bool]) -> int:
+        """sjf: the prompt tokens (at most budget) of the waiting sequences that go before the prompt of `running`
+        this step (see the module docstring); 0 under the other policies."""
+        if self.config.policy != "sjf" or running.queued_at <= self.clock() - self.config.sjf_aging_s:
+            return 0
+        ahead = 0
+        for seq in queue:  # in key order
+            if seq.order >= running.order or ahead >= budget or not can_start(seq):
+                break
+            ahead += seq.num_tokens - seq.num_computed_tokens
+        return min(ahead, budget)
 
     def shares(self, budget: int, running: list[Sequence], queue: WaitingQueue,
                can_start: Callable[[Sequence], bool]) -> StepShares:

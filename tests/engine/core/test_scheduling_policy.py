@@ -58,6 +58,30 @@ def test_sjf_runs_the_shortest_prompt_first_and_an_aged_one_before_all():
     assert starts(h)[:2] == ["short", "long"]  # "long" before the shorter ones that arrived later
 
 
+def test_sjf_starts_a_short_prompt_before_the_next_chunk_of_a_running_long_one_until_that_one_has_aged():
+    for name, short_first in (("fcfs", False), ("sjf", True)):
+        h = Harness(num_blocks=256, max_num_seqs=4, max_num_batched_tokens=32,
+                    scheduling=policy(name, sjf_aging_s=10.0))
+        h.add("long", prompt(200, 1), 2, seed=1)
+        h.step()  # the long prompt's first chunk: it runs, prefilling
+        h.add("short", prompt(12, 2), 2, seed=2)
+        out = h.step()
+        if short_first:  # the short prompt whole, the long one's chunk the rest of the step
+            assert out.num_scheduled_tokens == {"short#0": 12, "long#0": 20}, out.num_scheduled_tokens
+        else:
+            assert out.num_scheduled_tokens == {"long#0": 32}, out.num_scheduled_tokens
+        h.run()
+        assert h.tokens["long#0"] == expected_output(prompt(200, 1), 1, 2)
+        assert h.tokens["short#0"] == expected_output(prompt(12, 2), 2, 2)
+        assert h.kv.pool.num_in_use == 0
+    h = Harness(num_blocks=256, max_num_seqs=4, max_num_batched_tokens=32, scheduling=policy("sjf", sjf_aging_s=10.0))
+    h.add("long", prompt(200, 1), 2, seed=1)
+    h.step()
+    h.clock.now = 10.0  # the long prompt entered the queue its aging bound ago: it keeps its room
+    h.add("short", prompt(12, 2), 2, seed=2)
+    assert h.step().num_scheduled_tokens == {"long#0": 32}
+
+
 def test_fair_keeps_a_heavy_tenants_backlog_from_delaying_a_light_one():
     for name, light_starts in (("fcfs", 6), ("fair", 1)):  # after every heavy request / after the running one
         h = Harness(max_num_seqs=1, scheduling=policy(name))
