@@ -4,7 +4,8 @@ A batch-1 decode step must read every weight once, so tokens/s can never beat
     read bandwidth / weight bytes read per token.
 This script measures, in interleaved rounds of one run: the machine's read bandwidth (a large torch reduction),
 tandem's and transformers' decode tokens/s on the same prompts (greedy, fixed length); it reports medians,
-each system's fraction of the roofline and tandem's speed-up over transformers. With --profile it also prints where tandem's time goes.
+each system's fraction of the roofline and tandem's speed-up over transformers. With --profile it also prints where tandem's time goes
+(and records each op's milliseconds per token and share of the step under `profile`).
 
     .venv/bin/python bench/decode_roofline.py [--tokens 64] [--threads 2] [--modes float32,bfloat16,packed-int4]
     .venv/bin/python bench/decode_roofline.py --modes packed-int4 --llama-cpp   # after `make bench-peers`
@@ -117,14 +118,30 @@ def transformers_runner(choice: ModelChoice, dtype: torch.dtype):
     return run, nbytes
 
 
-def profile_tandem(generator, ids, tokens: int) -> str:
+def gguf_bytes_per_token(path) -> int:
+    """Bytes of the GGUF file's tensors a batch-1 step reads: every one, the token embedding as the (tied) LM head
+    and not again for its one-row lookup. What llama.cpp reads per token of this file."""
+    from tandem.engine.loader.gguf_index import open_gguf
+
+    return sum(t.n_bytes for t in open_gguf(path).tensors)
+
+
+def profile_tandem(generator, ids, tokens: int) -> tuple[str, dict]:
+    """Where a decode of `tokens` tokens spends its time, by op (torch's profiler, self time): the table, and the
+    ops' milliseconds per token and shares of the whole (the 12 largest, the rest summed as "other")."""
     from torch.profiler import ProfilerActivity, profile
 
     from tandem.engine.sampling_params import SamplingParams
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         generator.generate(ids, SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True))
-    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15)
+    events = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+    total = sum(e.self_cpu_time_total for e in events) or 1
+    shares = {e.key: {"ms_per_token": e.self_cpu_time_total / 1e3 / tokens, "share": e.self_cpu_time_total / total}
+              for e in events[:12]}
+    rest = sum(e.self_cpu_time_total for e in events[12:])
+    shares["other"] = {"ms_per_token": rest / 1e3 / tokens, "share": rest / total}
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15), shares
 
 
 def main() -> None:
@@ -197,6 +214,12 @@ def measure_mode(name: str, args: argparse.Namespace, peers: dict) -> dict:
         "speedup_vs_transformers": statistics.median(r[1] / r[2] for r in rounds),
         "speedup_per_round": [r[1] / r[2] for r in rounds],
     }
+    if name == "packed-int4" and args.choice.path is None:
+        from tandem.engine.loader import default_model_path
+
+        gguf = gguf_bytes_per_token(default_model_path())
+        run_result["gguf_bytes_per_token"] = gguf
+        run_result["tandem_roofline_fraction_of_gguf_bytes"] = statistics.median(r[1] * gguf / r[0] for r in rounds)
     if llama:
         run_result["llama_cpp_tokens_per_s"] = statistics.median(r[3] for r in rounds)
         run_result["speedup_vs_llama_cpp"] = statistics.median(r[1] / r[3] for r in rounds)
@@ -208,7 +231,8 @@ def measure_mode(name: str, args: argparse.Namespace, peers: dict) -> dict:
           f"{run_result['speedup_vs_transformers']:.2f}x (rounds: "
           f"{', '.join(f'{x:.2f}' for x in run_result['speedup_per_round'])})", file=sys.stderr)
     if args.profile:
-        print(profile_tandem(generator, prompts[0], 16), file=sys.stderr)
+        table, run_result["profile"] = profile_tandem(generator, prompts[0], args.tokens)
+        print(table, file=sys.stderr)
     return run_result
 
 

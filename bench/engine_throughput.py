@@ -13,6 +13,7 @@ system prompt is cached vs the same request on a cold cache, alternating, median
     .venv/bin/python bench/engine_throughput.py [--concurrency 1,8,32,64] [--tokens 64] [--dtype float32]
     .venv/bin/python bench/engine_throughput.py --device cuda      # bfloat16 unless --dtype says otherwise
     .venv/bin/python bench/engine_throughput.py --like Llama-3.2-1B --concurrency 1,32 --tokens 16
+    .venv/bin/python bench/engine_throughput.py --weights packed --concurrency 1,8 --llama-cpp   # the laptop path
 
 --model PATH / --like NAME measure another model (bench/model_choice.py): a published shape runs with dummy weights
 against transformers built from the same config with its own random weights (speed does not depend on the values).
@@ -28,6 +29,8 @@ peer share the GPU), and names the GPU (`gpu`, torch.cuda.get_device_name) inste
 --llama-cpp adds llama.cpp's batched decode of the largest level's requests on the same GGUF file (one context,
 a sequence each; bench/peers/llama_cpp_peer.py, after `make bench-peers`) to every round, reported as
 `speedup_vs_llama_cpp_batched` (tandem float32 or bfloat16 against llama.cpp on the file's own Q4_1 weights).
+--weights packed runs tandem on the GGUF file's own 4-bit weights too (bfloat16 compute; its transformers peers in
+bfloat16, which expands them).
 
 The last line of output is one JSON object with every number.
 """
@@ -195,6 +198,8 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
                         help="default: float32 on the CPU, bfloat16 on CUDA")
+    parser.add_argument("--weights", default="dense", choices=["dense", "packed"],
+                        help="packed: the GGUF file's 4-bit layers as they are (bfloat16 compute)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--hf-requests", type=int, default=4, help="requests transformers runs one by one")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved measurement rounds (medians reported)")
@@ -205,14 +210,14 @@ def main() -> None:
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit(f"engine_throughput.py: --device cuda, but torch {torch.__version__} sees no CUDA device (a CPU "
                  "build of torch, or no driver); run on a machine with an NVIDIA GPU, or use --device cpu")
-    args.dtype = args.dtype or default_dtype(args.device)
+    args.dtype = args.dtype or ("bfloat16" if args.weights == "packed" else default_dtype(args.device))
     torch.set_num_threads(args.threads)
     args.choice = model_choice(args)
     if args.llama_cpp and args.choice.path is not None:
         parser.error("--llama-cpp runs the embedded GGUF file: drop --model / --like")
     results = {"machine": machine_line(), "device": args.device, "model": args.choice.label}
     results |= device_report(args.device)
-    results |= {"dtype": args.dtype, "threads": args.threads, "tokens": args.tokens,
+    results |= {"dtype": args.dtype, "weights": args.weights, "threads": args.threads, "tokens": args.tokens,
                 "prompt_tokens": args.prompt_tokens, "rounds": args.rounds,
                 "hf_requests": args.hf_requests}
     try:
@@ -231,7 +236,8 @@ def measure(args: argparse.Namespace) -> dict:
 
     dtype = getattr(torch, args.dtype)
     device = args.device
-    loaded = load_model(**args.choice.load_args(), progress=False, dtype=dtype, device=device)
+    loaded = load_model(**args.choice.load_args(), progress=False, dtype=dtype, device=device,
+                        weight_format=args.weights)
     levels = [int(c) for c in args.concurrency.split(",")]
     requests = prompts(loaded.tokenizer, max(levels), args.prompt_tokens)
     longest = max(map(len, requests)) + args.tokens

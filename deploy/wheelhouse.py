@@ -199,6 +199,10 @@ def run(command: list[str], **kwargs) -> None:
     subprocess.run(command, check=True, **kwargs)
 
 
+# setup.py leaves the compiled CPU kernels out when this is set (a pure-Python wheel).
+NO_KERNELS_ENV = "TANDEM_NO_CPU_KERNELS"
+
+
 def build(args: argparse.Namespace) -> None:
     started = time.monotonic()
     out = Path(args.out).resolve()
@@ -213,9 +217,16 @@ def build(args: argparse.Namespace) -> None:
     run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--require-hashes",
          "--implementation", "cp", "--python-version", args.python, *platforms, "-r", str(requirements),
          "-d", str(out)])
-    # tandem itself, from this checkout; pure Python, so one wheel serves every target.
+    # tandem itself, from this checkout: with its CPU kernels compiled here (setup.py) when the target is this
+    # machine's CPython on x86-64 with the CPU build of torch, the kernels' build; else pure Python (one wheel for
+    # every target), tandem then on torch's kernels there.
+    here = f"{sys.version_info.major}.{sys.version_info.minor}"
+    compiled = args.python == here and args.platform.endswith("x86_64") and args.torch == "cpu"
+    if not compiled:
+        log(f"tandem's CPU kernels are left out of its wheel: they are built for CPython {here}, x86-64 and torch's "
+            f"CPU build, and this target is CPython {args.python} on {args.platform}, torch: {args.torch}")
     run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--quiet", "-w", str(out),
-         str(REPO)])
+         str(REPO)], env=None if compiled else {**os.environ, NO_KERNELS_ENV: "1"})
     wheels = sorted(path.name for path in out.glob("*.whl"))
     description = {"python": args.python, "platform": args.platform, "torch": args.torch,
                    "runtime_only": args.runtime_only, "model": not args.no_model,

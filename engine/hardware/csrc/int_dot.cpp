@@ -25,6 +25,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "paths.h"
@@ -168,38 +169,19 @@ struct GroupArgs {
 };
 
 // Q4_1 x8 block: code of row r, weight i (0..31) sits in byte 32 + 32 * (c % 4) + 4 * r + i % 4 where c = i / 4,
-// the low nibble for c < 4 and the high nibble for c >= 4.
+// the low nibble for c < 4 and the high nibble for c >= 4. Code: the activations' codes, int8 (a.q) or int16
+// (a.q16, the wide products: activations kept to 1 / 32767 of each block's largest).
+template <typename Code>
 void q4_1_group_scalar(const GroupArgs& a, float* out) {
+  const Code* codes = std::is_same_v<Code, int8_t> ? reinterpret_cast<const Code*>(a.q)
+                                                   : reinterpret_cast<const Code*>(a.q16);
   for (int j = 0; j < a.rows; ++j) {
     for (int r = 0; r < kRows; ++r) {
       float acc = 0.f;
       for (int64_t b = 0; b < a.nb; ++b) {
         const uint8_t* blk = a.w + b * kQ4Group;
         const float d = half_to_float(load_u16(blk + 2 * r)), m = half_to_float(load_u16(blk + 16 + 2 * r));
-        const int8_t* q = a.q + j * a.k + b * kBlock;
-        int dot = 0;
-        for (int i = 0; i < kBlock; ++i) {
-          const int c = i / 4;
-          const uint8_t byte = blk[32 + 32 * (c % 4) + 4 * r + i % 4];
-          dot += (c < 4 ? byte & 0x0f : byte >> 4) * q[i];
-        }
-        acc += d * a.dx[j * a.nb + b] * static_cast<float>(dot) + m * a.sx[j * a.nb + b];
-      }
-      out[j * kRows + r] = acc;
-    }
-  }
-}
-
-// The same with int16 activations (a.q16): the products of the weights with the activations kept to 1 / 32767 of
-// each block's largest.
-void q4_1_x16_group_scalar(const GroupArgs& a, float* out) {
-  for (int j = 0; j < a.rows; ++j) {
-    for (int r = 0; r < kRows; ++r) {
-      float acc = 0.f;
-      for (int64_t b = 0; b < a.nb; ++b) {
-        const uint8_t* blk = a.w + b * kQ4Group;
-        const float d = half_to_float(load_u16(blk + 2 * r)), m = half_to_float(load_u16(blk + 16 + 2 * r));
-        const int16_t* q = a.q16 + j * a.k + b * kBlock;
+        const Code* q = codes + j * a.k + b * kBlock;
         int64_t dot = 0;
         for (int i = 0; i < kBlock; ++i) {
           const int c = i / 4;
@@ -441,7 +423,7 @@ GroupFn group_kernel(Kind kind, Path path, int rows) {
     return avx2[kind][rows - 1];
   }
 #endif
-  static const GroupFn plain[3] = {q4_1_group_scalar, q4_1_x16_group_scalar, q8_0_group_scalar};
+  static const GroupFn plain[3] = {q4_1_group_scalar<int8_t>, q4_1_group_scalar<int16_t>, q8_0_group_scalar};
   return plain[kind];
 }
 
