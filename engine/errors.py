@@ -13,6 +13,10 @@ class UnsupportedModelError(ModelLoadError):
     """The model is well formed but uses an architecture or feature tandem does not implement."""
 
 
+class RequestRejectedError(TandemError, ValueError):
+    """A request that can never be served with this engine's limits (context length, KV pool size)."""
+
+
 class ReplicaFailedError(TandemError, RuntimeError):
     """A rank of a replica that spans processes died or raised; the replica has been shut down."""
 

@@ -40,10 +40,11 @@ from tandem.engine.core.lora_registry import LoRARegistry
 from tandem.engine.kv.tier_plan import plan_tiers
 from tandem.engine.core.output_processor import OutputProcessor, RequestOutput
 from tandem.engine.core.resume import ResumeState
-from tandem.engine.core.scheduler import RequestRejectedError, Scheduler, SchedulerConfig, SchedulerStats
+from tandem.engine.core.scheduler import Scheduler, SchedulerConfig, SchedulerStats
 from tandem.engine.decoding.grammar import GrammarBackend
 from tandem.engine.decoding.speculation import SpeculationStats, Speculator
 from tandem.engine.engine_config import EngineConfig
+from tandem.engine.errors import RequestRejectedError
 from tandem.engine.hardware.device import RankPlacement
 from tandem.engine.kv.kv_cache import kv_storage_dtype
 from tandem.engine.kv.kv_events import DISK, HOST, KVEventSink, discard_events

@@ -36,7 +36,7 @@ from tandem.engine.core.kv_cache_manager import NO_MATCH, Allocation, KVCacheMan
 from tandem.engine.core.scheduler_stats import SchedulerStats, check_state, collect_stats
 from tandem.engine.core.scheduling_policy import NO_SHARES, SchedulingPolicy, WaitingQueue
 from tandem.engine.engine_config import SchedulerConfig
-from tandem.engine.errors import TandemError
+from tandem.engine.errors import RequestRejectedError
 from tandem.engine.request import RequestStatus, Sequence, token_stop_status
 from tandem.engine.sampled_token import SampledToken
 from tandem.engine.scheduler_output import (CachedSequenceData, ForkData, NewSequenceData, RunnerOutput,
@@ -44,10 +44,6 @@ from tandem.engine.scheduler_output import (CachedSequenceData, ForkData, NewSeq
 
 if TYPE_CHECKING:
     from tandem.engine.decoding.speculation import Speculator
-
-
-class RequestRejectedError(TandemError, ValueError):
-    """A request that can never be served with this engine's limits (context length, KV pool size)."""
 
 
 @dataclass(frozen=True)
@@ -225,10 +221,9 @@ class Scheduler:
                 break
             if seq.status is not RequestStatus.RUNNING:
                 continue  # preempted for an earlier sequence of this loop
-            room = budget
-            if seq.is_prefilling:
-                ahead = self.policy.ahead_of(seq, self.waiting, budget, self._fits) if ahead is None else ahead
-                room = max(0, budget - ahead)
+            if seq.is_prefilling and ahead is None:
+                ahead = self.policy.ahead_of(seq, self.waiting, budget, self._fits)
+            room = max(0, budget - ahead) if seq.is_prefilling else budget
             count = self._chunk(seq, seq.num_tokens - seq.num_computed_tokens, room)
             if not count:
                 continue

@@ -18,7 +18,8 @@ COSTS = Costs(0.02, 0.0005, 0.001)
 
 def args(**kw) -> SimpleNamespace:
     return SimpleNamespace(**({"duration": 180.0, "rate": 0.3, "batch_factor": 5.0, "long_mix_rate": 1.8,
-                               "long_share": 0.15, "aging_s": 10.0, "budget": 256, "seed": 0} | kw))
+                               "long_share": 0.15, "aging_s": 10.0, "budget": 256, "fair_reserve_s": 0.0,
+                               "seed": 0} | kw))
 
 
 def test_fair_keeps_the_interactive_tenant_near_its_own_ttft_and_fcfs_does_not():
@@ -26,6 +27,12 @@ def test_fair_keeps_the_interactive_tenant_near_its_own_ttft_and_fcfs_does_not()
     assert result["fcfs_chat_p99_vs_alone"] > 3 * result["fair_chat_p99_vs_alone"], result
     assert result["fair"]["chat_ttft_p50_s"] < result["fcfs"]["chat_ttft_p50_s"] / 2
     assert result["requests"]["batch"] > 4 * result["requests"]["chat"]  # the batch tenant at 5x the rate
+    assert "fair_reserve" not in result
+
+
+def test_a_fair_reserve_keeps_the_interactive_tenant_closer_still_to_its_own_ttft():
+    result = tenants(args(fair_reserve_s=30.0), COSTS)
+    assert result["fair_reserve_chat_p99_vs_alone"] < result["fair_chat_p99_vs_alone"], result
 
 
 def test_sjf_lets_nothing_wait_past_its_aging_bound():

@@ -143,12 +143,20 @@ def test_verbose_names_the_probed_cpu_and_each_projections_kernel(capsys, monkey
 AVX2_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 
 
-@pytest.mark.parametrize("flags, disable, int4_shapes", [
-    (["--dtype", "bfloat16"], "", 0),
-    (["--weights", "packed"], "", 4),  # QKV, O, gate/up and down packed; the tied LM head dense
-    (["--weights", "packed"], "int4", 0),  # the int4 kernel turned off by the setting as well
-], ids=["bf16", "packed", "packed-no-int4"])
-def test_bfloat16_modes_run_on_an_avx2_cpu(embedded, flags, disable, int4_shapes):
+# What an AVX2 CPU has of tandem's own kernels: their AVX2 path (the AVX-512 one is probed from the CPU's flags,
+# which the variables above do not hide).
+NO_AVX512_KERNELS = "cpu_kernels_avx512"
+
+
+@pytest.mark.parametrize("flags, disable, packed_plan, packed_shapes", [
+    (["--dtype", "bfloat16"], NO_AVX512_KERNELS, None, 0),
+    # On tandem's kernels: QKV, O, gate/up and down packed, and the tied LM head read as the GGUF stores it
+    # (Q8_0). On torch's int4 kernel without them: the four packed, the head dense. Without either: bfloat16.
+    (["--weights", "packed"], NO_AVX512_KERNELS, "int_dot", 5),
+    (["--weights", "packed"], f"{NO_AVX512_KERNELS},cpu_kernels", "int4", 4),
+    (["--weights", "packed"], f"{NO_AVX512_KERNELS},cpu_kernels,int4", None, 0),
+], ids=["bf16", "packed", "packed-int4", "packed-no-kernels"])
+def test_bfloat16_modes_run_on_an_avx2_cpu(embedded, flags, disable, packed_plan, packed_shapes):
     """The modes that crashed on AVX2 CPUs (oneDNN has no bfloat16 inner product there) run, name the path
     they took, and give the same greedy tokens as the same path in this process."""
     import dataclasses
@@ -169,10 +177,10 @@ def test_bfloat16_modes_run_on_an_avx2_cpu(embedded, flags, disable, int4_shapes
     assert "oneDNN bfloat16 inner product: no" in proc.stderr
     assert "bfloat16 projections on cpu: " in proc.stderr
     plans = [line.split("): ")[1] for line in proc.stderr.splitlines() if re.match(r"  \d+x\d+ \(\d+ x\): ", line)]
-    assert len(plans) == 5 and plans.count("int4") == int4_shapes
+    assert len(plans) == 5 and plans.count(packed_plan) == packed_shapes, plans
     for plan in plans:  # what an AVX2 CPU runs: no oneDNN bfloat16
-        assert plan == "int4" or ("onednn" not in plan and ("linear" in plan or "widen" in plan)), plan
-    features = dataclasses.replace(cpu_features(), onednn_bf16=False, int4=cpu_features().int4 and not disable)
+        assert plan == packed_plan or ("onednn" not in plan and ("linear" in plan or "widen" in plan)), plan
+    features = dataclasses.replace(cpu_features(), onednn_bf16=False).without(disable.split(","), "as the subprocess")
     loaded = load_model(progress=False, dtype=torch.bfloat16, cpu=features,
                         weight_format="packed" if "packed" in flags else "dense")
     expected = Generator(loaded, max_model_len=64).generate(

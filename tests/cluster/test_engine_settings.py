@@ -109,3 +109,11 @@ def test_a_pools_scheduler_section_reaches_its_replicas_with_the_tenants_weights
         "    scheduler: {policy: fcfs, preempt_after_s: 1}\n")))}
     assert "'fcfs', 'priority', 'sjf' or 'fair'" in errors["pools.prefill.scheduler.policy"].message
     assert "fcfs ignores" in errors["pools.decode.scheduler"].message
+    errors = {e.path: e for e in manifest_errors(write_manifest(tmp_path, (
+        "pools:\n  prefill:\n    scheduler: {policy: sjf, fair_reserve_s: 30}\n  decode:\n"
+        "    scheduler: {policy: fair, fair_reserve_s: -1}\n")))}
+    assert "under policy fair, not sjf" in errors["pools.prefill.scheduler"].message
+    assert "greater than or equal to 0" in errors["pools.decode.scheduler.fair_reserve_s"].message
+    reserved = validate_file(write_manifest(tmp_path, "pools:\n  prefill: {}\n  decode:\n"
+                                            "    scheduler: {policy: fair, fair_reserve_s: 30}\n"), check_ports=False)
+    assert replica_plan(reserved, "decode", 0).spec.engine.scheduling.fair_reserve_s == 30.0

@@ -137,7 +137,7 @@ def test_an_empty_pool_is_unavailable():
 def test_status_codes_for_each_failure():
     from ray.exceptions import RayActorError
 
-    from tandem.engine.core.scheduler import RequestRejectedError
+    from tandem.engine.errors import RequestRejectedError
 
     assert status_for(InvalidRequest("x", "NOT_FOUND"))[0] is grpc.StatusCode.NOT_FOUND
     assert status_for(RequestRejectedError("too long"))[0] is grpc.StatusCode.INVALID_ARGUMENT

@@ -2,7 +2,8 @@ from __future__ import annotations
 
 import pytest
 
-from tandem.engine.core.scheduler import RequestRejectedError, SchedulerConfig
+from tandem.engine.core.scheduler import SchedulerConfig
+from tandem.engine.errors import RequestRejectedError
 from tandem.engine.kv.kv_events import BlockRemoved, BlockStored
 from tandem.engine.request import RequestStatus
 
