@@ -22,7 +22,7 @@ recorded with its error instead of numbers, and the others still run. To measure
 AVX-512 machine, run with ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2.
 
 --llama-cpp adds llama.cpp's batch-1 decode of the same GGUF file (bench/peers/llama_cpp_peer.py, the same threads and
-method) to every round: the laptop user's alternative, reported as `speedup_vs_llama_cpp`.
+method, in a process of its own) to every round: the laptop user's alternative, reported as `speedup_vs_llama_cpp`.
 
 The last line of output is one JSON object with every number.
 """
@@ -186,13 +186,10 @@ def measure_mode(name: str, args: argparse.Namespace, peers: dict) -> dict:
     hf_run, hf_bytes = peers[peer_dtype]
     llama = None
     if args.llama_cpp:
-        if "llama_cpp" not in peers:
-            from bench.peers import llama_cpp_peer as llama_cpp
-            from tandem.engine.loader import default_model_path
+        from bench.peers import llama_cpp_peer as llama_cpp
 
-            llm = llama_cpp.load(str(default_model_path()), args.threads, n_ctx=2048)
-            peers["llama_cpp"] = lambda: llama_cpp.batch1_rate(llm, prompts, args.tokens)
-        llama = peers["llama_cpp"]
+        # in a process of its own each round (bench/peers/llama_cpp_peer.py: its spinning threads and torch's)
+        llama = lambda: llama_cpp.measure("batch1", prompts, args.tokens, args.threads)["tokens_per_s"]  # noqa: E731
     # This machine's speed drifts (shared host): interleave the systems and the bandwidth probe, and
     # report medians over rounds, so a ratio compares measurements taken seconds apart.
     rounds = [(read_bandwidth(gib=0.5, repeats=3), decode_rate(run, prompts, args.tokens),

@@ -27,7 +27,7 @@ synchronizes the device around every timed span, gives each engine an explicit K
 peer share the GPU), and names the GPU (`gpu`, torch.cuda.get_device_name) instead of the CPU probe.
 
 --llama-cpp adds llama.cpp's batched decode of the largest level's requests on the same GGUF file (one context,
-a sequence each; bench/peers/llama_cpp_peer.py, after `make bench-peers`) to every round, reported as
+a sequence each; bench/peers/llama_cpp_peer.py in a process of its own, after `make bench-peers`) to every round, reported as
 `speedup_vs_llama_cpp_batched` (tandem float32 or bfloat16 against llama.cpp on the file's own Q4_1 weights).
 --weights packed runs tandem on the GGUF file's own 4-bit weights too (bfloat16 compute; its transformers peers in
 bfloat16, which expands them).
@@ -252,10 +252,9 @@ def measure(args: argparse.Namespace) -> dict:
     llama = None
     if args.llama_cpp:
         from bench.peers import llama_cpp_peer as llama_cpp
-        from tandem.engine.loader import default_model_path
 
-        llm = llama_cpp.load(str(default_model_path()), args.threads, n_ctx=2048)
-        llama = lambda: llama_cpp.batched_rate(llm, requests[:max(levels)], args.tokens, args.threads)  # noqa: E731
+        # in a process of its own each round (bench/peers/llama_cpp_peer.py: its spinning threads and torch's)
+        llama = lambda: llama_cpp.measure("batched", requests[:max(levels)], args.tokens, args.threads)  # noqa: E731
     # This machine's speed drifts (shared host): each round measures every level and the peer back to back, and
     # the reported numbers are medians over rounds (speed-ups: median of the per-round ratios).
     rounds = []

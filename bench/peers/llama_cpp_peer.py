@@ -2,6 +2,12 @@
 it for this CPU): batch-1 decode, and batched decode of many sequences at once, greedy, with the same threads.
 
     .venv/bin/python bench/peers/llama_cpp_peer.py [--threads 2] [--tokens 64] [--sequences 64]
+    .venv/bin/python bench/peers/llama_cpp_peer.py --prompts FILE.json --mode batch1|batched   # one measurement
+
+The benchmarks that compare with it (decode_roofline.py, engine_throughput.py --llama-cpp) run it in a process of
+its own for each round (`measure`, the second form above): in the benchmark's process its threads, which wait for
+work spinning, take the cores from torch's between its calls (measured: tandem's 8-request rate fell from 250-300
+to 76-88 tok/s beside it), and torch's from it.
 
 Batch-1 decode rate is measured as bench/decode_roofline.py measures tandem: (tokens - 1) / (time of a
 `tokens`-token generation - time of a 1-token one), so prefill and set-up cancel out. Batched decode: `sequences`
@@ -112,6 +118,23 @@ def batched_rate(llm, prompts: list[list[int]], tokens: int, threads: int) -> di
             "token_ids": outputs}
 
 
+def measure(mode: str, prompts: list[list[int]], tokens: int, threads: int) -> dict:
+    """One measurement of llama.cpp on the embedded GGUF file in a process of its own (see the module docstring):
+    mode "batch1" ({"tokens_per_s"}: batch1_rate over prompts) or "batched" (batched_rate's numbers). Raises
+    RuntimeError with its output when it fails."""
+    import subprocess
+    import tempfile
+
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
+        json.dump(prompts, f)
+        f.flush()
+        done = subprocess.run([sys.executable, __file__, "--prompts", f.name, "--mode", mode, "--tokens", str(tokens),
+                               "--threads", str(threads)], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"llama.cpp's {mode} measurement failed: {done.stderr.strip()[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def main() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     from bench.machine import machine_line
@@ -121,7 +144,19 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--sequences", type=int, default=64)
+    parser.add_argument("--prompts", default=None, help="a JSON list of token id lists: one measurement of them")
+    parser.add_argument("--mode", choices=["batch1", "batched"], default="batch1", help="with --prompts")
     args = parser.parse_args()
+    if args.prompts is not None:
+        requests = json.loads(Path(args.prompts).read_text())
+        llm = load(str(default_model_path()), args.threads, n_ctx=2048)
+        if args.mode == "batch1":
+            print(json.dumps({"tokens_per_s": batch1_rate(llm, requests, args.tokens)}))
+        else:
+            result = batched_rate(llm, requests, args.tokens, args.threads)
+            result.pop("token_ids")
+            print(json.dumps(result))
+        return
     tokenizer = load_model(None, weights=False, progress=False).tokenizer
     from bench.engine_throughput import prompts
 

@@ -29,6 +29,7 @@ def library_error() -> str | None:
     torch.library.register_fake("tandem_cpu::q4_1_linear_wide", _product_like)
     torch.library.register_fake("tandem_cpu::q8_0_linear", _product_like)
     torch.library.register_fake("tandem_cpu::paged_decode", _decode_like)
+    torch.library.register_fake("tandem_cpu::block_project", _held_product_like)
     return None
 
 
@@ -49,6 +50,10 @@ def supported_paths() -> list[str]:
 
 
 def _product_like(x: torch.Tensor, blocks: torch.Tensor, n: int, path: int) -> torch.Tensor:
+    return x.new_empty(x.shape[0], n)
+
+
+def _held_product_like(x: torch.Tensor, handle: int, n: int, path: int, kind: int) -> torch.Tensor:
     return x.new_empty(x.shape[0], n)
 
 

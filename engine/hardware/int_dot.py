@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import torch
 
-from tandem.engine.hardware.cpu_kernels import PATHS, supported_paths  # noqa: F401 - PATHS: the ops' paths
-
 BLOCK = 32  # weights per block
 
 

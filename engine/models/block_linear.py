@@ -10,9 +10,11 @@ A prompt of many rows is computed by the kernels too when `Linear`-style dense w
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
-from tandem.engine.hardware.int_dot import q4_1_blocks, q4_1_linear, q8_0_blocks, q8_0_linear
+from tandem.engine.hardware.int_dot import q4_1_blocks, q8_0_blocks
 from tandem.engine.models.int4 import GROUP, Int4Weight
 
 
@@ -25,6 +27,10 @@ class BlockLinear:
         self.blocks, self.format, self.path, self.wide = blocks, fmt, path, wide
         self.out_features, self.in_features = out_features, in_features
         self.bias = bias
+        # The kernels hold the blocks under a handle, so that a call (and a compiled graph) passes an int, not the
+        # weight; given back when this projection goes.
+        self.handle = torch.ops.tandem_cpu.register_blocks(blocks)
+        weakref.finalize(self, torch.ops.tandem_cpu.release_blocks, self.handle).atexit = False
 
     kernel = "int_dot"  # as Linear.kernel names its kernel
     GROUP = GROUP  # the weights of a block
@@ -45,13 +51,15 @@ class BlockLinear:
         return cls(q8_0_blocks(weight), "q8_0", *weight.shape, bias, path=path)
 
     @property
+    def kind(self) -> int:
+        """The kernels' kind of product (int_dot.cpp Kind): Q4_1 with int8 or int16 activations, or Q8_0."""
+        return 2 if self.format == "q8_0" else 1 if self.wide else 0
+
+    @property
     def nbytes(self) -> int:
         total = self.blocks.numel()
         return total + (0 if self.bias is None else self.bias.numel() * self.bias.element_size())
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.format == "q4_1":
-            out = q4_1_linear(x, self.blocks, self.out_features, self.path, wide=self.wide)
-        else:
-            out = q8_0_linear(x, self.blocks, self.out_features, self.path)
+        out = torch.ops.tandem_cpu.block_project(x, self.handle, self.out_features, self.path, self.kind)
         return out if self.bias is None else out + self.bias.to(out.dtype)

@@ -25,6 +25,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <mutex>
 #include <type_traits>
 #include <vector>
 
@@ -495,6 +496,55 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t n
   return out;
 }
 
+// Blocks held by handle (register_blocks): what a compiled graph calls with an int instead of a tensor, so that the
+// graph has no weight among its inputs (no guard on them, nothing lifted) and calls C++ with nothing in between.
+std::mutex& registry_lock() {
+  static std::mutex lock;
+  return lock;
+}
+
+std::vector<at::Tensor>& registry() {
+  static std::vector<at::Tensor> held;
+  return held;
+}
+
+int64_t register_blocks(const at::Tensor& blocks) {
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous() && blocks.is_cpu(),
+              "int_dot: blocks must be a contiguous uint8 [groups of 8 rows, blocks * bytes] CPU tensor");
+  std::lock_guard<std::mutex> guard(registry_lock());
+  auto& held = registry();
+  for (size_t i = 0; i < held.size(); ++i) {
+    if (!held[i].defined()) {
+      held[i] = blocks;
+      return static_cast<int64_t>(i);
+    }
+  }
+  held.push_back(blocks);
+  return static_cast<int64_t>(held.size() - 1);
+}
+
+void release_blocks(int64_t handle) {
+  std::lock_guard<std::mutex> guard(registry_lock());
+  auto& held = registry();
+  TORCH_CHECK(handle >= 0 && handle < static_cast<int64_t>(held.size()) && held[handle].defined(),
+              "int_dot: no blocks are held under handle ", handle);
+  held[handle] = at::Tensor();
+}
+
+at::Tensor held_blocks(int64_t handle) {
+  std::lock_guard<std::mutex> guard(registry_lock());
+  auto& held = registry();
+  TORCH_CHECK(handle >= 0 && handle < static_cast<int64_t>(held.size()) && held[handle].defined(),
+              "int_dot: no blocks are held under handle ", handle);
+  return held[handle];
+}
+
+// kind: 0 Q4_1, 1 Q4_1 with int16 activations, 2 Q8_0 (Kind).
+at::Tensor block_project(const at::Tensor& x, int64_t handle, int64_t n, int64_t path, int64_t kind) {
+  TORCH_CHECK(kind >= kQ4_1 && kind <= kQ8_0, "int_dot: unknown kind ", kind);
+  return block_linear(x, held_blocks(handle), n, path, static_cast<Kind>(kind));
+}
+
 at::Tensor q4_1_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t n, int64_t path) {
   return block_linear(x, blocks, n, path, kQ4_1);
 }
@@ -514,10 +564,14 @@ TORCH_LIBRARY(tandem_cpu, m) {
   m.def("q4_1_linear_wide(Tensor x, Tensor blocks, int n, int path) -> Tensor");
   m.def("q8_0_linear(Tensor x, Tensor blocks, int n, int path) -> Tensor");
   m.def("supported_paths() -> int", &supported_paths);
+  m.def("register_blocks(Tensor blocks) -> int", &register_blocks);
+  m.def("release_blocks(int handle) -> ()", &release_blocks);
+  m.def("block_project(Tensor x, int handle, int n, int path, int kind) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) {
   m.impl("q4_1_linear", &q4_1_linear);
   m.impl("q4_1_linear_wide", &q4_1_linear_wide);
   m.impl("q8_0_linear", &q8_0_linear);
+  m.impl("block_project", &block_project);
 }

@@ -127,6 +127,33 @@ def test_bad_arguments_are_refused_with_a_message():
         int_dot.q8_0_blocks(torch.randn(8, 40))
 
 
+def test_blocks_held_by_handle_give_the_same_products_and_go_when_their_projection_does():
+    """BlockLinear registers its blocks with the kernels (a compiled graph then passes an int, not the weight) and
+    gives them back when it is collected; a handle given back is refused."""
+    import gc
+
+    from tandem.engine.models.block_linear import BlockLinear
+    from tandem.engine.models.int4 import Int4Weight
+
+    if library_error() is not None:
+        pytest.skip(library_error())
+    g = torch.Generator().manual_seed(3)
+    weight = Int4Weight(torch.randint(0, 16, (24, 64), dtype=torch.uint8, generator=g),
+                        torch.rand(24, 2, generator=g) / 8, torch.rand(24, 2, generator=g))
+    x = torch.randn(2, 64, generator=g)
+    projection = BlockLinear.q4_1(weight, None)
+    direct = int_dot.q4_1_linear(x, projection.blocks, 24)
+    assert torch.equal(projection(x), direct)
+    handle = projection.handle
+    del projection
+    gc.collect()
+    with pytest.raises(RuntimeError, match=f"no blocks are held under handle {handle}"):
+        torch.ops.tandem_cpu.block_project(x, handle, 24, 0, 0)
+    again = BlockLinear.q4_1(weight, None)
+    assert again.handle == handle  # the freed slot is reused
+    assert torch.equal(again(x), direct)
+
+
 def dense_decode(q, kv, table, length, window):
     """One sequence's decode attention by softmax over its blocks' first `length` positions (within window)."""
     hk, d = kv.shape[2], kv.shape[4]
