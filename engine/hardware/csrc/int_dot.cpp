@@ -234,57 +234,49 @@ inline int32_t load_i32(const int8_t* p) {
   return v;
 }
 
-template <int R>
-TANDEM_AVX2 void q4_1_group_avx2(const GroupArgs& a, float* out) {
-  __m256 acc[R], offsets[R];
-  for (int j = 0; j < R; ++j) acc[j] = offsets[j] = _mm256_setzero_ps();
-  const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
-  for (int64_t b = 0; b < a.nb; ++b) {
-    const uint8_t* blk = a.w + b * kQ4Group;
-    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
-    const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16)));
-    __m256i v[8];
-    TANDEM_Q4_CODES(blk, v)
-    for (int j = 0; j < R; ++j) {
-      const int8_t* q = a.q + j * a.k + b * kBlock;
-      // pairs of code (<= 15) x activation (|q| <= 127): eight sums of two stay within int16
-      __m256i pairs = _mm256_maddubs_epi16(v[0], _mm256_set1_epi32(load_i32(q)));
-      for (int c = 1; c < 8; ++c) {
-        pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(v[c], _mm256_set1_epi32(load_i32(q + 4 * c))));
-      }
-      const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
-      acc[j] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(a.dx[j * a.nb + b])), dot, acc[j]);
-      offsets[j] = _mm256_fmadd_ps(m, _mm256_set1_ps(a.sx[j * a.nb + b]), offsets[j]);
-    }
+// One block's dot products of eight rows' codes v (unsigned, <= 15) with one row's int8 activations q: int32 x 8.
+TANDEM_AVX2 inline __m256i q4_dot_avx2(const __m256i* v, const int8_t* q) {
+  // pairs of code (<= 15) x activation (|q| <= 127): eight sums of two stay within int16
+  __m256i pairs = _mm256_maddubs_epi16(v[0], _mm256_set1_epi32(load_i32(q)));
+  for (int c = 1; c < 8; ++c) {
+    pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(v[c], _mm256_set1_epi32(load_i32(q + 4 * c))));
   }
-  for (int j = 0; j < R; ++j) _mm256_storeu_ps(out + j * kRows, _mm256_add_ps(acc[j], offsets[j]));
+  return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
 }
 
-template <int R>
-TANDEM_VNNI void q4_1_group_vnni(const GroupArgs& a, float* out) {
-  __m256 acc[R], offsets[R];
-  for (int j = 0; j < R; ++j) acc[j] = offsets[j] = _mm256_setzero_ps();
-  const __m256i low = _mm256_set1_epi8(0x0f);
-  for (int64_t b = 0; b < a.nb; ++b) {
-    const uint8_t* blk = a.w + b * kQ4Group;
-    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
-    const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16)));
-    __m256i v[8];
-    TANDEM_Q4_CODES(blk, v)
-    for (int j = 0; j < R; ++j) {
-      const int8_t* q = a.q + j * a.k + b * kBlock;
-      __m256i even = _mm256_setzero_si256(), odd = _mm256_setzero_si256();  // two chains, half the latency
-      for (int c = 0; c < 8; c += 2) {
-        even = _mm256_dpbusd_epi32(even, v[c], _mm256_set1_epi32(load_i32(q + 4 * c)));
-        odd = _mm256_dpbusd_epi32(odd, v[c + 1], _mm256_set1_epi32(load_i32(q + 4 * c + 4)));
-      }
-      const __m256 dot = _mm256_cvtepi32_ps(_mm256_add_epi32(even, odd));
-      acc[j] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(a.dx[j * a.nb + b])), dot, acc[j]);
-      offsets[j] = _mm256_fmadd_ps(m, _mm256_set1_ps(a.sx[j * a.nb + b]), offsets[j]);
-    }
+TANDEM_VNNI inline __m256i q4_dot_vnni(const __m256i* v, const int8_t* q) {
+  __m256i even = _mm256_setzero_si256(), odd = _mm256_setzero_si256();  // two chains, half the latency
+  for (int c = 0; c < 8; c += 2) {
+    even = _mm256_dpbusd_epi32(even, v[c], _mm256_set1_epi32(load_i32(q + 4 * c)));
+    odd = _mm256_dpbusd_epi32(odd, v[c + 1], _mm256_set1_epi32(load_i32(q + 4 * c + 4)));
   }
-  for (int j = 0; j < R; ++j) _mm256_storeu_ps(out + j * kRows, _mm256_add_ps(acc[j], offsets[j]));
+  return _mm256_add_epi32(even, odd);
 }
+
+// Q4_1's group kernel with int8 activations on one path: DOT is q4_dot_avx2 or q4_dot_vnni.
+#define TANDEM_Q4_1_GROUP(NAME, TARGET, DOT)                                                                  \
+  template <int R>                                                                                            \
+  TARGET void NAME(const GroupArgs& a, float* out) {                                                          \
+    __m256 acc[R], offsets[R];                                                                                \
+    for (int j = 0; j < R; ++j) acc[j] = offsets[j] = _mm256_setzero_ps();                                    \
+    const __m256i low = _mm256_set1_epi8(0x0f);                                                               \
+    for (int64_t b = 0; b < a.nb; ++b) {                                                                      \
+      const uint8_t* blk = a.w + b * kQ4Group;                                                                \
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));               \
+      const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16)));          \
+      __m256i v[8];                                                                                           \
+      TANDEM_Q4_CODES(blk, v)                                                                                 \
+      for (int j = 0; j < R; ++j) {                                                                           \
+        const __m256 dot = _mm256_cvtepi32_ps(DOT(v, a.q + j * a.k + b * kBlock));                            \
+        acc[j] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(a.dx[j * a.nb + b])), dot, acc[j]);         \
+        offsets[j] = _mm256_fmadd_ps(m, _mm256_set1_ps(a.sx[j * a.nb + b]), offsets[j]);                     \
+      }                                                                                                       \
+    }                                                                                                         \
+    for (int j = 0; j < R; ++j) _mm256_storeu_ps(out + j * kRows, _mm256_add_ps(acc[j], offsets[j]));         \
+  }
+
+TANDEM_Q4_1_GROUP(q4_1_group_avx2, TANDEM_AVX2, q4_dot_avx2)
+TANDEM_Q4_1_GROUP(q4_1_group_vnni, TANDEM_VNNI, q4_dot_vnni)
 
 inline int64_t load_i64(const int16_t* p) {
   int64_t v;
@@ -360,45 +352,31 @@ TANDEM_VNNI inline __m256i q8_dot_vnni(const __m256i* w_abs, const __m256i* w, c
   return _mm256_add_epi32(even, odd);
 }
 
-template <int R>
-TANDEM_AVX2 void q8_0_group_avx2(const GroupArgs& a, float* out) {
-  __m256 acc[R];
-  for (int j = 0; j < R; ++j) acc[j] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < a.nb; ++b) {
-    const uint8_t* blk = a.w + b * kQ8Group;
-    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
-    __m256i w[8], w_abs[8];
-    for (int c = 0; c < 8; ++c) {
-      w[c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 + 32 * c));
-      w_abs[c] = _mm256_sign_epi8(w[c], w[c]);
-    }
-    for (int j = 0; j < R; ++j) {
-      const __m256 dot = _mm256_cvtepi32_ps(q8_dot_avx2(w_abs, w, a.q + j * a.k + b * kBlock));
-      acc[j] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(a.dx[j * a.nb + b])), dot, acc[j]);
-    }
+// Q8_0's group kernel on one path: ABS makes |w|, DOT is q8_dot_avx2 or q8_dot_vnni.
+#define TANDEM_Q8_0_GROUP(NAME, TARGET, ABS, DOT)                                                              \
+  template <int R>                                                                                            \
+  TARGET void NAME(const GroupArgs& a, float* out) {                                                          \
+    __m256 acc[R];                                                                                            \
+    for (int j = 0; j < R; ++j) acc[j] = _mm256_setzero_ps();                                                 \
+    for (int64_t b = 0; b < a.nb; ++b) {                                                                      \
+      const uint8_t* blk = a.w + b * kQ8Group;                                                                \
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));               \
+      __m256i w[8], w_abs[8];                                                                                 \
+      for (int c = 0; c < 8; ++c) {                                                                           \
+        w[c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 + 32 * c));                       \
+        w_abs[c] = ABS(w[c]);                                                                                 \
+      }                                                                                                       \
+      for (int j = 0; j < R; ++j) {                                                                           \
+        const __m256 dot = _mm256_cvtepi32_ps(DOT(w_abs, w, a.q + j * a.k + b * kBlock));                     \
+        acc[j] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(a.dx[j * a.nb + b])), dot, acc[j]);         \
+      }                                                                                                       \
+    }                                                                                                         \
+    for (int j = 0; j < R; ++j) _mm256_storeu_ps(out + j * kRows, acc[j]);                                    \
   }
-  for (int j = 0; j < R; ++j) _mm256_storeu_ps(out + j * kRows, acc[j]);
-}
 
-template <int R>
-TANDEM_VNNI void q8_0_group_vnni(const GroupArgs& a, float* out) {
-  __m256 acc[R];
-  for (int j = 0; j < R; ++j) acc[j] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < a.nb; ++b) {
-    const uint8_t* blk = a.w + b * kQ8Group;
-    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
-    __m256i w[8], w_abs[8];
-    for (int c = 0; c < 8; ++c) {
-      w[c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 + 32 * c));
-      w_abs[c] = _mm256_abs_epi8(w[c]);
-    }
-    for (int j = 0; j < R; ++j) {
-      const __m256 dot = _mm256_cvtepi32_ps(q8_dot_vnni(w_abs, w, a.q + j * a.k + b * kBlock));
-      acc[j] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(a.dx[j * a.nb + b])), dot, acc[j]);
-    }
-  }
-  for (int j = 0; j < R; ++j) _mm256_storeu_ps(out + j * kRows, acc[j]);
-}
+#define TANDEM_ABS_AVX2(w) _mm256_sign_epi8(w, w)
+TANDEM_Q8_0_GROUP(q8_0_group_avx2, TANDEM_AVX2, TANDEM_ABS_AVX2, q8_dot_avx2)
+TANDEM_Q8_0_GROUP(q8_0_group_vnni, TANDEM_VNNI, _mm256_abs_epi8, q8_dot_vnni)
 
 #endif
 
