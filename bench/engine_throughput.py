@@ -27,8 +27,8 @@ synchronizes the device around every timed span, gives each engine an explicit K
 peer share the GPU), and names the GPU (`gpu`, torch.cuda.get_device_name) instead of the CPU probe.
 
 --llama-cpp adds llama.cpp's batched decode of the largest level's requests on the same GGUF file (one context,
-a sequence each; bench/peers/llama_cpp_peer.py in a process of its own, after `make bench-peers`) to every round, reported as
-`speedup_vs_llama_cpp_batched` (tandem float32 or bfloat16 against llama.cpp on the file's own Q4_1 weights).
+a sequence each; bench/peers/llama_cpp_peer.py in a process of its own, after `make bench-peers`) to every round,
+reported as `speedup_vs_llama_cpp_batched` (tandem float32 or bfloat16 against llama.cpp on the file's own Q4_1 weights).
 --weights packed runs tandem on the GGUF file's own 4-bit weights too (bfloat16 compute; its transformers peers in
 bfloat16, which expands them).
 
