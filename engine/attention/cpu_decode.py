@@ -8,16 +8,19 @@ A quantized cache, or a query of another dtype than the cache's float32 / bfloat
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from tandem.engine.attention.metadata import AttentionMetadata
 from tandem.engine.hardware.cpu_kernels import library_error
 
 
-def supports(q: torch.Tensor, kv: torch.Tensor) -> bool:
-    """Whether the kernel takes queries like q over a cache like kv (the caller checks the cache is not quantized)."""
+def supports(q_dtype: torch.dtype, kv: torch.Tensor) -> bool:
+    """Whether the kernel takes queries of q_dtype over a cache like kv (the caller checks the cache is not
+    quantized)."""
     return library_error() is None and kv.is_contiguous() and kv.device.type == "cpu" and (
-        (kv.dtype, q.dtype) in ((torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+        (kv.dtype, q_dtype) in ((torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
                                 (torch.bfloat16, torch.float32)))
 
 
@@ -29,3 +32,28 @@ def paged_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch.Te
     return torch.ops.tandem_cpu.paged_decode(q.contiguous(), k.contiguous().to(q.dtype), v.contiguous().to(q.dtype),
                                              kv, meta.slot_mapping, meta.block_tables, meta.seq_lens_tensor, scale,
                                              window or 0, path)
+
+
+@dataclass(frozen=True)
+class PagedStep:
+    """What every layer of one decode step passes the kernel besides its own q, k, v and cache, worked out once a
+    step: the compiled step calls the kernel with it directly, without the backend's checks and Python per layer
+    (TorchAttentionBackend.takes_paged decided it once for the step). windows: each layer's (0: none)."""
+
+    slots: torch.Tensor
+    tables: torch.Tensor
+    lengths: torch.Tensor
+    scale: float
+    windows: tuple[int, ...]
+    path: int
+
+    @classmethod
+    def of(cls, meta: AttentionMetadata, scale: float, windows: tuple[int, ...], path: int) -> PagedStep:
+        return cls(meta.slot_mapping, meta.block_tables, meta.seq_lens_tensor, scale, windows, path)
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor,
+                 layer: int) -> torch.Tensor:
+        """paged_decode's result for `layer` (q, k, v of the query's dtype), [B, Hq * D]."""
+        return torch.ops.tandem_cpu.paged_decode(q.contiguous(), k.contiguous(), v.contiguous(), kv, self.slots,
+                                                 self.tables, self.lengths, self.scale, self.windows[layer],
+                                                 self.path).view(q.shape[0], -1)

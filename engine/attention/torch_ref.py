@@ -69,8 +69,7 @@ class TorchAttentionBackend:
                 meta: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
         """q: [T, Hq, D]; k, v: [T, Hk, D] for the new tokens; kv: the layer's cache (see the module docstring).
         Writes k/v to the cache and returns the attention output [T, Hq * D]."""
-        if meta.is_decode_only and self.decode_plan.kernel_for(meta.num_seqs) == "paged" and not is_quantized(kv) \
-                and cpu_decode.supports(q, kv):
+        if self.takes_paged(meta, kv, q.dtype):
             return cpu_decode.paged_decode(q, k, v, kv, meta, scale, window, self.kernel_path).reshape(q.shape[0], -1)
         self.write_kv(k, v, kv, meta)
         if meta.is_decode_only:
@@ -80,6 +79,11 @@ class TorchAttentionBackend:
         else:
             out = self._mixed(q, k, v, kv, meta, scale, window)
         return out.reshape(q.shape[0], -1)
+
+    def takes_paged(self, meta: AttentionMetadata, kv: torch.Tensor, q_dtype: torch.dtype) -> bool:
+        """Whether forward runs this step's attention (queries of q_dtype, a cache like kv) on the paged kernel."""
+        return meta.is_decode_only and self.decode_plan.kernel_for(meta.num_seqs) == "paged" and \
+            not is_quantized(kv) and cpu_decode.supports(q_dtype, kv)
 
     def _decode(self, q, kv, meta, scale, window):
         """One new token per sequence: gather each sequence's blocks into a padded batch [B, Hk, S, D].

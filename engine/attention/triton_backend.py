@@ -66,6 +66,9 @@ class TritonAttentionBackend(TorchAttentionBackend):
         return (f"attention kernels tuned in {time.perf_counter() - start:.1f} s: decode "
                 f"{triton_decode._split_kernel.best_config}; prefill {triton_prefill._prefill_kernel.best_config}")
 
+    def takes_paged(self, meta: AttentionMetadata, kv: torch.Tensor, q_dtype: torch.dtype) -> bool:
+        return False  # the CPU's paged kernel: never here
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor,
                 meta: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
         self.write_kv(k, v, kv, meta)

@@ -51,6 +51,7 @@ from tandem.engine.models.mlp import GatedMLP
 
 if TYPE_CHECKING:
     from tandem.engine.attention import AttentionMetadata
+    from tandem.engine.attention.cpu_decode import PagedStep
     from tandem.engine.kv.kv_cache import PagedKVCache
     from tandem.engine.models.cuda_graphs import CudaGraphDecode
     from tandem.engine.models.llama import LlamaModel
@@ -77,6 +78,7 @@ class StepContext:
     meta: AttentionMetadata
     kv_cache: PagedKVCache
     on_layer: Callable[[int], None] | None
+    paged: PagedStep | None  # where every layer's attention is the paged kernel: its shared arguments
 
 
 def compile_enabled(setting: bool | None) -> bool:
@@ -113,6 +115,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, model: int, layer:
     step = getattr(_step, "context", None)
     if step is None:
         return q.new_zeros(q.shape[0], q.shape[1] * q.shape[2])
+    if step.paged is not None:  # the kernel itself: about 10 us a layer less than the backend's forward
+        return step.paged(q, k, v, step.kv_cache.layer(layer), layer)
     return _models[model].attend(layer, q, k, v, step.meta, step.kv_cache, step.on_layer)
 
 
@@ -169,6 +173,7 @@ class CompiledDecode:
         self.fallbacks = 0  # steps run eager because they would have needed another compilation
         handle = next(_handles)
         _models[handle] = model
+        self._model = model
         for projection in model.projections():  # a projection keeps its handle: graphs compiled earlier hold it
             if not hasattr(projection, "compile_handle"):
                 projection.compile_handle = register_projection(projection)
@@ -223,7 +228,8 @@ class CompiledDecode:
                  kv_cache: PagedKVCache, on_layer: Callable[[int], None] | None) -> torch.Tensor | None:
         """The step's hidden states, or None if it needs a graph warm-up did not compile (the caller runs it
         eager)."""
-        _step.context = StepContext(meta, kv_cache, on_layer)
+        paged = self._model.paged_step(meta, kv_cache) if on_layer is None else None
+        _step.context = StepContext(meta, kv_cache, on_layer, paged)
         try:
             # Guards: only those that differ between this step's two graphs (the batch size) are checked; what the
             # others check (the model and its weights) does not change after warm-up.

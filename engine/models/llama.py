@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from tandem.engine.attention import AttentionMetadata, TorchAttentionBackend
+from tandem.engine.attention.cpu_decode import PagedStep
 from tandem.engine.attention.torch_ref import fixed_decode_plan, tuned_decode_plan
 from tandem.engine.hardware.cpu_kernels import kernel_path
 from tandem.engine.errors import ModelLoadError
@@ -220,7 +221,7 @@ class LlamaModel:
                 input_norm=take(p + "input_layernorm.weight"),
                 post_norm=take(p + "post_attention_layernorm.weight"),
                 qkv=linear([a + "q_proj", a + "k_proj", a + "v_proj"], None if tp == 1 else [q_rows, kv_rows, kv_rows],
-                           normed_input=True),
+                           wide_input=True),
                 o=linear([a + "o_proj"], columns=None if tp == 1 else q_rows),
                 mlp=ffn,
                 window=config.sliding_windows[n],
@@ -347,6 +348,14 @@ class LlamaModel:
         if on_layer is not None:
             on_layer(self.shard.layers[index])
         return out
+
+    def paged_step(self, meta: AttentionMetadata, kv_cache: PagedKVCache) -> PagedStep | None:
+        """The paged kernel's arguments every layer shares where this step's attention runs on it in every layer
+        (attention.takes_paged), else None. The compiled step calls the kernel with them instead of `attend`."""
+        if not self.layers or not self.attention.takes_paged(meta, kv_cache.layer(0), self.dtype):
+            return None
+        windows = tuple(layer.window or 0 for layer in self.layers)
+        return PagedStep.of(meta, self.scale, windows, self.attention.kernel_path)
 
     def run_layers(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor | None,
                    ops: LayerOps) -> torch.Tensor:

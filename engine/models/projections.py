@@ -137,14 +137,17 @@ class ProjectionBuilder:
         return torch.float32 if self.quantize or (head and self._q8_head) else self.dtype
 
     def linear(self, names: list[str], rows: list[range | None] | None = None, columns: range | None = None,
-               head: bool = False, normed_input: bool = False) -> Projection:
+               head: bool = False, wide_input: bool = False) -> Projection:
         """One projection from the concatenated [out, in] weights of `names`: of each, only the output rows
         in `rows` (column parallel) or the input columns in `columns` (row parallel: the bias, a term of the
         sum, stays on TP rank 0 only) are read. head: the LM head (int8 when the weights are quantized).
-        normed_input: its input is a layer's normed residual stream (QKV), whose few very large channels leave
-        little of int8's range to the rest of their block: on the integer-dot kernels its activations are
-        quantized to int16 (measured on the embedded model: the KL from float32 over a 300-token prompt 0.035
-        with int8, 0.0024 with int16 for QKV alone, for about 3% of the step)."""
+        wide_input: its input has a few very large channels that leave little of int8's range to the rest of
+        their block (QKV's, a layer's normed residual stream, and down's, SiLU(gate) * up): on the integer-dot
+        kernels its activations are quantized to int16. Measured on the embedded model against float32 (KL at
+        the last position, tests/engine/models/test_int4.py's prompts): int8 everywhere 0.035 on a 300-token
+        prompt; int16 for QKV at most 0.013 under one torch capability and 0.022 under another (the same
+        products, float rounding elsewhere tipping int8 codes of down's input); int16 for QKV and down at most
+        0.0057 under both, for about 5% of the step on AVX2, 3% on AVX-512 VNNI."""
         rows = rows or [None] * len(names)
         parts = [self.weights.pop(f"{n}.weight") for n in names]
         if head:
@@ -158,7 +161,7 @@ class ProjectionBuilder:
                 and not (head and self.quantize)):
             weight = Int4Weight.cat(parts)
             if self.int_dot is not None and weight.group == BlockLinear.GROUP:
-                return BlockLinear.q4_1(weight, bias, path=self.int_dot, wide=normed_input)
+                return BlockLinear.q4_1(weight, bias, path=self.int_dot, wide=wide_input)
             return Int4Linear(weight, bias, device=self.device)
         weight = torch.cat([read_weight(p, r, columns, dtype=self._read_dtype(head), device=self.device)
                             for p, r in zip(parts, rows)])
@@ -179,4 +182,5 @@ class ProjectionBuilder:
     def mlp(self, names: tuple[str, str, str], size: int) -> GatedMLP:
         """A gated MLP (gate, up, down) of `size` columns, split over the rank's TP group."""
         split = None if self.tp == 1 else split_evenly(size, self.tp)[self.tp_index]
-        return GatedMLP(self.linear(list(names[:2]), [split, split]), self.linear([names[2]], columns=split))
+        return GatedMLP(self.linear(list(names[:2]), [split, split]),
+                        self.linear([names[2]], columns=split, wide_input=True))

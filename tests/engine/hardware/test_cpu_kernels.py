@@ -179,7 +179,7 @@ def test_paged_decode_attention_matches_softmax_over_the_blocks(path, dtypes, he
     meta = AttentionMetadata.build([1] * 3, [n - 1 for n in lengths], tables, bs, torch.device("cpu"))
     q = torch.randn(3, hk * group, head_dim, generator=g).to(q_dtype)
     k, v = (torch.randn(3, hk, head_dim, generator=g).to(q_dtype) for _ in range(2))
-    assert cpu_decode.supports(q, kv)
+    assert cpu_decode.supports(q.dtype, kv)
     out = cpu_decode.paged_decode(q, k, v, kv, meta, head_dim ** -0.5, window, path_number(path))
     slot = meta.slot_mapping
     for i, n in enumerate(lengths):  # the new K and V were written first, then read

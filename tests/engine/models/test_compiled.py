@@ -97,6 +97,55 @@ def test_a_batch_without_a_warmed_up_graph_runs_eager(tiny, caplog):
     assert "needs a graph warm-up did not compile" in caplog.text
 
 
+def test_a_decode_step_calls_the_paged_kernel_itself(tiny, monkeypatch):
+    """Where the backend runs the paged kernel, the compiled step calls it with the step's shared arguments
+    (PagedStep), never through the backend; the outputs and the cache written are eager's. A quantized cache,
+    which the kernel does not read, goes through the backend's gather. (The backend's functions are counted at
+    module level: patching its class would fail the graph's guards.)"""
+    from tandem.engine.attention import AttentionMetadata, cpu_decode, torch_ref
+    from tandem.engine.attention.cpu_decode import PagedStep
+    from tandem.engine.hardware.cpu_kernels import library_error
+    from tandem.engine.kv.kv_cache import KVCacheSpec, PagedKVCache
+
+    if library_error() is not None:
+        pytest.skip(f"tandem's CPU kernels do not run here: {library_error()}")
+    model = tiny.model
+    compiled = compile_decode(model, max_batch=2)
+    calls = {}
+
+    def count(owner, name):
+        fn = getattr(owner, name)
+
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        monkeypatch.setattr(owner, name, call)
+
+    count(PagedStep, "__call__")
+    count(cpu_decode, "paged_decode")
+    count(torch_ref, "decode_kernel")
+    meta = AttentionMetadata.build([1, 1], [20, 7], [[0, 1], [2]], 16, torch.device("cpu"))
+    with torch.inference_mode():  # as the engine's steps are (warm-up's graphs are for inference tensors)
+        ids, positions = torch.tensor([5, 6]), torch.tensor([19, 6])
+    for kv_dtype, takes in ((model.dtype, True), (torch.int8, False)):
+        spec = KVCacheSpec(len(model.layers), 4, 16, model.num_kv_heads, model.config.head_dim, kv_dtype)
+        kv, eager_kv = PagedKVCache(spec), PagedKVCache(spec)
+        if takes:  # earlier tokens' keys and values to attend to (a quantized cache's stay zeros, scales too)
+            kv.data.copy_(torch.randn(kv.data.shape, generator=torch.Generator().manual_seed(0)))
+            eager_kv.data.copy_(kv.data)
+        calls.update({"__call__": 0, "paged_decode": 0, "decode_kernel": 0})
+        with torch.inference_mode():
+            out = compiled(ids, positions, meta, kv, None)
+            layers = len(model.layers)
+            assert calls == {"__call__": layers if takes else 0, "paged_decode": 0,
+                             "decode_kernel": 0 if takes else layers}, kv_dtype
+            assert compiled.steps == (1 if takes else 2)
+            expected = model.forward(ids, positions, meta, eager_kv)
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+        if takes:  # (a quantized cache's codes and scale bytes may round the other way: its outputs are compared)
+            torch.testing.assert_close(kv.data, eager_kv.data, rtol=1e-5, atol=1e-5)  # fused rotary: not bitwise
+
+
 def test_compilation_failure_leaves_the_engine_eager(tiny, monkeypatch, caplog):
     import torch._inductor.compile_fx as compile_fx
 
