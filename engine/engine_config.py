@@ -189,8 +189,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     check_integrity: bool = False  # verify KV ownership after every step (debug; costs O(blocks) per step)
     attention_backend: AttentionBackend = "auto"
-    # Compile the decode step (engine/models/compiled.py) at start-up; None: as TANDEM_COMPILE says (default on).
-    compile: bool | None = None
+    # Compile the decode step (engine/models/compiled.py) at start-up; "background": on the CPU, serve eager at once
+    # while it compiles in a thread, then compiled; None: as TANDEM_COMPILE says (default on).
+    compile: bool | Literal["background"] | None = None
     # Speculative decoding (engine/decoding/speculation.py): None decodes one token per step.
     speculative: SpeculativeConfig | None = None
     kv_cache_dtype: KVCacheDtype = "auto"

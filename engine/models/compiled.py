@@ -81,15 +81,45 @@ class StepContext:
     paged: PagedStep | None  # where every layer's attention is the paged kernel: its shared arguments
 
 
-def compile_enabled(setting: bool | None) -> bool:
-    """The config's setting, or where it is None, TANDEM_COMPILE (on or off; default on). Raises ValueError for
-    another value, as TANDEM_KERNEL_TUNING does."""
-    if setting is not None:
-        return setting
+def compile_mode(setting: bool | str | None) -> str:
+    """"on", "off" or "background" (CPU: eager steps until a thread has compiled the step): the config's setting,
+    or where it is None, TANDEM_COMPILE (on, off or background; default on). TANDEM_COMPILE=off turns a
+    "background" setting off too (the setting says how to compile, the variable whether: a machine that should not
+    compile at all, a test suite's). Raises ValueError for another value, as TANDEM_KERNEL_TUNING does."""
     value = os.environ.get(COMPILE_ENV, "on").strip().lower() or "on"
-    if value not in ("on", "off"):
-        raise ValueError(f"{COMPILE_ENV} must be on or off, got {os.environ[COMPILE_ENV]!r}")
-    return value == "on"
+    if value not in ("on", "off", "background"):
+        raise ValueError(f"{COMPILE_ENV} must be on, off or background, got {os.environ[COMPILE_ENV]!r}")
+    if setting == "background" and value == "off":
+        return "off"
+    return value if setting is None else {True: "on", False: "off"}.get(setting, setting)
+
+
+def compile_enabled(setting: bool | str | None) -> bool:
+    """Whether the decode step is compiled at all (now or in the background): compile_mode's answer is not off."""
+    return compile_mode(setting) != "off"
+
+
+class BackgroundCompile:
+    """compile_decode run in a thread while the engine serves eager: `assign(compiled)` is called with its result
+    (the compiled step, or None where it failed, as compile_decode logs), and `done` is set after it."""
+
+    def __init__(self, compile: Callable[[], CompiledDecode | None], assign: Callable[[CompiledDecode | None], None]):
+        self.done = threading.Event()
+        self.seconds: float | None = None
+
+        def run() -> None:
+            start = time.perf_counter()
+            try:
+                assign(compile())
+            finally:
+                self.seconds = time.perf_counter() - start
+                self.done.set()
+
+        self._thread = threading.Thread(target=run, name="tandem-compile-decode", daemon=True)
+        self._thread.start()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self.done.wait(timeout)
 
 
 def register_projection(projection: Callable) -> int:
@@ -309,9 +339,12 @@ def _capture_cuda_graphs(model: LlamaModel, max_batch: int, kv_cache: PagedKVCac
     return graphs
 
 
-def decode_step_summary(model: LlamaModel, enabled: bool, compiled: CompiledDecode | CudaGraphDecode | None) -> str:
+def decode_step_summary(model: LlamaModel, enabled: bool, compiled: CompiledDecode | CudaGraphDecode | None,
+                        background: bool = False) -> str:
     """How a rank runs decode steps, for the replica's ready line: compiled (or as CUDA graphs) for which batch
     sizes, or eager and why."""
+    if background:
+        return "eager until the step compiled in the background is ready"
     if compiled is not None:
         return f"{compiled.kind} ({compiled.buckets} sequences)"
     if not enabled:

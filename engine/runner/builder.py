@@ -21,7 +21,7 @@ from tandem.engine.hardware.device import RankPlacement
 from tandem.engine.kv.kv_cache import KVCacheSpec, PagedKVCache, store_memory_of
 from tandem.engine.kv.tier_store import TierStore
 from tandem.engine.loader.model_loader import LoadedModel
-from tandem.engine.models.compiled import compile_decode, compile_enabled, decode_step_summary
+from tandem.engine.models.compiled import BackgroundCompile, compile_decode, compile_mode, decode_step_summary
 from tandem.engine.models.decode_bucket import blocks_per_sequence
 from tandem.engine.models.lora import LoRASlots
 from tandem.engine.parallel.layout import ParallelConfig, ReplicaLayout
@@ -101,13 +101,17 @@ def _one_process(request: ExecutorRequest) -> Built:
     num_blocks = config.num_blocks(bytes_per_block, available_memory_bytes(device), device.type == "cuda")
     tune_for(loaded.model, config.block_size, kv_dtype=request.kv_dtype)  # frees what it takes before the cache
     kv_cache = PagedKVCache(request.replica_spec(num_blocks), device, store_memory_of(request.kv_agent, device))
-    compiling = compile_enabled(config.compile)
+    mode = compile_mode(config.compile)
+    compiling = mode != "off"
+    # In the background: the CPU's compiled step (a GPU captures its graphs before serving; a draft model's step
+    # compiles with it, before its warm-up).
+    background = mode == "background" and device.type == "cpu" and draft is None
     spec_tokens = config.speculative.max_tokens if config.speculative is not None else 0
     # Full CUDA graphs take block tables as wide as a sequence can need: max_model_len's blocks, at most the cache's.
     max_len = config.max_model_len or loaded.config.max_position_embeddings
     max_blocks = min(blocks_per_sequence(max_len, config.block_size), num_blocks)
     compiled = compile_decode(loaded.model, config.max_num_seqs, 1 + spec_tokens, kv_quantized=share.quantized,
-                              kv_cache=kv_cache, max_blocks=max_blocks) if compiling else None
+                              kv_cache=kv_cache, max_blocks=max_blocks) if compiling and not background else None
     proposer = None
     if draft is not None:
         tune_for(draft.model, config.block_size)
@@ -124,9 +128,13 @@ def _one_process(request: ExecutorRequest) -> Built:
         tiers = TierStore(kv_cache, request.tiers.host_slots, request.tiers.rank_folder(0))
     runner = ModelRunner(loaded.model, kv_cache, compiled=compiled, layer_observer=agent, grammars=request.grammars,
                          tiers=tiers)
+    if background:  # steps read runner.compiled each time: the first after the thread sets it runs compiled
+        runner.background_compile = BackgroundCompile(
+            lambda: compile_decode(loaded.model, config.max_num_seqs, 1 + spec_tokens),
+            lambda step: setattr(runner, "compiled", step))
     placement = RankPlacement(0, os.getpid(), str(device), os.environ.get("CUDA_VISIBLE_DEVICES"),
                               loaded.model.attention.choice.summary(), current_cpus(),
-                              decode_step_summary(loaded.model, compiling, compiled))
+                              decode_step_summary(loaded.model, compiling, compiled, background))
     return Built(LocalExecutor(runner, agent, placement), proposer)
 
 

@@ -96,6 +96,7 @@ class ModelRunner:
         self.samples = samples
         self.micro_batches = micro_batches if comm is not None and comm.layout.pp > 1 else 1
         self.compiled = compiled
+        self.background_compile = None  # compile: background's BackgroundCompile, which sets `compiled` when ready
         self.layer_observer = layer_observer
         self.tiers = tiers
         self.times = RunnerTimes()

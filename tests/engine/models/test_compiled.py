@@ -12,8 +12,8 @@ import torch
 from tandem.engine.core.llm_engine import LLMEngine
 from tandem.engine.engine_config import EngineConfig
 from tandem.engine.loader import load_model
-from tandem.engine.models.compiled import (INDUCTOR_FOLDER, compile_decode, compile_enabled, decode_step_summary,
-                                           why_not_compiled)
+from tandem.engine.models.compiled import (INDUCTOR_FOLDER, compile_decode, compile_enabled, compile_mode,
+                                           decode_step_summary, why_not_compiled)
 from tandem.engine.models.step import run_step
 from tandem.engine.sampling_params import SamplingParams
 from tests.engine.engine_helpers import run_all
@@ -75,6 +75,26 @@ def test_tiny_models_compiled_equal_eager(tiny):
         compiled = engine.executor.runner.compiled
         assert _greedy(engine, prompts, 40) == expected
         assert compiled.steps > 0 and compiled.compiles == 2 and compiled.fallbacks == 0
+
+
+def test_compiled_in_the_background_the_engine_serves_at_once(tiny, monkeypatch):
+    """compile: background starts the engine without the compiled step and serves eager while a thread compiles
+    it; the steps after it is ready run compiled, and the output is eager's throughout."""
+    prompts = [list(range(10, 10 + n)) for n in (5, 17, 30, 9, 12)]
+    with _engine(tiny, False) as eager:
+        expected = _greedy(eager, prompts, 40)
+    monkeypatch.setenv("TANDEM_COMPILE", "on")  # (the suite's off would turn background off)
+    config = EngineConfig(num_kv_blocks=256, max_num_seqs=4, compile="background", enable_prefix_caching=False)
+    with LLMEngine(tiny, config) as engine:
+        runner = engine.executor.runner
+        assert engine.rank_placements[0].decode_step == "eager until the step compiled in the background is ready"
+        assert _greedy(engine, prompts, 40) == expected  # eager, compiled, or first one then the other
+        assert runner.background_compile.wait(600) and runner.background_compile.seconds > 0
+        compiled = runner.compiled
+        assert compiled is not None and compiled.compiles == 2
+        steps = compiled.steps
+        assert _greedy(engine, prompts, 40) == expected
+        assert compiled.steps > steps and compiled.fallbacks == 0
 
 
 def test_a_batch_without_a_warmed_up_graph_runs_eager(tiny, caplog):
@@ -182,8 +202,13 @@ def test_the_setting(monkeypatch):
     assert compile_enabled(None) is False and compile_enabled(True) is True
     monkeypatch.setenv("TANDEM_COMPILE", "on")
     assert compile_enabled(False) is False
+    monkeypatch.setenv("TANDEM_COMPILE", "background")
+    assert compile_mode(None) == "background" and compile_enabled(None) is True
+    assert compile_mode(True) == "on" and compile_mode(False) == "off" and compile_mode("background") == "background"
+    monkeypatch.setenv("TANDEM_COMPILE", "off")  # whether to compile at all: a background setting too
+    assert compile_mode("background") == "off" and compile_mode(True) == "on"
     monkeypatch.setenv("TANDEM_COMPILE", "no")  # a typo must not silently compile (or not)
-    with pytest.raises(ValueError, match="TANDEM_COMPILE must be on or off"):
+    with pytest.raises(ValueError, match="TANDEM_COMPILE must be on, off or background"):
         compile_enabled(None)
 
 
