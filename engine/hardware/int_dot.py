@@ -82,11 +82,14 @@ def q8_0_blocks(weight: torch.Tensor) -> torch.Tensor:
     return blocks.reshape(blocks.shape[0], -1).contiguous()
 
 
+WIDE_LIMIT = 127 * 256 + 127  # the wide codes' bound (int_dot.cpp kWideMax): each splits in two int8 halves
+
+
 def q4_1_linear(x: torch.Tensor, blocks: torch.Tensor, n: int, path: int = 0, *, wide: bool = False) -> torch.Tensor:
     """x [M, K] (float32 or bfloat16) @ the first n rows of the Q4_1 groups' weights [N, K].T -> [M, n] in x's
-    dtype. wide: x quantized to int16 per block instead of int8 (activations kept to 1/32767 of each block's
+    dtype. wide: x quantized to int16 per block instead of int8 (activations kept to 1/WIDE_LIMIT of each block's
     largest rather than 1/127: for inputs whose blocks mix a few large values with small ones), at about twice
-    the arithmetic."""
+    the arithmetic (the SIMD paths run the int8 products on each int8 half of the codes)."""
     if wide:
         return torch.ops.tandem_cpu.q4_1_linear_wide(x, blocks, n, path)
     return torch.ops.tandem_cpu.q4_1_linear(x, blocks, n, path)
@@ -101,7 +104,7 @@ def quantize_rows(x: torch.Tensor, *, wide: bool = False) -> tuple[torch.Tensor,
     """The activations as the kernels quantize them: codes [M, K] (int8, or int16 when wide) and per-block scales
     [M, K / 32] (float32), x ~= codes * scale. The tests' reference."""
     m, k = x.shape
-    limit = 32767 if wide else 127
+    limit = WIDE_LIMIT if wide else 127
     blocks = x.float().view(m, k // BLOCK, BLOCK)
     d = blocks.abs().amax(dim=-1) / limit
     inverse = torch.where(d > 0, 1 / d, torch.zeros_like(d))

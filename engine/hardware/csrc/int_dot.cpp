@@ -72,21 +72,26 @@ uint16_t load_u16(const uint8_t* p) {
   return v;
 }
 
-// x's rows quantized per block: q [M, K] int8, dx [M, nb] scale, sx [M, nb] = dx * sum(q of the block). The
-// buffers are the calling thread's, reused from call to call.
 // x's rows quantized per block: codes [M, K] (int8, or int16 for the wide products), dx [M, nb] scale, sx [M, nb]
-// = dx * sum(codes of the block). The buffers are the calling thread's, reused from call to call.
+// = dx * sum(codes of the block). The wide products' int16 codes c are also split for the SIMD paths into int8
+// halves, c = 256 * hi + lo (hi in q, lo in lo), so that they run the int8 products twice: sum(w * c) =
+// 256 * sum(w * hi) + sum(w * lo), the same integer. The buffers are the calling thread's, reused from call to call.
 struct Quantized {
   std::vector<int8_t> q;
+  std::vector<int8_t> lo;
   std::vector<int16_t> q16;
   std::vector<float> dx;
   std::vector<float> sx;
 };
 
+// The wide products' codes: within +-kWideMax, so that hi = (c + 128) >> 8 stays within int8 (|hi| <= 127) and
+// lo = c - 256 * hi within [-128, 127].
+constexpr int kWideMax = 127 * 256 + 127;
+
 inline float as_float(float v) { return v; }
 inline float as_float(at::BFloat16 v) { return static_cast<float>(v); }
 
-// One block of 32 values quantized to codes within +-kMax (127 for int8, 32767 for int16): its codes into q, returns
+// One block of 32 values quantized to codes within +-kMax (127 for int8, kWideMax for int16): its codes into q, returns
 // its scale; *sum gets the codes' sum. Inlined into each path's quantize_rows, so that its loops vectorize for that
 // path's instruction set.
 template <typename T, typename Code, int kMax>
@@ -141,7 +146,18 @@ void quantize_into(Path path, const T* x, int64_t m, int64_t k, Code* q, Quantiz
   quantize_plain<T, Code, kMax>(x, m, k, q, out.dx.data(), out.sx.data());
 }
 
-// wide: int16 codes (for the Q4_1 products with wide activations), else int8.
+// Each int16 code c as 256 * hi + lo, hi and lo int8 (Quantized).
+void split_codes(const int16_t* c, int64_t n, int8_t* hi, int8_t* lo) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    const int h = (c[i] + 128) >> 8;
+    hi[i] = static_cast<int8_t>(h);
+    lo[i] = static_cast<int8_t>(c[i] - 256 * h);
+  }
+}
+
+// wide: int16 codes (for the Q4_1 products with wide activations; on the SIMD paths split in two int8 halves), else
+// int8.
 template <typename T>
 void quantize_rows(Path path, const T* x, int64_t m, int64_t k, bool wide, Quantized& out) {
   const int64_t nb = k / kBlock;
@@ -149,7 +165,12 @@ void quantize_rows(Path path, const T* x, int64_t m, int64_t k, bool wide, Quant
   out.sx.resize(m * nb);
   if (wide) {
     out.q16.resize(m * k);
-    quantize_into<T, int16_t, 32767>(path, x, m, k, out.q16.data(), out);
+    quantize_into<T, int16_t, kWideMax>(path, x, m, k, out.q16.data(), out);
+    if (path != kScalar) {
+      out.q.resize(m * k);
+      out.lo.resize(m * k);
+      split_codes(out.q16.data(), m * k, out.q.data(), out.lo.data());
+    }
   } else {
     out.q.resize(m * k);
     quantize_into<T, int8_t, 127>(path, x, m, k, out.q.data(), out);
@@ -161,8 +182,9 @@ void quantize_rows(Path path, const T* x, int64_t m, int64_t k, bool wide, Quant
 struct GroupArgs {
   const uint8_t* w;  // the group's blocks
   int64_t nb;        // blocks a row
-  const int8_t* q;   // the first activation row's codes (int8 products)
-  const int16_t* q16;  // the first activation row's codes (wide products)
+  const int8_t* q;   // the first activation row's codes (int8 products; the wide products' high halves)
+  const int8_t* lo;  // the wide products' low halves (SIMD paths)
+  const int16_t* q16;  // the first activation row's codes (wide products, scalar path)
   const float* dx;
   const float* sx;
   int64_t k;  // activation row stride (codes)
@@ -171,7 +193,7 @@ struct GroupArgs {
 
 // Q4_1 x8 block: code of row r, weight i (0..31) sits in byte 32 + 32 * (c % 4) + 4 * r + i % 4 where c = i / 4,
 // the low nibble for c < 4 and the high nibble for c >= 4. Code: the activations' codes, int8 (a.q) or int16
-// (a.q16, the wide products: activations kept to 1 / 32767 of each block's largest).
+// (a.q16, the wide products: activations kept to 1 / kWideMax of each block's largest).
 template <typename Code>
 void q4_1_group_scalar(const GroupArgs& a, float* out) {
   const Code* codes = std::is_same_v<Code, int8_t> ? reinterpret_cast<const Code*>(a.q)
@@ -253,8 +275,9 @@ TANDEM_VNNI inline __m256i q4_dot_vnni(const __m256i* v, const int8_t* q) {
   return _mm256_add_epi32(even, odd);
 }
 
-// Q4_1's group kernel with int8 activations on one path: DOT is q4_dot_avx2 or q4_dot_vnni.
-#define TANDEM_Q4_1_GROUP(NAME, TARGET, DOT)                                                                  \
+// Q4_1's group kernel on one path: DOT is q4_dot_avx2 or q4_dot_vnni; WIDE: the activations' codes are int16 split
+// in halves (Quantized), each half's products computed as the int8 ones and the high half's shifted by 8 bits.
+#define TANDEM_Q4_1_GROUP(NAME, TARGET, DOT, WIDE)                                                            \
   template <int R>                                                                                            \
   TARGET void NAME(const GroupArgs& a, float* out) {                                                          \
     __m256 acc[R], offsets[R];                                                                                \
@@ -267,56 +290,9 @@ TANDEM_VNNI inline __m256i q4_dot_vnni(const __m256i* v, const int8_t* q) {
       __m256i v[8];                                                                                           \
       TANDEM_Q4_CODES(blk, v)                                                                                 \
       for (int j = 0; j < R; ++j) {                                                                           \
-        const __m256 dot = _mm256_cvtepi32_ps(DOT(v, a.q + j * a.k + b * kBlock));                            \
-        acc[j] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(a.dx[j * a.nb + b])), dot, acc[j]);         \
-        offsets[j] = _mm256_fmadd_ps(m, _mm256_set1_ps(a.sx[j * a.nb + b]), offsets[j]);                     \
-      }                                                                                                       \
-    }                                                                                                         \
-    for (int j = 0; j < R; ++j) _mm256_storeu_ps(out + j * kRows, _mm256_add_ps(acc[j], offsets[j]));         \
-  }
-
-TANDEM_Q4_1_GROUP(q4_1_group_avx2, TANDEM_AVX2, q4_dot_avx2)
-TANDEM_Q4_1_GROUP(q4_1_group_vnni, TANDEM_VNNI, q4_dot_vnni)
-
-inline int64_t load_i64(const int16_t* p) {
-  int64_t v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-// Wide activations: each chunk's codes widened to int16 (rows 0-3 in one vector, 4-7 in the other), times the four
-// int16 activations of the chunk broadcast, pairs summed (vpmaddwd, or vpdpwssd with VNNI); the two halves' pair
-// sums are added (vphaddd) and put back in row order once a block.
-#define TANDEM_Q4_X16_GROUP(NAME, TARGET, MADD)                                                               \
-  template <int R>                                                                                            \
-  TARGET void NAME(const GroupArgs& a, float* out) {                                                          \
-    __m256 acc[R], offsets[R];                                                                                \
-    for (int j = 0; j < R; ++j) acc[j] = offsets[j] = _mm256_setzero_ps();                                    \
-    const __m256i low = _mm256_set1_epi8(0x0f);                                                               \
-    const __m256i order = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7);                                          \
-    for (int64_t b = 0; b < a.nb; ++b) {                                                                      \
-      const uint8_t* blk = a.w + b * kQ4Group;                                                                \
-      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));               \
-      const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16)));          \
-      __m256i first[R], second[R];                                                                            \
-      for (int j = 0; j < R; ++j) first[j] = second[j] = _mm256_setzero_si256();                              \
-      for (int p = 0; p < 4; ++p) {                                                                           \
-        const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32 + 32 * p));       \
-        for (int half = 0; half < 2; ++half) {                                                                \
-          const __m256i v = half ? _mm256_and_si256(_mm256_srli_epi16(packed, 4), low)                        \
-                                 : _mm256_and_si256(packed, low);                                             \
-          const int c = p + 4 * half;                                                                         \
-          const __m256i rows_low = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(v));                           \
-          const __m256i rows_high = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(v, 1));                     \
-          for (int j = 0; j < R; ++j) {                                                                       \
-            const __m256i q = _mm256_set1_epi64x(load_i64(a.q16 + j * a.k + b * kBlock + 4 * c));             \
-            first[j] = MADD(first[j], rows_low, q);                                                           \
-            second[j] = MADD(second[j], rows_high, q);                                                        \
-          }                                                                                                   \
-        }                                                                                                     \
-      }                                                                                                       \
-      for (int j = 0; j < R; ++j) {                                                                           \
-        const __m256i sums = _mm256_permutevar8x32_epi32(_mm256_hadd_epi32(first[j], second[j]), order);     \
+        const int64_t at = j * a.k + b * kBlock;                                                              \
+        __m256i sums = DOT(v, a.q + at);                                                                      \
+        if (WIDE) sums = _mm256_add_epi32(_mm256_slli_epi32(sums, 8), DOT(v, a.lo + at));                     \
         const __m256 dot = _mm256_cvtepi32_ps(sums);                                                          \
         acc[j] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(a.dx[j * a.nb + b])), dot, acc[j]);         \
         offsets[j] = _mm256_fmadd_ps(m, _mm256_set1_ps(a.sx[j * a.nb + b]), offsets[j]);                     \
@@ -325,10 +301,10 @@ inline int64_t load_i64(const int16_t* p) {
     for (int j = 0; j < R; ++j) _mm256_storeu_ps(out + j * kRows, _mm256_add_ps(acc[j], offsets[j]));         \
   }
 
-#define TANDEM_MADD_AVX2(acc, w, q) _mm256_add_epi32(acc, _mm256_madd_epi16(w, q))
-#define TANDEM_MADD_VNNI(acc, w, q) _mm256_dpwssd_epi32(acc, w, q)
-TANDEM_Q4_X16_GROUP(q4_1_x16_group_avx2, TANDEM_AVX2, TANDEM_MADD_AVX2)
-TANDEM_Q4_X16_GROUP(q4_1_x16_group_vnni, TANDEM_VNNI, TANDEM_MADD_VNNI)
+TANDEM_Q4_1_GROUP(q4_1_group_avx2, TANDEM_AVX2, q4_dot_avx2, false)
+TANDEM_Q4_1_GROUP(q4_1_group_vnni, TANDEM_VNNI, q4_dot_vnni, false)
+TANDEM_Q4_1_GROUP(q4_1_x16_group_avx2, TANDEM_AVX2, q4_dot_avx2, true)
+TANDEM_Q4_1_GROUP(q4_1_x16_group_vnni, TANDEM_VNNI, q4_dot_vnni, true)
 
 // Q8_0's codes are signed: |w| (unsigned) times q with w's sign, so that one operand is unsigned.
 TANDEM_AVX2 inline __m256i q8_dot_avx2(const __m256i* w_abs, const __m256i* w, const int8_t* q) {
@@ -449,7 +425,9 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t n
       const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, m - r0));
       const GroupFn fn = group_kernel(kind, chosen, rows);
       const bool wide = kind == kQ4_1Wide;
-      GroupArgs args{nullptr, nb, wide ? nullptr : qz.q.data() + r0 * k, wide ? qz.q16.data() + r0 * k : nullptr,
+      const bool halves = wide && chosen != kScalar;
+      GroupArgs args{nullptr, nb, wide && !halves ? nullptr : qz.q.data() + r0 * k,
+                     halves ? qz.lo.data() + r0 * k : nullptr, wide ? qz.q16.data() + r0 * k : nullptr,
                      qz.dx.data() + r0 * nb, qz.sx.data() + r0 * nb, k, rows};
       for (int64_t g = begin; g < end; ++g) {
         args.w = w + g * nb * group_bytes;
