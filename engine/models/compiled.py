@@ -109,6 +109,7 @@ class BackgroundCompile:
 
         def run() -> None:
             start = time.perf_counter()
+            _lower_priority()
             try:
                 assign(compile())
             finally:
@@ -278,6 +279,19 @@ class CompiledDecode:
             return None
         finally:
             _step.context = None
+
+
+BACKGROUND_NICE = 10  # the compiling thread's niceness above the engine's: its steps come first on a shared core
+
+
+def _lower_priority() -> None:
+    """This thread (and the compiler processes it starts, which inherit it) at BACKGROUND_NICE more niceness
+    (Linux schedules threads by their own niceness); elsewhere, or where it is refused, nothing changes."""
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + BACKGROUND_NICE)
+    except (AttributeError, OSError):
+        pass
 
 
 def _use_inductor_cache(folder: Path) -> None:
