@@ -26,7 +26,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-MANIFESTS = Path(__file__).resolve().parents[1] / "deploy" / "manifests"
+
 QUESTIONS = ["Write a short story about a lighthouse keeper.", "Explain how a hash map works.",
              "What are the advantages of trains over planes?", "Give me three tips for learning a language."]
 
@@ -110,11 +110,11 @@ def bench_cluster(name: str, requests: int, tokens: int, *, token_channel: bool 
 
     from tandem.bench.otlp_collector import OTLPCollector
     from tandem.cluster import launcher
-    from tandem.cluster.manifest_yaml import load_manifest
+    from tandem.bench.manifests import manifest_to_measure
     from tandem.cluster.observability_settings import ObservabilitySettings
     from tandem.router.client import TandemClient
 
-    manifest = load_manifest(MANIFESTS / name)
+    manifest = manifest_to_measure(name)
     collector = OTLPCollector() if traced else None
     observability = ObservabilitySettings(otlp_endpoint=collector.endpoint) if collector else manifest.observability
     manifest = manifest.model_copy(update={"listen": manifest.listen.model_copy(update={"grpc": "127.0.0.1:0"}),

@@ -60,9 +60,9 @@ def run_cluster(mode: str, args, maker, slo) -> list[tuple[float, dict]]:
 
     from tandem.bench.loadgen.backends import GrpcBackend
     from tandem.cluster import launcher
-    from tandem.cluster.manifest_yaml import load_manifest
+    from tandem.bench.manifests import manifest_to_measure
 
-    manifest = load_manifest(ROOT / "deploy" / "manifests" / MODES[mode])
+    manifest = manifest_to_measure(MODES[mode])
     manifest = manifest.model_copy(update={"listen": manifest.listen.model_copy(update={"grpc": "127.0.0.1:0"})})
     cluster = launcher.up(manifest, out=sys.stderr)
     try:

@@ -51,10 +51,10 @@ def run_mode(mode: str, args, disk: Path) -> dict:
     import ray
 
     from tandem.cluster import launcher
-    from tandem.cluster.manifest_yaml import load_manifest
+    from tandem.bench.manifests import manifest_to_measure
 
     pulls = mode.startswith("pulls-")
-    manifest = load_manifest(DISAGGREGATED if pulls else MANIFEST)
+    manifest = manifest_to_measure((DISAGGREGATED if pulls else MANIFEST).name)
     pool = manifest.pools.decode
     engine = pool.engine.model_copy(update={"speculative": None, "kv_tiers": None} if pulls else {
         "kv_cache_bytes": args.pool_blocks * BLOCK_BYTES, "speculative": None, "kv_tiers": None})

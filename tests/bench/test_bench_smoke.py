@@ -76,6 +76,20 @@ def test_every_benchmark_script_is_run_by_a_test():
     """A new bench/ script needs a smoke test here or a test of its own (then named in `own`)."""
     own = {"decode_roofline", "engine_throughput", "tenant_scheduling", "quantization", "disagg_scale", "soak",
            "speculative", "gc_pauses", "gpu_summary"}
-    helpers = {"machine", "model_choice", "otlp_collector", "disagg_markdown", "__init__"}
+    helpers = {"machine", "model_choice", "otlp_collector", "disagg_markdown", "manifests", "__init__"}
     scripts = {p.stem for p in (ROOT / "bench").glob("*.py")}
     assert scripts - own - helpers - set(IN_PROCESS) - set(CLUSTERS) == set()
+
+
+def test_the_cluster_benchmarks_time_replicas_compiled_before_serving():
+    """make run's manifests compile their decode pools in the background; the benchmarks run them compiling first
+    (the engine's default), so that no timed request is served beside the compiler. Nothing else changes."""
+    from tandem.bench.manifests import MANIFESTS, manifest_to_measure
+    from tandem.cluster.manifest_yaml import load_manifest
+
+    for name in ("local.yaml", "local-colocated.yaml"):
+        shipped, measured = load_manifest(MANIFESTS / name), manifest_to_measure(name)
+        assert shipped.pools.decode.engine.compile == "background" and measured.pools.decode.engine.compile is None
+        unchanged = measured.pools.decode.model_copy(update={"engine": shipped.pools.decode.engine})
+        assert unchanged == shipped.pools.decode and measured.router == shipped.router
+    assert manifest_to_measure("bench-colocated.yaml") == load_manifest(MANIFESTS / "bench-colocated.yaml")

@@ -1,0 +1,22 @@
+"""The shipped manifests as the cluster benchmarks run them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tandem.cluster.manifest_yaml import load_manifest
+
+MANIFESTS = Path(__file__).resolve().parents[1] / "deploy" / "manifests"
+
+
+def manifest_to_measure(name: str):
+    """deploy/manifests/<name>, each pool's `compile: background` made a compilation before the replica serves
+    (the engine's default, TANDEM_COMPILE): a benchmark times the replicas as they serve for good, not while a
+    thread compiles their step beside them (make run's manifests compile their decode pools in the background)."""
+    manifest = load_manifest(MANIFESTS / name)
+    pools = {}
+    for role in ("prefill", "decode"):
+        pool = getattr(manifest.pools, role)
+        if pool is not None and pool.engine.compile == "background":
+            pools[role] = pool.model_copy(update={"engine": pool.engine.model_copy(update={"compile": None})})
+    return manifest.model_copy(update={"pools": manifest.pools.model_copy(update=pools)}) if pools else manifest
