@@ -29,9 +29,7 @@ def paged_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch.Te
     """q [B, Hq, D], k and v [B, Hk, D] of a decode-only step's B sequences; kv one layer's cache [2, blocks, Hk,
     block_size, D], into which k and v are written at meta.slot_mapping. path: the kernels' path
     (engine/hardware/cpu_kernels.py PATHS; 0: the best here). Returns [B, Hq, D]."""
-    return torch.ops.tandem_cpu.paged_decode(q.contiguous(), k.contiguous().to(q.dtype), v.contiguous().to(q.dtype),
-                                             kv, meta.slot_mapping, meta.block_tables, meta.seq_lens_tensor, scale,
-                                             window or 0, path)
+    return PagedStep.of(meta, scale, (window or 0,), path)(q, k.to(q.dtype), v.to(q.dtype), kv, 0)
 
 
 @dataclass(frozen=True)
@@ -53,7 +51,7 @@ class PagedStep:
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor,
                  layer: int) -> torch.Tensor:
-        """paged_decode's result for `layer` (q, k, v of the query's dtype), [B, Hq * D]."""
+        """The kernel's result for `layer` (q, k, v of the query's dtype), [B, Hq, D]."""
         return torch.ops.tandem_cpu.paged_decode(q.contiguous(), k.contiguous(), v.contiguous(), kv, self.slots,
                                                  self.tables, self.lengths, self.scale, self.windows[layer],
-                                                 self.path).view(q.shape[0], -1)
+                                                 self.path)

@@ -147,7 +147,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, model: int, layer:
     if step is None:
         return q.new_zeros(q.shape[0], q.shape[1] * q.shape[2])
     if step.paged is not None:  # the kernel itself: about 10 us a layer less than the backend's forward
-        return step.paged(q, k, v, step.kv_cache.layer(layer), layer)
+        return step.paged(q, k, v, step.kv_cache.layer(layer), layer).view(q.shape[0], -1)
     return _models[model].attend(layer, q, k, v, step.meta, step.kv_cache, step.on_layer)
 
 
