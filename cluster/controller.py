@@ -46,6 +46,10 @@ _log = logging.getLogger(__name__)
 ROUTER_RESTART_TRIES = 10
 STANDBY_RETRY_S = 5.0  # after a standby router failed to start or died
 GONE_TIMEOUT_S = 5.0  # how long a replaced router may take to die before its successor binds its ports anyway
+# Heartbeats in a row the router may leave unanswered (HEARTBEAT_TIMEOUT_S each) before it is taken for hung and
+# replaced: one slow answer is a busy machine (a 2-core CI machine once missed one while a test computed beside the
+# cluster, and the live router, with its requests, was killed), and a dead router is replaced at once anyway.
+ROUTER_MISSED_HEARTBEATS = 3
 DEFAULT_STARTUP_S = 60.0  # a replica's start-up time until one was measured
 MAX_LOG_LINES = 2000  # progress and decision lines kept for `tandem up` and `tandem status --log`
 
@@ -275,16 +279,24 @@ class Controller:
             await asyncio.sleep(HEARTBEAT_S)
 
     async def _watch_router(self) -> None:
-        """Heartbeats the router; one that died or stopped answering is replaced on the same addresses by the warm
-        standby (or a new router if there is none), which rebuilds its prefix index from the replicas' snapshots
-        (its KV feed starts with none)."""
+        """Heartbeats the router; one that died, or left ROUTER_MISSED_HEARTBEATS in a row unanswered, is replaced on
+        the same addresses by the warm standby (or a new router if there is none), which rebuilds its prefix index
+        from the replicas' snapshots (its KV feed starts with none)."""
+        missed = 0
         while True:
             await asyncio.sleep(HEARTBEAT_S)
             try:
                 await asyncio.wait_for(self.router.stats.remote(), HEARTBEAT_TIMEOUT_S)
+                missed = 0
             except asyncio.TimeoutError:
-                await self._replace_router(f"it did not answer within {HEARTBEAT_TIMEOUT_S:g} s")
+                missed += 1
+                _log.warning("router: heartbeat %d unanswered within %g s", missed, HEARTBEAT_TIMEOUT_S)
+                if missed >= ROUTER_MISSED_HEARTBEATS:
+                    missed = 0
+                    await self._replace_router(f"it left {ROUTER_MISSED_HEARTBEATS} heartbeats in a row unanswered "
+                                               f"within {HEARTBEAT_TIMEOUT_S:g} s each")
             except ray.exceptions.RayError as e:
+                missed = 0
                 await self._replace_router(f"it died: {cause(e)}")
 
     async def _replace_router(self, why: str) -> None:

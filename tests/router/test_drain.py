@@ -71,11 +71,14 @@ def completion(url: str, prompt: str) -> httpx.Response:
 
 class Balancer:
     """What a load balancer does in front of two routers: it sends to the routers whose /health said 200 when it
-    last looked (every 50 ms), and sends a request refused with 503 + Retry-After (taken by nobody) to another."""
+    last looked (every 50 ms), and sends a request refused with 503 + Retry-After, or whose connection was refused
+    (a router gone before the balancer's next look), to another: neither was taken by anyone. connect_refused
+    counts the latter."""
 
     def __init__(self, urls: list[str]):
         self.urls, self.healthy = urls, list(urls)
         self.refused: list[httpx.Response] = []
+        self.connect_refused = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, daemon=True)
         self._thread.start()
@@ -88,7 +91,14 @@ class Balancer:
     def send(self, prompt: str, turn: int) -> httpx.Response:
         for attempt in range(len(self.urls)):
             urls = self.healthy
-            reply = completion(urls[(turn + attempt) % len(urls)], prompt)
+            try:
+                reply = completion(urls[(turn + attempt) % len(urls)], prompt)
+            except httpx.ConnectError:  # nothing was sent: safe to send elsewhere, as load balancers do
+                if attempt == len(self.urls) - 1:
+                    raise
+                self.connect_refused += 1
+                time.sleep(0.06)
+                continue
             if reply.status_code != 503:
                 return reply
             self.refused.append(reply)

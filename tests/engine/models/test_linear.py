@@ -86,14 +86,15 @@ def test_a_plan_runs_each_kernel_on_its_rows():
 
 def test_a_layer_switches_kernels_by_rows_and_keeps_its_results():
     """One stored weight, two kernels: a row's result does not depend on which ran it (float32 summation order
-    only)."""
+    only: the results are about 24 in size, sums of 576 products, and two orders differed by 2e-5 on an Intel
+    Xeon with AVX-512 FP16; a wrong row would be off by about its size)."""
     g = torch.Generator().manual_seed(5)
     weight, x = torch.randn(300, 576, generator=g), torch.randn(20, 576, generator=g)
     layer = Linear(weight, None, dtype=torch.float32, device=CPU,
                    plan=LinearPlan.of("columns", (1, "split"), (8, "onednn_t" if cpu_features().onednn else "split")))
     together = layer(x)
     alone = torch.cat([layer(x[i:i + 1]) for i in range(x.shape[0])])
-    torch.testing.assert_close(together, alone, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(together, alone, rtol=1e-5, atol=1e-4)
 
 
 def test_the_measured_plan_takes_the_layout_that_loses_least_and_the_fastest_kernel_per_bucket(tmp_path,
