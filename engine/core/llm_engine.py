@@ -320,6 +320,7 @@ class LLMEngine:
         if changes := self.lora.take_changes():
             schedule = dataclasses.replace(schedule, lora_changes=changes)
         executed = time.perf_counter()
+        version = self.executor.step_version()  # before the step: the runner reads its step as it starts
         result = self.executor.execute_step(schedule)
         if any(n > 1 + len(schedule.spec_tokens.get(i, ())) for i, n in schedule.num_scheduled_tokens.items()):
             self.prefill_tokens += schedule.total_num_scheduled_tokens  # a step that prefills: its speed
@@ -338,6 +339,8 @@ class LLMEngine:
         if not schedule.is_empty:
             self.num_steps += 1
             speculator = self.scheduler.speculator
+            if speculator is not None:
+                speculator.step_is(version)
             if speculator is not None and not schedule.forks and all(
                     n == 1 + len(schedule.spec_tokens.get(i, ())) for i, n in schedule.num_scheduled_tokens.items()):
                 speculator.step_timed(len(schedule.num_scheduled_tokens), schedule.total_num_scheduled_tokens,

@@ -18,7 +18,8 @@ the tokens it must first catch up on, spread over each sequence's expected remai
 guard: where, at about the current batch size, steps that verified proposals have cost more per emitted token than
 steps that did not, no proposals are made. After 32 declined steps in a row one step verifies them anyway (a
 probe), so that estimates follow a changing workload. At a large batch or a low acceptance the step thus runs as
-without speculation.
+without speculation. When the step itself changes (`compile: background`'s compiled step replacing the eager one:
+the executor's step_version), the step line and the guard's averages start again.
 
 Verification (engine/runner/) scores each sequence's proposals as a short chunk through the paged KV cache,
 and the scheduler keeps the accepted ones. Which sequences never speculate: those with structured output (the
@@ -158,6 +159,7 @@ class Speculator:
         # Seconds per emitted token of decode steps, by batch size (its bit length), [without, with] proposals.
         self._per_token: dict[int, list[_Average]] = {}
         self._output_length = _Average()  # tokens the replica's finished sequences generated
+        self._step_version = 0  # the executor's step_version the step costs were timed on
 
     def limit(self, seq: Seq, max_model_len: int) -> int:
         """How many tokens seq may propose this step: 0 when it must not speculate."""
@@ -329,6 +331,14 @@ class Speculator:
         target, self._proposal_seconds = seconds - self._proposal_seconds, 0.0
         if target > 0:
             self.cost.observe(num_tokens, target)
+
+    def step_is(self, version: int) -> None:
+        """The executor's step_version now: when it changed (a compiled step replaced the eager one), the step line
+        and the per-token averages, which timed the other step, start again."""
+        if version != self._step_version:
+            self._step_version = version
+            self.cost = StepCost()
+            self._per_token.clear()
 
     def _losing(self, num_seqs: int) -> bool:
         """Whether, at about this many sequences, steps that verified proposals have cost more per emitted token

@@ -31,6 +31,10 @@ class Executor(Protocol):
     def ranks_alive(self) -> list[bool]:
         """Whether each rank still runs, in rank order (safe from any thread)."""
 
+    def step_version(self) -> int:
+        """Changes when the step the ranks run changes cost: 1 once `compile: background`'s compiled step has
+        replaced the eager one, else 0 (the speculator's step costs describe the step they timed)."""
+
     def dead_ranks(self) -> list[str]:
         """The ranks that have exited, described (safe from any thread)."""
 
@@ -56,6 +60,9 @@ class LocalExecutor:
 
     def ranks_alive(self) -> list[bool]:
         return [True]
+
+    def step_version(self) -> int:
+        return int(self.runner.compiled is not None)
 
     def dead_ranks(self) -> list[str]:
         return []

@@ -163,6 +163,9 @@ class MultiprocExecutor:
         stats = self._collect(list(range(self.layout.world_size)), RankStats, time.monotonic() + self.step_timeout_s)
         return [stats[rank] for rank in range(self.layout.world_size)]
 
+    def step_version(self) -> int:
+        return 0  # the ranks compile before serving, if at all: their step never changes
+
     def ranks_alive(self) -> list[bool]:
         """Whether each rank's process runs, in rank order. Safe from any thread: it only looks at them."""
         return [proc.is_alive() for proc in self._procs]

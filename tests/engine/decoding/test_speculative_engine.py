@@ -363,3 +363,19 @@ def test_measured_steps_that_lose_turn_proposals_off_at_that_batch_size():
     planned = [speculator.plan(seqs, 16) for _ in range(Speculator.PROBE_EVERY + 1)]
     assert planned[:-1] == [{}] * Speculator.PROBE_EVERY and planned[-1]  # declined, then one probe
     assert speculator.plan(seqs[:1], 1)  # one sequence: nothing measured against it
+
+
+def test_a_new_step_starts_the_step_costs_again():
+    """compile: background swaps the eager step for the compiled one while the replica serves: the step line and
+    the per-token averages timed the eager step, so they start again (and only when the step changed)."""
+    speculator = Speculator(SpeculativeConfig(max_tokens=2))
+    for _ in range(10):
+        speculator.step_timed(16, 16, 16, 0.050, speculated=False)
+        speculator.step_timed(16, 20, 18, 0.080, speculated=True)
+    speculator.step_is(0)  # the step it timed: nothing changes
+    assert speculator.cost.known and speculator._losing(16)
+    speculator.step_is(1)  # the compiled step took over
+    assert not speculator.cost.known and not speculator._losing(16)
+    speculator.step_timed(16, 16, 16, 0.020, speculated=False)
+    speculator.step_is(1)
+    assert speculator.cost.line()[0] + 16 * speculator.cost.line()[1] == pytest.approx(0.020)
