@@ -47,8 +47,8 @@ ROUTER_RESTART_TRIES = 10
 STANDBY_RETRY_S = 5.0  # after a standby router failed to start or died
 GONE_TIMEOUT_S = 5.0  # how long a replaced router may take to die before its successor binds its ports anyway
 # Heartbeats in a row the router may leave unanswered (HEARTBEAT_TIMEOUT_S each) before it is taken for hung and
-# replaced: one slow answer is a busy machine (a 2-core CI machine once missed one while a test computed beside the
-# cluster, and the live router, with its requests, was killed), and a dead router is replaced at once anyway.
+# replaced: one slow answer may be a busy machine (on a 2-core machine a live router was replaced, its requests cut,
+# while a test computed beside the cluster), and a dead router is replaced at once anyway.
 ROUTER_MISSED_HEARTBEATS = 3
 DEFAULT_STARTUP_S = 60.0  # a replica's start-up time until one was measured
 MAX_LOG_LINES = 2000  # progress and decision lines kept for `tandem up` and `tandem status --log`

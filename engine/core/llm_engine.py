@@ -341,10 +341,10 @@ class LLMEngine:
             speculator = self.scheduler.speculator
             if speculator is not None:
                 speculator.step_is(version)
-            if speculator is not None and not schedule.forks and all(
-                    n == 1 + len(schedule.spec_tokens.get(i, ())) for i, n in schedule.num_scheduled_tokens.items()):
-                speculator.step_timed(len(schedule.num_scheduled_tokens), schedule.total_num_scheduled_tokens,
-                                      emitted, time.perf_counter() - start, bool(schedule.spec_tokens))
+                if not schedule.forks and all(n == 1 + len(schedule.spec_tokens.get(i, ()))
+                                              for i, n in schedule.num_scheduled_tokens.items()):
+                    speculator.step_timed(len(schedule.num_scheduled_tokens), schedule.total_num_scheduled_tokens,
+                                          emitted, time.perf_counter() - start, bool(schedule.spec_tokens))
         if self.config.check_integrity:
             self.scheduler.check_integrity()
         return list(outputs.values())

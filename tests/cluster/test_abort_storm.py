@@ -122,8 +122,7 @@ def test_an_abort_storm_under_steady_load_fails_nothing_else_recovers_and_leaks_
     during = rate(done, storm_start, storm_end)
     print(f"steady completions/s: before {before:.2f}, during the storm {during:.2f}, recovered {recovered:.2f}; "
           f"storm outcomes {dict((o, outcomes.count(o)) for o in set(outcomes))}; steady refusals {len(refusals)}; "
-          f"storm took "
-          f"{storm_end - storm_start:.1f} s")
+          f"storm took {storm_end - storm_start:.1f} s")
     assert before > 0 and recovered >= 0.6 * before, (before, recovered)
     greedy = {}
     for _, question, tokens in done:  # every steady run of a question gave the same greedy tokens

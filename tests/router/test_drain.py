@@ -72,13 +72,11 @@ def completion(url: str, prompt: str) -> httpx.Response:
 class Balancer:
     """What a load balancer does in front of two routers: it sends to the routers whose /health said 200 when it
     last looked (every 50 ms), and sends a request refused with 503 + Retry-After, or whose connection was refused
-    (a router gone before the balancer's next look), to another: neither was taken by anyone. connect_refused
-    counts the latter."""
+    (a router gone before the balancer's next look), to another: neither was taken by anyone."""
 
     def __init__(self, urls: list[str]):
         self.urls, self.healthy = urls, list(urls)
         self.refused: list[httpx.Response] = []
-        self.connect_refused = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, daemon=True)
         self._thread.start()
@@ -96,7 +94,6 @@ class Balancer:
             except httpx.ConnectError:  # nothing was sent: safe to send elsewhere, as load balancers do
                 if attempt == len(self.urls) - 1:
                     raise
-                self.connect_refused += 1
                 time.sleep(0.06)
                 continue
             if reply.status_code != 503:
