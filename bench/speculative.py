@@ -6,8 +6,10 @@ runs the engine with speculation (adaptive: the cost model picks how many propos
 without, and reports output tokens per second and the ratio:
   - batch 1: the workload's prompts one after the other, greedy (the suffix proposer sees the earlier ones' outputs,
     as a replica serving one user would);
-  - batch 16: 16 concurrent requests cycling over the prompts, sampled (temperature 0.8, seed per request), so that
-    each stream is different.
+  - batch 16: --requests (48) requests cycling over the prompts, 16 in flight at a time (a finished one's slot goes
+    to the next at once, as a serving replica's would), sampled (temperature 0.8, seed per request), so that each
+    stream is different. Several waves of requests make the run long enough (about 1500 tokens) that run-to-run
+    noise is a few percent, not the 15% of one 16-request wave.
 Each (round, setting) gets a fresh engine (the proposer's cache and the cost model start empty: no round learns from
 the last one's identical outputs), the settings in rotating order within a round; the reported figure is the median
 over rounds. Outputs are checked to be identical to those without speculation (in float32 they must be, sampled or
@@ -15,7 +17,8 @@ greedy; in bfloat16 the share that is, same_outputs, is reported).
 Acceptance: accepted / proposed tokens, and tokens per verified step, from the engine's own counters.
 
     .venv/bin/python bench/speculative.py [--rounds 3] [--tokens 96] [--k 4] [--threads 2]
-        [--workloads repetition,multi_turn,open_chat] [--proposers ngram,suffix,draft] [--replay] [--device cuda]
+        [--requests 48] [--batches 1,16] [--workloads repetition,multi_turn,open_chat]
+        [--proposers ngram,suffix,draft] [--replay] [--device cuda]
 
 The draft proposer's default draft ('self': the model's own GGUF weights packed 4-bit) runs on the CPU only, so
 --device cuda leaves it out of the default proposers.
@@ -76,23 +79,24 @@ WORKLOADS = {
 
 
 def engine_run(loaded, requests: list[list[int]], tokens: int, batch: int, speculative, k: int) -> dict:
-    """Runs requests through a fresh engine, `batch` at a time; returns tokens/s, outputs and speculation counters."""
+    """Runs requests through a fresh engine, at most `batch` at a time (batch 1: one after the other, greedy; more:
+    all queued at once, sampled); returns tokens/s, outputs and speculation counters."""
     from tandem.engine.core.llm_engine import LLMEngine
     from tandem.engine.engine_config import EngineConfig
     from tandem.engine.sampling_params import SamplingParams
 
-    config = EngineConfig(num_kv_blocks=1024, max_num_seqs=16, enable_prefix_caching=False, speculative=speculative)
+    config = EngineConfig(num_kv_blocks=1024, max_num_seqs=batch, enable_prefix_caching=False,
+                          speculative=speculative)
     outs: dict[str, list[int]] = {}
     with LLMEngine(loaded, config) as engine:
         start = time.perf_counter()
-        for first in range(0, len(requests), batch):
-            for i in range(first, min(first + batch, len(requests))):
-                params = SamplingParams(max_tokens=tokens, temperature=0 if batch == 1 else 0.8, seed=i)
-                engine.add_request(f"r{i}", requests[i], params)
-                outs[f"r{i}"] = []
-            while engine.has_unfinished_requests():
-                for out in engine.step():
-                    outs[out.request_id].extend(out.token_ids)
+        for i, prompt in enumerate(requests):
+            params = SamplingParams(max_tokens=tokens, temperature=0 if batch == 1 else 0.8, seed=i)
+            engine.add_request(f"r{i}", prompt, params)
+            outs[f"r{i}"] = []
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                outs[out.request_id].extend(out.token_ids)
         seconds = time.perf_counter() - start
         stats = engine.speculation_stats()
         steps = engine.num_steps
@@ -117,8 +121,8 @@ def measure(loaded, workloads: dict, args) -> dict:
     results: dict = {}
     for workload, chats in workloads.items():
         prompts = [loaded.tokenizer.encode_chat(c) for c in chats]
-        for batch in (1, 16):
-            requests = prompts if batch == 1 else [prompts[i % len(prompts)] for i in range(16)]
+        for batch in args.batches:
+            requests = prompts if batch == 1 else [prompts[i % len(prompts)] for i in range(args.requests)]
             runs: dict[str, list[dict]] = {name: [] for name in settings}
             for r in range(args.rounds):
                 names = list(settings)
@@ -201,6 +205,9 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=4, help="most tokens proposed per sequence and step")
     parser.add_argument("--tokens", type=int, default=96, help="output tokens per request at most")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--requests", type=int, default=48, help="requests of the batch-16 case, 16 in flight")
+    parser.add_argument("--batches", default="1,16", type=lambda text: [int(b) for b in text.split(",")],
+                        help="which of the cases to run: 1, 16 or both")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated subset")
     parser.add_argument("--proposers", default=None,
@@ -220,7 +227,7 @@ def main() -> None:
     workloads = {name: WORKLOADS[name] for name in args.workloads.split(",")}
     report = {"bench": "speculative", "machine": machine_line(), "device": args.device, "dtype": dtype,
               **({"gpu": torch.cuda.get_device_name()} if args.device == "cuda" else {}), "k": args.k,
-              "tokens": args.tokens,
+              "tokens": args.tokens, "requests": args.requests,
               "rounds": args.rounds, "engine": measure(loaded, workloads, args)}
     if args.replay:
         replayed: dict[str, dict] = {}

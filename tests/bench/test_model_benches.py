@@ -1,11 +1,13 @@
 """The model benchmarks (bench/decode_roofline.py, bench/engine_throughput.py) run every mode they offer and take
 another model (--model / --like, bench/model_choice.py): each is run here for a few tokens on a narrow dummy-weight
-shape, and decode_roofline's packed-int4 mode on the embedded model (slow), so a broken mode fails a test (one did,
-with `load_model() got an unexpected keyword argument 'packed'`)."""
+shape, decode_roofline's packed-int4 mode on the embedded model (slow), and bench/speculative.py's proposers, batch
+cases and replay on the embedded model, so a broken mode fails a test (one did, with `load_model() got an
+unexpected keyword argument 'packed'`)."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -18,9 +20,11 @@ from tests.engine.loader.test_dummy_weights import _narrow, _write
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def run_bench(script: str, *args: str) -> dict:
+def run_bench(script: str, *args: str, env_compile: str | None = None) -> dict:
+    """The script's JSON report; env_compile: TANDEM_COMPILE for its run (None: as the suite's)."""
+    env = os.environ | ({"TANDEM_COMPILE": env_compile} if env_compile is not None else {})
     run = subprocess.run([sys.executable, str(ROOT / "bench" / script), *args], capture_output=True, text=True,
-                         timeout=600, cwd=ROOT)
+                         timeout=600, cwd=ROOT, env=env)
     assert run.returncode == 0, run.stderr[-3000:]
     return json.loads(run.stdout.strip().splitlines()[-1])
 
@@ -59,3 +63,18 @@ def test_decode_roofline_runs_its_packed_int4_mode():
     run = report["runs"]["packed-int4"]
     assert "error" not in run, run
     assert run["tandem_tokens_per_s"] > 0 and report["model"] == "embedded SmolLM2-135M-Instruct"
+
+
+def test_speculative_runs_every_proposer_and_the_replay_on_both_batches():
+    """bench/speculative.py at its smallest: one round of 4 tokens, every proposer, both batch cases (the batch-16
+    case queues more requests than run at once) and the offline replay, eager (no compile) to stay short. The bench
+    itself exits when a proposer changed a float32 output."""
+    report = run_bench("speculative.py", "--rounds", "1", "--tokens", "4", "--requests", "18",
+                       "--workloads", "multi_turn", "--proposers", "ngram,suffix,draft", "--replay", env_compile="off")
+    for batch in ("batch_1", "batch_16"):
+        row = report["engine"]["multi_turn"][batch]
+        assert row["off"]["tokens_per_s"] > 0
+        for name in ("ngram", "suffix", "draft"):
+            assert row[name]["same_outputs"] == 1.0 and row[name]["tokens_per_s"] > 0, (batch, name, row[name])
+    assert report["requests"] == 18
+    assert set(report["offline_replay"]["multi_turn"]) == {"ngram", "suffix"}
