@@ -205,9 +205,9 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=4, help="most tokens proposed per sequence and step")
     parser.add_argument("--tokens", type=int, default=96, help="output tokens per request at most")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--requests", type=int, default=48, help="requests of the batch-16 case, 16 in flight")
+    parser.add_argument("--requests", type=int, default=48, help="requests of each case above batch 1, that many in flight")
     parser.add_argument("--batches", default="1,16", type=lambda text: [int(b) for b in text.split(",")],
-                        help="which of the cases to run: 1, 16 or both")
+                        help="the batch sizes to run (1: one request after another; more: --requests queued)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated subset")
     parser.add_argument("--proposers", default=None,
