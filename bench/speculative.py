@@ -101,7 +101,7 @@ def engine_run(loaded, requests: list[list[int]], tokens: int, batch: int, specu
         stats = engine.speculation_stats()
         steps = engine.num_steps
         speculator = engine.scheduler.speculator
-        line = speculator.cost.line() if speculator is not None else None
+        lines = (speculator.cost.line(), speculator.verify.line()) if speculator is not None else None
     produced = sum(len(o) for o in outs.values())
     result = {"tokens_per_s": produced / seconds, "outputs": outs, "steps": steps}
     if stats is not None:
@@ -109,7 +109,8 @@ def engine_run(loaded, requests: list[list[int]], tokens: int, batch: int, specu
         result.update(acceptance_rate=round(stats.acceptance_rate, 3), proposed=stats.proposed,
                       accepted=stats.accepted, verified_steps=verified, declined_steps=stats.declined_steps,
                       tokens_per_verified_step=round((stats.accepted + verified) / verified, 3) if verified else None,
-                      step_ms=round(1e3 * line[0], 2), token_ms=round(1e3 * line[1], 3))
+                      step_ms=round(1e3 * lines[0][0], 2), seq_ms=round(1e3 * lines[0][1], 3),
+                      verify_ms=round(1e3 * lines[1][0], 2), proposal_ms=round(1e3 * lines[1][1], 3))
     return result
 
 
@@ -139,11 +140,13 @@ def measure(loaded, workloads: dict, args) -> dict:
                 last = runs[name][-1]
                 row[name] = {"tokens_per_s": round(rate, 1), "speedup": round(rate / off, 3), "same_outputs": same,
                              **{k: last[k] for k in ("acceptance_rate", "tokens_per_verified_step", "verified_steps",
-                                                     "declined_steps", "steps", "step_ms", "token_ms")}}
+                                                     "declined_steps", "steps", "step_ms", "seq_ms", "verify_ms",
+                                                     "proposal_ms")}}
                 print(f"{workload:11s} batch {batch:2d} {name:6s}: {rate:7.1f} tok/s vs {off:7.1f} off = "
                       f"{rate / off:.2f}x; acceptance {last['acceptance_rate']}, "
                       f"{last['tokens_per_verified_step']} tokens per verified step; cost model: "
-                      f"{last['step_ms']} ms + {last['token_ms']} ms/token; outputs as without speculation: "
+                      f"{last['step_ms']} ms + {last['seq_ms']} ms/sequence, verifying {last['verify_ms']} ms + "
+                      f"{last['proposal_ms']} ms/proposal; outputs as without speculation: "
                       f"{same:.0%}", file=sys.stderr)
             results.setdefault(workload, {})[f"batch_{batch}"] = row
     return results

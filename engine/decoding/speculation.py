@@ -3,23 +3,30 @@
 Each step the scheduler hands the Speculator its decoding sequences (one token to compute) that may speculate. The
 Speculator asks the replica's proposer (engine/decoding/proposers.py: n-gram prompt lookup;
 engine/decoding/suffix_proposer.py: suffix tries; engine/decoding/draft_proposer.py: a draft model) for up to
-`max_tokens` tokens per sequence, keeping only proposals that pay by a cost model of the step measured on this replica:
+`max_tokens` tokens per sequence. Whether a step verifies proposals at all is measured, not predicted: at about
+the current batch size (its bit length), the replica keeps the mean time per emitted token of its recent decode
+steps with proposals and of those without, and each step does what has cost less, but for one step of the other
+after 16 in a row (a probe), so that both measures follow a changing workload. At a batch size new to the replica
+it first verifies all proposals for 8 steps, then none for 8. (Step times on a 2-core machine vary by a tenth
+from step to step and by more between runs; a model of the step fitted to them misjudged the fixed cost of a
+verifying step by several times, while the two measured means told the cases apart.)
 
-- step time: t(T) = a + b * T for a decode step of T tokens (sequences plus proposals), fitted online by
-  exponentially weighted least squares over the replica's recent decode steps, with a prior slope until steps of
-  different sizes have been seen;
+Which proposals a verifying step keeps follows a cost model of the step measured on this replica:
+- step time: a decode step of S sequences without proposals takes t0(S) = a + b * S; one that also verifies P
+  proposals takes t0(S) + c + d * P: c, the fixed cost of a verifying step (it scores short chunks: its
+  attention leaves the one-token paged kernel, though the step stays compiled), d, the cost of one proposal. Both
+  lines are fitted online by exponentially weighted least squares, the first over the replica's recent decode
+  steps without proposals, the second over the time its recent verifying steps took beyond the first line, each
+  with a prior slope until steps of different sizes have been seen;
 - value: the j-th proposal of a sequence yields a token only if the j - 1 before it are accepted too: alpha^j, with
   alpha the sequence's acceptance rate (its own recent proposals, shrunk toward the replica's rate).
-A step of B sequences emits N = B + sum(values) tokens in t(T). The n-gram and suffix proposals are taken in
-decreasing value while one more raises N / t, i.e. while its value exceeds b * N / t (and the proposer is not even
-asked when the likeliest first proposal could not pay). A draft model's proposals cost a forward pass of the draft
-per position, so its depth is chosen before it runs, with the draft's own step line (timed at engine start) and
-the tokens it must first catch up on, spread over each sequence's expected remaining output. Last, a measured
-guard: where, at about the current batch size, steps that verified proposals have cost more per emitted token than
-steps that did not, no proposals are made. After 32 declined steps in a row one step verifies them anyway (a
-probe), so that estimates follow a changing workload. At a large batch or a low acceptance the step thus runs as
-without speculation. When the step itself changes (`compile: background`'s compiled step replacing the eager one:
-the executor's step_version), the step line and the guard's averages start again.
+A step of S sequences that verifies the m proposals of highest value emits N = S + sum(values) tokens: the n-gram
+and suffix proposals kept are the m >= 1 that maximize N / t. A draft model's proposals cost a forward pass of the
+draft per position, so its depth is chosen before it runs, with the draft's own step line (timed at engine start)
+and the tokens it must first catch up on, spread over each sequence's expected remaining output. At a large batch
+or a low acceptance the step thus runs as without speculation. When the step itself changes (`compile:
+background`'s compiled step replacing the eager one: the executor's step_version), the step lines and the
+measured means start again.
 
 Verification (engine/runner/) scores each sequence's proposals as a short chunk through the paged KV cache,
 and the scheduler keeps the accepted ones. Which sequences never speculate: those with structured output (the
@@ -52,7 +59,11 @@ def make_proposer(config: SpeculativeConfig) -> Proposer:
     if config.proposer == "ngram":
         return NgramProposer(config.ngram_min, config.ngram_max)
     if config.proposer == "suffix":
-        return SuffixProposer(cached_requests=config.suffix_cached_requests)
+        # A proposal follows a matched suffix (at most `match` tokens) for at most max_tokens: deeper windows would
+        # never be read, and each costs the trie a node per token indexed.
+        match = SuffixProposer.MATCH
+        return SuffixProposer(depth=match + config.max_tokens, match=match,
+                              cached_requests=config.suffix_cached_requests)
     raise ValueError("the draft proposer is built from the engine's model (engine/decoding/draft_proposer.py)")
 
 
@@ -87,43 +98,53 @@ class _Average:
 
 
 class StepCost:
-    """t(T) = a + b * T over decode steps, weighted least squares with exponential forgetting. Until the steps
-    seen span different sizes, the slope is the prior share of a step per token (PRIOR_SLOPE of the mean time)."""
+    """t(x) = a + b * x over steps of size x, weighted least squares with exponential forgetting. Until the steps
+    seen span different sizes, the slope is a prior: PRIOR_SLOPE of the mean time per unit of size, or, with
+    `share`, that share of the mean time spread over the mean size (the rest is the intercept)."""
 
     DECAY = 0.97  # per observed step: about the last 30 steps count
     PRIOR_SLOPE = 0.05
 
-    def __init__(self) -> None:
+    def __init__(self, share: float | None = None) -> None:
+        self._share = share
         self._w = self._t = self._x = self._xx = self._xt = 0.0
 
-    def observe(self, tokens: int, seconds: float) -> None:
+    def observe(self, size: float, seconds: float) -> None:
         d = self.DECAY
         self._w = self._w * d + 1
-        self._x = self._x * d + tokens
+        self._x = self._x * d + size
         self._t = self._t * d + seconds
-        self._xx = self._xx * d + tokens * tokens
-        self._xt = self._xt * d + tokens * seconds
+        self._xx = self._xx * d + size * size
+        self._xt = self._xt * d + size * seconds
 
     @property
     def known(self) -> bool:
         return self._w > 0
 
     def line(self) -> tuple[float, float]:
-        """(a, b): seconds per step and per token. (0, 0) before any observation."""
+        """(a, b): seconds per step and per unit of size. (0, 0) before any observation."""
         if not self._w:
             return 0.0, 0.0
         mean_x, mean_t = self._x / self._w, self._t / self._w
         var = self._xx / self._w - mean_x * mean_x
-        prior = self.PRIOR_SLOPE * mean_t
+        if self._share is None:
+            prior = self.PRIOR_SLOPE * mean_t
+        else:
+            prior = self._share * mean_t / max(mean_x, 1.0)
         if var < 0.25:  # all steps about the same size: the slope is not identified
             slope = prior
         else:
             # Shrink toward the prior in proportion to how little spread there is.
             slope = ((self._xt / self._w - mean_x * mean_t) + prior) / (var + 1.0)
-        # A step never gets cheaper with more tokens, and a token never costs more than twice the mean token (an
-        # outlier step, a pause, must not make every proposal look ruinous).
+        # A step never gets cheaper with size, and a unit never costs more than twice the mean unit (an outlier
+        # step, a pause, must not make every proposal look ruinous).
         slope = min(max(slope, 1e-3 * mean_t), 2 * mean_t / max(mean_x, 1.0))
         return max(mean_t - slope * mean_x, 0.0), slope
+
+    def at(self, size: float) -> float:
+        """The predicted seconds of a step of this size."""
+        a, b = self.line()
+        return a + b * size
 
 
 @dataclass
@@ -139,12 +160,15 @@ class Speculator:
 
     config: SpeculativeConfig
     proposer: Proposer | None = None
-    cost: StepCost = field(default_factory=StepCost)
+    cost: StepCost = field(default_factory=StepCost)  # decode steps without proposals: sequences -> seconds
+    # A verifying step's time beyond `cost`: proposals -> seconds. Until the number of proposals varies, half of
+    # it is taken as fixed (the verifying step's own cost) and half as per proposal.
+    verify: StepCost = field(default_factory=lambda: StepCost(share=0.5))
 
     PRIOR_WEIGHT = 2.0  # a new sequence's acceptance counts the replica's rate as this many trials
     DECAY = 0.9  # a sequence's own history, per verified step
-    PROBE_EVERY = 32  # declined steps in a row before one step verifies the proposals anyway
-    LOSING_AFTER = 8  # steps with and without proposals measured at a batch size before _losing may say so
+    PROBE_EVERY = 16  # steps in a row that verified proposals (or none) before one step of the other
+    MEASURED_AFTER = 8  # steps with and without proposals measured at a batch size before _mode compares them
 
     def __post_init__(self) -> None:
         if self.proposer is None:
@@ -154,7 +178,7 @@ class Speculator:
         self._replica = _Acceptance(1.0, 2.0)  # prior: half the proposals accepted
         self._counts = [0] * len(ACCEPTANCE_BUCKETS)
         self.proposed = self.accepted = self.declined_steps = 0
-        self._declined_run = 0
+        self._run, self._run_declined = 0, False  # steps in a row that verified no proposal (or some)
         self._proposal_seconds = 0.0  # a draft model's forward passes since the last timed step
         # Seconds per emitted token of decode steps, by batch size (its bit length), [without, with] proposals.
         self._per_token: dict[int, list[_Average]] = {}
@@ -180,12 +204,11 @@ class Speculator:
     def plan(self, seqs: Sequence[tuple[Seq, int]], num_decoding: int) -> dict[str, tuple[int, ...]]:
         """Proposals for this step: seq id -> tokens, for (sequence, limit) pairs; num_decoding: the step's
         decoding sequences (speculating or not), the batch the cost model prices."""
+        mode = self._mode(num_decoding) if self.config.adaptive else "all"
         if hasattr(self.proposer, "propose_batch"):
-            return self._plan_draft(seqs, num_decoding)
-        probing = self.config.adaptive and self._probing()
-        if self.config.adaptive and not probing and (self._losing(num_decoding) or
-                                                     not self._may_pay(seqs, num_decoding)):
-            self._declined(True)  # not even the likeliest first proposal would pay: do not ask for any
+            return self._plan_draft(seqs, num_decoding, mode)
+        if mode == "off":
+            self._declined(True)
             return {}
         proposals = {}
         for seq, k in seqs:
@@ -196,34 +219,48 @@ class Speculator:
             tokens = self.proposer.propose(seq.seq_id, seq.token_ids, k)
             if tokens:
                 proposals[seq.seq_id] = tuple(tokens[:k])
-        if not proposals or not self.config.adaptive or probing:
+        if mode == "all" or not proposals:
+            self._declined(not proposals, counted=False)  # verifies what the proposer had: nothing dropped
             return proposals
         kept = self._worth_it(proposals, num_decoding)
         self._declined(not kept)
         return kept
 
-    def _may_pay(self, seqs: Sequence[tuple[Seq, int]], num_decoding: int) -> bool:
-        """Whether the best proposal this step could bring (the highest acceptance, first position) would raise
-        tokens per second; True while the step cost is unknown."""
-        if not self.cost.known:
-            return True
-        a, b = self.cost.line()
-        best = max(self.acceptance(seq.seq_id) for seq, _ in seqs)
-        return best * (a + b * num_decoding) > b * num_decoding
+    def _mode(self, num_seqs: int) -> str:
+        """How this step speculates, by what steps at about this many sequences measured: "trim" (all proposals until
+        both step lines are known) while fewer than MEASURED_AFTER verifying steps have been timed there, then
+        "off" while fewer steps without; then, of the two, the one that has cost less per emitted token ("trim": the proposals that pay
+        by the step lines), but for one step of the other after PROBE_EVERY in a row (a probe, "all" or "off"), so
+        that both measures follow a changing workload."""
+        plain, speculated = self._per_token.get(num_seqs.bit_length(), (_Average(), _Average()))
+        if speculated.count < self.MEASURED_AFTER:
+            return "trim"
+        if plain.count < self.MEASURED_AFTER:
+            return "off"
+        speculate = speculated.mean < plain.mean
+        if self._run >= self.PROBE_EVERY and self._run_declined != speculate:
+            speculate = not speculate
+        return "trim" if speculate else "off"
 
-    def _plan_draft(self, seqs: Sequence[tuple[Seq, int]], num_decoding: int) -> dict[str, tuple[int, ...]]:
+    def _best_count(self, values: Sequence[float], num_decoding: int) -> int:
+        """How many of the proposals worth `values` tokens (largest first) a verifying step of num_decoding
+        sequences should verify: at least one (measured steps chose to verify), then as many as raise its
+        expected tokens per second by the step lines."""
+        plain = max(self.cost.at(num_decoding), 1e-9)
+        fixed, per_proposal = self.verify.line()
+        best, best_rate, tokens = 0, 0.0, float(num_decoding)
+        for count, value in enumerate(values, 1):
+            tokens += value
+            if tokens / (plain + fixed + per_proposal * count) > best_rate:
+                best, best_rate = count, tokens / (plain + fixed + per_proposal * count)
+        return best
+
+    def _plan_draft(self, seqs: Sequence[tuple[Seq, int]], num_decoding: int,
+                    mode: str) -> dict[str, tuple[int, ...]]:
         """A draft model's proposals cost its forward passes, one per proposed position: the depth is priced
         before they run (_draft_depth), and their time is kept out of the target's step cost."""
-        # The cost model prices a draft's depth before it runs, with the acceptance last measured (no probing:
-        # a draft that sat out steps first recomputes every token it missed); only where measured steps show it
-        # losing does it wait for a probe.
         top = max(k for _, k in seqs)
-        if not self.config.adaptive:
-            depth = top
-        elif self._losing(num_decoding):
-            depth = top if self._probing() else 0
-        else:
-            depth = self._draft_depth(seqs, num_decoding)
+        depth = {"all": top, "off": 0}.get(mode) if mode != "trim" else self._draft_depth(seqs, num_decoding)
         self._declined(depth == 0)
         if depth == 0:
             return {}
@@ -239,20 +276,21 @@ class Speculator:
         top = max(k for _, k in seqs)
         if not self.cost.known:  # the first decode step runs without: it prices the target's step
             return 0
-        if not self.proposer.cost.known:  # a draft not timed at start (DraftProposer.warm_up): try, to learn
+        if not self.proposer.cost.known or not self.verify.known:  # try, to learn what drafting costs
             return top
-        a, b = self.cost.line()
+        plain = self.cost.at(num_decoding)
+        fixed, per_proposal = self.verify.line()
         da, db = self.proposer.cost.line()
         alphas = [(self.acceptance(seq.seq_id), k) for seq, k in seqs]
         # The tokens the draft lacks (a new sequence's whole prompt) are computed once, then serve the sequence's
         # remaining steps: each step bears that cost times its share of the expected remaining tokens.
         catch_up = [(db * max(0, self.proposer.missing(seq) - 1), self._remaining(seq)) for seq, _ in seqs]
-        best, best_rate = 0, num_decoding / (a + b * num_decoding)
+        best, best_rate = 0, num_decoding / plain
         for depth in range(1, top + 1):
             used = [min(k, depth) for _, k in alphas]
             gains = [1 + sum(alpha ** j for j in range(1, u + 1)) for (alpha, _), u in zip(alphas, used)]
             tokens = num_decoding - len(seqs) + sum(gains)
-            seconds = a + b * (num_decoding + sum(used)) + depth * (da + db * len(seqs)) + \
+            seconds = plain + fixed + per_proposal * sum(used) + depth * (da + db * len(seqs)) + \
                 sum(cost * gain / remaining for (cost, remaining), gain in zip(catch_up, gains))
             if tokens / seconds > best_rate:
                 best, best_rate = depth, tokens / seconds
@@ -266,20 +304,12 @@ class Speculator:
             left = min(left, self._output_length.mean - len(seq.output_token_ids))
         return max(1.0, left)
 
-    def _probing(self) -> bool:
-        """After PROBE_EVERY steps in a row without proposals worth verifying, one step verifies them anyway, so
-        that the acceptance estimates follow a workload that changed (n-gram and suffix proposers)."""
-        if self._declined_run < self.PROBE_EVERY:
-            return False
-        self._declined_run = 0
-        return True
-
-    def _declined(self, declined: bool) -> None:
-        if declined:
-            self.declined_steps += 1
-            self._declined_run += 1
-        else:
-            self._declined_run = 0
+    def _declined(self, declined: bool, counted: bool = True) -> None:
+        """A decode step verifies no proposal (declined) or some: the run of steps in a row alike, and (counted) the
+        steps whose proposals the speculator chose not to verify."""
+        self.declined_steps += declined and counted
+        self._run = self._run + 1 if declined == self._run_declined else 1
+        self._run_declined = declined
 
     def acceptance(self, seq_id: str) -> float:
         """The sequence's estimated chance that one proposal is accepted."""
@@ -288,21 +318,14 @@ class Speculator:
         return (own.accepted + self.PRIOR_WEIGHT * prior) / (own.trials + self.PRIOR_WEIGHT)
 
     def _worth_it(self, proposals: dict[str, tuple[int, ...]], num_decoding: int) -> dict[str, tuple[int, ...]]:
-        a, b = self.cost.line()
-        if not self.cost.known:  # no decode step timed yet: try them, to learn
+        """The proposals a verifying step keeps: the j-th of a sequence is worth alpha ** j tokens; those of highest
+        value, as many as pay (_best_count). All of them until both step lines have been fitted."""
+        if not (self.cost.known and self.verify.known):
             return proposals
-        items = []  # (value, seq id, j): the j-th proposal of a sequence is worth alpha ** j tokens
-        for seq_id, tokens in proposals.items():
-            alpha = self.acceptance(seq_id)
-            items.extend((alpha ** j, seq_id, j) for j in range(1, len(tokens) + 1))
-        items.sort(reverse=True)
-        emitted, seconds = float(num_decoding), a + b * num_decoding
+        items = sorted(((self.acceptance(seq_id) ** j, seq_id, j) for seq_id, tokens in proposals.items()
+                        for j in range(1, len(tokens) + 1)), reverse=True)
         keep: dict[str, int] = {}
-        for value, seq_id, j in items:
-            if value * seconds <= b * emitted:  # one more token of work would lower tokens per second
-                break
-            emitted += value
-            seconds += b
+        for _, seq_id, j in items[:self._best_count([value for value, _, _ in items], num_decoding)]:
             keep[seq_id] = max(keep.get(seq_id, 0), j)
         return {seq_id: proposals[seq_id][:j] for seq_id, j in keep.items()}
 
@@ -320,33 +343,29 @@ class Speculator:
         self._counts[num_accepted] += 1
 
     def step_timed(self, num_seqs: int, num_tokens: int, emitted: int, seconds: float, speculated: bool) -> None:
-        """A decode step (no prefill chunk) of num_seqs sequences, num_tokens tokens computed and `emitted` tokens
-        out took seconds, end to end. The step line leaves a draft model's passes out (they are the draft's own
-        line); the per-token check (_losing) counts everything."""
+        """A decode step (no prefill chunk) of num_seqs sequences, num_tokens tokens computed (the sequences and
+        their proposals) and `emitted` tokens out took seconds, end to end. The step lines leave a draft model's
+        passes out (they are the draft's own line); the per-token measures (_mode) count everything."""
         if not (seconds > 0 and math.isfinite(seconds)):
             return
         if emitted > 0:
             per_token = self._per_token.setdefault(num_seqs.bit_length(), [_Average(), _Average()])
             per_token[speculated].observe(seconds / emitted)
         target, self._proposal_seconds = seconds - self._proposal_seconds, 0.0
-        if target > 0:
-            self.cost.observe(num_tokens, target)
+        if target <= 0:
+            return
+        if num_tokens == num_seqs:
+            self.cost.observe(num_seqs, target)
+        elif self.cost.known:  # what the proposals added to the step without them
+            self.verify.observe(num_tokens - num_seqs, max(target - self.cost.at(num_seqs), 0.0))
 
     def step_is(self, version: int) -> None:
-        """The executor's step_version now: when it changed (a compiled step replaced the eager one), the step line
+        """The executor's step_version now: when it changed (a compiled step replaced the eager one), the step lines
         and the per-token averages, which timed the other step, start again."""
         if version != self._step_version:
             self._step_version = version
-            self.cost = StepCost()
+            self.cost, self.verify = StepCost(), StepCost(share=0.5)
             self._per_token.clear()
-
-    def _losing(self, num_seqs: int) -> bool:
-        """Whether, at about this many sequences, steps that verified proposals have cost more per emitted token
-        than steps that did not (each measured over recent steps, LOSING_AFTER of each at least): the model of
-        the step is then wrong for this batch, and proposals wait for a probe to show otherwise."""
-        plain, speculated = self._per_token.get(num_seqs.bit_length(), (None, None))
-        return plain is not None and min(plain.count, speculated.count) >= self.LOSING_AFTER and \
-            speculated.mean > plain.mean
 
     def forget(self, seq: Seq) -> None:
         """seq ended: its state goes; a finished sequence's output joins the suffix proposer's shared cache."""

@@ -81,8 +81,9 @@ class SuffixProposer:
     to be proposed; cached_requests: finished requests' outputs kept per tenant salt."""
 
     name = "suffix"
+    MATCH = 8
 
-    def __init__(self, depth: int = 24, match: int = 8, min_share: float = 0.1, cached_requests: int = 256):
+    def __init__(self, depth: int = 24, match: int = MATCH, min_share: float = 0.1, cached_requests: int = 256):
         if not 1 <= match <= depth or cached_requests < 0 or not 0 <= min_share <= 1:
             raise ValueError("need 1 <= match <= depth, cached_requests >= 0 and 0 <= min_share <= 1")
         self.depth, self.match, self.min_share, self.cached_requests = depth, match, min_share, cached_requests

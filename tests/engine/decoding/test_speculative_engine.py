@@ -229,14 +229,61 @@ def test_step_cost_line_is_fitted_from_steps_of_different_sizes():
 def test_the_cost_model_keeps_proposals_only_where_they_pay():
     speculator = Speculator(SpeculativeConfig(max_tokens=4))
     proposals = {"a": (1, 2, 3, 4), "b": (5, 6, 7, 8)}
-    speculator.cost = _cost([(t, 0.02 + 0.002 * t) for t in (1, 2, 5, 9) * 5])  # a token costs 1/10 of a step
+    speculator.cost = _cost([(s, 0.02 + 0.002 * s) for s in (1, 2, 5, 9) * 5])  # a sequence: 1/10 of a step
+    speculator.verify = _cost([(p, 0.002 * p) for p in (1, 4, 8) * 5])  # a proposal costs what a sequence does
     for _ in range(10):
         speculator.verified("a", 4, 4)  # "a" is always accepted, "b" never
         speculator.verified("b", 4, 0)
-    kept = speculator._worth_it(proposals, num_decoding=2)
-    assert kept == {"a": (1, 2, 3, 4)}
-    speculator.cost = _cost([(t, 0.001 * t) for t in (16, 32, 48, 64) * 5])  # compute-bound: a token costs its share
-    assert speculator._worth_it(proposals, num_decoding=16) == {}
+    assert speculator._worth_it(proposals, num_decoding=2) == {"a": (1, 2, 3, 4)}
+    # Compute-bound: a proposal costs what a sequence does. A verifying step keeps one (the measured means chose
+    # to verify), the likeliest.
+    speculator.cost = _cost([(s, 0.001 * s) for s in (16, 32, 48, 64) * 5])
+    speculator.verify = _cost([(p, 0.001 * p) for p in (1, 16, 64) * 5])
+    assert speculator._worth_it(proposals, num_decoding=16) == {"a": (1,)}
+
+
+def test_a_verifying_steps_fixed_cost_is_fitted_apart_and_paid_once():
+    """A step with proposals leaves the one-token decode path: it costs a fixed amount more, then a little per
+    proposal. The two are told apart from the steps' times; the fixed cost, paid once, makes every likely proposal
+    of the step worth keeping, and the unlikely ones are still dropped."""
+    speculator = Speculator(SpeculativeConfig(max_tokens=4))
+    for p in (16, 40, 64, 24, 48) * 6:
+        speculator.step_timed(16, 16, 16, 0.100, speculated=False)
+        speculator.step_timed(16, 16 + p, 16 + p // 2, 0.100 + 0.030 + 0.001 * p, speculated=True)
+    assert speculator.cost.at(16) == pytest.approx(0.100)
+    fixed, per_proposal = speculator.verify.line()
+    assert fixed == pytest.approx(0.030, rel=0.05) and per_proposal == pytest.approx(0.001, rel=0.05)
+    for i in range(16):
+        for _ in range(10):
+            speculator.verified(f"s{i}", 4, 4 if i < 8 else 0)  # half always accepted, half never
+    every = {f"s{i}": (1, 2, 3, 4) for i in range(16)}
+    assert speculator._worth_it(every, num_decoding=16) == {f"s{i}": (1, 2, 3, 4) for i in range(8)}
+
+
+def test_whether_a_step_verifies_is_measured_at_each_batch_size():
+    """A batch size new to the replica verifies for MEASURED_AFTER steps, then declines for as many; then each step
+    does what cost less per emitted token there, with one step of the other after PROBE_EVERY in a row."""
+    speculator = Speculator(SpeculativeConfig(max_tokens=4))
+    modes = []
+    for _ in range(2 * Speculator.MEASURED_AFTER):
+        modes.append(speculator._mode(16))
+        speculated = modes[-1] != "off"
+        speculator._declined(not speculated)
+        # Verifying steps: 18 tokens in 80 ms (4.4 ms a token), against 16 in 50 ms (3.1 ms) without.
+        speculator.step_timed(16, 20 if speculated else 16, 18 if speculated else 16, 0.080 if speculated else 0.050,
+                              speculated)
+    assert modes == ["trim"] * Speculator.MEASURED_AFTER + ["off"] * Speculator.MEASURED_AFTER
+    later = []
+    for _ in range(2 * Speculator.PROBE_EVERY):
+        later.append(speculator._mode(16))
+        speculator._declined(later[-1] == "off")
+    first_probe = Speculator.PROBE_EVERY - Speculator.MEASURED_AFTER  # the declined run began in the first steps
+    assert [i for i, mode in enumerate(later) if mode == "trim"] == [first_probe, first_probe + Speculator.PROBE_EVERY + 1]
+    assert speculator._mode(1) == "trim"  # one sequence: nothing measured there yet
+    for _ in range(4 * Speculator.MEASURED_AFTER):  # verifying steps that pay: 3 tokens in 40 ms against 1 in 30
+        speculator.step_timed(1, 4, 3, 0.040, speculated=True)
+        speculator.step_timed(1, 1, 1, 0.030, speculated=False)
+    assert speculator._mode(1) == "trim" and speculator._mode(16) == "off"
 
 
 # -- the draft model ----------------------------------------------------------------------------------------------
@@ -312,6 +359,7 @@ def test_the_draft_depth_follows_the_batch_cost():
     speculator = Speculator(SpeculativeConfig(proposer="draft", max_tokens=4),
                             TimedDraft(_cost([(n, 0.008 + 0.0016 * n) for n in (1, 16) * 5])))
     speculator.cost = _cost([(n, 0.029 + 0.0015 * n) for n in (1, 2, 5) * 5])  # the float32 target at batch 1
+    speculator.verify = _cost([(p, 0.0015 * p) for p in (1, 4, 16) * 5])
     for seq, _ in seqs:
         for _ in range(5):
             speculator.verified(seq.seq_id, 4, 4)
@@ -326,6 +374,7 @@ def test_the_draft_depth_follows_the_batch_cost():
     assert speculator._draft_depth(seqs[:1], 1) == 0
     speculator.proposer.lacking = 1
     speculator.cost = _cost([(n, 0.010 + 0.0025 * n) for n in (16, 20, 40) * 5])  # at 16 sequences
+    speculator.verify = _cost([(p, 0.0025 * p) for p in (1, 16, 64) * 5])
     assert speculator._draft_depth(seqs, 16) == 0
 
 
@@ -358,8 +407,9 @@ def test_measured_steps_that_lose_turn_proposals_off_at_that_batch_size():
         speculator.verified("s0", 2, 2)
         speculator.step_timed(16, 16, 16, 0.050, speculated=False)
         speculator.step_timed(16, 20, 18, 0.080, speculated=True)  # 4.4 ms per token against 3.1
-    speculator.cost = _cost([(n, 0.001 + 0.0001 * n) for n in (1, 16, 32) * 5])  # a line that says "cheap"
-    assert speculator._losing(16) and not speculator._losing(1)
+    speculator.cost = _cost([(n, 0.001 + 0.0001 * n) for n in (1, 16, 32) * 5])  # lines that say "cheap"
+    speculator.verify = _cost([(p, 0.0001 * p) for p in (1, 16, 32) * 5])
+    assert speculator._mode(16) == "off" and speculator._mode(1) == "trim"
     planned = [speculator.plan(seqs, 16) for _ in range(Speculator.PROBE_EVERY + 1)]
     assert planned[:-1] == [{}] * Speculator.PROBE_EVERY and planned[-1]  # declined, then one probe
     assert speculator.plan(seqs[:1], 1)  # one sequence: nothing measured against it
@@ -373,9 +423,9 @@ def test_a_new_step_starts_the_step_costs_again():
         speculator.step_timed(16, 16, 16, 0.050, speculated=False)
         speculator.step_timed(16, 20, 18, 0.080, speculated=True)
     speculator.step_is(0)  # the step it timed: nothing changes
-    assert speculator.cost.known and speculator._losing(16)
+    assert speculator.cost.known and speculator._mode(16) == "off"
     speculator.step_is(1)  # the compiled step took over
-    assert not speculator.cost.known and not speculator._losing(16)
+    assert not speculator.cost.known and not speculator.verify.known and speculator._mode(16) == "trim"
     speculator.step_timed(16, 16, 16, 0.020, speculated=False)
     speculator.step_is(1)
     assert speculator.cost.line()[0] + 16 * speculator.cost.line()[1] == pytest.approx(0.020)
