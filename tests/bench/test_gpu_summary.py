@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from bench.gpu_summary import summarize
 
@@ -105,3 +108,17 @@ def test_a_benchmark_that_left_no_result_fails_the_run(results):
     lines, numbers, ok = summarize(results)
     assert not ok
     assert "decode step CUDA graphs: FAILED: no JSON result line in compiled_step.log (exit status 1)" in lines
+
+
+def test_the_command_line_prints_the_summary_and_its_json_and_fails_as_the_run_did(results):
+    """`make test-gpu` runs the script itself: the summary, then one JSON line, exit status 1 for a failed run;
+    --require-gpu on a machine without a CUDA device says so and fails before anything runs."""
+    script = Path(__file__).resolve().parents[2] / "bench" / "gpu_summary.py"
+    done = subprocess.run([sys.executable, str(script), str(results)], capture_output=True, text=True, timeout=120)
+    lines = done.stdout.strip().splitlines()
+    assert done.returncode == 1 and lines[0] == "== make test-gpu: FAILED =="
+    assert json.loads(lines[-1])["ok"] is False
+    if not torch.cuda.is_available():
+        done = subprocess.run([sys.executable, str(script), "--require-gpu"], capture_output=True, text=True,
+                              timeout=120)
+        assert done.returncode == 1 and "no CUDA GPU here" in done.stderr

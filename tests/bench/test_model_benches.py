@@ -39,13 +39,15 @@ def narrow_llama(tmp_path_factory, embedded_shape) -> Path:
 
 
 def test_decode_roofline_measures_a_dummy_shape_against_transformers_of_the_same_config(narrow_llama):
-    report = run_bench("decode_roofline.py", "--model", str(narrow_llama), "--modes", "float32", "--tokens", "3",
-                       "--rounds", "1")
+    report = run_bench("decode_roofline.py", "--model", str(narrow_llama), "--modes", "float32,bfloat16",
+                       "--tokens", "3", "--rounds", "1", "--profile")
     assert report["model"] == f"{narrow_llama} (dummy weights)"
-    run = report["runs"]["float32"]
-    assert "error" not in run, run
-    assert run["tandem_tokens_per_s"] > 0 and run["transformers_tokens_per_s"] > 0
-    assert 0 < run["tandem_roofline_fraction"] and run["tandem_weight_bytes_per_token"] > 0
+    for mode in ("float32", "bfloat16"):
+        run = report["runs"][mode]
+        assert "error" not in run, run
+        assert run["tandem_tokens_per_s"] > 0 and run["transformers_tokens_per_s"] > 0
+        assert 0 < run["tandem_roofline_fraction"] and run["tandem_weight_bytes_per_token"] > 0
+        assert run["profile"], (mode, run)
 
 
 def test_engine_throughput_measures_a_dummy_shape_against_transformers_of_the_same_config(narrow_llama):
@@ -57,12 +59,29 @@ def test_engine_throughput_measures_a_dummy_shape_against_transformers_of_the_sa
     assert "prefix_cache" not in report
 
 
+def test_engine_throughput_runs_in_bfloat16_with_its_prompt_length_and_prefix_cache_modes(narrow_llama):
+    report = run_bench("engine_throughput.py", "--model", str(narrow_llama), "--concurrency", "2", "--tokens", "3",
+                       "--rounds", "1", "--hf-requests", "1", "--ttft-rounds", "1", "--dtype", "bfloat16",
+                       "--prompt-tokens", "32")
+    assert "error" not in report, report.get("error")
+    assert report["dtype"] == "bfloat16" and report["engine_tokens_per_s"]["2"] > 0 and report["prefix_cache"]
+
+
 @pytest.mark.slow  # 70 s on 2 cores: transformers in bfloat16 on a CPU without bfloat16 instructions
-def test_decode_roofline_runs_its_packed_int4_mode():
-    report = run_bench("decode_roofline.py", "--modes", "packed-int4", "--tokens", "2", "--rounds", "1")
+def test_decode_roofline_runs_its_packed_int4_mode_with_its_profile():
+    report = run_bench("decode_roofline.py", "--modes", "packed-int4", "--tokens", "2", "--rounds", "1", "--profile")
     run = report["runs"]["packed-int4"]
     assert "error" not in run, run
     assert run["tandem_tokens_per_s"] > 0 and report["model"] == "embedded SmolLM2-135M-Instruct"
+    assert run["profile"]
+
+
+@pytest.mark.slow  # the embedded model's GGUF packed, and its bfloat16 transformers peer
+def test_engine_throughput_runs_the_packed_laptop_path():
+    report = run_bench("engine_throughput.py", "--weights", "packed", "--concurrency", "1", "--tokens", "2",
+                       "--rounds", "1", "--hf-requests", "1", "--ttft-rounds", "0")
+    assert "error" not in report, report.get("error")
+    assert report["weights"] == "packed" and report["engine_tokens_per_s"]["1"] > 0
 
 
 def test_speculative_runs_every_proposer_and_the_replay_on_both_batches():
