@@ -2,8 +2,7 @@
 
 Order within a step, each group in the policy's order (engine/core/scheduling_policy.py; by default priority,
 lower value first, then arrival; fair also caps each tenant's prompt tokens in the step at its share):
-  1. running sequences that are decoding (one token each), then running sequences still prefilling (a chunk
-     each, as much as the budget leaves);
+  1. running sequences that are decoding (one token each), then those still prefilling (a chunk each, as budget allows);
   2. an urgent waiting sequence (priority preemption, when configured) preempting running ones of lower priority;
   3. if nobody had to be preempted in (1), waiting sequences, each with its prefix-cache hit taken first, while
      blocks, budget and the sequence cap allow. The first one that cannot start blocks the rest.
@@ -11,9 +10,9 @@ When a running sequence cannot get a block, the running sequence last in order g
 (preemption by recompute) and waits again; it may be the one asking.
 
 With a Speculator (engine/decoding/speculation.py), decoding sequences may also compute proposed tokens picked
-before (1): 1 + its proposals each (proposals are dropped first when blocks or the budget run short); update()
-advances it by the tokens accepted only (its computed count, prefix-cache hashes and tokens never see a rejected
-proposal) and gives back the blocks that held only rejected ones.
+before (1), none (adaptively) in a step that also computes a prompt chunk: 1 + its proposals each (dropped first
+when blocks or the budget run short); update() advances it by the tokens accepted only (its computed count, prefix
+hashes and tokens never see a rejected proposal) and gives back the blocks that held only rejected ones.
 
 With KV tiers (engine/core/kv_tiers.py), a waiting sequence whose prefix goes on past the pool's blocks on a tier
 takes blocks for that run and its first chunk and is WAITING_FOR_TIER while the step copies it up; update() puts it
@@ -214,7 +213,8 @@ class Scheduler:
         self.kv.save_parked()
         self.policy.age(self.waiting)
         self._shares = self.policy.shares(budget, self.running, self.waiting, self._fits)
-        spec = self.speculator.propose(self.running, self.config.max_model_len) if self.speculator else {}
+        prefills = any(s.is_prefilling for s in self.running) or bool(self.waiting and self._fits(self.waiting[0]))
+        spec = self.speculator.propose(self.running, self.config.max_model_len, prefills) if self.speculator else {}
         ahead = None  # sjf: prompt tokens of waiting sequences that go before the running prompts' chunks
         for seq in sorted(self.running, key=lambda s: (s.is_prefilling, s.order)):
             if budget == 0:

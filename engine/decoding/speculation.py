@@ -3,13 +3,16 @@
 Each step the scheduler hands the Speculator its decoding sequences (one token to compute) that may speculate. The
 Speculator asks the replica's proposer (engine/decoding/proposers.py: n-gram prompt lookup;
 engine/decoding/suffix_proposer.py: suffix tries; engine/decoding/draft_proposer.py: a draft model) for up to
-`max_tokens` tokens per sequence. Whether a step verifies proposals at all is measured, not predicted: at about
-the current batch size (its bit length), the replica keeps the mean time per emitted token of its recent decode
-steps with proposals and of those without, and each step does what has cost less, but for one step of the other
-after 16 in a row (a probe), so that both measures follow a changing workload. At a batch size new to the replica
-it first verifies all proposals for 8 steps, then none for 8. (Step times on a 2-core machine vary by a tenth
-from step to step and by more between runs; a model of the step fitted to them misjudged the fixed cost of a
-verifying step by several times, while the two measured means told the cases apart.)
+`max_tokens` tokens per sequence. A step that also computes a prompt chunk verifies none (adaptive speculation:
+they would push the chunk's tokens out of the step's budget; see propose). Whether any other step verifies
+proposals is measured where it can be: at about the current batch size (its bit length), the replica keeps the
+mean time per emitted token of its recent decode steps with proposals and of those without, and each step does what
+has cost less, but for one step of the other after 16 in a row (a probe), so that both measures follow a changing
+workload. At a batch size where these are not yet measured, the step lines below guess which costs less from what
+verifying steps at other sizes proposed and emitted (probed the same way, so that the measure takes over); before
+any verifying step has been timed, it verifies none for 8 steps, then all proposals for 8. (Step times on a 2-core
+machine vary by a tenth from step to step and by more between runs; a model of the step fitted to them misjudged
+the fixed cost of a verifying step by several times, while the two measured means told the cases apart.)
 
 Which proposals a verifying step keeps follows a cost model of the step measured on this replica:
 - step time: a decode step of S sequences without proposals takes t0(S) = a + b * S; one that also verifies P
@@ -183,6 +186,8 @@ class Speculator:
         # Seconds per emitted token of decode steps, by batch size (its bit length), [without, with] proposals.
         self._per_token: dict[int, list[_Average]] = {}
         self._output_length = _Average()  # tokens the replica's finished sequences generated
+        # Verifying steps' proposals and emitted tokens per sequence (_predicted).
+        self._proposed_per_seq, self._yield = _Average(), _Average()
         self._step_version = 0  # the executor's step_version the step costs were timed on
 
     def limit(self, seq: Seq, max_model_len: int) -> int:
@@ -195,11 +200,21 @@ class Speculator:
         # k proposals emit up to k + 1 tokens: within max_tokens and the context.
         return max(0, min(k, p.max_tokens - len(seq.output_token_ids) - 1, max_model_len - seq.num_tokens - 1))
 
-    def propose(self, running: Sequence[Seq], max_model_len: int) -> dict[str, tuple[int, ...]]:
-        """This step's proposals for the running sequences that decode and may speculate (seq id -> tokens)."""
+    def propose(self, running: Sequence[Seq], max_model_len: int,
+                prefills: bool = False) -> dict[str, tuple[int, ...]]:
+        """This step's proposals for the running sequences that decode and may speculate (seq id -> tokens).
+        prefills: the step also computes a prompt chunk. Adaptive speculation then proposes nothing: the proposals
+        would take the chunk's place in the step's token budget and its prompt would need more steps (measured at
+        16 sequences on a 2-core CPU: such steps' proposals cost 18 ms per accepted token, against 7 ms a token of a
+        plain decode step), and these steps, untimed, could not tell whether they paid."""
         decoding = [s for s in running if s.num_tokens - s.num_computed_tokens == 1]
         limits = [(s, k) for s in decoding if (k := self.limit(s, max_model_len)) > 0]
-        return self.plan(limits, len(decoding)) if limits else {}
+        if not limits:
+            return {}
+        if prefills and self.config.adaptive:
+            self.declined_steps += 1
+            return {}
+        return self.plan(limits, len(decoding))
 
     def plan(self, seqs: Sequence[tuple[Seq, int]], num_decoding: int) -> dict[str, tuple[int, ...]]:
         """Proposals for this step: seq id -> tokens, for (sequence, limit) pairs; num_decoding: the step's
@@ -227,20 +242,32 @@ class Speculator:
         return kept
 
     def _mode(self, num_seqs: int) -> str:
-        """How this step speculates, by what steps at about this many sequences measured: "trim" (all proposals until
-        both step lines are known) while fewer than MEASURED_AFTER verifying steps have been timed there, then
-        "off" while fewer steps without; then, of the two, the one that has cost less per emitted token ("trim": the proposals that pay
-        by the step lines), but for one step of the other after PROBE_EVERY in a row (a probe, "all" or "off"), so
-        that both measures follow a changing workload."""
+        """How this step speculates ("trim": the proposals that pay by the step lines, all of them until both lines
+        are known; "off": none), at about this many sequences: once MEASURED_AFTER steps with and as many without
+        proposals have been timed there, whichever has cost less per emitted token; before, the step lines' guess
+        (_predicted), or without one "off" for MEASURED_AFTER steps (the plain line verifying steps are timed
+        against), then "trim". Measured or guessed,
+        one step of the other after PROBE_EVERY in a row (a probe), so that both measures follow the workload."""
         plain, speculated = self._per_token.get(num_seqs.bit_length(), (_Average(), _Average()))
-        if speculated.count < self.MEASURED_AFTER:
-            return "trim"
-        if plain.count < self.MEASURED_AFTER:
-            return "off"
-        speculate = speculated.mean < plain.mean
+        if speculated.count >= self.MEASURED_AFTER and plain.count >= self.MEASURED_AFTER:
+            speculate = speculated.mean < plain.mean
+        elif (predicted := self._predicted(num_seqs)) is not None:
+            speculate = predicted
+        else:
+            return "off" if plain.count < self.MEASURED_AFTER else "trim"
         if self._run >= self.PROBE_EVERY and self._run_declined != speculate:
             speculate = not speculate
         return "trim" if speculate else "off"
+
+    def _predicted(self, num_seqs: int) -> bool | None:
+        """Whether verifying steps of num_seqs sequences should cost less per emitted token than plain ones, by the
+        step lines and what verifying steps elsewhere proposed and emitted per sequence; None until MEASURED_AFTER
+        verifying steps have been timed (at any batch size). A batch size not yet measured starts on this guess."""
+        if self._yield.count < self.MEASURED_AFTER or not (self.cost.known and self.verify.known):
+            return None
+        plain = self.cost.at(num_seqs)
+        verifying = plain + self.verify.at(self._proposed_per_seq.mean * num_seqs)
+        return verifying / self._yield.mean < plain
 
     def _best_count(self, values: Sequence[float], num_decoding: int) -> int:
         """How many of the proposals worth `values` tokens (largest first) a verifying step of num_decoding
@@ -351,6 +378,9 @@ class Speculator:
         if emitted > 0:
             per_token = self._per_token.setdefault(num_seqs.bit_length(), [_Average(), _Average()])
             per_token[speculated].observe(seconds / emitted)
+            if speculated:
+                self._proposed_per_seq.observe((num_tokens - num_seqs) / num_seqs)
+                self._yield.observe(emitted / num_seqs)
         target, self._proposal_seconds = seconds - self._proposal_seconds, 0.0
         if target <= 0:
             return

@@ -124,6 +124,33 @@ def test_preemption_and_heavy_rejection_leave_the_kv_cache_whole(embedded, parit
     assert held and max(held) == 0
 
 
+@pytest.mark.parametrize("adaptive", [True, False])
+def test_adaptive_speculation_proposes_nothing_in_a_step_that_computes_a_prompt_chunk(embedded, parity,
+                                                                                    greedy_reference, adaptive):
+    """Seven prompts two at a time in 64-token steps: decodes share steps with prompt chunks. Adaptively, those steps
+    carry no proposals (they would push the chunk out of the budget); verifying every step, they do."""
+    e = engine(embedded, SpeculativeConfig(max_tokens=4, adaptive=adaptive), max_num_seqs=2,
+               max_num_batched_tokens=64)
+    e.scheduler.speculator.proposer = RandomProposer(e.vocab_size)
+    mixed, real_schedule = [], e.scheduler.schedule
+
+    def schedule():
+        out = real_schedule()
+        if any(n > 1 + len(out.spec_tokens.get(i, ())) for i, n in out.num_scheduled_tokens.items()):
+            mixed.append(sum(len(t) for i, t in out.spec_tokens.items()))  # proposals in a step with a chunk
+        return out
+
+    e.scheduler.schedule = schedule
+    with e:
+        assert outputs(e, parity, SamplingParams(max_tokens=TOKENS, temperature=0)) == greedy_reference
+        stats = e.speculation_stats()
+    assert len(mixed) > len(parity)  # prompt chunks shared steps with decodes
+    if adaptive:
+        assert sum(mixed) == 0 and stats.declined_steps >= len(mixed) - len(parity)
+    else:
+        assert sum(mixed) > 0
+
+
 def test_prefix_cache_sees_only_accepted_tokens(embedded, parity, greedy_reference):
     """Every block the prefix cache registers holds the request's real tokens (prompt and accepted output), never a
     proposal, and a second run of the same prompts hits those blocks and gives the same tokens."""
@@ -261,7 +288,7 @@ def test_a_verifying_steps_fixed_cost_is_fitted_apart_and_paid_once():
 
 
 def test_whether_a_step_verifies_is_measured_at_each_batch_size():
-    """A batch size new to the replica verifies for MEASURED_AFTER steps, then declines for as many; then each step
+    """A batch size new to the replica declines for MEASURED_AFTER steps, then verifies for as many; then each step
     does what cost less per emitted token there, with one step of the other after PROBE_EVERY in a row."""
     speculator = Speculator(SpeculativeConfig(max_tokens=4))
     modes = []
@@ -272,18 +299,43 @@ def test_whether_a_step_verifies_is_measured_at_each_batch_size():
         # Verifying steps: 18 tokens in 80 ms (4.4 ms a token), against 16 in 50 ms (3.1 ms) without.
         speculator.step_timed(16, 20 if speculated else 16, 18 if speculated else 16, 0.080 if speculated else 0.050,
                               speculated)
-    assert modes == ["trim"] * Speculator.MEASURED_AFTER + ["off"] * Speculator.MEASURED_AFTER
+    assert modes == ["off"] * Speculator.MEASURED_AFTER + ["trim"] * Speculator.MEASURED_AFTER
     later = []
-    for _ in range(2 * Speculator.PROBE_EVERY):
+    for _ in range(2 * Speculator.PROBE_EVERY + 2):
         later.append(speculator._mode(16))
         speculator._declined(later[-1] == "off")
-    first_probe = Speculator.PROBE_EVERY - Speculator.MEASURED_AFTER  # the declined run began in the first steps
-    assert [i for i, mode in enumerate(later) if mode == "trim"] == [first_probe, first_probe + Speculator.PROBE_EVERY + 1]
-    assert speculator._mode(1) == "trim"  # one sequence: nothing measured there yet
+    probes = [i for i, mode in enumerate(later) if mode == "trim"]
+    assert probes == [Speculator.PROBE_EVERY, 2 * Speculator.PROBE_EVERY + 1]
+    # One sequence: not measured there; the step lines fitted at 16 (a step 50 ms, verifying 4 proposals 30 ms more
+    # for 2 more tokens) guess that verifying loses there too.
+    assert speculator._predicted(1) is False and speculator._mode(1) == "off"
     for _ in range(4 * Speculator.MEASURED_AFTER):  # verifying steps that pay: 3 tokens in 40 ms against 1 in 30
         speculator.step_timed(1, 4, 3, 0.040, speculated=True)
         speculator.step_timed(1, 1, 1, 0.030, speculated=False)
     assert speculator._mode(1) == "trim" and speculator._mode(16) == "off"
+
+
+def test_a_batch_size_not_yet_measured_starts_on_the_step_lines_guess():
+    """Verifying steps measured at 16 sequences (1 ms a proposal beyond a step of 20 ms + 1 ms a sequence, about 2.8
+    proposals and 1.5 tokens emitted a sequence): by those lines, verifying pays at one sequence (about 25 ms for 1.5
+    tokens against 20 ms for 1) and loses at 8 (about 52 ms for 12 against 28 ms for 8); the guess is probed like
+    a measure, and the measure takes over once it has MEASURED_AFTER steps of each."""
+    speculator = Speculator(SpeculativeConfig(max_tokens=4))
+    assert speculator._predicted(1) is None  # no verifying step timed yet: nothing to guess from
+    for size in (16, 12, 16, 10) * 4:  # plain steps of sizes that fit the line, then verifying ones
+        speculator.step_timed(size, size, size, 0.020 + 0.001 * size, speculated=False)
+    for proposals in (48, 40, 48, 44) * 3:
+        speculator.step_timed(16, 16 + proposals, 24, 0.036 + 0.001 * proposals, speculated=True)
+    assert speculator._predicted(1) is True and speculator._predicted(8) is False
+    assert speculator._mode(1) == "trim" and speculator._mode(8) == "off"
+    for _ in range(Speculator.PROBE_EVERY):
+        speculator._declined(True)
+    assert speculator._mode(8) == "trim"  # a probe of the guess
+    for _ in range(Speculator.MEASURED_AFTER):  # at 8, verifying steps measured to pay after all
+        speculator.step_timed(8, 32, 16, 0.030, speculated=True)
+        speculator.step_timed(8, 8, 8, 0.026, speculated=False)
+    speculator._declined(False)
+    assert speculator._mode(8) == "trim"
 
 
 # -- the draft model ----------------------------------------------------------------------------------------------
@@ -425,7 +477,7 @@ def test_a_new_step_starts_the_step_costs_again():
     speculator.step_is(0)  # the step it timed: nothing changes
     assert speculator.cost.known and speculator._mode(16) == "off"
     speculator.step_is(1)  # the compiled step took over
-    assert not speculator.cost.known and not speculator.verify.known and speculator._mode(16) == "trim"
+    assert not speculator.cost.known and not speculator.verify.known and not speculator._per_token
     speculator.step_timed(16, 16, 16, 0.020, speculated=False)
     speculator.step_is(1)
     assert speculator.cost.line()[0] + 16 * speculator.cost.line()[1] == pytest.approx(0.020)
