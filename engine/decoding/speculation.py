@@ -8,9 +8,10 @@ they would push the chunk's tokens out of the step's budget; see propose). Wheth
 proposals is measured where it can be: at about the current batch size (its bit length), the replica keeps the
 mean time per emitted token of its recent decode steps with proposals and of those without, and each step does what
 has cost less, but for one step of the other after 16 in a row (a probe), so that both measures follow a changing
-workload. At a batch size where these are not yet measured, the step lines below guess which costs less from what
-verifying steps at other sizes proposed and emitted (probed the same way, so that the measure takes over); before
-any verifying step has been timed, it verifies none for 8 steps, then all proposals for 8. (Step times on a 2-core
+workload. At a batch size where these are not yet measured, it verifies none if the step lines below guess, from
+what verifying steps at other sizes proposed and emitted, that verifying would cost more (probed the same way, so
+that the measure takes over); else it verifies none for 8 steps, then all proposals for 8. (A guessed gain is not
+taken on trust: were it wrong, the measure would take over only after 8 probes.) (Step times on a 2-core
 machine vary by a tenth from step to step and by more between runs; a model of the step fitted to them misjudged
 the fixed cost of a verifying step by several times, while the two measured means told the cases apart.)
 
@@ -244,15 +245,15 @@ class Speculator:
     def _mode(self, num_seqs: int) -> str:
         """How this step speculates ("trim": the proposals that pay by the step lines, all of them until both lines
         are known; "off": none), at about this many sequences: once MEASURED_AFTER steps with and as many without
-        proposals have been timed there, whichever has cost less per emitted token; before, the step lines' guess
-        (_predicted), or without one "off" for MEASURED_AFTER steps (the plain line verifying steps are timed
-        against), then "trim". Measured or guessed,
+        proposals have been timed there, whichever has cost less per emitted token; before, "off" where the step
+        lines guess that verifying loses (_predicted), else "off" for MEASURED_AFTER steps (the plain line verifying
+        steps are timed against), then "trim". Measured or guessed,
         one step of the other after PROBE_EVERY in a row (a probe), so that both measures follow the workload."""
         plain, speculated = self._per_token.get(num_seqs.bit_length(), (_Average(), _Average()))
         if speculated.count >= self.MEASURED_AFTER and plain.count >= self.MEASURED_AFTER:
             speculate = speculated.mean < plain.mean
-        elif (predicted := self._predicted(num_seqs)) is not None:
-            speculate = predicted
+        elif self._predicted(num_seqs) is False:
+            speculate = False  # a guessed loss: off, probed (a guessed gain learns as below: a wrong one costs less)
         else:
             return "off" if plain.count < self.MEASURED_AFTER else "trim"
         if self._run >= self.PROBE_EVERY and self._run_declined != speculate:

@@ -318,8 +318,9 @@ def test_whether_a_step_verifies_is_measured_at_each_batch_size():
 def test_a_batch_size_not_yet_measured_starts_on_the_step_lines_guess():
     """Verifying steps measured at 16 sequences (1 ms a proposal beyond a step of 20 ms + 1 ms a sequence, about 2.8
     proposals and 1.5 tokens emitted a sequence): by those lines, verifying pays at one sequence (about 25 ms for 1.5
-    tokens against 20 ms for 1) and loses at 8 (about 52 ms for 12 against 28 ms for 8); the guess is probed like
-    a measure, and the measure takes over once it has MEASURED_AFTER steps of each."""
+    tokens against 20 ms for 1) and loses at 8 (about 52 ms for 12 against 28 ms for 8). The guessed loss turns it
+    off at 8, probed like a measure, and the measure takes over once it has MEASURED_AFTER steps of each; the
+    guessed gain is learned as at a new size (plain steps, then verifying ones)."""
     speculator = Speculator(SpeculativeConfig(max_tokens=4))
     assert speculator._predicted(1) is None  # no verifying step timed yet: nothing to guess from
     for size in (16, 12, 16, 10) * 4:  # plain steps of sizes that fit the line, then verifying ones
@@ -327,7 +328,11 @@ def test_a_batch_size_not_yet_measured_starts_on_the_step_lines_guess():
     for proposals in (48, 40, 48, 44) * 3:
         speculator.step_timed(16, 16 + proposals, 24, 0.036 + 0.001 * proposals, speculated=True)
     assert speculator._predicted(1) is True and speculator._predicted(8) is False
-    assert speculator._mode(1) == "trim" and speculator._mode(8) == "off"
+    assert speculator._mode(8) == "off"
+    for _ in range(Speculator.MEASURED_AFTER):
+        assert speculator._mode(1) == "off"
+        speculator.step_timed(1, 1, 1, 0.021, speculated=False)
+    assert speculator._mode(1) == "trim"
     for _ in range(Speculator.PROBE_EVERY):
         speculator._declined(True)
     assert speculator._mode(8) == "trim"  # a probe of the guess
@@ -461,10 +466,12 @@ def test_measured_steps_that_lose_turn_proposals_off_at_that_batch_size():
         speculator.step_timed(16, 20, 18, 0.080, speculated=True)  # 4.4 ms per token against 3.1
     speculator.cost = _cost([(n, 0.001 + 0.0001 * n) for n in (1, 16, 32) * 5])  # lines that say "cheap"
     speculator.verify = _cost([(p, 0.0001 * p) for p in (1, 16, 32) * 5])
-    assert speculator._mode(16) == "off" and speculator._mode(1) == "trim"
+    assert speculator._mode(16) == "off"
     planned = [speculator.plan(seqs, 16) for _ in range(Speculator.PROBE_EVERY + 1)]
     assert planned[:-1] == [{}] * Speculator.PROBE_EVERY and planned[-1]  # declined, then one probe
-    assert speculator.plan(seqs[:1], 1)  # one sequence: nothing measured against it
+    for _ in range(Speculator.MEASURED_AFTER):  # one sequence: learned apart (plain steps first, then verifying)
+        speculator.step_timed(1, 1, 1, 0.002, speculated=False)
+    assert speculator.plan(seqs[:1], 1)
 
 
 def test_a_new_step_starts_the_step_costs_again():
