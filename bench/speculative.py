@@ -102,6 +102,7 @@ def engine_run(loaded, requests: list[list[int]], tokens: int, batch: int, specu
         steps = engine.num_steps
         speculator = engine.scheduler.speculator
         lines = (speculator.cost.line(), speculator.verify.line()) if speculator is not None else None
+        timed = speculator.timed_steps() if speculator is not None else None
     produced = sum(len(o) for o in outs.values())
     result = {"tokens_per_s": produced / seconds, "outputs": outs, "steps": steps}
     if stats is not None:
@@ -110,7 +111,8 @@ def engine_run(loaded, requests: list[list[int]], tokens: int, batch: int, specu
                       accepted=stats.accepted, verified_steps=verified, declined_steps=stats.declined_steps,
                       tokens_per_verified_step=round((stats.accepted + verified) / verified, 3) if verified else None,
                       step_ms=round(1e3 * lines[0][0], 2), seq_ms=round(1e3 * lines[0][1], 3),
-                      verify_ms=round(1e3 * lines[1][0], 2), proposal_ms=round(1e3 * lines[1][1], 3))
+                      verify_ms=round(1e3 * lines[1][0], 2), proposal_ms=round(1e3 * lines[1][1], 3),
+                      timed_steps=timed)
     return result
 
 
@@ -130,7 +132,8 @@ def measure(loaded, workloads: dict, args) -> dict:
                 for name in names[r % len(names):] + names[:r % len(names)]:
                     runs[name].append(engine_run(loaded, requests, args.tokens, batch, settings[name], args.k))
             off = statistics.median(run["tokens_per_s"] for run in runs["off"])
-            row = {"off": {"tokens_per_s": round(off, 1)}}
+            row = {"off": {"tokens_per_s": round(off, 1),
+                           "rounds": [round(run["tokens_per_s"], 1) for run in runs["off"]]}}
             reference = runs["off"][0]["outputs"]
             for name in list(settings)[1:]:
                 same = min(same_outputs(run["outputs"], reference) for run in runs[name])
@@ -139,15 +142,16 @@ def measure(loaded, workloads: dict, args) -> dict:
                 rate = statistics.median(run["tokens_per_s"] for run in runs[name])
                 last = runs[name][-1]
                 row[name] = {"tokens_per_s": round(rate, 1), "speedup": round(rate / off, 3), "same_outputs": same,
+                             "rounds": [round(run["tokens_per_s"], 1) for run in runs[name]],
                              **{k: last[k] for k in ("acceptance_rate", "tokens_per_verified_step", "verified_steps",
                                                      "declined_steps", "steps", "step_ms", "seq_ms", "verify_ms",
-                                                     "proposal_ms")}}
+                                                     "proposal_ms", "timed_steps")}}
                 print(f"{workload:11s} batch {batch:2d} {name:6s}: {rate:7.1f} tok/s vs {off:7.1f} off = "
                       f"{rate / off:.2f}x; acceptance {last['acceptance_rate']}, "
                       f"{last['tokens_per_verified_step']} tokens per verified step; cost model: "
                       f"{last['step_ms']} ms + {last['seq_ms']} ms/sequence, verifying {last['verify_ms']} ms + "
-                      f"{last['proposal_ms']} ms/proposal; outputs as without speculation: "
-                      f"{same:.0%}", file=sys.stderr)
+                      f"{last['proposal_ms']} ms/proposal; decode steps timed (plain, verifying) by batch size: "
+                      f"{last['timed_steps']}; outputs as without speculation: {same:.0%}", file=sys.stderr)
             results.setdefault(workload, {})[f"batch_{batch}"] = row
     return results
 

@@ -398,6 +398,12 @@ class Speculator:
             self.cost, self.verify = StepCost(), StepCost(share=0.5)
             self._per_token.clear()
 
+    def timed_steps(self) -> dict[str, tuple[int, int]]:
+        """Decode steps timed since the step last changed, by batch size ("16-31" sequences): (without proposals,
+        with them), what _mode compared there."""
+        return {f"{1 << (bucket - 1)}-{(1 << bucket) - 1}": (plain.count, speculated.count)
+                for bucket, (plain, speculated) in sorted(self._per_token.items())}
+
     def forget(self, seq: Seq) -> None:
         """seq ended: its state goes; a finished sequence's output joins the suffix proposer's shared cache."""
         if seq.status is not RequestStatus.FINISHED_ABORTED:

@@ -95,5 +95,6 @@ def test_speculative_runs_every_proposer_and_the_replay_on_both_batches():
         assert row["off"]["tokens_per_s"] > 0
         for name in ("ngram", "suffix", "draft"):
             assert row[name]["same_outputs"] == 1.0 and row[name]["tokens_per_s"] > 0, (batch, name, row[name])
+            assert len(row[name]["rounds"]) == 1 and sum(map(sum, row[name]["timed_steps"].values())) > 0
     assert report["requests"] == 18
     assert set(report["offline_replay"]["multi_turn"]) == {"ngram", "suffix"}

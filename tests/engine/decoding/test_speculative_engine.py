@@ -300,6 +300,7 @@ def test_whether_a_step_verifies_is_measured_at_each_batch_size():
         speculator.step_timed(16, 20 if speculated else 16, 18 if speculated else 16, 0.080 if speculated else 0.050,
                               speculated)
     assert modes == ["off"] * Speculator.MEASURED_AFTER + ["trim"] * Speculator.MEASURED_AFTER
+    assert speculator.timed_steps() == {"16-31": (Speculator.MEASURED_AFTER, Speculator.MEASURED_AFTER)}
     later = []
     for _ in range(2 * Speculator.PROBE_EVERY + 2):
         later.append(speculator._mode(16))
