@@ -9,10 +9,9 @@ lower value first, then arrival; fair also caps each tenant's prompt tokens in t
 When a running sequence cannot get a block, the running sequence last in order gives all its blocks back
 (preemption by recompute) and waits again; it may be the one asking.
 
-With a Speculator (engine/decoding/speculation.py), decoding sequences may also compute proposed tokens picked
-before (1), none (adaptively) in a step that also computes a prompt chunk: 1 + its proposals each (dropped first
-when blocks or the budget run short); update() advances it by the tokens accepted only (its computed count, prefix
-hashes and tokens never see a rejected proposal) and gives back the blocks that held only rejected ones.
+With a Speculator (engine/decoding/speculation.py), decoding sequences also compute proposed tokens picked before (1)
+(none, adaptively, in a step with a prompt chunk; dropped first when blocks or budget run short); update() advances
+by accepted tokens only (no computed count, prefix hash or token sees a rejected proposal), freeing rejected blocks.
 
 With KV tiers (engine/core/kv_tiers.py), a waiting sequence whose prefix goes on past the pool's blocks on a tier
 takes blocks for that run and its first chunk and is WAITING_FOR_TIER while the step copies it up; update() puts it
@@ -213,7 +212,8 @@ class Scheduler:
         self.kv.save_parked()
         self.policy.age(self.waiting)
         self._shares = self.policy.shares(budget, self.running, self.waiting, self._fits)
-        prefills = any(s.is_prefilling for s in self.running) or bool(self.waiting and self._fits(self.waiting[0]))
+        prefills = self.speculator is not None and (  # a prompt chunk joins the step: speculation sits it out
+            any(s.is_prefilling for s in self.running) or bool(self.waiting) and self._fits(self.waiting[0]))
         spec = self.speculator.propose(self.running, self.config.max_model_len, prefills) if self.speculator else {}
         ahead = None  # sjf: prompt tokens of waiting sequences that go before the running prompts' chunks
         for seq in sorted(self.running, key=lambda s: (s.is_prefilling, s.order)):

@@ -247,8 +247,8 @@ class Speculator:
         are known; "off": none), at about this many sequences: once MEASURED_AFTER steps with and as many without
         proposals have been timed there, whichever has cost less per emitted token; before, "off" where the step
         lines guess that verifying loses (_predicted), else "off" for MEASURED_AFTER steps (the plain line verifying
-        steps are timed against), then "trim". Measured or guessed,
-        one step of the other after PROBE_EVERY in a row (a probe), so that both measures follow the workload."""
+        steps are timed against), then "trim". Measured or guessed, one step of the other after PROBE_EVERY in a row
+        (a probe), so that both measures follow the workload."""
         plain, speculated = self._per_token.get(num_seqs.bit_length(), (_Average(), _Average()))
         if speculated.count >= self.MEASURED_AFTER and plain.count >= self.MEASURED_AFTER:
             speculate = speculated.mean < plain.mean
@@ -288,7 +288,10 @@ class Speculator:
         """A draft model's proposals cost its forward passes, one per proposed position: the depth is priced
         before they run (_draft_depth), and their time is kept out of the target's step cost."""
         top = max(k for _, k in seqs)
-        depth = {"all": top, "off": 0}.get(mode) if mode != "trim" else self._draft_depth(seqs, num_decoding)
+        if mode == "trim":
+            depth = self._draft_depth(seqs, num_decoding)
+        else:
+            depth = top if mode == "all" else 0
         self._declined(depth == 0)
         if depth == 0:
             return {}
