@@ -171,7 +171,9 @@ class Speculator:
 
     PRIOR_WEIGHT = 2.0  # a new sequence's acceptance counts the replica's rate as this many trials
     DECAY = 0.9  # a sequence's own history, per verified step
-    PROBE_EVERY = 16  # steps in a row that verified proposals (or none) before one step of the other
+    PROBE_EVERY = 16  # steps in a row that verified proposals (or none) before one step of the other (a probe)
+    PROBE_MOST = 64  # ... which doubles, up to this, each time a probe leaves the choice at its batch size as it was
+    PAUSE = 2.0  # a step slower per emitted token than this many times its average counts as this many (a pause)
     MEASURED_AFTER = 8  # steps with and without proposals measured at a batch size before _mode compares them
 
     def __post_init__(self) -> None:
@@ -183,6 +185,8 @@ class Speculator:
         self._counts = [0] * len(ACCEPTANCE_BUCKETS)
         self.proposed = self.accepted = self.declined_steps = 0
         self._run, self._run_declined = 0, False  # steps in a row that verified no proposal (or some)
+        self._probe_every: dict[int, int] = {}  # by batch size (its bit length): the run a probe waits for
+        self._probed: tuple[int, bool] | None = None  # the last probe's batch size and the choice it went against
         self._proposal_seconds = 0.0  # a draft model's forward passes since the last timed step
         # Seconds per emitted token of decode steps, by batch size (its bit length), [without, with] proposals.
         self._per_token: dict[int, list[_Average]] = {}
@@ -248,15 +252,23 @@ class Speculator:
         proposals have been timed there, whichever has cost less per emitted token; before, "off" where the step
         lines guess that verifying loses (_predicted), else "off" for MEASURED_AFTER steps (the plain line verifying
         steps are timed against), then "trim". Measured or guessed, one step of the other after PROBE_EVERY in a row
-        (a probe), so that both measures follow the workload."""
-        plain, speculated = self._per_token.get(num_seqs.bit_length(), (_Average(), _Average()))
+        (a probe), so that both measures follow the workload; a probe that leaves the choice as it was doubles the
+        wait for the next one there (up to PROBE_MOST: a probe of a clear loss costs), one that changes it resets it."""
+        bucket = num_seqs.bit_length()
+        plain, speculated = self._per_token.get(bucket, (_Average(), _Average()))
         if speculated.count >= self.MEASURED_AFTER and plain.count >= self.MEASURED_AFTER:
             speculate = speculated.mean < plain.mean
         elif self._predicted(num_seqs) is False:
             speculate = False  # a guessed loss: off, probed (a guessed gain learns as below: a wrong one costs less)
         else:
             return "off" if plain.count < self.MEASURED_AFTER else "trim"
-        if self._run >= self.PROBE_EVERY and self._run_declined != speculate:
+        wait = self._probe_every.get(bucket, self.PROBE_EVERY)
+        if self._probed is not None and self._probed[0] == bucket:  # the last probe, timed: did it change the choice?
+            wait = self._probe_every[bucket] = min(2 * wait, self.PROBE_MOST) if speculate == self._probed[1] \
+                else self.PROBE_EVERY
+        self._probed = None
+        if self._run >= wait and self._run_declined != speculate:
+            self._probed = bucket, speculate
             speculate = not speculate
         return "trim" if speculate else "off"
 
@@ -380,8 +392,10 @@ class Speculator:
         if not (seconds > 0 and math.isfinite(seconds)):
             return
         if emitted > 0:
-            per_token = self._per_token.setdefault(num_seqs.bit_length(), [_Average(), _Average()])
-            per_token[speculated].observe(seconds / emitted)
+            average = self._per_token.setdefault(num_seqs.bit_length(), [_Average(), _Average()])[speculated]
+            # A pause (the collector, the OS: 30x a step's time per token, seen at 16 sequences) is not what the step
+            # costs: at most PAUSE times the average, or one such step would turn speculation on or off for dozens.
+            average.observe(min(seconds / emitted, self.PAUSE * average.mean) if average.count else seconds / emitted)
             if speculated:
                 self._proposed_per_seq.observe((num_tokens - num_seqs) / num_seqs)
                 self._yield.observe(emitted / num_seqs)
@@ -400,6 +414,7 @@ class Speculator:
             self._step_version = version
             self.cost, self.verify = StepCost(), StepCost(share=0.5)
             self._per_token.clear()
+            self._probe_every.clear()
 
     def timed_steps(self) -> dict[str, tuple[int, int]]:
         """Decode steps timed since the step last changed, by batch size ("16-31" sequences): (without proposals,

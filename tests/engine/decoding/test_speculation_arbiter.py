@@ -62,7 +62,8 @@ def test_a_verifying_steps_fixed_cost_is_fitted_apart_and_paid_once():
 
 def test_whether_a_step_verifies_is_measured_at_each_batch_size():
     """A batch size new to the replica declines for MEASURED_AFTER steps, then verifies for as many; then each step
-    does what cost less per emitted token there, with one step of the other after PROBE_EVERY in a row."""
+    does what cost less per emitted token there, with one step of the other after PROBE_EVERY in a row, and twice
+    as many after a probe that left the choice as it was."""
     speculator = Speculator(SpeculativeConfig(max_tokens=4))
     modes = []
     for _ in range(2 * Speculator.MEASURED_AFTER):
@@ -75,11 +76,13 @@ def test_whether_a_step_verifies_is_measured_at_each_batch_size():
     assert modes == ["off"] * Speculator.MEASURED_AFTER + ["trim"] * Speculator.MEASURED_AFTER
     assert speculator.timed_steps() == {"16-31": (Speculator.MEASURED_AFTER, Speculator.MEASURED_AFTER)}
     later = []
-    for _ in range(2 * Speculator.PROBE_EVERY + 2):
+    for _ in range(8 * Speculator.PROBE_EVERY):
         later.append(speculator._mode(16))
         speculator._declined(later[-1] == "off")
     probes = [i for i, mode in enumerate(later) if mode == "trim"]
-    assert probes == [Speculator.PROBE_EVERY, 2 * Speculator.PROBE_EVERY + 1]
+    first = Speculator.PROBE_EVERY
+    assert probes == [first, first + 1 + 2 * first, first + 2 + 6 * first]  # waits 16, 32, 64, ...
+    assert Speculator.PROBE_MOST == 4 * first
     # One sequence: not measured there; the step lines fitted at 16 (a step 50 ms, verifying 4 proposals 30 ms more
     # for 2 more tokens) guess that verifying loses there too.
     assert speculator._predicted(1) is False and speculator._mode(1) == "off"
@@ -211,3 +214,24 @@ def test_a_new_step_starts_the_step_costs_again():
     speculator.step_timed(16, 16, 16, 0.020, speculated=False)
     speculator.step_is(1)
     assert speculator.cost.line()[0] + 16 * speculator.cost.line()[1] == pytest.approx(0.020)
+
+
+def test_a_pause_does_not_turn_speculation_on_and_a_probe_that_changes_the_choice_probes_sooner():
+    """A step stalled by a pause (the collector, the OS) counts as at most PAUSE times its average: one 480 ms
+    step among 50 ms ones does not make verifying look cheaper. A probe after which the choice changed resets the
+    wait for the next probe to PROBE_EVERY."""
+    speculator = Speculator(SpeculativeConfig(max_tokens=4))
+    for _ in range(10):
+        speculator.step_timed(16, 16, 16, 0.050, speculated=False)
+        speculator.step_timed(16, 20, 18, 0.080, speculated=True)  # 4.4 ms per token against 3.1
+    speculator.step_timed(16, 16, 16, 0.480, speculated=False)  # 30 ms a token: unbounded, the mean would be 5.8
+    assert speculator._per_token[5][0].mean == pytest.approx(0.9 * 0.050 / 16 + 0.1 * 2 * 0.050 / 16)
+    assert speculator._mode(16) == "off"
+    for _ in range(Speculator.PROBE_EVERY):
+        speculator._declined(True)
+    assert speculator._mode(16) == "trim"  # a probe ...
+    speculator._declined(False)
+    for _ in range(20):  # ... whose step (and what followed it) verified cheaply: the choice changes
+        speculator.step_timed(16, 20, 18, 0.040, speculated=True)
+    assert speculator._mode(16) == "trim" and speculator._probe_every[5] == Speculator.PROBE_EVERY
+    assert speculator._mode(16) == "trim"
