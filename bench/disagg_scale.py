@@ -24,6 +24,7 @@ from dataclasses import asdict
 from typing import AsyncIterator, Callable, NamedTuple, Sequence
 
 from tandem.bench.loadgen.records import Clock, RequestRecord, WorkRequest
+from tandem.cluster.hardware_profile import UCX_LOOPBACK_BYTES_PER_S
 from tandem.engine.sampling_params import SamplingParams
 from tandem.router.accounting import Accounting
 from tandem.router.driver_settings import DriverSettings
@@ -35,7 +36,6 @@ from tandem.router.routing import RoutingSettings
 from tandem.router.serving import error_code
 
 MODES = ("disaggregated", "colocated")
-UCX_LOOPBACK_BYTES_PER_S = 1.7e9  # DESIGN.md section 4: UCX over tcp/lo with 512 KB-2 MB segments
 
 
 def _linear_fit(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:

@@ -158,6 +158,20 @@ def _positive_seconds(text: str) -> float:
     return value
 
 
+def _counts(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated whole numbers, got {text!r}") from None
+    if min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected numbers of at least 1, got {text!r}")
+    return values
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(name.strip() for name in text.split(",") if name.strip())
+
+
 def _add_cluster(sub: argparse._SubParsersAction) -> None:
     from tandem.cluster import commands
 
@@ -205,6 +219,28 @@ def _add_cluster(sub: argparse._SubParsersAction) -> None:
             p.add_argument("--log", type=int, default=0, metavar="N",
                            help="also print the control plane's last N log lines (scaling decisions, failures)")
         p.set_defaults(func=getattr(commands, name))
+
+    p = sub.add_parser("profile", help="measure what each pool of a manifest costs on this machine (prefill, decode "
+                       "steps, KV bytes) and write it as a profile file",
+                       description="Builds one replica of each pool in this process, as `tandem up` would (layout, "
+                                   "dtype, threads, CPU pinning, token budget), times prefills by prompt length and "
+                                   "count and decode steps by batch size and context, fits the step lines and writes "
+                                   "them with the points as JSON (cluster/hardware_profile.py). Takes one to a few "
+                                   "minutes on the embedded model; progress goes to stderr.")
+    p.add_argument("manifest")
+    p.add_argument("--out", required=True, help="the profile file to write (JSON)")
+    p.add_argument("--pools", type=_names, default=None, help="comma-separated pools to profile (default: all)")
+    p.add_argument("--prompts", type=_counts, default=None, help="prompt lengths in tokens (default 128,512,1536)")
+    p.add_argument("--prompt-counts", type=_counts, default=None,
+                   help="prompts submitted together for each length (default 1,4)")
+    p.add_argument("--batches", type=_counts, default=None, help="decode batch sizes (default 1,4,16,32)")
+    p.add_argument("--contexts", type=_counts, default=None, help="decode contexts in tokens (default 64,1024)")
+    p.add_argument("--decode-steps", type=int, default=None, help="decode steps timed per point (default 5)")
+    p.add_argument("--repeats", type=int, default=None, help="tries of each prefill point, the best kept (default 2)")
+    p.add_argument("--transfer-bytes-per-s", type=float, default=None,
+                   help="the KV transport's measured rate (bench/kv_transfer.py); default: DESIGN.md's loopback UCX "
+                        "figure, marked as assumed in the file")
+    p.set_defaults(func=commands.profile)
 
     p = sub.add_parser("make-model", help="write a small random model (tiny-moe, for deploy/manifests/local-moe.yaml), "
                        "or a published model's shape without weights (--like NAME, run with dummy weights)",

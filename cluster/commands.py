@@ -1,4 +1,4 @@
-"""The cluster subcommands of `tandem` (validate, up, down, status, make-model, and generate --target); cli.py
+"""The cluster subcommands of `tandem` (validate, up, down, status, profile, make-model, and generate --target); cli.py
 parses the flags, these run them. Each returns the process exit code."""
 
 from __future__ import annotations
@@ -216,6 +216,32 @@ def _rank_place(placement: dict) -> str:
 
     gpus, cpus = placement.get("visible_gpus"), placement.get("cpus")
     return (f", GPU {gpus}" if gpus else "") + (f", CPUs {format_cpus(cpus)}" if cpus else "")
+
+
+def profile(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from tandem.cluster.hardware_profile import write_profile
+    from tandem.cluster.manifest_checks import check_file
+    from tandem.cluster.manifest_yaml import ManifestInvalid
+    from tandem.cluster.profiler import Grid, profile_manifest
+
+    try:
+        checked = check_file(args.manifest, check_ports=False)
+    except ManifestInvalid as e:
+        for error in e.errors:
+            print(error.format(e.source), file=sys.stderr)
+        return 2
+    _print_warnings(checked, args.manifest)
+    given = {name: getattr(args, name) for name in ("prompts", "prompt_counts", "batches", "contexts", "decode_steps",
+                                                    "repeats") if getattr(args, name) is not None}
+    grid = dataclasses.replace(Grid(), **given)
+    found = profile_manifest(checked.manifest, args.manifest, grid, pools=args.pools,
+                             transfer_bytes_per_s=args.transfer_bytes_per_s,
+                             say=lambda line: print(line, file=sys.stderr, flush=True))
+    write_profile(found, args.out)
+    print(f"tandem: wrote the profile of {', '.join(found.pools)} on {found.machine} to {args.out}")
+    return 0
 
 
 def make_model(args: argparse.Namespace) -> int:
