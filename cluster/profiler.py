@@ -89,6 +89,8 @@ class _Bench:
         most max_tokens - decode_steps tokens), then decode_steps timed steps of all of them; aborted after."""
         generated = {self.add(context, max_tokens): 0 for _ in range(batch)}
         while not all(generated.values()):
+            if not self.engine.has_unfinished_requests():
+                raise RuntimeError(f"profile: {batch} sequences of {context} tokens ended before decoding")
             for out in self.engine.step():
                 generated[out.request_id] += len(out.token_ids)
         reached = context + statistics.fmean(generated.values())

@@ -130,6 +130,8 @@ def test_the_real_clock_keeps_a_high_asked_rate():
     sent = sorted(r.sent_s for r in records)
     achieved = (len(sent) - 1) / (sent[-1] - sent[0])
     assert achieved == pytest.approx(200, rel=0.03)
-    lateness = sorted(r.sent_s - r.scheduled_s for r in records)
-    assert lateness[0] >= 0  # never early
-    assert lateness[int(0.99 * len(lateness))] < 0.05
+    in_order = [r.sent_s - r.scheduled_s for r in sorted(records, key=lambda r: r.scheduled_s)]
+    assert min(in_order) >= 0  # never early
+    # Punctual, and no lateness that builds up: the last sends are as punctual as the rest. (Not a p99: one pause of
+    # the machine of 60 ms, seen in CI, makes the 12 sends due during it late, whatever the sender does.)
+    assert statistics.median(in_order) < 0.02 and statistics.median(in_order[-50:]) < 0.02
