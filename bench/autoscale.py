@@ -40,27 +40,13 @@ from tandem.bench.loadgen.workloads import Conversation
 from tandem.cluster.autoscaling import ScalingSettings
 from tandem.cluster.mock_cluster import MockCluster
 from tandem.cluster.pool_pressure import SLO
+from tandem.cluster.simulation import LoopClock
 from tandem.cluster.virtual_time import run_virtual
 from tandem.router.driver_settings import DriverSettings
 from tandem.router.mocks.batching import StepCosts
 from tandem.router.serving import error_code
 
 POOLS = ("prefill", "decode")
-
-
-class LoopClock:
-    """The load generator's Clock on the event loop's clock (virtual or real)."""
-
-    def __init__(self):
-        self.loop = asyncio.get_running_loop()
-        self.start = self.loop.time()
-
-    def now(self) -> float:
-        return self.loop.time() - self.start
-
-    async def sleep_until(self, t: float) -> None:
-        while (delay := t - self.now()) > 0:
-            await asyncio.sleep(delay)
 
 
 class ClusterBackend:

@@ -125,11 +125,10 @@ def run_scale(args, maker, slo) -> dict:
 async def scale_run(mode: str, replicas: int, costs, convs, quiet: bool):
     """One open-loop run through the router's request driver over a fresh mock deployment."""
     from tandem.bench import disagg_scale
+    from tandem.cluster.simulation import serve
 
-    deployment = disagg_scale.build_deployment(mode, replicas, costs)
-    async with disagg_scale.run_feed(deployment):
-        return await runner.open_loop(convs, disagg_scale.DriverBackend(deployment.driver),
-                                      label=f"scale {replicas} {mode}", quiet=quiet)
+    return await serve(disagg_scale.build_deployment(mode, replicas, costs), convs, label=f"scale {replicas} {mode}",
+                       quiet=quiet)
 
 
 def headline(summary: dict) -> str:

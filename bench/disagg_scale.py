@@ -1,41 +1,30 @@
 """Disaggregated against colocated serving at 8-32 replicas per pool, in one process: the router's real request
 driver, routing and KV feed over the batching mock replicas (router/mocks/batching.py), whose step costs are
 measured on the real embedded model here (calibrate). A library for the benchmark that runs the load generator
-(bench/loadgen) over it: build_deployment() builds either deployment, run_feed() runs its KV feed around a run,
-and DriverBackend is the load generator's Backend over the deployment's driver.
+(bench/loadgen) over it: build_deployment() builds either deployment (cluster/simulation.py's build, whose run_feed
+runs its KV feed around a run and whose DriverBackend is the load generator's Backend over its driver).
 
 The two deployments get the same engines: N prefill + N decode replicas (disaggregated) against 2N colocated
 replicas, each of which prefills in chunks inside the step that also decodes its running sequences.
 
     costs = calibrate()
-    deployment = build_deployment("colocated", 16, costs)
-    async with run_feed(deployment):
-        records = await open_loop(conversations, DriverBackend(deployment.driver))
+    records = await serve(build_deployment("colocated", 16, costs), conversations)  # cluster/simulation.py
 """
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import statistics
 import time
-from contextlib import asynccontextmanager
-from dataclasses import asdict
-from typing import AsyncIterator, Callable, NamedTuple, Sequence
+from typing import Sequence
 
-from tandem.bench.loadgen.records import Clock, RequestRecord, WorkRequest
 from tandem.cluster.hardware_profile import UCX_LOOPBACK_BYTES_PER_S
+from tandem.cluster.simulation import Deployment, Shape, build
 from tandem.engine.sampling_params import SamplingParams
-from tandem.router.accounting import Accounting
 from tandem.router.driver_settings import DriverSettings
-from tandem.router.lifecycle import RequestDriver
-from tandem.router.mocks.batching import BLOCK_SIZE, BatchedDecode, BatchedPrefill, StepCosts
-from tandem.router.replicas import Replica
-from tandem.router.request_parsing import ParsedRequest
+from tandem.router.mocks.batching import BLOCK_SIZE, StepCosts
 from tandem.router.routing import RoutingSettings
-from tandem.router.serving import error_code
 
-MODES = ("disaggregated", "colocated")
 
 
 def _linear_fit(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
@@ -121,94 +110,17 @@ def calibrate(threads: int = 1, *, prompt_tokens: int = 1024, batch_sizes: Seque
         torch.set_num_threads(previous)
 
 
-class Deployment(NamedTuple):
-    """driver: the router's request driver over the replicas (driver.settings.mode says which deployment).
-    start_feed(): starts the router's KV feed (polling every replica's KV events and free blocks) as a task on the
-    running loop; cancel it when done (run_feed does)."""
-
-    driver: RequestDriver
-    replicas: list[BatchedPrefill | BatchedDecode]
-    start_feed: Callable[[], asyncio.Task]
-
-
 def build_deployment(mode: str, replicas_per_pool: int, costs: StepCosts, policy: str = "cache_aware", *,
                      routing: RoutingSettings | None = None, settings: DriverSettings | None = None) -> Deployment:
     """Disaggregated: replicas_per_pool prefill + replicas_per_pool decode replicas. Colocated: 2 *
-    replicas_per_pool decode replicas that prefill locally (the same number of engines). routing: the router's
-    settings (default: `policy` with the manifest's weights); settings: the driver's (its mode and routing are
-    replaced by these). Raises ValueError for an unknown mode or fewer than one replica per pool."""
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+    replicas_per_pool decode replicas that prefill locally (the same number of engines), every one priced by
+    `costs` (cluster/simulation.py builds them). routing: the router's settings (default: `policy` with the
+    manifest's weights); settings: the driver's (its mode and routing are replaced by these). Raises ValueError
+    for an unknown mode or fewer than one replica per pool."""
     if replicas_per_pool < 1:
         raise ValueError(f"replicas_per_pool must be at least 1, got {replicas_per_pool}")
     routing = routing or RoutingSettings(policy=policy)
-    settings = DriverSettings(**{**vars(settings or DriverSettings()), "mode": mode, "routing": routing})
-    if mode == "disaggregated":
-        prefill = [BatchedPrefill(f"prefill-{i}", costs) for i in range(replicas_per_pool)]
-        decode = [BatchedDecode(f"decode-{i}", costs) for i in range(replicas_per_pool)]
-    else:
-        prefill, decode = [], [BatchedDecode(f"colocated-{i}", costs) for i in range(2 * replicas_per_pool)]
-    driver = RequestDriver([Replica(r.name, "prefill", r) for r in prefill],
-                           [Replica(r.name, "decode", r) for r in decode], settings, block_size=BLOCK_SIZE)
-
-    def start_feed() -> asyncio.Task:
-        return asyncio.get_running_loop().create_task(driver.feed.run(driver.replicas,
-                                                                      settings.kv_events_interval_s))
-
-    return Deployment(driver, [*prefill, *decode], start_feed)
-
-
-@asynccontextmanager
-async def run_feed(deployment: Deployment) -> AsyncIterator[Deployment]:
-    """Runs the deployment's KV feed for the duration of the block; on leaving, stops it and every replica's
-    step loop (the replicas are then done: build a new deployment for the next run)."""
-    feed = deployment.start_feed()
-    try:
-        yield deployment
-    finally:
-        feed.cancel()
-        await asyncio.gather(feed, return_exceptions=True)
-        for replica in deployment.replicas:
-            await replica.shutdown()
-
-
-class DriverBackend:
-    """The load generator's Backend (bench/loadgen/records.py) over an in-process RequestDriver: no network,
-    the router's own accounting (router/accounting.py) for usage and server_timings. Sends token-id prompts
-    only (greedy, ignore_eos, n = 1); a request without prompt_ids fails as INVALID_ARGUMENT. Failures are
-    recorded with the gRPC status name the router's front doors would answer (router/serving.py error_code)."""
-
-    def __init__(self, driver: RequestDriver, *, name: str = "in-process router"):
-        self.driver, self.name = driver, name
-        self._ids = itertools.count()
-
-    async def send(self, request: WorkRequest, record: RequestRecord, clock: Clock) -> str:
-        record.sent_s = clock.now()
-        texts: list[str] = []
-        try:
-            if request.prompt_ids is None:
-                raise ValueError("DriverBackend sends token ids only: this workload gives no prompt_ids")
-            params = SamplingParams(max_tokens=request.max_tokens, temperature=0, ignore_eos=True)
-            parsed = ParsedRequest(f"bench-{next(self._ids)}", tuple(request.prompt_ids), params, 0,
-                                   session_id=request.session_id or "")
-            accounting = Accounting(record.sent_s)
-            async for progress in self.driver.run(parsed):
-                now = clock.now()
-                accounting.observe(progress, now)
-                first = [o for o in progress.outputs if o.index == 0]
-                record.on_tokens(now, sum(len(o.token_ids) for o in first))
-                texts += [o.text for o in first]
-            record.end_s = clock.now()
-            usage = accounting.usage()
-            record.prompt_tokens, record.cached_tokens = usage.prompt_tokens, usage.cached_tokens
-            record.output_tokens = usage.completion_tokens
-            record.server_timings = asdict(accounting.timings(record.end_s))
-        except asyncio.CancelledError:
-            record.fail("cancelled", "the run ended before the request finished")
-            raise
-        except Exception as e:
-            record.fail(*error_code(e))
-        return "".join(texts)
-
-    async def aclose(self) -> None:
-        pass
+    settings = DriverSettings(**{**vars(settings or DriverSettings()), "routing": routing})
+    shape = (Shape(mode, replicas_per_pool, replicas_per_pool) if mode == "disaggregated"
+             else Shape(mode, 0, 2 * replicas_per_pool))
+    return build(shape, {"prefill": costs, "decode": costs}, settings)

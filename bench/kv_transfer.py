@@ -42,97 +42,22 @@ import sys
 import time
 from multiprocessing import get_context
 
+from tandem.kv_transfer.descriptor import KVFormat
+from tandem.kv_transfer.rate_probe import ask, make_agent, make_store, push_round, receiver, wait_done
+
 LAYERS, KV_HEADS, HEAD_DIM, BLOCK = 30, 3, 64, 16
+KV = KVFormat(LAYERS, KV_HEADS, HEAD_DIM, BLOCK, "float32")
 
 
 def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def make_store(num_blocks: int, fill: bool, device: str, shared: bool = False):
-    """shared: in shared memory, as a prefill replica's store (AgentFactory.share_kv_store; CPU only)."""
-    import torch
-
-    from tandem.engine.kv.kv_cache import KVCacheSpec, PagedKVCache
-    from tandem.kv_transfer.agent_factory import AgentFactory
-
+def agents_config(secret: bytes):
+    """Both agents' settings (the sender's store in shared memory, as a prefill replica's)."""
     from tandem.kv_transfer.config import TransferConfig
 
-    memory = AgentFactory(TransferConfig(shared_memory=True), share_kv_store=shared).store_memory(torch.device(device))
-    cache = PagedKVCache(KVCacheSpec(LAYERS, num_blocks, BLOCK, KV_HEADS, HEAD_DIM, torch.float32), device, memory)
-    if fill:
-        cache.data.normal_()
-    else:
-        cache.data.zero_()  # touch every page now, not inside the measurement
-    return cache
-
-
-def make_agent(cache, config):
-    """A UCX agent over cache, built as engines build theirs (the UCX transport knows the store's GPU)."""
-    from tandem.engine.parallel.layout import ParallelConfig, ReplicaLayout
-    from tandem.kv_transfer.agent_factory import AgentFactory
-
-    layout = ReplicaLayout.build(ParallelConfig(), num_layers=LAYERS, num_heads=9, num_kv_heads=KV_HEADS)
-    return AgentFactory(config)(0, layout, cache), layout
-
-
-def receiver(conn, max_blocks: int, device: str, secret: bytes) -> None:
-    """Reserves what the sender asks for (answering the sender's agent it names), answers with descriptors;
-    ends on ("stop",)."""
-    import torch
-
-    from tandem.kv_transfer.config import TransferConfig
-    from tandem.kv_transfer.descriptor import KVFormat, TransferDescriptor
-
-    torch.set_num_threads(1)
-    config = TransferConfig(staging_bytes=256 << 20, secret=secret, shared_memory=True)
-    cache = make_store(max_blocks, fill=False, device=device)
-    agent, layout = make_agent(cache, config)
-    kv = KVFormat(LAYERS, KV_HEADS, HEAD_DIM, BLOCK, "float32")
-    conn.send(("ready", agent.address))
-    while True:
-        message = conn.recv()
-        if message[0] == "stop":
-            agent.close()
-            return
-        if message[0] == "reserve":  # (ids, blocks per request, tokens per request, the sender's address,
-            _, ids, per, tokens, sender_address, shared, scattered = message  # shared memory, scattered blocks)
-            descs = []
-            domains = (agent.shared_memory_domain(),) if shared else ()
-            for i, transfer_id in enumerate(ids):
-                blocks = list(range(i * per, (i + 1) * per))
-                if scattered:
-                    blocks = blocks[1::2] + blocks[::2]
-                deadline = time.time() + 600
-                agent.expect(transfer_id, blocks, deadline, (sender_address,))
-                descs.append(TransferDescriptor(transfer_id, layout, (agent.address,), tuple(blocks), tokens, kv,
-                                                deadline, domains))
-            conn.send(("descs", descs))
-        elif message[0] == "path":
-            conn.send(("path", agent.stats().path, agent.shared_memory_domain()))
-        elif message[0] == "release":
-            for transfer_id in message[1]:
-                agent.release(transfer_id)
-            conn.send(("released", agent.stats().staging_in_use))
-
-
-def wait_done(agent, ids: list[str], issued: dict[str, float], timeout_s: float = 600) -> dict[str, float]:
-    """Polls until every transfer is DONE; returns each one's latency in seconds (issue to acknowledgement)."""
-    from tandem.kv_transfer.descriptor import TransferState
-
-    done: dict[str, float] = {}
-    deadline = time.monotonic() + timeout_s
-    while len(done) < len(ids):
-        now = time.perf_counter()
-        for transfer_id, status in agent.poll(ids).items():
-            if transfer_id not in done and status.state.terminal:
-                if status.state is not TransferState.DONE:
-                    raise RuntimeError(f"transfer {transfer_id} ended {status.state.value}: {status.error}")
-                done[transfer_id] = now - issued[transfer_id]
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"only {len(done)} of {len(ids)} transfers finished in {timeout_s} s")
-        time.sleep(0.0002)
-    return done
+    return TransferConfig(staging_bytes=256 << 20, secret=secret, shared_memory=True)
 
 
 def memcpy_rate(nbytes: int, chunk: int, rounds: int) -> float:
@@ -235,24 +160,12 @@ def batched(agent, conn, requests: int, tokens: int, rounds: int, src_blocks: li
     for r in range(rounds):
         for path in paths:
             ids = [f"b{requests}-{r}-{path}-{i}" for i in range(requests)]
-            conn.send(("reserve", ids, per, tokens, agent.address, path == "shared memory", scattered))
-            descs = conn.recv()[1]
-            issued = {}
             sent_by_reference = agent.stats().by_reference
-            start = time.perf_counter()
-            for desc in descs:
-                issued[desc.transfer_id] = time.perf_counter()
-                agent.arm(desc)
-                agent.send_all(desc.transfer_id, src_blocks)
-            done = wait_done(agent, ids, issued)
-            elapsed = time.perf_counter() - start
-            rates[path].append(requests * payload / elapsed / 1e9)
-            latencies[path].extend(done.values())
+            pushed = push_round(agent, conn, ids, per, tokens, src_blocks, shared=path == "shared memory",
+                                scattered=scattered)
+            rates[path].append(requests * payload / pushed.seconds / 1e9)
+            latencies[path].extend(pushed.latencies.values())
             by_reference[path] += agent.stats().by_reference - sent_by_reference
-            for transfer_id in ids:
-                agent.release(transfer_id)
-            conn.send(("release", ids))
-            conn.recv()
     from_store = agent.stats().from_store - from_store
     raw = raw_ucx_rate(min(requests, 64) * payload, 16 << 20)
     rate = statistics.median(rates[paths[0]])
@@ -296,10 +209,9 @@ def pipelining(conn, prefill_tokens: int, rounds: int, device: str, secret: byte
     from tandem.engine.loader import load_model
     from tandem.engine.sampling_params import SamplingParams
     from tandem.kv_transfer.agent_factory import AgentFactory
-    from tandem.kv_transfer.config import TransferConfig
 
     torch.set_num_threads(1)  # the receiver process and the UCX threads get the other core
-    config = TransferConfig(layer_group=1, staging_bytes=256 << 20, secret=secret, shared_memory=True)
+    config = agents_config(secret)  # layer_group 1: each layer leaves as soon as it is written
     engine = LLMEngine(load_model(progress=False, device=device),
                        EngineConfig(num_kv_blocks=4 * (prefill_tokens // BLOCK + 2),
                                     max_num_batched_tokens=prefill_tokens),
@@ -310,8 +222,7 @@ def pipelining(conn, prefill_tokens: int, rounds: int, device: str, secret: byte
     for r in range(rounds):
         prompt = [(7 * i + r) % 40000 + 100 for i in range(prefill_tokens)]
         ids = [f"p-{r}", f"alone-{r}"]
-        conn.send(("reserve", ids, per, prefill_tokens, agent.address, shared, False))
-        piped, alone = conn.recv()[1]
+        piped, alone = ask(conn, ("reserve", ids, per, prefill_tokens, agent.address, shared, False))[1]
         agent.arm(piped, seq_id=f"prompt-{r}#0")
         engine.hold_blocks_after(f"prompt-{r}", piped.transfer_id)  # as PrefillConnector does: read in place
         engine.add_request(f"prompt-{r}", prompt, SamplingParams(max_tokens=1, temperature=0))
@@ -327,8 +238,7 @@ def pipelining(conn, prefill_tokens: int, rounds: int, device: str, secret: byte
         for transfer_id in (piped.transfer_id, alone.transfer_id):
             agent.release(transfer_id)
         engine.release_held_blocks(piped.transfer_id)
-        conn.send(("release", [piped.transfer_id, alone.transfer_id]))
-        conn.recv()
+        ask(conn, ("release", [piped.transfer_id, alone.transfer_id]))
         rows.append({"compute_s": computed - start, "exposed_s": exposed, "standalone_s": standalone,
                      "hidden": 1 - exposed / standalone})
         log(f"prefill {prefill_tokens} tokens: compute {computed - start:.3f} s, transfer alone {standalone:.3f} s, "
@@ -343,14 +253,11 @@ def pipelining(conn, prefill_tokens: int, rounds: int, device: str, secret: byte
 def sender(conn, address: str, args, secret: bytes) -> None:
     import torch
 
-    from tandem.kv_transfer.config import TransferConfig
-
     torch.set_num_threads(1)
     per = -(-args.tokens // BLOCK)
-    cache = make_store(per, fill=True, device=args.device, shared=True)
-    agent, _ = make_agent(cache, TransferConfig(staging_bytes=256 << 20, secret=secret, shared_memory=True))
-    conn.send(("path",))
-    _, receiver_path, receiver_domain = conn.recv()
+    config = agents_config(secret)
+    agent, _ = make_agent(make_store(KV, per, config, fill=True, device=args.device, shared=True), config)
+    _, receiver_path, receiver_domain = ask(conn, ("path",))
     paths = {"sender": agent.stats().path, "receiver": receiver_path,
              "shared_memory": {"sender": agent.stats().shared_memory, "receiver_domain": bool(receiver_domain)}}
     shared = agent.stats().shared_memory == "on" and receiver_domain == agent.shared_memory_domain()
@@ -391,9 +298,10 @@ def main() -> None:
     log(f"receiver store: {max_blocks} blocks ({max_blocks * LAYERS * 2 * BLOCK * KV_HEADS * HEAD_DIM * 4 / 2**30:.1f} "
         f"GiB); sender in this process")
     secret = secrets.token_bytes(32)  # the transfer secret both agents share, as a cluster's replicas do
-    proc = ctx.Process(target=receiver, args=(receiver_end, max_blocks, args.device, secret), daemon=True)
+    proc = ctx.Process(target=receiver, args=(receiver_end, KV, max_blocks, args.device, agents_config(secret)),
+                       daemon=True)
     proc.start()
-    _, address = to_receiver.recv()
+    _, address = ask(to_receiver, None)
     sender(to_receiver, address, args, secret)
     proc.join(timeout=30)
 

@@ -10,10 +10,14 @@ MANIFESTS = Path(__file__).resolve().parents[1] / "deploy" / "manifests"
 
 
 def manifest_to_measure(name: str):
-    """deploy/manifests/<name>, each pool's `compile: background` made a compilation before the replica serves
-    (the engine's default, TANDEM_COMPILE): a benchmark times the replicas as they serve for good, not while a
-    thread compiles their step beside them (make run's manifests compile their decode pools in the background)."""
-    manifest = load_manifest(MANIFESTS / name)
+    """deploy/manifests/<name> as measured (measured)."""
+    return measured(load_manifest(MANIFESTS / name))
+
+
+def measured(manifest):
+    """The manifest with each pool's `compile: background` made a compilation before the replica serves (the
+    engine's default, TANDEM_COMPILE): a benchmark times the replicas as they serve for good, not while a thread
+    compiles their step beside them (make run's manifests compile their decode pools in the background)."""
     pools = {}
     for role in ("prefill", "decode"):
         pool = getattr(manifest.pools, role)

@@ -221,12 +221,14 @@ def _add_cluster(sub: argparse._SubParsersAction) -> None:
         p.set_defaults(func=getattr(commands, name))
 
     p = sub.add_parser("profile", help="measure what each pool of a manifest costs on this machine (prefill, decode "
-                       "steps, KV bytes) and write it as a profile file",
+                       "steps, KV bytes, KV transfer rate) and write it as a profile file",
                        description="Builds one replica of each pool in this process, as `tandem up` would (layout, "
                                    "dtype, threads, CPU pinning, token budget), times prefills by prompt length and "
                                    "count and decode steps by batch size and context, fits the step lines and writes "
-                                   "them with the points as JSON (cluster/hardware_profile.py). Takes one to a few "
-                                   "minutes on the embedded model; progress goes to stderr.")
+                                   "them with the points as JSON (cluster/hardware_profile.py). For a disaggregated "
+                                   "manifest it first measures the KV transfer rate between two processes on this "
+                                   "host, with the manifest's transport settings. Takes one to a few minutes on the "
+                                   "embedded model; progress goes to stderr.")
     p.add_argument("manifest")
     p.add_argument("--out", required=True, help="the profile file to write (JSON)")
     p.add_argument("--pools", type=_names, default=None, help="comma-separated pools to profile (default: all)")
@@ -238,8 +240,9 @@ def _add_cluster(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--decode-steps", type=int, default=None, help="decode steps timed per point (default 5)")
     p.add_argument("--repeats", type=int, default=None, help="tries of each prefill point, the best kept (default 2)")
     p.add_argument("--transfer-bytes-per-s", type=float, default=None,
-                   help="the KV transport's measured rate (bench/kv_transfer.py); default: DESIGN.md's loopback UCX "
-                        "figure, marked as assumed in the file")
+                   help="the KV transfer rate to record instead of measuring it (e.g. between two hosts); default: "
+                        "measured on this host (a colocated manifest, which moves no KV, records DESIGN.md's "
+                        "loopback UCX figure, marked as assumed)")
     p.set_defaults(func=commands.profile)
 
     p = sub.add_parser("make-model", help="write a small random model (tiny-moe, for deploy/manifests/local-moe.yaml), "
@@ -262,6 +265,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_cluster(sub)
+    from tandem.cluster.plan_command import add_parser as add_plan
+
+    add_plan(sub)
     from tandem.bench.loadgen.command import add_parser as add_bench  # the load generator (a client of the API)
 
     add_bench(sub)

@@ -108,10 +108,16 @@ class Transfer(_Strict):
 
 
 class Profile(_Strict):
+    """manifest / manifest_yaml: the profiled manifest's path and its text (what a plan made elsewhere from this
+    profile starts from); mode: its mode, which says what its pools do (disaggregated: prefill and decode;
+    colocated: one pool that prefills and decodes)."""
+
     version: Literal[1] = PROFILE_VERSION
     machine: str  # the CPU (model, flags, cores) or GPU it was measured on
     model: str
-    manifest: str  # the manifest whose pools were profiled
+    manifest: str
+    manifest_yaml: str
+    mode: Literal["disaggregated", "colocated"]
     created: str  # ISO 8601, UTC
     pools: dict[str, PoolProfile] = Field(min_length=1)
     transfer: Transfer
@@ -122,15 +128,16 @@ class Profile(_Strict):
             raise ValueError(f"the profile has no pool {name!r}; it has {', '.join(sorted(self.pools))}")
         return self.pools[name]
 
-    def step_costs(self, name: str, context: float) -> StepCosts:
-        """The batching mock's costs (router/mocks/batching.py, which prices a step by its tokens only) for pool
-        `name` at sequences of about `context` tokens: the context's attention folded into the decode token."""
+    def step_costs(self, name: str, *, max_num_seqs: int | None = None) -> StepCosts:
+        """The batching mock's costs (router/mocks/batching.py) of pool `name`: its fitted lines, KV bytes, the
+        transfer rate and its budgets (max_num_seqs: another sequence cap than the profiled one)."""
         p = self.pool(name)
         f = p.fit
-        return StepCosts(step_s=f.step_s, decode_token_s=f.decode_token_s + f.context_token_s * context,
-                         prefill_token_s=f.prefill_token_s + f.prefill_pair_s * (context + 1) / 2,
+        return StepCosts(step_s=f.step_s, decode_token_s=f.decode_token_s, context_token_s=f.context_token_s,
+                         prefill_token_s=f.prefill_token_s, prefill_pair_s=f.prefill_pair_s,
                          kv_bytes_per_token=p.kv_bytes_per_token, transfer_bytes_per_s=self.transfer.bytes_per_s,
-                         max_num_batched_tokens=p.max_num_batched_tokens, max_num_seqs=p.max_num_seqs)
+                         max_num_batched_tokens=p.max_num_batched_tokens,
+                         max_num_seqs=max_num_seqs or p.max_num_seqs)
 
 
 def _nonnegative_lstsq(a: np.ndarray, y: np.ndarray) -> np.ndarray:

@@ -7,7 +7,7 @@ seconds and the result does not depend on the machine.
 
     cluster = MockCluster("disaggregated", costs, initial={"prefill": 1, "decode": 1}, bounds=..., slo=...)
     async with cluster.running():
-        ... send requests with cluster.driver (or bench/disagg_scale.py's DriverBackend) ...
+        ... send requests with cluster.driver (or cluster/simulation.py's DriverBackend) ...
 """
 
 from __future__ import annotations

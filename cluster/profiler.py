@@ -6,8 +6,12 @@ profile (cluster/hardware_profile.py):
 - prefill: for each prompt length and number of prompts submitted together, the seconds until every first token
   (chunked by the pool's token budget, as the replica would), best of `repeats`;
 - decode: for each batch size and context, the median of `decode_steps` timed decode steps;
-- the KV bytes a token takes in the pool's cache, and the transport's rate (given: a measured figure of
-  bench/kv_transfer.py, or the loopback UCX figure of DESIGN.md section 4, named as such in the file).
+- the KV bytes a token takes in the pool's cache;
+- for a disaggregated manifest, the KV transfer rate: measured (kv_transfer/rate_probe.py) between a sender and a
+  receiver process on this host, agents built from the manifest's transport section as the replicas' are, over KV
+  stores of the model's shape in the KV dtype transfers carry, pinned to the pools' CPUs; or given
+  (--transfer-bytes-per-s). A colocated manifest moves no KV: the file records DESIGN.md section 4's loopback UCX
+  figure, named as such.
 
 Points that do not fit the pool (a prompt beyond max_model_len, a batch beyond max_num_seqs or its KV beyond the
 pool's blocks) are left out, and said so. Prompts are distinct token sequences and prefix caching is off while
@@ -21,15 +25,22 @@ import dataclasses
 import itertools
 import math
 import platform
+import secrets
 import statistics
 import time
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Callable, Sequence
 
 from tandem.cluster.hardware_profile import (UCX_LOOPBACK_BYTES_PER_S, DecodePoint, Layout, PoolProfile,
                                              PrefillPoint, Profile, Transfer, fit_points)
 from tandem.cluster.manifest import Manifest
-from tandem.cluster.replica_plans import replica_spec
+from tandem.cluster.replica_plans import replica_spec, transfer_config
+from tandem.kv_transfer.rate_probe import measure_transfer_rate
+
+# What the transfer probe pushes each round (after one uncounted round): a few prompts' KV, ~90 MiB on the
+# embedded model, so that a round takes tens to hundreds of milliseconds on a 2-core CPU.
+PROBE_REQUESTS, PROBE_TOKENS, PROBE_ROUNDS = 4, 512, 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,20 +194,60 @@ def machine_description() -> str:
     return cpu
 
 
+def measure_transfer(manifest: Manifest, say: Callable[[str], None]) -> Transfer:
+    """The KV transfer rate of a disaggregated manifest on this host (the module docstring). Raises RuntimeError
+    naming what failed."""
+    import torch
+
+    from tandem.engine.kv.kv_cache import kv_dtype_name, kv_storage_dtype
+    from tandem.engine.loader import load_model
+    from tandem.kv_transfer.descriptor import KVFormat
+
+    prefill, decode = manifest.pools.prefill, manifest.pools.decode
+    model = load_model(manifest.model_path, weights=False, progress=False).config
+    # Transfers carry the prefill pool's KV dtype (a decode pool storing another converts on receipt).
+    dtype = kv_dtype_name(kv_storage_dtype(prefill.engine.kv_cache_dtype, getattr(torch, prefill.dtype)))
+    kv = KVFormat(model.num_layers, model.num_kv_heads, model.head_dim, decode.engine.block_size, dtype)
+    config = transfer_config(manifest, secrets.token_bytes(32))
+    config = config if config.host else config.on_host("127.0.0.1")
+    say(f"profile: measuring the KV transfer rate: {PROBE_REQUESTS} requests x {PROBE_TOKENS} tokens of {dtype} KV "
+        f"({kv.bytes_per_token / 1024:.1f} KiB a token) between two processes on this host, shared memory "
+        f"{'on' if config.shared_memory else 'off'}")
+    start = time.perf_counter()
+    try:
+        rate = measure_transfer_rate(kv, config, tokens=PROBE_TOKENS, requests=PROBE_REQUESTS, rounds=PROBE_ROUNDS,
+                                     device=decode.device, sender_cpus=prefill.cpu_affinity,
+                                     receiver_cpus=decode.cpu_affinity)
+    except RuntimeError as e:
+        raise RuntimeError(f"{e} (or give the rate: --transfer-bytes-per-s)") from None
+    say(f"profile: KV transfer: {rate.describe()} (measured in {time.perf_counter() - start:.1f} s)")
+    return Transfer(bytes_per_s=rate.bytes_per_s,
+                    source=f"measured: the {rate.path} path, median of {rate.rounds} rounds of {rate.requests} "
+                           f"requests x {rate.tokens} tokens between two processes on this host with the manifest's "
+                           f"transport settings (between hosts the network sets the rate)")
+
+
 def profile_manifest(manifest: Manifest, source: str, grid: Grid, *, pools: Sequence[str] | None = None,
                      transfer_bytes_per_s: float | None = None,
                      say: Callable[[str], None] = lambda line: None) -> Profile:
-    """Profiles `pools` (default: every pool of the manifest) one after the other (say: progress lines)."""
+    """Profiles `pools` (default: every pool of the manifest) one after the other, and the KV transfer rate
+    (transfer_bytes_per_s: given instead; say: progress lines). Raises ValueError for an unknown pool,
+    RuntimeError when the transfer cannot be measured."""
     names = list(pools) if pools else [name for name, _ in manifest.pool_items()]
     unknown = [n for n in names if getattr(manifest.pools, n, None) is None]
     if unknown:
         raise ValueError(f"the manifest has no pool {unknown[0]!r}; it has "
                          f"{', '.join(n for n, _ in manifest.pool_items())}")
+    if transfer_bytes_per_s:
+        transfer = Transfer(bytes_per_s=transfer_bytes_per_s, source="given (--transfer-bytes-per-s)")
+    elif manifest.mode == "colocated":
+        transfer = Transfer(bytes_per_s=UCX_LOOPBACK_BYTES_PER_S,
+                            source="assumed: UCX over tcp/lo on one host (DESIGN.md section 4); not measured, and "
+                                   "not used: colocated serving moves no KV between replicas")
+    else:  # first: before the pools' replicas pin this process to their CPUs
+        transfer = measure_transfer(manifest, say)
     profiled = {name: profile_pool(manifest, name, grid, say) for name in names}
-    transfer = (Transfer(bytes_per_s=transfer_bytes_per_s, source="given (--transfer-bytes-per-s)")
-                if transfer_bytes_per_s else
-                Transfer(bytes_per_s=UCX_LOOPBACK_BYTES_PER_S,
-                         source="assumed: UCX over tcp/lo on one host (DESIGN.md section 4), not measured here"))
-    return Profile(machine=machine_description(), model=manifest.model, manifest=source,
+    return Profile(machine=machine_description(), model=manifest.model, manifest=source, mode=manifest.mode,
+                   manifest_yaml=Path(source).read_text(),
                    created=datetime.now(timezone.utc).isoformat(timespec="seconds"), pools=profiled,
                    transfer=transfer)

@@ -42,6 +42,33 @@ def _tenant(text: str):
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def add_workload_arguments(p: argparse.ArgumentParser) -> None:
+    """What is sent and when, as `tandem bench` and `tandem plan` (cluster/planner.py) both describe it: the
+    arrival process, the run's length, the workload and its lengths, a trace, the seed (workload_config and
+    conversations read them)."""
+    p.add_argument("--arrival", choices=ARRIVALS, default="poisson", help="the arrival process (default poisson)")
+    p.add_argument("--burstiness", type=float, default=1.0, help="gamma's shape: < 1 burstier, 1 Poisson, > 1 "
+                                                                 "smoother (default 1)")
+    p.add_argument("--num-requests", type=int, default=None, help="arrivals per run (sessions count once)")
+    p.add_argument("--duration", type=float, default=None, help="seconds of arrivals per run")
+    p.add_argument("--workload", choices=WORKLOADS, default="synthetic")
+    p.add_argument("--input", default="fixed:256", help="prompt tokens: fixed:N, uniform:LO,HI or "
+                                                        "lognormal:MEDIAN,SIGMA (default fixed:256)")
+    p.add_argument("--output", default="fixed:64", help="output tokens, same forms (default fixed:64)")
+    p.add_argument("--prefix-groups", type=int, default=4, help="shared-prefix: groups (default 4)")
+    p.add_argument("--prefix-len", type=int, default=512, help="shared-prefix: tokens of each group's prefix")
+    p.add_argument("--long-share", type=float, default=0.1, help="long-mix: fraction of long prompts")
+    p.add_argument("--long-input", default="fixed:3000", help="long-mix: long prompts' tokens (default fixed:3000)")
+    p.add_argument("--turns", type=int, default=3, help="sessions: user turns per session")
+    p.add_argument("--think-time", type=float, default=1.0, help="sessions: seconds between an answer and the "
+                                                                 "next turn")
+    p.add_argument("--trace", default=None, metavar="FILE.jsonl", help="trace: the requests and their timestamps")
+    p.add_argument("--trace-time-unit", choices=["s", "ms"], default="s")
+    p.add_argument("--trace-speedup", type=float, default=1.0, help="trace: replay this many times faster")
+    p.add_argument("--trace-block-tokens", type=int, default=512, help="trace: tokens per hash_ids block")
+    p.add_argument("--seed", type=int, default=0, help="seed of the workload and arrivals (default 0)")
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="load a running cluster (or any OpenAI-compatible server) and measure "
                                      "TTFT, TPOT, ITL, throughput and goodput",
@@ -64,27 +91,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                                   "list runs a sweep, one run per rate (a trace gives its own times)")
     load.add_argument("--concurrency", type=int, help="closed loop: this many clients, each sending its next "
                                                       "request when its last one ends")
-    p.add_argument("--arrival", choices=ARRIVALS, default="poisson", help="the arrival process (default poisson)")
-    p.add_argument("--burstiness", type=float, default=1.0, help="gamma's shape: < 1 burstier, 1 Poisson, > 1 "
-                                                                 "smoother (default 1)")
-    p.add_argument("--num-requests", type=int, default=None, help="arrivals per run (sessions count once)")
-    p.add_argument("--duration", type=float, default=None, help="seconds of arrivals per run")
-    p.add_argument("--workload", choices=WORKLOADS, default="synthetic")
-    p.add_argument("--input", default="fixed:256", help="prompt tokens: fixed:N, uniform:LO,HI or "
-                                                        "lognormal:MEDIAN,SIGMA (default fixed:256)")
-    p.add_argument("--output", default="fixed:64", help="output tokens, same forms (default fixed:64)")
-    p.add_argument("--prefix-groups", type=int, default=4, help="shared-prefix: groups (default 4)")
-    p.add_argument("--prefix-len", type=int, default=512, help="shared-prefix: tokens of each group's prefix")
-    p.add_argument("--long-share", type=float, default=0.1, help="long-mix: fraction of long prompts")
-    p.add_argument("--long-input", default="fixed:3000", help="long-mix: long prompts' tokens (default fixed:3000)")
-    p.add_argument("--turns", type=int, default=3, help="sessions: user turns per session")
-    p.add_argument("--think-time", type=float, default=1.0, help="sessions: seconds between an answer and the "
-                                                                 "next turn")
-    p.add_argument("--trace", default=None, metavar="FILE.jsonl", help="trace: the requests and their timestamps")
-    p.add_argument("--trace-time-unit", choices=["s", "ms"], default="s")
-    p.add_argument("--trace-speedup", type=float, default=1.0, help="trace: replay this many times faster")
-    p.add_argument("--trace-block-tokens", type=int, default=512, help="trace: tokens per hash_ids block")
-    p.add_argument("--seed", type=int, default=0, help="seed of the workload and arrivals (default 0)")
+    add_workload_arguments(p)
     p.add_argument("--warmup", type=int, default=2, help="requests sent one at a time before measuring (default 2)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds one request may take (default 600)")
     p.add_argument("--slo", default=None, help="e.g. ttft=2s,itl_p99=200ms,tpot=50ms,e2e=30s: goodput counts "
@@ -99,13 +106,33 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def _workload(args):
+def workload_config(args):
+    """The WorkloadConfig that add_workload_arguments' flags describe."""
     from tandem.bench.loadgen.workloads import WorkloadConfig, parse_length
 
     return WorkloadConfig(kind=args.workload, input=parse_length(args.input), output=parse_length(args.output),
                           prefix_groups=args.prefix_groups, prefix_len=args.prefix_len, long_share=args.long_share,
                           long_input=parse_length(args.long_input), turns=args.turns,
                           think_time_s=args.think_time, seed=args.seed)
+
+
+def conversations(args, maker, rate: float | None, place: int = 0):
+    """What one run sends (add_workload_arguments' flags): a trace's requests at its times, num_requests without
+    times for a closed loop (rate None), or the workload at `rate` with the arrival process's due times. place:
+    the run's place in a sweep, added to the seed, so that later runs get other prompts (none hits what an
+    earlier run cached)."""
+    from tandem.bench.loadgen.arrivals import ArrivalProcess
+    from tandem.bench.loadgen.workloads import build, read_trace
+
+    if args.workload == "trace":
+        return read_trace(args.trace, maker, time_unit=args.trace_time_unit, speedup=args.trace_speedup,
+                          block_tokens=args.trace_block_tokens, seed=args.seed)
+    if rate is None:
+        return build(workload_config(args), maker, [None] * (args.num_requests or 100_000))
+    seed = args.seed + place
+    offsets = ArrivalProcess(rate, args.arrival, args.burstiness).offsets(
+        count=args.num_requests, duration_s=args.duration, seed=seed)
+    return build(replace(workload_config(args), seed=seed), maker, offsets)
 
 
 def _backend(args, tokenizer, api_key: str | None = None):
@@ -143,28 +170,16 @@ def run(args: argparse.Namespace) -> int:
     """Raises ValueError for flags that do not fit together (the CLI prints it)."""
     from tandem.bench.loadgen import report, stats
     from tandem.bench.loadgen.arrivals import ArrivalProcess
-    from tandem.bench.loadgen.workloads import PromptMaker, build, read_trace
+    from tandem.bench.loadgen.workloads import PromptMaker, build
     from tandem.engine.loader.model_info import load_model_info
 
     _check(args)
     slo = stats.parse_slo(args.slo)
-    workload = _workload(args)
+    workload = workload_config(args)
     info = load_model_info(args.tokenizer)
     maker = PromptMaker(info.tokenizer, info.config.vocab_size)
     out = Path(args.out or Path("bench-results") / time.strftime("%Y%m%d-%H%M%S"))
     config = {k: v for k, v in vars(args).items() if k not in ("func", "api_key")}
-
-    def conversations(rate: float | None):
-        if args.workload == "trace":
-            return read_trace(args.trace, maker, time_unit=args.trace_time_unit, speedup=args.trace_speedup,
-                              block_tokens=args.trace_block_tokens, seed=args.seed)
-        if rate is None:
-            return build(workload, maker, [None] * (args.num_requests or 100_000))
-        # A sweep's later rates get other prompts (seed + the rate's place): none hits what an earlier run cached.
-        seed = args.seed + args.rate.index(rate)
-        offsets = ArrivalProcess(rate, args.arrival, args.burstiness).offsets(
-            count=args.num_requests, duration_s=args.duration, seed=seed)
-        return build(replace(workload, seed=seed), maker, offsets)
 
     async def tenants(workload, maker, info):
         """--tenant: one open loop per tenant, all at once, on one clock."""
@@ -194,7 +209,7 @@ def run(args: argparse.Namespace) -> int:
 
         backend = _backend(args, info.tokenizer, args.tenant[0].key if args.tenant else None)  # the warm-up's
         try:
-            first = conversations(args.rate[0] if args.rate else None)
+            first = conversations(args, maker, args.rate[0] if args.rate else None)
             # Warm-up prompts come from another seed, so that they leave nothing in the prefix caches that the
             # measured requests could hit (a trace's own rows are all there is).
             warm = first if args.workload == "trace" else build(replace(workload, seed=args.seed - 1), maker,
@@ -210,7 +225,8 @@ def run(args: argparse.Namespace) -> int:
                                                         quiet=args.quiet))]
             if args.workload == "trace":
                 return [(None, await runner.open_loop(first, backend, label="trace", quiet=args.quiet))]
-            return await runner.sweep(args.rate, conversations, backend, quiet=args.quiet)
+            return await runner.sweep(args.rate, lambda rate: conversations(args, maker, rate, args.rate.index(rate)),
+                                      backend, quiet=args.quiet)
         finally:
             await backend.aclose()
 

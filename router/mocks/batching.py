@@ -7,7 +7,9 @@ Cost model (StepCosts, seconds). A step:
   1. every running decoding sequence gets one token;
   2. running sequences still prefilling, then waiting ones (admitted while the replica runs fewer than
      max_num_seqs), get prompt chunks from what max_num_batched_tokens leaves, first come first served;
-  3. lasts step_s + decode_token_s * decodes + prefill_token_s * prompt tokens computed;
+  3. lasts step_s + decode_token_s * decodes + context_token_s * the decodes' context tokens
+     + prefill_token_s * prompt tokens computed + prefill_pair_s * the (token, earlier token) pairs that the
+     chunks' attention computes (a chunk of n tokens after o computed or cached ones: n * o + n * (n + 1) / 2);
   4. at its end every decode emits its token, and a prompt whose last chunk ran emits its first token
      (BatchedDecode.generate) or answers prefill() (BatchedPrefill).
 A transferred request (BatchedDecode.reserve + decode) joins the decode batch kv_bytes_per_token * prompt tokens
@@ -17,8 +19,8 @@ its delivered tokens computed with its prompt, and emits from the token after th
 the loop's own clock: a step that ended late because the event loop was busy is made up by shorter sleeps (up to
 StepCosts.catch_up_s behind), so a replica's throughput stays the model's while many replicas share one process
 (or one process with a busy router, which a real replica's does not). Prompt tokens found in the replica's prefix
-cache when it is admitted are not computed (at least one token always is). KV capacity (beyond max_num_seqs),
-preemption and attention's dependence on context length are not modelled.
+cache when it is admitted are not computed (at least one token always is). KV capacity (beyond max_num_seqs) and
+preemption are not modelled. cluster/hardware_profile.py's Profile.step_costs gives a profiled pool's costs.
 """
 
 from __future__ import annotations
@@ -41,12 +43,16 @@ from tandem.router.mocks.replicas import _KV, _LAYOUT, BLOCK_SIZE, LEASE_S, _Moc
 class StepCosts:
     """What one engine step costs (seconds) and what it may hold. kv_bytes_per_token: one token's KV over every
     layer (K and V); transfer_bytes_per_s: the KV transport's rate between a prefill and a decode replica.
+    context_token_s / prefill_pair_s: attention's share, per context token of a decoding sequence and per
+    (token, earlier token) pair of a prompt chunk (0: a step's cost does not depend on context).
     catch_up_s: how far behind its own clock the step loop may fall and still make the time up with shorter
     sleeps (time the event loop was held beyond it is lost to the replica, as a stall)."""
 
     step_s: float = 0.0
     decode_token_s: float = 0.0
     prefill_token_s: float = 0.0
+    context_token_s: float = 0.0
+    prefill_pair_s: float = 0.0
     kv_bytes_per_token: int = 0
     transfer_bytes_per_s: float = 1.7e9
     max_num_batched_tokens: int = 2048
@@ -54,15 +60,19 @@ class StepCosts:
     catch_up_s: float = 0.05
 
     def __post_init__(self) -> None:
-        for name, low in (("step_s", 0), ("decode_token_s", 0), ("prefill_token_s", 0), ("kv_bytes_per_token", 0),
+        for name, low in (("step_s", 0), ("decode_token_s", 0), ("prefill_token_s", 0), ("context_token_s", 0),
+                          ("prefill_pair_s", 0), ("kv_bytes_per_token", 0),
                           ("transfer_bytes_per_s", 1), ("max_num_batched_tokens", 1), ("max_num_seqs", 1),
                           ("catch_up_s", 0)):
             if not getattr(self, name) >= low:
                 raise ValueError(f"StepCosts.{name} must be at least {low:g}, got {getattr(self, name)!r}")
 
-    def step_time(self, decodes: int, prefill_tokens: int) -> float:
-        """Seconds of a step with `decodes` decoding sequences and `prefill_tokens` prompt tokens computed."""
-        return self.step_s + self.decode_token_s * decodes + self.prefill_token_s * prefill_tokens
+    def step_time(self, decodes: int, prefill_tokens: int, context_tokens: int = 0,
+                  prefill_pairs: float = 0.0) -> float:
+        """Seconds of a step with `decodes` decoding sequences (context_tokens in all) and `prefill_tokens`
+        prompt tokens computed (prefill_pairs: their attention's pairs, the module docstring's item 3)."""
+        return (self.step_s + self.decode_token_s * decodes + self.context_token_s * context_tokens
+                + self.prefill_token_s * prefill_tokens + self.prefill_pair_s * prefill_pairs)
 
     def transfer_time(self, prompt_tokens: int) -> float:
         """Seconds to move a prompt's KV from a prefill to a decode replica."""
@@ -100,6 +110,15 @@ class _Seq:
             self.outputs.put_nowait(error)
         if self.done is not None and not self.done.done():
             self.done.set_exception(error)
+
+    def context(self) -> int:
+        """Tokens this sequence attends to in its next decode step."""
+        return len(self.prompt) + self.emitted
+
+    def pairs(self, n: int) -> float:
+        """Attention pairs of its next prompt chunk of n tokens (after those already computed or cached)."""
+        before = self.context() - self.to_prefill
+        return n * before + n * (n + 1) / 2
 
     def blocks(self) -> int:
         return -(-(len(self.prompt) + self.emitted) // BLOCK_SIZE)
@@ -164,7 +183,8 @@ class StepLoop:
                 end = loop.time()
                 continue
             end = max(end, loop.time() - self.costs.catch_up_s) + self.costs.step_time(
-                len(decodes), sum(n for _, n in chunks))
+                len(decodes), sum(n for _, n in chunks), sum(s.context() for s in decodes),
+                sum(s.pairs(n) for s, n in chunks))
             await asyncio.sleep(max(0.0, end - loop.time()))
             self.num_steps += 1
             for seq in decodes:

@@ -8,7 +8,8 @@ import asyncio
 
 import pytest
 
-from tandem.bench.disagg_scale import DriverBackend, _linear_fit, build_deployment, calibrate, run_feed
+from tandem.bench.disagg_scale import _linear_fit, build_deployment, calibrate
+from tandem.cluster.simulation import DriverBackend, run_feed
 from tandem.bench.loadgen.arrivals import RealClock
 from tandem.bench.loadgen.records import RequestRecord, WorkRequest
 from tandem.bench.loadgen.runner import open_loop

@@ -54,6 +54,7 @@ def _profile() -> Profile:
             "block_size": 16, "num_kv_blocks": 1000, "max_num_batched_tokens": BUDGET, "max_num_seqs": 32,
             "kv_bytes_per_token": 23040, "prefill": prefill, "decode": decode, "fit": TRUE}
     return Profile.model_validate({"machine": "test", "model": "embedded", "manifest": "m.yaml",
+                                   "manifest_yaml": "mode: colocated\n", "mode": "colocated",
                                    "created": "2026-12-03T00:00:00+00:00", "pools": {"decode": pool},
                                    "transfer": Transfer(bytes_per_s=1e9, source="given")})
 
@@ -63,12 +64,17 @@ def test_a_profile_reads_back_and_prices_the_batching_mock(tmp_path):
     write_profile(_profile(), path)
     back = read_profile(path)
     assert back == _profile()
-    costs = back.step_costs("decode", context=1000)
-    # A decode step of 8 sequences at 1000 tokens: the mock's linear price equals the profile's own line.
-    assert costs.step_time(8, 0) == pytest.approx(TRUE.decode_step(8, 1000))
+    costs = back.step_costs("decode")
+    # A decode step of 8 sequences at 1000 tokens, and a 1536-token prompt in chunks of the budget: the mock's
+    # prices equal the profile's own lines.
+    assert costs.step_time(8, 0, context_tokens=8 * 1000) == pytest.approx(TRUE.decode_step(8, 1000))
+    chunks = [(o, min(BUDGET, 1536 - o)) for o in range(0, 1536, BUDGET)]
+    assert sum(costs.step_time(0, n, prefill_pairs=n * o + n * (n + 1) / 2) for o, n in chunks) == pytest.approx(
+        TRUE.prefill(1536, 1, BUDGET))
     assert costs.transfer_time(100) == pytest.approx(100 * 23040 / 1e9)
+    assert back.step_costs("decode", max_num_seqs=8).max_num_seqs == 8
     with pytest.raises(ValueError, match="no pool 'prefill'; it has decode"):
-        back.step_costs("prefill", context=10)
+        back.step_costs("prefill")
 
 
 def test_a_bad_profile_file_is_refused_with_its_reason(tmp_path):
@@ -88,7 +94,8 @@ def test_a_bad_profile_file_is_refused_with_its_reason(tmp_path):
 def test_tandem_profile_measures_each_pool_of_the_disaggregated_manifest(tmp_path):
     """A small grid on the shipped manifest, in a process of its own (the replicas pin the process to their CPUs):
     both pools, built as `tandem up` builds them (one thread each, the prefill pool uncompiled), with every point
-    that fits measured, and fitted lines through them."""
+    that fits measured, and fitted lines through them; and the KV transfer rate, measured between two processes
+    with the manifest's transport settings (shared memory off: through UCX)."""
     out = tmp_path / "profile.json"
     proc = subprocess.run([sys.executable, "-m", "tandem.cluster.cli", "profile",
                            str(ROOT / "deploy/manifests/bench-disaggregated.yaml"), "--out", str(out),
@@ -99,7 +106,8 @@ def test_tandem_profile_measures_each_pool_of_the_disaggregated_manifest(tmp_pat
     assert "prompt(s) of 8000 tokens do not fit the pool; left out" in proc.stderr  # beyond max_model_len 4096
     profile = read_profile(out)
     assert set(profile.pools) == {"prefill", "decode"}
-    assert "assumed" in profile.transfer.source
+    assert profile.transfer.source.startswith("measured: the transport path") and profile.transfer.bytes_per_s > 0
+    assert "profile: KV transfer: " in proc.stderr
     for name, pool in profile.pools.items():
         assert pool.layout.threads == 1 and pool.layout.tp == 1 and pool.max_num_batched_tokens == 512
         assert {(p.prompt_tokens, p.prompts) for p in pool.prefill} == {(32, 1), (32, 2), (96, 1), (96, 2)}
