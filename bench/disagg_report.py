@@ -56,19 +56,10 @@ def conversations(args, maker, rate: float, duration_s: float):
 
 def run_cluster(mode: str, args, maker, slo) -> list[tuple[float, dict]]:
     """One deployment on a local Ray head this function starts and stops: a warm-up, then the sweep."""
-    import ray
-
     from tandem.bench.loadgen.backends import GrpcBackend
-    from tandem.cluster import launcher
-    from tandem.bench.manifests import manifest_to_measure
+    from tandem.bench.manifests import local_cluster, manifest_to_measure
 
-    manifest = manifest_to_measure(MODES[mode])
-    manifest = manifest.model_copy(update={"listen": manifest.listen.model_copy(update={"grpc": "127.0.0.1:0"})})
-    cluster = launcher.up(manifest, out=sys.stderr)
-    try:
-        if not cluster.started_ray:
-            raise RuntimeError("a Ray cluster was already running; stop it so that each mode gets the same cores")
-
+    with local_cluster(manifest_to_measure(MODES[mode]), "each mode gets the same cores") as cluster:
         async def sweep():
             backend = GrpcBackend(cluster.endpoint, timeout_s=600)
             try:
@@ -88,9 +79,6 @@ def run_cluster(mode: str, args, maker, slo) -> list[tuple[float, dict]]:
                 await backend.aclose()
 
         points = asyncio.run(sweep())
-    finally:
-        cluster.shutdown()
-        ray.shutdown()
     out = []
     for rate, records in points:
         summary = stats.summarize(records, slo, asked_rate=rate)

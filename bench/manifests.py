@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 from tandem.cluster.manifest_yaml import load_manifest
@@ -24,3 +26,22 @@ def measured(manifest):
         if pool is not None and pool.engine.compile == "background":
             pools[role] = pool.model_copy(update={"engine": pool.engine.model_copy(update={"compile": None})})
     return manifest.model_copy(update={"pools": manifest.pools.model_copy(update=pools)}) if pools else manifest
+
+
+@contextmanager
+def local_cluster(manifest, why: str = "each deployment gets the same cores"):
+    """The manifest as a cluster on a local Ray head started for it (gRPC on a free loopback port), stopped with
+    its head on leaving. Raises RuntimeError when a Ray cluster was already running (why: what that would spoil)."""
+    import ray
+
+    from tandem.cluster import launcher
+
+    manifest = manifest.model_copy(update={"listen": manifest.listen.model_copy(update={"grpc": "127.0.0.1:0"})})
+    cluster = launcher.up(manifest, out=sys.stderr)
+    try:
+        if not cluster.started_ray:
+            raise RuntimeError(f"a Ray cluster was already running; stop it so that {why}")
+        yield cluster
+    finally:
+        cluster.shutdown()
+        ray.shutdown()

@@ -4,10 +4,13 @@ very requests the planner simulated (`tandem bench`'s open loop over gRPC, its w
 predicted TTFT p90, ITL p99 and goodput are set beside the measured ones.
 
 Cells are `tandem plan` flag lists (the profiles and the budget are this script's flags). The default four: the
-long-prompt mix of issue 52 at 0.12 and 0.4 req/s, and short prompts (lognormal around 96 tokens, 48 out) at 2 and
-4 req/s, on the two 2-core bench profiles (deploy/profiles/cpu-2core-bench-*.json).
+long-prompt mix of issue 52 at 0.12 and 0.2 req/s, and short prompts (lognormal around 96 tokens, 48 out) at 0.3
+and 0.6 req/s (rates chosen on a 2-core AVX2 CPU from the planner's own predictions: where both modes meet the SLO
+and where they part), on the two 2-core bench profiles of this CPU kind (deploy/profiles/cpu-2core-avx512-bench-*.json where
+the CPU has AVX-512, else cpu-2core-avx2-bench-*.json).
 
-    .venv/bin/python bench/plan_check.py [--cells long-0.12,long-0.4,short-2,short-4] [--out DIR] [--quiet]
+    .venv/bin/python bench/plan_check.py [--cells long-0.12,long-0.2,short-0.3,short-0.6] [--duration S] [--out FILE]
+                                         [--quiet]
 
 A local Ray head is started and stopped for each deployment; none may be running. About 3 minutes a deployment
 (model load and compilation, 60-120 s of load). Reported per cell and deployment: predicted and measured figures
@@ -30,16 +33,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.machine import machine_line  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-PROFILES = [ROOT / "deploy/profiles/cpu-2core-bench-disaggregated.json",
-            ROOT / "deploy/profiles/cpu-2core-bench-colocated.json"]
 LONG = ["--workload", "long-mix", "--duration", "120", "--input", "lognormal:96,0.4", "--long-share", "0.15",
         "--long-input", "uniform:1024,1536", "--output", "fixed:48", "--slo", "ttft=20s,itl_p99=500ms"]
 SHORT = ["--workload", "synthetic", "--duration", "60", "--input", "lognormal:96,0.4", "--output", "fixed:48",
          "--slo", "ttft=2s,itl_p99=200ms"]
-CELLS = {"long-0.12": [*LONG, "--rate", "0.12"], "long-0.4": [*LONG, "--rate", "0.4"],
-         "short-2": [*SHORT, "--rate", "2"], "short-4": [*SHORT, "--rate", "4"]}
+CELLS = {"long-0.12": [*LONG, "--rate", "0.12"], "long-0.2": [*LONG, "--rate", "0.2"],
+         "short-0.3": [*SHORT, "--rate", "0.3"], "short-0.6": [*SHORT, "--rate", "0.6"]}
 FIGURES = {"ttft_p90_ms": ("ttft_ms", "p90"), "itl_p99_ms": ("itl_ms", "p99"), "goodput_rps": ("goodput_rps", None)}
 WITHIN = 0.25
+
+
+def default_profiles() -> list[Path]:
+    from tandem.engine.hardware.cpu_features import cpu_features
+
+    kind = "avx512" if "avx512f" in cpu_features().flags else "avx2"
+    return [ROOT / f"deploy/profiles/cpu-2core-{kind}-bench-{mode}.json" for mode in ("disaggregated", "colocated")]
 
 
 def log(message: str) -> None:
@@ -48,21 +56,12 @@ def log(message: str) -> None:
 
 def measure(text: str, sent, warm, slo, rate: float, label: str, quiet: bool) -> dict:
     """Starts the manifest (text) as a local cluster, warms it up, sends `sent`, stops it; the run's summary."""
-    import ray
-
-    from bench.manifests import measured
+    from tandem.bench.manifests import local_cluster, measured
     from tandem.bench.loadgen import runner, stats
     from tandem.bench.loadgen.backends import GrpcBackend
-    from tandem.cluster import launcher
     from tandem.cluster.manifest_yaml import parse_manifest
 
-    manifest = measured(parse_manifest(text, label))
-    manifest = manifest.model_copy(update={"listen": manifest.listen.model_copy(update={"grpc": "127.0.0.1:0"})})
-    cluster = launcher.up(manifest, out=sys.stderr)
-    try:
-        if not cluster.started_ray:
-            raise RuntimeError("a Ray cluster was already running; stop it so that each deployment gets the cores")
-
+    with local_cluster(measured(parse_manifest(text, label))) as cluster:
         async def load():
             backend = GrpcBackend(cluster.endpoint, timeout_s=600)
             try:
@@ -72,9 +71,6 @@ def measure(text: str, sent, warm, slo, rate: float, label: str, quiet: bool) ->
                 await backend.aclose()
 
         records = asyncio.run(load())
-    finally:
-        cluster.shutdown()
-        ray.shutdown()
     return stats.summarize(records, slo, asked_rate=rate)
 
 
@@ -98,8 +94,9 @@ def check_cell(name: str, flags: list[str], args) -> dict:
     from tandem.cluster.planner import Planner, manifest_text
     from tandem.engine.loader.model_info import load_model_info
 
+    duration = ["--duration", str(args.duration)] if args.duration else []
     plan_args = build_parser().parse_args(["plan", *[f for p in args.profiles for f in ("--profile", str(p))],
-                                           *flags])
+                                           *flags, *duration])
     slo = stats.parse_slo(plan_args.slo)
     info = load_model_info(None)
     maker = PromptMaker(info.tokenizer, info.config.vocab_size)
@@ -128,14 +125,17 @@ def check_cell(name: str, flags: list[str], args) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--cells", default=",".join(CELLS), help=f"comma-separated, of {', '.join(CELLS)}")
-    p.add_argument("--profiles", nargs="+", default=PROFILES)
+    p.add_argument("--profiles", nargs="+", default=None, help="default: the bench profiles of this CPU kind")
     p.add_argument("--budget", type=int, default=2, help="cores (default 2)")
+    p.add_argument("--duration", type=float, default=None, help="seconds of arrivals in every cell (default: the "
+                                                                "cell's, 60 or 120)")
     p.add_argument("--out", type=Path, default=None, help="also write the JSON there")
     p.add_argument("--quiet", action="store_true")
     args = p.parse_args()
     unknown = [c for c in args.cells.split(",") if c not in CELLS]
     if unknown:
         p.error(f"unknown cell {unknown[0]!r}; cells: {', '.join(CELLS)}")
+    args.profiles = args.profiles or default_profiles()
     started = time.perf_counter()
     cells = [check_cell(c, CELLS[c], args) for c in args.cells.split(",")]
     figures = [v for cell in cells for row in cell["rows"] for v in row["compared"].values()]

@@ -1,8 +1,8 @@
 """`tandem plan`: flags, the planner's search (cluster/planner.py) with progress on stderr, a table of what it
 predicted, the best deployment written as a manifest (--out), and every prediction as stdout's last line (JSON).
 
-    tandem plan --profile deploy/profiles/cpu-2core-bench-disaggregated.json \\
-        --profile deploy/profiles/cpu-2core-bench-colocated.json --workload long-mix --rate 0.12 --duration 120 \\
+    tandem plan --profile deploy/profiles/cpu-2core-avx2-bench-disaggregated.json \\
+        --profile deploy/profiles/cpu-2core-avx2-bench-colocated.json --workload long-mix --rate 0.12 --duration 120 \\
         --input lognormal:96,0.4 --long-share 0.15 --long-input uniform:1024,1536 --output fixed:48 \\
         --slo ttft=20s,itl_p99=500ms --out planned.yaml
 """

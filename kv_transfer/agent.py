@@ -82,6 +82,7 @@ from tandem.kv_transfer.transport import Transport
 from tandem.kv_transfer.wire import Kind, MessageKey, transfer_key
 
 _log = logging.getLogger(__name__)
+FIRST_WAIT_S = 0.0002  # the pump's wait after a turn that moved something, while a transfer is open
 
 
 @dataclass(frozen=True)
@@ -297,6 +298,7 @@ class KVTransferAgent:
         except Exception as e:  # such receives then fail (and are dropped) instead of the pump
             _log.warning("rank %d: could not make %s current on the transfer thread: %s", self.rank,
                          self.copier.device, e)
+        wait = FIRST_WAIT_S
         while not self._stop.is_set():
             try:
                 busy = self._turn()
@@ -308,8 +310,13 @@ class KVTransferAgent:
                 _log.exception("rank %d: transfer agent error", self.rank)
                 self._fail_everything(f"transfer agent error: {type(e).__name__}: {e}")
                 busy = active = False
+            # While a transfer is open, nothing moving makes the pump wait twice as long before its next turn, up
+            # to idle_poll_s: a prefill of a long prompt keeps its transfer open for seconds, and turns every
+            # 0.2 ms would take the cores that the prefill and decode steps run on.
+            wait = FIRST_WAIT_S if busy else min(2 * wait, self.config.idle_poll_s) if active else \
+                self.config.idle_poll_s
             if not busy:
-                time.sleep(0.0002 if active else self.config.idle_poll_s)
+                time.sleep(wait)
 
     def _turn(self) -> bool:
         """One pump turn: posts receives for what arrived, checks the finished ones outside the lock (MACs),

@@ -54,6 +54,7 @@ CLUSTERS = {
     "kv_tiers": (["--sessions", "1", "--turns", "1", "--input", "fixed:32", "--output", "fixed:2"],
                  ["results", "ratios"]),
     "tenant_cluster": (["--duration", "5", "--out", "{tmp}"], ["fcfs"]),
+    "plan_check": (["--cells", "short-0.3", "--duration", "4", "--quiet"], ["cells", "within_25", "choice_best"]),
     "disagg_report": (["--rates", "0.5", "--duration", "5", "--scale", "8", "--scale-duration", "2", "--out",
                        "{tmp}"], ["rates"]),
     "cluster_serving:parallel,streams,traced": (["--requests", "1", "--tokens", "2", "--profile-tokens", "4",

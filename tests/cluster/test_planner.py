@@ -59,7 +59,7 @@ def test_shapes_that_cannot_run_are_refused():
 
 def _profile(mode: str, *, prefill_token_s: float, threads: dict[str, int]) -> Profile:
     """A profile made up for the planner: decode steps of 20 ms + 1 ms a sequence, prompts at prefill_token_s."""
-    shipped = read_profile(PROFILES / f"cpu-2core-bench-{mode}.json")
+    shipped = read_profile(PROFILES / f"cpu-2core-avx512-bench-{mode}.json")
     pools = {}
     for name, pool in shipped.pools.items():
         fit = pool.fit.model_copy(update={"step_s": 0.02, "decode_token_s": 0.001, "context_token_s": 0.0,
@@ -127,7 +127,7 @@ def test_the_planned_manifest_is_valid_and_says_what_was_predicted():
 
 
 def test_bad_input_is_refused_with_its_reason():
-    disaggregated = read_profile(PROFILES / "cpu-2core-bench-disaggregated.json")
+    disaggregated = read_profile(PROFILES / "cpu-2core-avx512-bench-disaggregated.json")
     gpu = disaggregated.model_copy(update={"pools": {
         name: pool.model_copy(update={"layout": pool.layout.model_copy(update={"device": "cuda"})})
         for name, pool in disaggregated.pools.items()}})
@@ -152,8 +152,8 @@ def _tandem(*args: str) -> subprocess.CompletedProcess:
 
 def test_the_command_plans_the_shipped_profiles_and_writes_the_best(tmp_path):
     out = tmp_path / "planned.yaml"
-    done = _tandem("plan", "--profile", str(PROFILES / "cpu-2core-bench-disaggregated.json"), "--profile",
-                   str(PROFILES / "cpu-2core-bench-colocated.json"), "--workload", "long-mix", "--rate", "0.3",
+    done = _tandem("plan", "--profile", str(PROFILES / "cpu-2core-avx512-bench-disaggregated.json"), "--profile",
+                   str(PROFILES / "cpu-2core-avx512-bench-colocated.json"), "--workload", "long-mix", "--rate", "0.3",
                    "--num-requests", "12", "--input", "lognormal:96,0.4", "--long-share", "0.25", "--long-input",
                    "uniform:1024,1536", "--output", "fixed:16", "--slo", "ttft=20s,itl_p99=500ms", "--out", str(out))
     assert done.returncode == 0, done.stderr
@@ -166,6 +166,6 @@ def test_the_command_plans_the_shipped_profiles_and_writes_the_best(tmp_path):
     assert "# predicted (ttft <= 20000 ms, itl_p99 <= 500 ms)" in text and "# runner-up 1:" in text
     assert yaml.safe_load(text)["mode"] == result["best"]["mode"]
     assert "best first" in done.stderr
-    refused = _tandem("plan", "--profile", str(PROFILES / "cpu-2core-bench-colocated.json"), "--workload",
+    refused = _tandem("plan", "--profile", str(PROFILES / "cpu-2core-avx512-bench-colocated.json"), "--workload",
                       "long-mix", "--duration", "10")
     assert refused.returncode == 2 and "--rate R" in refused.stderr
