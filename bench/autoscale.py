@@ -24,14 +24,12 @@ import argparse
 import asyncio
 import itertools
 import json
-import math
 import random
 import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
 
-from tandem.bench.loadgen.arrivals import RealClock
 from tandem.bench.loadgen.records import Clock, RequestRecord, WorkRequest
 from tandem.bench.loadgen.runner import open_loop
 from tandem.bench.loadgen.stats import SLO as RequestSLO
