@@ -118,8 +118,9 @@ def test_colocated_mode_serves_through_the_same_router(embedded, tmp_path):
         assert all(reply.json()["usage"]["completion_tokens"] == BURST_TOKENS for reply in admitted)
         wait_idle(cluster)
         check_integrity(cluster)
-        # the streams went over the replica's token channel (a batch carries every output since the last one)
-        assert cluster.status()["replicas"][0]["stream_frames"] >= len(results)
+        # the streams went over the replica's token channel (a batch carries every output since the last one):
+        # at least one frame for each admitted request (refused ones open no stream; a slow machine refuses more)
+        assert cluster.status()["replicas"][0]["stream_frames"] >= len(admitted)
 
 
 def test_moe_manifest_with_expert_and_pipeline_parallel_decode(tmp_path):
