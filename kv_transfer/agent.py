@@ -313,9 +313,10 @@ class KVTransferAgent:
             # While a transfer is open, nothing moving makes the pump wait twice as long before its next turn, up
             # to idle_poll_s: a prefill of a long prompt keeps its transfer open for seconds, and turns every
             # 0.2 ms would take the cores that the prefill and decode steps run on.
-            wait = FIRST_WAIT_S if busy else min(2 * wait, self.config.idle_poll_s) if active else \
-                self.config.idle_poll_s
-            if not busy:
+            if busy:
+                wait = FIRST_WAIT_S
+            else:
+                wait = min(2 * wait, self.config.idle_poll_s) if active else self.config.idle_poll_s
                 time.sleep(wait)
 
     def _turn(self) -> bool:
